@@ -1,0 +1,294 @@
+"""The job/result contract: the ONE module producer and worker both import.
+
+Everything that crosses Redis is one of these pydantic models serialised as JSON, so the
+producer (no torch, no lmdeploy) and the worker agree on the wire format by construction.
+Bump ``FORMAT_VERSION`` on any incompatible change; readers reject versions they don't know.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "FORMAT_VERSION",
+    "JOB_FUNCTION",
+    "BatchStatus",
+    "Batch",
+    "ChatMessage",
+    "Endpoint",
+    "ErrorInfo",
+    "FinishReason",
+    "GenerationParams",
+    "JobPayload",
+    "Priority",
+    "Request",
+    "RequestCounts",
+    "Result",
+    "ResultStatus",
+    "Timings",
+]
+
+FORMAT_VERSION: Literal[1] = 1
+"""Wire format version carried by every job payload, batch and result."""
+
+JOB_FUNCTION = "lmdq.jobs.generate"
+"""The only RQ function name a worker runs; anything else on a queue is refused, never imported."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Priority(str, Enum):
+    """Queue priority; workers drain high before normal before low."""
+
+    high = "high"
+    normal = "normal"
+    low = "low"
+
+
+class Endpoint(str, Enum):
+    """How a prompt is fed to the model: chat goes through the chat template, completion is raw."""
+
+    chat = "chat"
+    completion = "completion"
+
+
+class FinishReason(str, Enum):
+    """Why generation stopped; the same values as LMDeploy's ``Response.finish_reason``."""
+
+    stop = "stop"
+    length = "length"
+    error = "error"
+    abort = "abort"
+
+
+class ResultStatus(str, Enum):
+    """Final state of one request; ``in_progress`` only ever appears on partial records."""
+
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+    expired = "expired"
+    in_progress = "in_progress"
+
+
+class BatchStatus(str, Enum):
+    """Batch lifecycle, modelled on OpenAI batches."""
+
+    validating = "validating"
+    queued = "queued"
+    in_progress = "in_progress"
+    completed = "completed"
+    failed = "failed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+    expired = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (BatchStatus.completed, BatchStatus.failed, BatchStatus.cancelled, BatchStatus.expired)
+
+
+class GenerationParams(_Strict):
+    """Sampling/stopping parameters, mirroring LMDeploy's ``GenerationConfig`` field for field.
+
+    Every field is optional so that per-request params can be layered over batch defaults with
+    :meth:`merged`; engines read the effective values through :meth:`resolved`.
+    """
+
+    max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    min_new_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    do_sample: bool | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=100_000)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    random_seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    stop_words: list[Annotated[str, Field(min_length=1, max_length=1000)]] | None = Field(default=None, max_length=64)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> GenerationParams:
+        if self.min_new_tokens is not None and self.max_new_tokens is not None:
+            if self.min_new_tokens > self.max_new_tokens:
+                raise ValueError("min_new_tokens must be <= max_new_tokens")
+        return self
+
+    def merged(self, override: GenerationParams | None) -> GenerationParams:
+        """Return these params with every field set in ``override`` taking precedence."""
+        if override is None:
+            return self
+        data = self.model_dump(exclude_none=True)
+        data.update(override.model_dump(exclude_none=True))
+        return GenerationParams.model_validate(data)
+
+    def resolved(self) -> dict[str, Any]:
+        """Effective values with LMDeploy's defaults filled in (what every engine must honour)."""
+        out: dict[str, Any] = {
+            "max_new_tokens": 512,
+            "min_new_tokens": None,
+            "do_sample": False,
+            "temperature": 0.8,
+            "top_p": 1.0,
+            "top_k": 50,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "random_seed": None,
+            "stop_words": None,
+            "stop_token_ids": None,
+            "ignore_eos": False,
+            "skip_special_tokens": True,
+            "logprobs": None,
+        }
+        out.update(self.model_dump(exclude_none=True))
+        return out
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI chat message; content may be a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """Flatten content parts to text: lmdq serves text-only models."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class Request(_Strict):
+    """One prompt of a batch, as carried inside a job payload."""
+
+    index: Annotated[int, Field(ge=0)]
+    custom_id: Annotated[str, Field(min_length=1, max_length=512)]
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=10_000)
+    endpoint: Endpoint = Endpoint.chat
+    params: GenerationParams | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Request:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of 'prompt' or 'messages' is required")
+        if self.messages is not None:
+            for m in self.messages:
+                m.text()  # raises on non-text parts
+        if self.endpoint is Endpoint.completion and self.prompt is None:
+            raise ValueError("completion requests need 'prompt'")
+        return self
+
+
+class JobPayload(_Strict):
+    """The single argument of an lmdq RQ job: a slice of one batch."""
+
+    format_version: Literal[1] = FORMAT_VERSION
+    batch_id: str
+    model: str
+    job_no: Annotated[int, Field(ge=0)]
+    params: GenerationParams = Field(default_factory=GenerationParams)
+    requests: list[Request] = Field(min_length=1)
+
+
+class ErrorInfo(_Strict):
+    code: str
+    message: str
+
+
+class Timings(_Strict):
+    """Unix timestamps (seconds, float) of one request's life."""
+
+    enqueued_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+class Result(_Strict):
+    """One request's outcome; exactly one final Result per accepted request."""
+
+    format_version: Literal[1] = FORMAT_VERSION
+    batch_id: str
+    custom_id: str
+    index: int
+    status: ResultStatus
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    input_token_len: int = 0
+    generate_token_len: int = 0
+    error: ErrorInfo | None = None
+    model: str
+    backend: str | None = None
+    worker: str | None = None
+    attempt: int = 1
+    endpoint: Endpoint = Endpoint.chat
+    timings: Timings = Field(default_factory=Timings)
+
+    @property
+    def final(self) -> bool:
+        return self.status is not ResultStatus.in_progress
+
+
+class RequestCounts(_Strict):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed + self.cancelled + self.expired
+
+
+class Batch(_Strict):
+    """One submission: what the producer accepted, plus live status and counts."""
+
+    format_version: Literal[1] = FORMAT_VERSION
+    id: str
+    model: str
+    status: BatchStatus
+    input_file: str | None = None
+    priority: Priority = Priority.normal
+    batch_size: int
+    num_jobs: int = 0
+    params: GenerationParams = Field(default_factory=GenerationParams)
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    idempotency_key: str | None = None
+    completion_window_s: float | None = None
+    created_at: float
+    in_progress_at: float | None = None
+    finalizing_at: float | None = None
+    completed_at: float | None = None
+    cancelling_at: float | None = None
+    cancelled_at: float | None = None
+    expires_at: float | None = None
+    expired_at: float | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_metadata(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 16:
+            raise ValueError("at most 16 metadata keys")
+        for k, val in v.items():
+            if len(k) > 64 or len(val) > 512:
+                raise ValueError("metadata keys are <= 64 chars and values <= 512 chars")
+        return v
