@@ -1,0 +1,33 @@
+"""lmdq's boundary errors: each names the bad input and what was expected."""
+
+from __future__ import annotations
+
+__all__ = ["LmdqError", "BatchNotFound", "RedisUnavailable", "SubmitRejected", "UnknownModel"]
+
+
+class LmdqError(Exception):
+    """Base class; CLIs print ``str(err)`` on one line and exit non-zero."""
+
+    exit_code = 1
+
+
+class BatchNotFound(LmdqError):
+    def __init__(self, batch_id: str) -> None:
+        super().__init__(f"no such batch: {batch_id!r} (see `lmdq-producer list`)")
+        self.batch_id = batch_id
+
+
+class UnknownModel(LmdqError):
+    exit_code = 2
+
+
+class SubmitRejected(LmdqError):
+    """The input file was not accepted; nothing was enqueued."""
+
+    exit_code = 2
+
+
+class RedisUnavailable(LmdqError):
+    """Redis could not be reached or refused our credentials."""
+
+    exit_code = 3

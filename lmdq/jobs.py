@@ -1,0 +1,299 @@
+"""lmdq jobs on RQ: staging and atomic commit (producer), claim / lease / reap (worker).
+
+RQ owns the job hashes, queues and registries, so ``rq info`` and rq-dashboard see lmdq's work.
+lmdq owns delivery: RQ's SimpleWorker sends no heartbeat while a job runs and would fail or
+re-queue long jobs on its own clock, so a worker here claims a job with a Lua script that pops it
+from the highest-priority non-empty queue AND records a lease in the same step (nothing is lost
+between the two), refreshes the lease while it works, and any worker re-queues leases that
+expired (the holder died). Results are exactly-once in the store (see :mod:`lmdq.store`), so
+re-running part of a job is safe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from lmdq.contract import JOB_FUNCTION, JobPayload
+from lmdq.keys import Keys, rq_queue_key
+
+__all__ = ["Claim", "JobQueue", "generate", "job_id_for"]
+
+SERIALIZER = JSONSerializer()
+
+# KEYS: batch jobs list, rq queue list, rq queues set.  ARGV: queue key (for rq:queues), chunk
+_COMMIT = """
+local n = redis.call('LLEN', KEYS[1])
+local chunk = tonumber(ARGV[2])
+for s = 0, n - 1, chunk do
+  local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
+  redis.call('RPUSH', KEYS[2], unpack(ids))
+end
+redis.call('SADD', KEYS[3], ARGV[1])
+return n
+"""
+
+# KEYS: leases, owners, attempts, inflight list, queue1..n.  ARGV: now, ttl, worker
+_CLAIM = """
+for i = 5, #KEYS do
+  local id = redis.call('LPOP', KEYS[i])
+  if id then
+    redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[2]), id)
+    redis.call('HSET', KEYS[2], id, ARGV[3] .. '\\t' .. KEYS[i] .. '\\t' .. KEYS[4])
+    local n = redis.call('HINCRBY', KEYS[3], id, 1)
+    redis.call('RPUSH', KEYS[4], id)
+    return {id, KEYS[i], n}
+  end
+end
+return false
+"""
+
+# KEYS: leases, owners.  ARGV: now, ttl, worker, ids...
+_HEARTBEAT = """
+local lost = {}
+for i = 4, #ARGV do
+  local o = redis.call('HGET', KEYS[2], ARGV[i])
+  if o and string.sub(o, 1, string.len(ARGV[3]) + 1) == ARGV[3] .. '\\t' then
+    redis.call('ZADD', KEYS[1], 'XX', tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[i])
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+# KEYS: leases, owners.  ARGV: job id, worker, mode ('done' | 'requeue')
+_RELEASE = """
+local o = redis.call('HGET', KEYS[2], ARGV[1])
+if not o then return 0 end
+local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
+if w ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('LREM', inflight, 1, ARGV[1])
+if ARGV[3] == 'requeue' then redis.call('LPUSH', q, ARGV[1]) end
+return 1
+"""
+
+# KEYS: leases, owners.  ARGV: now, limit
+_REAP = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+local out = {}
+for _, id in ipairs(ids) do
+  local o = redis.call('HGET', KEYS[2], id)
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
+  if o then
+    local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
+    redis.call('LREM', inflight, 1, id)
+    redis.call('LPUSH', q, id)
+    table.insert(out, id)
+    table.insert(out, w)
+  end
+end
+return out
+"""
+
+
+def generate(payload: dict[str, Any]) -> None:
+    """The RQ function name every lmdq job carries (``lmdq.jobs.generate``).
+
+    lmdq workers never import or call it: they check the name and run the payload on their
+    engine. It exists so a stock ``rq worker`` pointed at an lmdq queue fails loudly.
+    """
+    raise RuntimeError("lmdq jobs must be run by lmdq-worker, which holds the model; not by `rq worker`")
+
+
+def job_id_for(batch_id: str, job_no: int) -> str:
+    return f"{batch_id}-{job_no:06d}"
+
+
+@dataclass
+class Claim:
+    """A job this worker holds a lease on."""
+
+    job_id: str
+    queue_key: str
+    attempt: int
+    job: Job | None = None
+    execution: Execution | None = None
+
+
+class JobQueue:
+    """Queue operations on a Redis client (passed in; no module-level connections)."""
+
+    def __init__(self, client: redis.Redis, *, keys: Keys | None = None, job_ttl_s: int = 7 * 24 * 3600) -> None:
+        self.client = client
+        self.keys = keys or Keys()
+        self.job_ttl_s = job_ttl_s
+        self._commit = client.register_script(_COMMIT)
+        self._claim = client.register_script(_CLAIM)
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._release = client.register_script(_RELEASE)
+        self._reap = client.register_script(_REAP)
+
+    # ---- producer side -----------------------------------------------------------------
+    def stage(self, payload: dict[str, Any], *, queue: str, job_no: int, pipe: Any) -> str:
+        """Save one job hash (status queued) without making it visible on the queue yet."""
+        job_id = job_id_for(payload["batch_id"], job_no)
+        job = Job.create(
+            JOB_FUNCTION,
+            args=[payload],
+            connection=self.client,
+            id=job_id,
+            origin=queue,
+            status=JobStatus.QUEUED,
+            serializer=SERIALIZER,
+            timeout=-1,  # lmdq's lease, not RQ's alarm, bounds a job
+            result_ttl=self.job_ttl_s,
+            failure_ttl=self.job_ttl_s,
+            ttl=None,
+            description=f"lmdq batch {payload['batch_id']} job {job_no}",
+        )
+        job.enqueued_at = _utcnow()
+        job.save(pipeline=pipe)
+        pipe.expire(job.key, self.job_ttl_s)
+        pipe.rpush(self.keys.batch_jobs(payload["batch_id"]), job_id)
+        return job_id
+
+    def commit(self, batch_id: str, queue: str) -> int:
+        """Make every staged job of the batch visible on ``queue`` in one atomic step."""
+        qkey = rq_queue_key(queue)
+        n = self._commit(keys=[self.keys.batch_jobs(batch_id), qkey, "rq:queues"], args=[qkey, 4000])
+        self.client.expire(self.keys.batch_jobs(batch_id), self.job_ttl_s)
+        return int(n)
+
+    def discard_staged(self, batch_id: str) -> None:
+        """Delete the job hashes of a batch that was never committed."""
+        ids = self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)
+        with self.client.pipeline(transaction=False) as p:
+            for jid in ids:
+                p.delete(f"rq:job:{jid.decode()}")
+            p.delete(self.keys.batch_jobs(batch_id))
+            p.execute()
+
+    # ---- worker side -------------------------------------------------------------------
+    def claim(self, queues: Sequence[str], *, model: str, worker: str, lease_s: float) -> Claim | None:
+        """Pop the next job from the first non-empty queue and lease it to ``worker``, atomically."""
+        k = self.keys
+        res = self._claim(
+            keys=[k.leases(), k.lease_owner(), k.attempts(), k.inflight(model), *(rq_queue_key(q) for q in queues)],
+            args=[time.time(), lease_s, worker],
+        )
+        if not res:
+            return None
+        job_id, qkey, attempt = res[0].decode(), res[1].decode(), int(res[2])
+        return Claim(job_id=job_id, queue_key=qkey, attempt=attempt)
+
+    def fetch_job(self, job_id: str) -> Job:
+        return Job.fetch(job_id, connection=self.client, serializer=SERIALIZER)
+
+    @staticmethod
+    def payload_of(job: Job) -> JobPayload:
+        """Decode a job's single argument; raises ValueError for anything not an lmdq payload."""
+        if job.func_name != JOB_FUNCTION:
+            raise ValueError(f"refusing job {job.id}: function {job.func_name!r} is not {JOB_FUNCTION!r}")
+        if len(job.args) != 1 or job.kwargs:
+            raise ValueError(f"refusing job {job.id}: expected one payload argument")
+        return JobPayload.model_validate(job.args[0])
+
+    def mark_started(self, claim: Claim, worker: str, ttl_s: int) -> None:
+        """Reflect the claim in RQ's own records (status, StartedJobRegistry) for rq info/dashboard."""
+        if claim.job is None:
+            return
+        with self.client.pipeline() as p:
+            claim.job.prepare_for_execution(worker, p)
+            claim.execution = Execution.create(claim.job, ttl_s, p, worker_name=worker)
+            p.execute()
+
+    def heartbeat(self, claims: Iterable[Claim], *, worker: str, lease_s: float) -> list[str]:
+        """Extend leases this worker still owns; returns job ids it has lost (reaped)."""
+        cl = list(claims)
+        if not cl:
+            return []
+        lost = self._heartbeat(
+            keys=[self.keys.leases(), self.keys.lease_owner()],
+            args=[time.time(), lease_s, worker, *(c.job_id for c in cl)],
+        )
+        with self.client.pipeline() as p:
+            for c in cl:
+                if c.execution is not None and c.job is not None:
+                    c.execution.heartbeat(c.job.started_job_registry, int(lease_s) + 60, p)
+            p.execute()
+        return [x.decode() for x in lost]
+
+    def finish(self, claim: Claim, *, worker: str, failed: str | None = None) -> bool:
+        """Release the lease of a job whose requests all have final results."""
+        owned = bool(
+            self._release(keys=[self.keys.leases(), self.keys.lease_owner()], args=[claim.job_id, worker, "done"])
+        )
+        job = claim.job
+        if job is not None and owned:
+            with self.client.pipeline() as p:
+                if claim.execution is not None:
+                    claim.execution.delete(job, p)
+                if failed:
+                    job.set_status(JobStatus.FAILED, pipeline=p)
+                    FailedJobRegistry(job.origin, connection=self.client, serializer=SERIALIZER).add(
+                        job, ttl=self.job_ttl_s, exc_string=failed, pipeline=p
+                    )
+                else:
+                    job.set_status(JobStatus.FINISHED, pipeline=p)
+                    FinishedJobRegistry(job.origin, connection=self.client, serializer=SERIALIZER).add(
+                        job, self.job_ttl_s, p
+                    )
+                p.hset(job.key, "ended_at", _utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+                p.execute()
+        return owned
+
+    def requeue(self, claim: Claim, *, worker: str) -> bool:
+        """Give a held job back to the front of its queue (drain, engine error)."""
+        owned = bool(
+            self._release(keys=[self.keys.leases(), self.keys.lease_owner()], args=[claim.job_id, worker, "requeue"])
+        )
+        if owned and claim.job is not None:
+            self._reset_rq_state([claim.job_id])
+        return owned
+
+    def reap(self, *, limit: int = 200) -> list[tuple[str, str]]:
+        """Re-queue jobs whose lease expired (their worker died). Returns (job_id, dead worker)."""
+        raw = self._reap(keys=[self.keys.leases(), self.keys.lease_owner()], args=[time.time(), limit])
+        pairs = [(raw[i].decode(), raw[i + 1].decode()) for i in range(0, len(raw), 2)]
+        if pairs:
+            self._reset_rq_state([j for j, _ in pairs])
+        return pairs
+
+    def _reset_rq_state(self, job_ids: list[str]) -> None:
+        """Put RQ's view back to 'queued' and drop stale StartedJobRegistry entries."""
+        for jid in job_ids:
+            try:
+                job = self.fetch_job(jid)
+            except Exception:  # noqa: BLE001 - a missing/foreign job hash is not ours to fix
+                continue
+            with self.client.pipeline() as p:
+                job.set_status(JobStatus.QUEUED, pipeline=p)
+                StartedJobRegistry(job.origin, connection=self.client).remove_executions(job, pipeline=p)
+                p.execute()
+
+    def attempts(self, job_id: str) -> int:
+        return int(self.client.hget(self.keys.attempts(), job_id) or 0)
+
+    def queue_depth(self, queues: Sequence[str]) -> int:
+        with self.client.pipeline(transaction=False) as p:
+            for q in queues:
+                p.llen(rq_queue_key(q))
+            return int(sum(p.execute()))
+
+
+def _utcnow() -> Any:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc)

@@ -1,0 +1,102 @@
+"""Every Redis key lmdq uses is built here, so the layout is visible (and greppable) in one place.
+
+RQ owns ``rq:*`` (queues, job hashes, registries): lmdq's queues are ordinary RQ queues named
+``lmdq:<model>:<priority>``, so ``rq info`` and rq-dashboard show them. lmdq's own state
+(batches, results, leases) lives under ``LMDQ_KEY_PREFIX`` (default ``lmdq``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from lmdq.contract import Priority
+
+__all__ = ["Keys", "model_slug", "queue_name", "queue_names", "rq_queue_key"]
+
+_SLUG_BAD = re.compile(r"[^A-Za-z0-9._-]")
+
+PRIORITY_ORDER = (Priority.high, Priority.normal, Priority.low)
+
+
+def model_slug(model: str) -> str:
+    """A key-safe form of a model name ('HuggingFaceTB/SmolLM2' -> 'HuggingFaceTB_SmolLM2')."""
+    return _SLUG_BAD.sub("_", model)
+
+
+def queue_name(model: str, priority: Priority | str = Priority.normal, prefix: str = "lmdq") -> str:
+    """RQ queue name for one model and priority."""
+    return f"{prefix}:{model_slug(model)}:{Priority(priority).value}"
+
+
+def queue_names(model: str, prefix: str = "lmdq") -> list[str]:
+    """The model's queues in the order workers drain them."""
+    return [queue_name(model, p, prefix) for p in PRIORITY_ORDER]
+
+
+def rq_queue_key(name: str) -> str:
+    """The Redis list RQ keeps a queue in (what KEDA's redis scaler counts)."""
+    return f"rq:queue:{name}"
+
+
+class Keys:
+    """lmdq's own keys under one prefix."""
+
+    def __init__(self, prefix: str = "lmdq") -> None:
+        self.prefix = prefix
+
+    # batches
+    def batch(self, batch_id: str) -> str:
+        """Hash: 'meta' (Batch JSON) plus live fields (status, counters, timestamps)."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def results(self, batch_id: str) -> str:
+        """Hash: request index -> final Result JSON (written once, HSETNX)."""
+        return f"{self.prefix}:batch:{batch_id}:results"
+
+    def partials(self, batch_id: str) -> str:
+        """Hash: request index -> in-progress Result JSON, deleted when the final one lands."""
+        return f"{self.prefix}:batch:{batch_id}:partials"
+
+    def batch_jobs(self, batch_id: str) -> str:
+        """List of the batch's RQ job ids in job order."""
+        return f"{self.prefix}:batch:{batch_id}:jobs"
+
+    def batches(self) -> str:
+        """Sorted set of batch ids by creation time (for ``list``)."""
+        return f"{self.prefix}:batches"
+
+    def idempotency(self, key: str) -> str:
+        return f"{self.prefix}:idem:{key}"
+
+    def cancelled(self) -> str:
+        """Set of batch ids being cancelled; workers poll it to abort in-flight requests."""
+        return f"{self.prefix}:cancelled"
+
+    # workers and leases
+    def leases(self) -> str:
+        """Sorted set job_id -> lease expiry (unix s); expired leases are re-queued by any worker."""
+        return f"{self.prefix}:leases"
+
+    def lease_owner(self) -> str:
+        """Hash job_id -> worker name holding the lease."""
+        return f"{self.prefix}:lease-owner"
+
+    def attempts(self) -> str:
+        """Hash job_id -> number of times a worker has claimed the job."""
+        return f"{self.prefix}:attempts"
+
+    def inflight(self, model: str) -> str:
+        """List of job ids claimed by workers of ``model``: KEDA adds it to queue depth so a busy
+        worker is not scaled away."""
+        return f"{self.prefix}:inflight:{model_slug(model)}"
+
+    def worker(self, name: str) -> str:
+        """Worker heartbeat hash with a TTL."""
+        return f"{self.prefix}:worker:{name}"
+
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def models(self) -> str:
+        """Hash served model name -> last-seen timestamp: models a worker has ever served."""
+        return f"{self.prefix}:models"

@@ -1,0 +1,27 @@
+"""Settings shared by both sides (pydantic-settings, ``LMDQ_`` env prefix; CLI flags override)."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["CommonSettings", "DEFAULT_REDIS_URL"]
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+class CommonSettings(BaseSettings):
+    """What producer and worker both need: where Redis is and how lmdq keys live in it."""
+
+    model_config = SettingsConfigDict(env_prefix="LMDQ_", extra="ignore")
+
+    redis_url: str = Field(
+        default_factory=lambda: os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+        validation_alias=AliasChoices("LMDQ_REDIS_URL", "redis_url"),
+    )
+    key_prefix: str = "lmdq"
+    result_ttl_s: int = Field(default=7 * 24 * 3600, ge=60, description="how long batches and results are kept")
+    log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
+    log_level: str = "INFO"

@@ -1,0 +1,228 @@
+"""The results store: batches, per-request results and partials in Redis.
+
+Exactly-once results come from one rule: a final result is written with HSETNX on its request
+index, in the same Lua script that bumps the batch counters. A duplicate (a re-run after a
+worker was presumed dead, a late write from that worker) is a no-op, so counts never drift and
+output never duplicates, however often a request executes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import redis
+
+from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
+from lmdq.errors import BatchNotFound
+from lmdq.keys import Keys
+
+__all__ = ["ResultStore"]
+
+_COUNT_FIELDS = ("completed", "failed", "cancelled", "expired")
+_TIME_FIELDS = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "cancelling_at",
+    "cancelled_at",
+    "expired_at",
+    "expires_at",
+)
+
+# KEYS: results, batch, partials. ARGV: index, json, counter field, now, ttl
+_WRITE_RESULT = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+local b = redis.call('HMGET', KEYS[2], 'total', 'completed', 'failed', 'cancelled', 'expired', 'status')
+local done = 0
+for i = 2, 5 do done = done + tonumber(b[i] or '0') end
+if b[1] and done >= tonumber(b[1]) then
+  local st = b[6]
+  local final = 'completed'
+  if st == 'cancelling' or st == 'cancelled' then final = 'cancelled'
+  elseif tonumber(b[5] or '0') > 0 then final = 'expired' end
+  redis.call('HSET', KEYS[2], 'status', final, final .. '_at', ARGV[4])
+end
+return 1
+"""
+
+# KEYS: results, partials. ARGV: index, json, ttl
+_WRITE_PARTIAL = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+return 1
+"""
+
+# KEYS: batch. ARGV: from-status list (comma separated), to-status, timestamp field, now
+_TRANSITION = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return nil end
+for s in string.gmatch(ARGV[1], '[^,]+') do
+  if s == st then
+    redis.call('HSET', KEYS[1], 'status', ARGV[2])
+    if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
+    return ARGV[2]
+  end
+end
+return st
+"""
+
+_STATUS_COUNTER = {
+    ResultStatus.completed: "completed",
+    ResultStatus.failed: "failed",
+    ResultStatus.cancelled: "cancelled",
+    ResultStatus.expired: "expired",
+}
+
+
+class ResultStore:
+    """Batches and their results. All methods are safe to call from several threads."""
+
+    def __init__(self, client: redis.Redis, *, keys: Keys | None = None, ttl_s: int = 7 * 24 * 3600) -> None:
+        self.client = client
+        self.keys = keys or Keys()
+        self.ttl_s = ttl_s
+        self._write_result = client.register_script(_WRITE_RESULT)
+        self._write_partial = client.register_script(_WRITE_PARTIAL)
+        self._transition = client.register_script(_TRANSITION)
+
+    # ---- batches -------------------------------------------------------------------------
+    def create_batch(self, batch: Batch, pipe: Any | None = None) -> None:
+        """Write a new batch record (status and counters as live hash fields)."""
+        p = pipe if pipe is not None else self.client.pipeline(transaction=True)
+        key = self.keys.batch(batch.id)
+        meta = batch.model_dump_json(exclude={"status", "request_counts", *_TIME_FIELDS})
+        fields: dict[str, Any] = {"meta": meta, "status": batch.status.value, "total": batch.request_counts.total}
+        for f in _COUNT_FIELDS:
+            fields[f] = 0
+        if batch.expires_at is not None:
+            fields["expires_at"] = batch.expires_at
+        p.hset(key, mapping=fields)
+        p.expire(key, self.ttl_s)
+        p.zadd(self.keys.batches(), {batch.id: batch.created_at})
+        if pipe is None:
+            p.execute()
+
+    def get_batch(self, batch_id: str) -> Batch:
+        raw = self.client.hgetall(self.keys.batch(batch_id))
+        if not raw:
+            raise BatchNotFound(batch_id)
+        return self._decode_batch(raw)
+
+    def get_batches(self, batch_ids: Iterable[str]) -> list[Batch]:
+        ids = list(batch_ids)
+        with self.client.pipeline(transaction=False) as p:
+            for b in ids:
+                p.hgetall(self.keys.batch(b))
+            raws = p.execute()
+        return [self._decode_batch(r) for r in raws if r]
+
+    @staticmethod
+    def _decode_batch(raw: dict[bytes, bytes]) -> Batch:
+        data = json.loads(raw[b"meta"])
+        data["status"] = raw[b"status"].decode()
+        counts = {"total": int(raw.get(b"total", b"0"))}
+        for f in _COUNT_FIELDS:
+            counts[f] = int(raw.get(f.encode(), b"0"))
+        data["request_counts"] = RequestCounts(**counts)
+        for f in _TIME_FIELDS:
+            v = raw.get(f.encode())
+            if v is not None:
+                data[f] = float(v)
+        return Batch.model_validate(data)
+
+    def list_batches(self, limit: int = 20) -> list[Batch]:
+        ids = [b.decode() for b in self.client.zrevrange(self.keys.batches(), 0, limit - 1)]
+        return self.get_batches(ids)
+
+    def transition(self, batch_id: str, from_: Iterable[BatchStatus], to: BatchStatus, stamp: str = "") -> str | None:
+        """Move a batch from one of ``from_`` to ``to`` atomically; returns the status now held."""
+        res = self._transition(
+            keys=[self.keys.batch(batch_id)],
+            args=[",".join(s.value for s in from_), to.value, stamp, time.time()],
+        )
+        return res.decode() if isinstance(res, bytes) else res
+
+    def status(self, batch_id: str) -> BatchStatus | None:
+        raw = self.client.hget(self.keys.batch(batch_id), "status")
+        return BatchStatus(raw.decode()) if raw else None
+
+    # ---- results -------------------------------------------------------------------------
+    def write_result(self, result: Result, pipe: Any | None = None) -> bool:
+        """Store a final result once. Returns False when this request already had one."""
+        counter = _STATUS_COUNTER[result.status]
+        out = self._write_result(
+            keys=[
+                self.keys.results(result.batch_id),
+                self.keys.batch(result.batch_id),
+                self.keys.partials(result.batch_id),
+            ],
+            args=[result.index, result.model_dump_json(), counter, time.time(), self.ttl_s],
+            client=pipe,
+        )
+        return bool(out) if pipe is None else True
+
+    def write_results(self, results: Iterable[Result], chunk: int = 1000) -> int:
+        """Write many final results pipelined; returns how many were new."""
+        new = 0
+        batch: list[Result] = []
+
+        def flush() -> int:
+            with self.client.pipeline(transaction=False) as p:
+                for r in batch:
+                    self.write_result(r, pipe=p)
+                return sum(1 for x in p.execute() if x)
+
+        for r in results:
+            batch.append(r)
+            if len(batch) >= chunk:
+                new += flush()
+                batch.clear()
+        if batch:
+            new += flush()
+        return new
+
+    def write_partial(self, result: Result) -> bool:
+        """Store in-progress text for a request that has no final result yet."""
+        return bool(
+            self._write_partial(
+                keys=[self.keys.results(result.batch_id), self.keys.partials(result.batch_id)],
+                args=[result.index, result.model_dump_json(), self.ttl_s],
+            )
+        )
+
+    def final_indices(self, batch_id: str, indices: list[int]) -> set[int]:
+        """Which of ``indices`` already have a final result (so a re-run skips them)."""
+        if not indices:
+            return set()
+        vals = self.client.hmget(self.keys.results(batch_id), indices)
+        return {i for i, v in zip(indices, vals) if v is not None}
+
+    def iter_results(
+        self, batch_id: str, total: int, *, chunk: int = 2000, partial: bool = True
+    ) -> Iterator[tuple[int, bytes | None]]:
+        """(index, raw JSON or None) for every request in input order, pipelined in chunks.
+
+        Missing finals fall back to the partial record when ``partial`` is set.
+        """
+        rkey, pkey = self.keys.results(batch_id), self.keys.partials(batch_id)
+        for start in range(0, total, chunk):
+            idx = list(range(start, min(total, start + chunk)))
+            with self.client.pipeline(transaction=False) as p:
+                p.hmget(rkey, idx)
+                if partial:
+                    p.hmget(pkey, idx)
+                got = p.execute()
+            finals = got[0]
+            partials = got[1] if partial else [None] * len(idx)
+            for i, f, pp in zip(idx, finals, partials):
+                yield i, f if f is not None else pp
+
+    def partial_count(self, batch_id: str) -> int:
+        return int(self.client.hlen(self.keys.partials(batch_id)))

@@ -1,0 +1,310 @@
+"""``lmdq-producer``: submit prompt files, watch batches, export results."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from lmdq.connection import connect
+from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
+from lmdq.errors import LmdqError
+from lmdq.keys import Keys
+from lmdq.logs import configure_logging
+from lmdq.store import ResultStore
+from producer.settings import ProducerSettings
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Submit prompt files to lmdq and read results.",
+)
+err = Console(stderr=True)
+
+_STATE: dict[str, Any] = {}
+
+
+def _settings() -> ProducerSettings:
+    return _STATE["settings"]  # type: ignore[no-any-return]
+
+
+def _client() -> Any:
+    if "client" not in _STATE:
+        _STATE["client"] = connect(_settings().redis_url)
+    return _STATE["client"]
+
+
+def _store() -> ResultStore:
+    s = _settings()
+    return ResultStore(_client(), keys=Keys(s.key_prefix), ttl_s=s.result_ttl_s)
+
+
+@app.callback()
+def _main(
+    redis_url: Annotated[str | None, typer.Option(help="Redis URL (env LMDQ_REDIS_URL, then REDIS_URL)")] = None,
+) -> None:
+    s = ProducerSettings()
+    if redis_url:
+        s.redis_url = redis_url
+    _STATE["settings"] = s
+    configure_logging(s.log_format, s.log_level)
+
+
+def _parse_metadata(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for it in items:
+        if "=" not in it:
+            raise typer.BadParameter(f"expected k=v, got {it!r}", param_hint="--metadata")
+        k, v = it.split("=", 1)
+        out[k] = v
+    return out
+
+
+def _parse_window(s: str | None) -> float | None:
+    if not s:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if s[-1] in units:
+            return float(s[:-1]) * units[s[-1]]
+        return float(s)
+    except ValueError as e:
+        raise typer.BadParameter(f"expected e.g. 24h, 90m, 3600; got {s!r}", param_hint="--completion-window") from e
+
+
+def _print_batch(b: Batch, as_json: bool) -> None:
+    if as_json:
+        typer.echo(b.model_dump_json())
+        return
+    c = b.request_counts
+    typer.echo(
+        f"{b.id}  {b.status.value}  model={b.model}  total={c.total} completed={c.completed} "
+        f"failed={c.failed} cancelled={c.cancelled} expired={c.expired}"
+    )
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, or OpenAI Batch JSONL")],
+    model: Annotated[str | None, typer.Option(help="served model name (queue); OpenAI files may carry it")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="requests per job (default 32)")] = None,
+    priority: Annotated[Priority, typer.Option(help="queue priority")] = Priority.normal,
+    metadata: Annotated[list[str] | None, typer.Option(help="k=v, repeatable")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option()] = None,
+    min_new_tokens: Annotated[int | None, typer.Option()] = None,
+    temperature: Annotated[float | None, typer.Option()] = None,
+    top_p: Annotated[float | None, typer.Option()] = None,
+    top_k: Annotated[int | None, typer.Option()] = None,
+    min_p: Annotated[float | None, typer.Option()] = None,
+    repetition_penalty: Annotated[float | None, typer.Option()] = None,
+    seed: Annotated[int | None, typer.Option(help="random_seed")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop word, repeatable")] = None,
+    stop_token_id: Annotated[list[int] | None, typer.Option(help="repeatable")] = None,
+    do_sample: Annotated[bool | None, typer.Option("--do-sample/--greedy")] = None,
+    ignore_eos: Annotated[bool | None, typer.Option("--ignore-eos/--no-ignore-eos")] = None,
+    skip_special_tokens: Annotated[bool | None, typer.Option("--skip-special-tokens/--keep-special-tokens")] = None,
+    logprobs: Annotated[int | None, typer.Option()] = None,
+    idempotency_key: Annotated[str | None, typer.Option(help="same key → same batch, never enqueued twice")] = None,
+    completion_window: Annotated[str | None, typer.Option(help="e.g. 24h: requests not started by then expire")] = None,
+    allow_unknown_model: Annotated[bool, typer.Option(help="queue even if no worker ever served MODEL")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
+) -> None:
+    """Validate FILE completely, then enqueue it as one batch; prints the batch id."""
+    from pydantic import ValidationError
+
+    from producer.formats import InputLimits
+    from producer.submit import SubmitOptions, submit_file
+
+    s = _settings()
+    raw_params = {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": min_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "random_seed": seed,
+        "stop_words": stop or None,
+        "stop_token_ids": stop_token_id or None,
+        "do_sample": do_sample,
+        "ignore_eos": ignore_eos,
+        "skip_special_tokens": skip_special_tokens,
+        "logprobs": logprobs,
+    }
+    try:
+        params = GenerationParams.model_validate({k: v for k, v in raw_params.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors()[0]
+        flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "params"
+        err.print(f"error: {flag}: {first['msg']}")
+        raise typer.Exit(2) from e
+    opts = SubmitOptions(
+        model=model,
+        batch_size=batch_size or s.batch_size,
+        params=params,
+        priority=priority,
+        metadata=_parse_metadata(metadata or []),
+        idempotency_key=idempotency_key,
+        completion_window_s=_parse_window(completion_window),
+        allow_unknown_model=allow_unknown_model,
+        known_models=s.known_models,
+        limits=InputLimits(max_line_bytes=s.max_line_bytes, max_requests=s.max_requests),
+    )
+    client = _client()
+    show = sys.stderr.isatty() and not as_json
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:,}"),
+        TimeElapsedColumn(),
+        console=err,
+        disable=not show,
+        transient=True,
+    ) as prog:
+        t1 = prog.add_task("validating lines", total=None)
+        t2 = prog.add_task("staging jobs", total=None, visible=False)
+
+        def vprog(n: int) -> None:
+            if n % 5000 == 0:
+                prog.update(t1, completed=n)
+
+        def eprog(n: int) -> None:
+            prog.update(t2, completed=n, visible=True)
+
+        batch, created = submit_file(
+            file,
+            opts,
+            client=client,
+            keys=Keys(s.key_prefix),
+            ttl_s=s.result_ttl_s,
+            validate_progress=vprog if show else None,
+            enqueue_progress=eprog if show else None,
+        )
+    if as_json:
+        out = json.loads(batch.model_dump_json())
+        out["created"] = created
+        typer.echo(json.dumps(out))
+    else:
+        if not created:
+            err.print("idempotency key matched an existing batch; nothing enqueued")
+        typer.echo(batch.id)
+
+
+@app.command()
+def status(
+    batch_id: Annotated[str, typer.Argument()],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    watch: Annotated[bool, typer.Option(help="progress bar until the batch ends")] = False,
+    interval: Annotated[float, typer.Option(help="seconds between polls with --watch")] = 1.0,
+) -> None:
+    """Show a batch's status and request counts."""
+    store = _store()
+    b = store.get_batch(batch_id)
+    if watch:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
+        ) as prog:
+            t = prog.add_task(b.status.value, total=b.request_counts.total, completed=b.request_counts.done)
+            while not b.status.terminal:
+                time.sleep(interval)
+                b = store.get_batch(batch_id)
+                prog.update(t, completed=b.request_counts.done, description=b.status.value)
+    _print_batch(b, as_json)
+
+
+@app.command()
+def results(
+    batch_id: Annotated[str, typer.Argument()],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="write here instead of stdout")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="lmdq | openai")] = "lmdq",
+    wait: Annotated[bool, typer.Option(help="wait until the batch ends")] = False,
+    timeout: Annotated[float | None, typer.Option(help="give up waiting after S seconds (exit 1)")] = None,
+) -> None:
+    """One JSON line per request, in input order."""
+    from producer.export import iter_lmdq_lines, iter_openai_lines
+
+    if fmt not in ("lmdq", "openai"):
+        raise typer.BadParameter("expected lmdq or openai", param_hint="--format")
+    store = _store()
+    b = store.get_batch(batch_id)
+    if wait:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not b.status.terminal:
+            if deadline is not None and time.monotonic() > deadline:
+                err.print(
+                    f"error: batch {batch_id} still {b.status.value} after {timeout}s "
+                    f"({b.request_counts.done}/{b.request_counts.total} done)"
+                )
+                raise typer.Exit(1)
+            time.sleep(0.25)
+            b = store.get_batch(batch_id)
+    lines = iter_openai_lines(store, b) if fmt == "openai" else iter_lmdq_lines(store, b)
+    out = output.open("wb") if output else sys.stdout.buffer
+    try:
+        for line in lines:
+            out.write(line)
+    finally:
+        if output:
+            out.close()
+        else:
+            out.flush()
+
+
+@app.command("list")
+def list_(
+    limit: Annotated[int, typer.Option(help="how many recent batches")] = 20,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Recent batches with status and counts."""
+    batches = _store().list_batches(limit)
+    if as_json:
+        for b in batches:
+            typer.echo(b.model_dump_json())
+        return
+    table = Table("batch", "status", "model", "total", "completed", "failed", "created")
+    for b in batches:
+        c = b.request_counts
+        table.add_row(
+            b.id,
+            b.status.value,
+            b.model,
+            str(c.total),
+            str(c.completed),
+            str(c.failed + c.cancelled + c.expired),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.created_at)),
+        )
+    Console().print(table)
+
+
+@app.command()
+def cancel(
+    batch_id: Annotated[str, typer.Argument()],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Remove the batch's queued jobs and abort its in-flight requests."""
+    from producer.cancel import cancel_batch
+
+    s = _settings()
+    b = cancel_batch(_client(), Keys(s.key_prefix), batch_id, ttl_s=s.result_ttl_s)
+    _print_batch(b, as_json)
+
+
+def main() -> None:
+    """Console entry point: lmdq errors become one line on stderr and their exit code."""
+    try:
+        app()
+    except LmdqError as e:
+        err.print(f"error: {e}", markup=False, highlight=False)
+        sys.exit(e.exit_code)
+
+
+_ = BatchStatus  # re-exported for type checkers of callers

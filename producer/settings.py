@@ -1,0 +1,16 @@
+"""Producer settings: ``LMDQ_`` env vars, overridden by CLI flags."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from lmdq.settings import CommonSettings
+
+__all__ = ["ProducerSettings"]
+
+
+class ProducerSettings(CommonSettings):
+    batch_size: int = Field(default=32, ge=1, le=100_000)
+    known_models: tuple[str, ...] = ()
+    max_line_bytes: int = Field(default=10 * 1024 * 1024, ge=1024)
+    max_requests: int = Field(default=10_000_000, ge=1)

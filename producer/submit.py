@@ -1,0 +1,253 @@
+"""Submit a prompt file as one batch: validate the WHOLE file, then stage and commit its jobs.
+
+Two streaming passes keep memory flat however large the file is: pass 1 validates every line
+and keeps only an 8-byte hash per custom_id (duplicates are confirmed by a targeted re-scan);
+pass 2 re-reads the file, stages job hashes in pipelined chunks, and one Lua script makes all
+of them visible on the queue at once. A failure before that commit deletes what was staged, so
+a batch is either fully enqueued or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
+from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.jobs import JobQueue
+from lmdq.keys import Keys, queue_name
+from lmdq.store import ResultStore
+from producer.formats import InputError, InputFormat, InputLimits, ParsedLine, detect_format, iter_lines
+
+__all__ = ["SubmitOptions", "submit_file", "known_models"]
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class SubmitOptions:
+    model: str | None
+    batch_size: int = 32
+    params: GenerationParams = field(default_factory=GenerationParams)
+    priority: Priority = Priority.normal
+    metadata: dict[str, str] = field(default_factory=dict)
+    idempotency_key: str | None = None
+    completion_window_s: float | None = None
+    allow_unknown_model: bool = False
+    known_models: tuple[str, ...] = ()
+    limits: InputLimits = field(default_factory=InputLimits)
+    max_errors: int = 20
+    fmt: InputFormat | None = None
+
+
+def _h64(s: str) -> int:
+    return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
+
+
+def known_models(client: redis.Redis, keys: Keys, extra: tuple[str, ...] = ()) -> set[str]:
+    """Model names some worker has served (workers register at start) plus configured ones."""
+    return {m.decode() for m in client.hkeys(keys.models())} | set(extra)
+
+
+def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tuple[int, str]:
+    """Pass 1: returns (request count, model) or raises SubmitRejected listing file:line errors."""
+    errors: list[str] = []
+    hashes = array("Q")
+    n = 0
+    model = opts.model
+    model_line = 0
+    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+        if isinstance(item, InputError):
+            errors.append(str(item))
+            if len(errors) >= opts.max_errors:
+                errors.append(f"{path.name}: stopping after {opts.max_errors} errors")
+                break
+            continue
+        if progress:
+            progress(item.line_no)
+        if item.model is not None:
+            if model is None:
+                model, model_line = item.model, item.line_no
+            elif item.model != model:
+                where = f"--model {opts.model!r}" if opts.model else f"line {model_line}"
+                errors.append(
+                    f"{path.name}:{item.line_no}: field 'body.model': expected {model!r} (from {where}), got {item.model!r}"
+                )
+                continue
+        hashes.append(_h64(item.custom_id))
+        n += 1
+    if not errors:
+        errors.extend(_duplicates(path, opts, hashes))
+    if model is None and not errors:
+        errors.append(f"{path.name}:0: no model given: pass --model NAME")
+    if errors:
+        raise SubmitRejected("\n".join(errors))
+    assert model is not None
+    return n, model
+
+
+def _duplicates(path: Path, opts: SubmitOptions, hashes: array) -> list[str]:
+    """Find duplicate custom_ids from their hashes; re-scan only to name the lines."""
+    srt = sorted(hashes)
+    dup = {srt[i] for i in range(1, len(srt)) if srt[i] == srt[i - 1]}
+    if not dup:
+        return []
+    first: dict[str, int] = {}
+    out: list[str] = []
+    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+        if isinstance(item, ParsedLine) and _h64(item.custom_id) in dup:
+            if item.custom_id in first:
+                out.append(
+                    f"{path.name}:{item.line_no}: field 'custom_id': expected a unique id, "
+                    f"{item.custom_id!r} already used on line {first[item.custom_id]}"
+                )
+                if len(out) >= opts.max_errors:
+                    break
+            else:
+                first[item.custom_id] = item.line_no
+    return out
+
+
+def _request_dict(index: int, item: ParsedLine) -> dict[str, Any]:
+    d: dict[str, Any] = {"index": index, "custom_id": item.custom_id, "endpoint": item.endpoint.value}
+    if item.messages is not None:
+        d["messages"] = item.messages
+    else:
+        d["prompt"] = item.prompt
+    if item.params is not None:
+        p = item.params.model_dump(exclude_none=True)
+        if p:
+            d["params"] = p
+    return d
+
+
+def _jobs(path: Path, opts: SubmitOptions, batch_id: str, model: str) -> Iterator[dict[str, Any]]:
+    """Pass 2: job payload dicts of ``batch_size`` requests, in input order."""
+    params = opts.params.model_dump(exclude_none=True)
+    reqs: list[dict[str, Any]] = []
+    job_no = 0
+    index = 0
+    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+        if isinstance(item, InputError):  # the file changed since pass 1
+            raise SubmitRejected(f"{item} (the file changed during submit)")
+        reqs.append(_request_dict(index, item))
+        index += 1
+        if len(reqs) == opts.batch_size:
+            yield {
+                "format_version": 1,
+                "batch_id": batch_id,
+                "model": model,
+                "job_no": job_no,
+                "params": params,
+                "requests": reqs,
+            }
+            job_no += 1
+            reqs = []
+    if reqs:
+        yield {
+            "format_version": 1,
+            "batch_id": batch_id,
+            "model": model,
+            "job_no": job_no,
+            "params": params,
+            "requests": reqs,
+        }
+
+
+def submit_file(
+    path: Path,
+    opts: SubmitOptions,
+    *,
+    client: redis.Redis,
+    keys: Keys,
+    ttl_s: int,
+    validate_progress: Progress | None = None,
+    enqueue_progress: Progress | None = None,
+    chunk_jobs: int = 256,
+) -> tuple[Batch, bool]:
+    """Validate and enqueue ``path``. Returns (batch, created); created is False when an
+    idempotency key matched an existing batch."""
+    if not path.is_file():
+        raise SubmitRejected(f"{path}:0: no such file")
+    if opts.batch_size < 1:
+        raise SubmitRejected(f"--batch-size: expected >= 1, got {opts.batch_size}")
+    store = ResultStore(client, keys=keys, ttl_s=ttl_s)
+    if opts.idempotency_key:
+        existing = client.get(keys.idempotency(opts.idempotency_key))
+        if existing:
+            return store.get_batch(existing.decode()), False
+
+    fmt = opts.fmt or detect_format(path)
+    opts.fmt = fmt
+    total, model = _validate(path, opts, validate_progress)
+    if total > opts.limits.max_requests:
+        raise SubmitRejected(f"{path.name}: {total} requests, limit is {opts.limits.max_requests}")
+    if not opts.allow_unknown_model:
+        known = known_models(client, keys, opts.known_models)
+        if model not in known:
+            raise UnknownModel(
+                f"{path.name}:0: field 'model': unknown model {model!r}; known: "
+                f"{', '.join(sorted(known)) or '(none: no worker has started yet)'}. "
+                "Start a worker for it, or pass --allow-unknown-model to queue anyway."
+            )
+
+    batch_id = f"batch_{uuid.uuid4().hex[:24]}"
+    if opts.idempotency_key:
+        # Claim the key first so two concurrent submits with one key cannot both enqueue.
+        if not client.set(keys.idempotency(opts.idempotency_key), batch_id, nx=True, ex=ttl_s):
+            existing = client.get(keys.idempotency(opts.idempotency_key))
+            assert existing is not None
+            return store.get_batch(existing.decode()), False
+
+    now = time.time()
+    queue = queue_name(model, opts.priority, keys.prefix)
+    num_jobs = (total + opts.batch_size - 1) // opts.batch_size
+    batch = Batch(
+        id=batch_id,
+        model=model,
+        status=BatchStatus.validating,
+        input_file=str(path),
+        priority=opts.priority,
+        batch_size=opts.batch_size,
+        num_jobs=num_jobs,
+        params=opts.params,
+        request_counts=RequestCounts(total=total),
+        metadata=opts.metadata,
+        idempotency_key=opts.idempotency_key,
+        completion_window_s=opts.completion_window_s,
+        created_at=now,
+        expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
+    )
+    jq = JobQueue(client, keys=keys, job_ttl_s=ttl_s)
+    store.create_batch(batch)
+    try:
+        pipe = client.pipeline(transaction=False)
+        staged = 0
+        for payload in _jobs(path, opts, batch_id, model):
+            jq.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
+            staged += 1
+            if staged % chunk_jobs == 0:
+                pipe.execute()
+                if enqueue_progress:
+                    enqueue_progress(staged)
+        pipe.execute()
+        if enqueue_progress:
+            enqueue_progress(staged)
+        jq.commit(batch_id, queue)
+    except BaseException:
+        jq.discard_staged(batch_id)
+        client.delete(keys.batch(batch_id))
+        client.zrem(keys.batches(), batch_id)
+        if opts.idempotency_key:
+            client.delete(keys.idempotency(opts.idempotency_key))
+        raise
+    store.transition(batch_id, [BatchStatus.validating], BatchStatus.queued)
+    return store.get_batch(batch_id), True
