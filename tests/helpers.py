@@ -1,0 +1,37 @@
+"""Shared helpers for tests: write prompt files, run CLIs, wait for batches."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from lmdq.contract import Batch, Result
+from lmdq.keys import Keys
+from lmdq.store import ResultStore
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def wait_batch(client: redis.Redis, prefix: str, batch_id: str, timeout: float = 60) -> Batch:
+    store = ResultStore(client, keys=Keys(prefix))
+    deadline = time.monotonic() + timeout
+    while True:
+        b = store.get_batch(batch_id)
+        if b.status.terminal:
+            return b
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"batch {batch_id} still {b.status} {b.request_counts}")
+        time.sleep(0.05)
+
+
+def results_of(client: redis.Redis, prefix: str, batch_id: str) -> list[Result]:
+    store = ResultStore(client, keys=Keys(prefix))
+    b = store.get_batch(batch_id)
+    return [Result.model_validate_json(raw) for _, raw in store.iter_results(batch_id, b.request_counts.total) if raw]

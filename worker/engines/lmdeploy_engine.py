@@ -1,0 +1,232 @@
+"""The production engine: one long-lived ``lmdeploy.pipeline`` driven through ``stream_infer``.
+
+Each job in flight calls :meth:`LMDeployEngine.stream` from its own thread; all calls share the
+pipeline's ``max_batch_size`` slots, so while one job's last sequences decode the next job's
+prefills already run (measured on an H200: 8-32 concurrent stream_infer callers fill the engine
+as well as one big call). Abort goes through LMDeploy sessions: breaking out of a stream_infer
+loop would NOT cancel its requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from worker.engines.base import EngineError, EngineEvent, EngineRequest
+
+__all__ = ["LMDeployEngine", "build_backend_config", "build_gen_config", "resolve_chat_template"]
+
+log = logging.getLogger("lmdq.lmdeploy")
+
+
+def build_backend_config(
+    *,
+    backend: str = "auto",
+    tp: int = 1,
+    dtype: str = "auto",
+    session_len: int | None = None,
+    max_batch_size: int | None = None,
+    cache_max_entry_count: float = 0.8,
+    quant_policy: int = 0,
+    eager_mode: bool = False,
+) -> Any:
+    """Translate lmdq's flags into LMDeploy's engine config (the real classes).
+
+    'auto' returns a TurbomindEngineConfig, which LMDeploy itself falls back from to PyTorch
+    when TurboMind can't serve the model; 'pytorch' pins the PyTorch engine.
+    """
+    from lmdeploy import PytorchEngineConfig, TurbomindEngineConfig
+
+    if backend not in ("auto", "turbomind", "pytorch"):
+        raise ValueError(f"--backend: expected auto|turbomind|pytorch, got {backend!r}")
+    if dtype not in ("auto", "float16", "bfloat16"):
+        raise ValueError(f"--dtype: expected auto|float16|bfloat16 for lmdeploy, got {dtype!r}")
+    if quant_policy not in (0, 4, 8):
+        raise ValueError(f"--quant-policy: expected 0, 4 or 8, got {quant_policy!r}")
+    common: dict[str, Any] = {
+        "tp": tp,
+        "dtype": dtype,
+        "session_len": session_len,
+        "max_batch_size": max_batch_size,
+        "cache_max_entry_count": cache_max_entry_count,
+        "quant_policy": quant_policy,
+    }
+    if backend == "pytorch":
+        if not 0 < cache_max_entry_count < 1:
+            raise ValueError("--cache-max-entry-count: the PyTorch engine needs a fraction 0 < x < 1")
+        return PytorchEngineConfig(**common, eager_mode=eager_mode)
+    return TurbomindEngineConfig(**common)
+
+
+def build_gen_config(p: dict[str, Any]) -> Any:
+    """lmdq's resolved params (``GenerationParams.resolved()``) → LMDeploy ``GenerationConfig``."""
+    from lmdeploy import GenerationConfig
+
+    return GenerationConfig(
+        n=1,
+        max_new_tokens=p["max_new_tokens"],
+        min_new_tokens=p["min_new_tokens"],
+        do_sample=p["do_sample"],
+        temperature=p["temperature"],
+        top_p=p["top_p"],
+        top_k=p["top_k"],
+        min_p=p["min_p"],
+        repetition_penalty=p["repetition_penalty"],
+        random_seed=p["random_seed"],
+        stop_words=p["stop_words"],
+        stop_token_ids=p["stop_token_ids"],
+        ignore_eos=p["ignore_eos"],
+        skip_special_tokens=p["skip_special_tokens"],
+        logprobs=p["logprobs"],
+    )
+
+
+def resolve_chat_template(chat_template: str | None) -> Any:
+    """``--chat-template``: an LMDeploy template name, or a path to a JSON ChatTemplateConfig."""
+    if not chat_template:
+        return None
+    from lmdeploy import ChatTemplateConfig
+
+    path = Path(chat_template)
+    if path.suffix == ".json" and path.is_file():
+        return ChatTemplateConfig.from_json(str(path))
+    return ChatTemplateConfig(model_name=chat_template)
+
+
+def _check_tp(tp: int) -> None:
+    """Fail early and clearly when tp exceeds the GPUs this process can see."""
+    if tp <= 1:
+        return
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch/CUDA means zero GPUs
+        n = 0
+    if tp > n:
+        raise EngineError(f"--tp {tp} needs {tp} GPUs but {n} are visible (CUDA_VISIBLE_DEVICES / nvidia.com/gpu)")
+
+
+class LMDeployEngine:
+    name = "lmdeploy"
+
+    def __init__(
+        self,
+        *,
+        model_path: str,
+        served_model_name: str | None = None,
+        backend: str = "auto",
+        tp: int = 1,
+        dtype: str = "auto",
+        session_len: int | None = None,
+        max_batch_size: int | None = None,
+        cache_max_entry_count: float = 0.8,
+        quant_policy: int = 0,
+        chat_template: str | None = None,
+        eager_mode: bool = False,
+        raw: bool = False,
+        log_level: str = "WARNING",
+    ) -> None:
+        _check_tp(tp)
+        from lmdeploy import pipeline
+
+        cfg = build_backend_config(
+            backend=backend,
+            tp=tp,
+            dtype=dtype,
+            session_len=session_len,
+            max_batch_size=max_batch_size,
+            cache_max_entry_count=cache_max_entry_count,
+            quant_policy=quant_policy,
+            eager_mode=eager_mode,
+        )
+        self.pipe = pipeline(
+            model_path,
+            backend_config=cfg,
+            chat_template_config=resolve_chat_template(chat_template),
+            log_level=log_level,
+        )
+        self.model_name = served_model_name or Path(model_path.rstrip("/")).name
+        bc = self.pipe.backend_config
+        self.backend = "pytorch" if type(bc).__name__.startswith("Pytorch") else "turbomind"
+        self.capacity = int(getattr(bc, "max_batch_size", None) or 128)
+        self.raw = raw
+        self._closed = False
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.pipe.async_engine.tokenizer.encode(text, add_bos=False))
+
+    def _prompt(self, r: EngineRequest) -> Any:
+        if r.messages is not None:
+            return r.messages
+        return r.prompt
+
+    def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
+        if self._closed:
+            raise EngineError("engine is closed")
+        # stream_infer takes one do_preprocess for the whole call: raw and chat prompts go in
+        # separate calls (rare in practice: a batch is usually one endpoint).
+        chat = [r for r in requests if not (r.raw or self.raw)]
+        raw = [r for r in requests if r.raw or self.raw]
+        for group, preprocess in ((chat, True), (raw, False)):
+            if group:
+                yield from self._stream_group(group, abort, preprocess)
+
+    def _stream_group(
+        self, group: list[EngineRequest], abort: threading.Event, preprocess: bool
+    ) -> Iterator[EngineEvent]:
+        if any(r.messages is not None for r in group) and not preprocess:
+            raise EngineError("messages need the chat template (do not combine with --raw)")
+        prompts = [self._prompt(r) for r in group]
+        gens = [build_gen_config(r.params.resolved()) for r in group]
+        sessions = [self.pipe.session() for _ in group]
+        open_ = set(range(len(group)))
+        done = threading.Event()
+
+        def watch_abort() -> None:
+            # Requests still waiting for a slot have no handle yet: keep aborting until all end.
+            while not done.is_set():
+                if abort.wait(0.2) and not done.is_set():
+                    for i in list(open_):
+                        try:
+                            sessions[i].abort()
+                        except Exception:  # noqa: BLE001 - a session that just finished
+                            pass
+
+        watcher = threading.Thread(target=watch_abort, daemon=True, name="lmdq-abort-watch")
+        watcher.start()
+        try:
+            for out in self.pipe.stream_infer(
+                prompts, sessions=sessions, gen_config=gens, do_preprocess=preprocess, stream_response=True
+            ):
+                i = out.index
+                r = group[i]
+                ev = EngineEvent(
+                    index=r.index,
+                    text=out.text or "",
+                    input_token_len=out.input_token_len or 0,
+                    generate_token_len=out.generate_token_len or 0,
+                    finish_reason=out.finish_reason,
+                    error_code=getattr(out, "error_code", None),
+                    error_message=getattr(out, "error_message", None),
+                )
+                if out.finish_reason is not None:
+                    open_.discard(i)
+                yield ev
+        except Exception as e:
+            raise EngineError(f"stream_infer failed: {e!r}") from e
+        finally:
+            done.set()
+            for s in sessions:
+                try:
+                    s.close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.pipe.close()
