@@ -145,7 +145,7 @@ def submit(
     except ValidationError as e:
         first = e.errors()[0]
         flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "params"
-        err.print(f"error: {flag}: {first['msg']}")
+        print(f"error: {flag}: {first['msg']}", file=sys.stderr)
         raise typer.Exit(2) from e
     opts = SubmitOptions(
         model=model,
@@ -303,7 +303,7 @@ def main() -> None:
     try:
         app()
     except LmdqError as e:
-        err.print(f"error: {e}", markup=False, highlight=False)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
 
 

