@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lmdq.settings import CommonSettings
 
@@ -22,7 +22,7 @@ class WorkerSettings(CommonSettings):
     session_len: int | None = Field(default=None, ge=16)
     max_batch_size: int | None = Field(default=None, ge=1)
     cache_max_entry_count: float = Field(default=0.8, gt=0.0)
-    quant_policy: Literal[0, 4, 8] = 0
+    quant_policy: int = Field(default=0, description="KV cache quantization: 0, 4 or 8")
     chat_template: str | None = None
     eager_mode: bool = False
     raw: bool = Field(default=False, description="skip the chat template for plain prompts too")
@@ -41,5 +41,12 @@ class WorkerSettings(CommonSettings):
     poll_interval_s: float = Field(default=0.05, gt=0.0)
     health_host: str = "0.0.0.0"
     health_port: int = Field(default=8000, ge=0, le=65535, description="0 = no HTTP endpoint")
+
+    @field_validator("quant_policy")
+    @classmethod
+    def _quant(cls, v: int) -> int:
+        if v not in (0, 4, 8):
+            raise ValueError(f"expected 0, 4 or 8, got {v}")
+        return v
 
     model_config = {**CommonSettings.model_config, "populate_by_name": True}  # type: ignore[misc]

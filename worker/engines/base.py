@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from lmdq.contract import Endpoint, GenerationParams
 
-__all__ = ["Engine", "EngineEvent", "EngineRequest", "EngineError"]
+__all__ = ["Borrowed", "Engine", "EngineEvent", "EngineRequest", "EngineError"]
 
 
 class EngineError(RuntimeError):
@@ -82,3 +82,22 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the engine (``pipe.close()`` for LMDeploy). Idempotent."""
         ...
+
+
+class Borrowed:
+    """Lend an engine to a Worker without letting the Worker's teardown close it
+    (benchmarks and tests run several workers on one loaded engine)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.name, self.backend, self.model_name = engine.name, engine.backend, engine.model_name
+        self.capacity = getattr(engine, "capacity", None) or getattr(engine, "max_batch", None) or 1
+
+    def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
+        return self._engine.stream(requests, abort)
+
+    def count_tokens(self, text: str) -> int:
+        return self._engine.count_tokens(text)
+
+    def close(self) -> None:
+        """Deliberately a no-op: the owner closes the engine."""

@@ -226,6 +226,13 @@ class LMDeployEngine:
                 except Exception:  # noqa: BLE001
                     pass
 
+    def infer_all(self, requests: Sequence[EngineRequest]) -> list[Any]:
+        """One plain ``pipe(prompts)`` call: the raw-pipeline baseline benchmarks compare against."""
+        raw = all(r.raw or self.raw for r in requests)
+        return list(self.pipe([self._prompt(r) for r in requests],
+                              gen_config=[build_gen_config(r.params.resolved()) for r in requests],
+                              do_preprocess=not raw))
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

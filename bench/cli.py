@@ -1,0 +1,113 @@
+"""``lmdq-bench``: throughput benchmarks that print their numbers (never timed unit tests)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+
+
+@app.command()
+def efficiency(
+    engine: Annotated[str, typer.Option(help="sim | lmdeploy | transformers")] = "sim",
+    model: Annotated[str | None, typer.Option(help="model folder (lmdeploy/transformers)")] = None,
+    random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
+    tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
+    n: Annotated[int, typer.Option(help="prompts")] = 1024,
+    batch_size: Annotated[int, typer.Option(help="requests per job (B)")] = 32,
+    input_len: Annotated[int, typer.Option()] = 234,
+    output_len: Annotated[int, typer.Option()] = 256,
+    repeat: Annotated[int, typer.Option(help="repeats of raw/lmdq/naive, median reported")] = 1,
+    jobs_in_flight: Annotated[int, typer.Option(help="0 = auto")] = 0,
+    sim_step_ms: Annotated[float, typer.Option()] = 5.0,
+    sim_max_batch: Annotated[int, typer.Option()] = 256,
+    backend: Annotated[str, typer.Option()] = "pytorch",
+    dtype: Annotated[str, typer.Option()] = "auto",
+    cache_max_entry_count: Annotated[float, typer.Option()] = 0.8,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
+) -> None:
+    """raw engine vs lmdq vs naive lmdq, side by side; the LAST line printed is a JSON object."""
+    from bench.efficiency import EfficiencyConfig, run_efficiency
+    from bench.local_redis import local_redis
+
+    cfg = EfficiencyConfig(n=n, batch_size=batch_size, input_len=input_len, output_len=output_len, repeat=repeat,
+                           jobs_in_flight=jobs_in_flight)
+    if engine == "sim":
+        from worker.engines.sim import SimEngine
+
+        eng = SimEngine(model_name="sim-bench", step_ms=sim_step_ms, max_batch=sim_max_batch)
+        model_name = f"sim(step={sim_step_ms}ms,max_batch={sim_max_batch})"
+    elif engine == "lmdeploy":
+        from worker.engines.lmdeploy_engine import LMDeployEngine
+
+        if random_llama8b:
+            from bench.random_model import build_random_llama
+
+            if tokenizer_from is None:
+                raise typer.BadParameter("needs --tokenizer-from", param_hint="--random-llama8b")
+            model = str(build_random_llama(random_llama8b, tokenizer_from))
+            model_name = "random-llama3-8b-shape(vocab=49152)"
+        else:
+            model_name = model or ""
+        if not model:
+            raise typer.BadParameter("--model or --random-llama8b is required", param_hint="--model")
+        eng = LMDeployEngine(model_path=model, served_model_name="bench", backend=backend, dtype=dtype,
+                             cache_max_entry_count=cache_max_entry_count)  # type: ignore[assignment]
+    else:
+        from worker.engines.transformers_engine import TransformersEngine
+
+        if not model:
+            from worker.default_model import ensure_default_model
+
+            model = str(ensure_default_model())
+        eng = TransformersEngine(model_path=model, served_model_name="bench")  # type: ignore[assignment]
+        model_name = model
+    with local_redis(redis_url) as url:
+        res = run_efficiency(eng, cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
+    eng.close()
+    out = {"engine": engine, "model": model_name, "n": n, "batch_size": batch_size, "input_len": input_len,
+           "output_len": output_len, **res}
+    print(f"{'path':8s} {'tok/s':>10s} {'vs raw':>7s}")
+    for k in ("raw", "lmdq", "naive"):
+        print(f"{k:8s} {res[k + '_tok_s']:>10,.0f} {res[k + '_tok_s'] / res['raw_tok_s']:>7.3f}")
+    line = json.dumps({k: out[k] for k in ("engine", "model", "n", "batch_size", "raw_tok_s", "lmdq_tok_s",
+                                           "naive_tok_s", "ratio")} | {"detail": out})
+    if output:
+        output.write_text(line + "\n")
+    print(line)
+
+
+@app.command()
+def producer(
+    lines: Annotated[int, typer.Option(help="lines in the generated JSONL")] = 100_000,
+    batch_size: Annotated[int, typer.Option()] = 32,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o")] = None,
+) -> None:
+    """Submit a generated JSONL and export its results: requests/s both ways, peak RSS, Redis bytes/result."""
+    from bench.local_redis import local_redis
+    from bench.producer_bench import run_producer_bench
+
+    with local_redis(redis_url) as url:
+        res = run_producer_bench(lines=lines, batch_size=batch_size, redis_url=url,
+                                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    line = json.dumps(res)
+    if output:
+        output.write_text(line + "\n")
+    print(line)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Side-by-side throughput: raw engine vs lmdq (jobs in flight) vs naive lmdq (one job at a time).
+
+All three run in ONE process on ONE loaded engine with the same prompts and settings, so their
+ratio measures what the queue costs, not machine-to-machine noise.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from lmdq.contract import Endpoint, GenerationParams
+from lmdq.keys import Keys
+from lmdq.store import ResultStore
+from producer.submit import SubmitOptions, submit_file
+from worker.engines.base import Borrowed, Engine, EngineRequest
+from worker.runner import Worker
+from worker.settings import WorkerSettings
+
+__all__ = ["EfficiencyConfig", "run_efficiency"]
+
+
+@dataclass
+class EfficiencyConfig:
+    n: int = 1024
+    batch_size: int = 32
+    input_len: int = 234
+    output_len: int = 256
+    repeat: int = 1
+    jobs_in_flight: int = 0
+
+
+def make_prompts(engine: Engine, n: int, input_len: int, seed: int = 0) -> list[str]:
+    """Raw prompts of about ``input_len`` tokens each, all different (no prefix sharing)."""
+    rnd = random.Random(seed)
+    tok = getattr(getattr(getattr(engine, "pipe", None), "async_engine", None), "tokenizer", None)
+    out = []
+    for i in range(n):
+        if tok is None:  # sim: a token is a word
+            out.append(" ".join(f"w{i}_{rnd.randrange(1000)}" for _ in range(input_len)))
+        else:
+            ids = [rnd.randrange(100, 40000) for _ in range(input_len)]
+            out.append(tok.decode(ids))
+    return out
+
+
+def _params(cfg: EfficiencyConfig) -> GenerationParams:
+    return GenerationParams(max_new_tokens=cfg.output_len, ignore_eos=True, do_sample=False)
+
+
+def run_raw(engine: Engine, prompts: list[str], cfg: EfficiencyConfig) -> tuple[float, int]:
+    """The engine given all prompts at once (LMDeploy: one pipe(prompts) call)."""
+    reqs = [EngineRequest(index=i, prompt=p, endpoint=Endpoint.completion, params=_params(cfg))
+            for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    if hasattr(engine, "infer_all"):
+        outs = engine.infer_all(reqs)
+        toks = sum(int(o.generate_token_len) for o in outs)
+    else:
+        toks = 0
+        for ev in engine.stream(reqs, threading.Event()):
+            if ev.finish_reason:
+                toks += ev.generate_token_len
+    return time.perf_counter() - t0, toks
+
+
+def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis_url: str, jobs_in_flight: int,
+             prefix: str) -> tuple[float, int]:
+    """Producer submit → a worker on the same engine → results stored; first enqueue to last result."""
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(prefix)
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "prompts.jsonl"
+        with f.open("w") as fh:
+            for i, p in enumerate(prompts):
+                fh.write(json.dumps({"custom_id": str(i), "prompt": p, "endpoint": "completion"}) + "\n")
+        s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, jobs_in_flight=jobs_in_flight,
+                           partial_interval_s=3600, poll_interval_s=0.01)
+        w = Worker(engine=Borrowed(engine), client=client, settings=s,
+                   capacity=int(getattr(engine, "capacity", None) or getattr(engine, "max_batch", 1)))
+        th = threading.Thread(target=w.run, daemon=True)
+        th.start()
+        opts = SubmitOptions(model=engine.model_name, batch_size=cfg.batch_size, params=_params(cfg),
+                             allow_unknown_model=True)
+        batch, _ = submit_file(f, opts, client=client, keys=keys, ttl_s=3600)
+    store = ResultStore(client, keys=keys)
+    while not store.get_batch(batch.id).status.terminal:
+        time.sleep(0.01)
+    w.stop()
+    th.join(60)
+    from lmdq.contract import Result
+
+    rs = [Result.model_validate_json(raw) for _, raw in store.iter_results(batch.id, cfg.n, partial=False) if raw]
+    t_end = max(r.timings.finished_at or 0 for r in rs)
+    toks = sum(r.generate_token_len for r in rs)
+    assert len(rs) == cfg.n, f"{len(rs)} results for {cfg.n} prompts"
+    return t_end - batch.created_at, toks
+
+
+def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log: Any = print) -> dict[str, Any]:
+    prompts = make_prompts(engine, cfg.n, cfg.input_len)
+    log(f"warm-up: raw run of {cfg.n} prompts")
+    run_raw(engine, prompts, cfg)
+    rows: dict[str, list[tuple[float, int]]] = {"raw": [], "lmdq": [], "naive": []}
+    for rep in range(cfg.repeat):
+        rows["raw"].append(run_raw(engine, prompts, cfg))
+        rows["lmdq"].append(run_lmdq(engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=cfg.jobs_in_flight,
+                                     prefix=f"bench{rep}a"))
+        rows["naive"].append(run_lmdq(engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=1,
+                                      prefix=f"bench{rep}b"))
+        for k, v in rows.items():
+            log(f"rep {rep}: {k:5s} {v[-1][1]:>9,d} tokens in {v[-1][0]:7.2f} s = {v[-1][1] / v[-1][0]:>9,.0f} tok/s")
+
+    def best(k: str) -> float:
+        """Median over repeats (each repeat runs raw, lmdq and naive back to back)."""
+        return float(statistics.median(toks / secs for secs, toks in rows[k]))
+
+    return {"raw_tok_s": round(best("raw"), 1), "lmdq_tok_s": round(best("lmdq"), 1),
+            "naive_tok_s": round(best("naive"), 1), "ratio": round(best("lmdq") / best("raw"), 4),
+            "naive_ratio": round(best("naive") / best("raw"), 4),
+            "runs": {k: [[round(s, 3), t] for s, t in v] for k, v in rows.items()}}

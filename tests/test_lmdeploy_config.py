@@ -1,0 +1,107 @@
+"""LMDeploy config translation against LMDeploy's REAL classes (lmdeploy imports on CPU).
+
+TurboMind cannot run on the CPU or on the GPU host (its binary needs CUDA 12 cuBLAS), so its
+side is covered here: the flags must reach TurbomindEngineConfig exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+lmdeploy = pytest.importorskip("lmdeploy")
+
+from lmdeploy import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig  # noqa: E402
+
+from lmdq.contract import GenerationParams  # noqa: E402
+from worker.engines.base import EngineError  # noqa: E402
+from worker.engines.lmdeploy_engine import (  # noqa: E402
+    _check_tp,
+    build_backend_config,
+    build_gen_config,
+    resolve_chat_template,
+)
+
+
+def test_pytorch_backend_flags_reach_pytorch_engine_config() -> None:
+    c = build_backend_config(backend="pytorch", tp=2, dtype="float16", session_len=4096, max_batch_size=256,
+                             cache_max_entry_count=0.5, quant_policy=8, eager_mode=True)
+    assert isinstance(c, PytorchEngineConfig)
+    assert (c.tp, c.dtype, c.session_len, c.max_batch_size, c.cache_max_entry_count, c.eager_mode) == (
+        2, "float16", 4096, 256, 0.5, True)
+    assert int(c.quant_policy) == 8
+
+
+@pytest.mark.parametrize("backend", ["turbomind", "auto"])
+def test_turbomind_and_auto_give_turbomind_config(backend: str) -> None:
+    c = build_backend_config(backend=backend, tp=4, dtype="bfloat16", session_len=8192, max_batch_size=128,
+                             cache_max_entry_count=0.9, quant_policy=4)
+    assert isinstance(c, TurbomindEngineConfig)
+    assert (c.tp, c.dtype, c.session_len, c.max_batch_size, c.cache_max_entry_count, c.quant_policy) == (
+        4, "bfloat16", 8192, 128, 0.9, 4)
+
+
+def test_defaults_leave_lmdeploy_defaults() -> None:
+    c = build_backend_config(backend="pytorch")
+    ref = PytorchEngineConfig()
+    assert (c.tp, c.dtype, c.session_len, c.max_batch_size, c.cache_max_entry_count) == (
+        ref.tp, ref.dtype, ref.session_len, ref.max_batch_size, ref.cache_max_entry_count)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"backend": "vllm"}, "--backend"),
+    ({"dtype": "float32"}, "--dtype"),
+    ({"quant_policy": 2}, "--quant-policy"),
+    ({"backend": "pytorch", "cache_max_entry_count": 1.5}, "--cache-max-entry-count"),
+])
+def test_bad_flags_are_clear_errors(kw: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        build_backend_config(**kw)
+
+
+def test_generation_params_map_field_for_field() -> None:
+    p = GenerationParams(max_new_tokens=77, min_new_tokens=3, do_sample=True, temperature=0.3, top_p=0.9, top_k=7,
+                         min_p=0.05, repetition_penalty=1.1, random_seed=42, stop_words=["\n\n"],
+                         stop_token_ids=[2], ignore_eos=True, skip_special_tokens=False, logprobs=5)
+    g = build_gen_config(p.resolved())
+    assert isinstance(g, GenerationConfig)
+    for f in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p",
+              "repetition_penalty", "random_seed", "stop_words", "stop_token_ids", "ignore_eos",
+              "skip_special_tokens", "logprobs"):
+        assert getattr(g, f) == getattr(p, f), f
+
+
+def test_lmdq_defaults_equal_lmdeploy_defaults() -> None:
+    """GenerationParams.resolved() promises LMDeploy's defaults: check against the real class."""
+    ours = build_gen_config(GenerationParams().resolved())
+    ref = GenerationConfig()
+    for f in ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+              "ignore_eos", "skip_special_tokens"):
+        assert getattr(ours, f) == getattr(ref, f), f
+
+
+def test_chat_template_name() -> None:
+    assert resolve_chat_template(None) is None
+    assert resolve_chat_template("llama3").model_name == "llama3"
+
+
+def test_tp_above_visible_gpus_is_a_clear_error() -> None:
+    import torch
+
+    n = torch.cuda.device_count()
+    tp = max(n + 1, 2)
+    with pytest.raises(EngineError, match=f"--tp {tp} needs {tp} GPUs but {n} are visible"):
+        _check_tp(tp)
+    _check_tp(1)
+
+
+def test_worker_flags_reach_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lmdq-worker flags/env → WorkerSettings → the config LMDeployEngine would build."""
+    monkeypatch.setenv("LMDQ_QUANT_POLICY", "8")
+    from worker.settings import WorkerSettings
+
+    s = WorkerSettings(model="/m", engine="lmdeploy", backend="pytorch", tp=1, dtype="float16", session_len=2048,
+                       max_batch_size=64, eager_mode=True)
+    c = build_backend_config(backend=s.backend, tp=s.tp, dtype=s.dtype, session_len=s.session_len,
+                             max_batch_size=s.max_batch_size, cache_max_entry_count=s.cache_max_entry_count,
+                             quant_policy=s.quant_policy, eager_mode=s.eager_mode)
+    assert isinstance(c, PytorchEngineConfig) and int(c.quant_policy) == 8 and c.max_batch_size == 64

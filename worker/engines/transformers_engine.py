@@ -1,0 +1,496 @@
+"""CPU-capable reference engine on plain transformers, with LMDeploy's request semantics.
+
+This engine exists so lmdq runs (and is tested) end to end without a GPU or LMDeploy. It is a
+REFERENCE, not a fast path: requests of a ``stream`` call are decoded one after another at batch
+size 1 with a hand-written KV-cache loop, and one lock serialises every forward pass across threads
+(concurrent ``stream`` calls therefore interleave step by step instead of competing for the same
+cores). The hand-written loop is what gives exact, per-step control over stop words, abort and
+min/max token limits.
+
+Semantics mirror ``lmdeploy.pipeline`` (v0.18, ``AsyncEngine`` + ``GenerationConfig``):
+
+* chat requests go through the chat template with ``add_generation_prompt=True``; a plain ``prompt``
+  on the chat endpoint becomes one user message (LMDeploy's ``do_preprocess=True`` for a str);
+  completion requests are tokenized raw.
+* a prompt of ``>= session_len`` tokens fails alone with ``context_length_exceeded``; otherwise
+  ``max_new_tokens`` is trimmed to fit ``session_len``.
+* stop token ids = request ``stop_token_ids`` + tokenizer eos + generation_config eos; the stop token
+  is neither emitted nor counted. ``ignore_eos`` bans those ids instead (LMDeploy turns them into bad
+  words) and also disables stop words, so generation runs to ``max_new_tokens``.
+* ``min_new_tokens`` bans the stop ids, and ignores stop words, until that many tokens exist.
+* greedy (``do_sample=False``) is argmax and, like LMDeploy, ignores temperature/top-k/top-p and
+  repetition_penalty. Sampling applies repetition penalty, temperature, top-k, top-p, min-p in that
+  order with a per-request seeded ``torch.Generator`` (random seed when none is given).
+
+One deliberate difference: LMDeploy stops on the *token ids* whose text contains a stop word, while
+this engine stops on the exact string (the stop word is cut from the output). For stop words that are
+single tokens, the two agree.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import os
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmdq.contract import ChatMessage
+from worker.engines.base import EngineError, EngineEvent, EngineRequest
+
+__all__ = ["TransformersEngine", "find_stop", "safe_text_end"]
+
+log = logging.getLogger(__name__)
+
+#: Emit an (empty-delta) progress event at least this often, even while text is held back.
+_EVENT_EVERY_TOKENS = 4
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def safe_text_end(text: str, stop_words: Sequence[str]) -> int:
+    """How much of ``text`` may be streamed now: everything except a tail that might still change.
+
+    Held back: a trailing run of U+FFFD (an incomplete multi-byte character that the next token may
+    complete) and the longest tail that is a proper prefix of a stop word (it may become the stop word,
+    which must not be emitted).
+    """
+    end = len(text.rstrip(_REPLACEMENT_CHAR))
+    body = text[:end]
+    for word in stop_words:
+        for k in range(min(len(word) - 1, len(body)), 0, -1):
+            if body.endswith(word[:k]):
+                end = min(end, len(body) - k)
+                break
+    return end
+
+
+def find_stop(text: str, stop_words: Sequence[str], checked_end: int = 0) -> int | None:
+    """Start index of the earliest stop word in ``text`` that ends after ``checked_end``, else None.
+
+    ``checked_end`` is how much text was already searched, so each step only looks at the new tail.
+    """
+    best: int | None = None
+    for word in stop_words:
+        pos = text.find(word, max(0, checked_end - len(word) + 1))
+        if pos != -1 and (best is None or pos < best):
+            best = pos
+    return best
+
+
+class _BadRequest(ValueError):
+    """The request itself is unusable (the caller's fault): reported as ``bad_request``."""
+
+
+@dataclass
+class _Sampling:
+    """The effective decoding settings of one request (LMDeploy's resolved GenerationConfig)."""
+
+    max_new_tokens: int
+    min_new_tokens: int
+    greedy: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    seed: int
+    stop_words: list[str]
+    stop_ids: set[int]
+    banned_ids: list[int]
+    skip_special_tokens: bool
+
+
+class TransformersEngine:
+    """The :class:`~worker.engines.base.Engine` protocol on transformers (CPU or one GPU)."""
+
+    name: str = "transformers"
+    backend: str = "transformers"
+
+    def __init__(
+        self,
+        *,
+        model_path: str | Path,
+        served_model_name: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        chat_template: str | None = None,
+        session_len: int | None = None,
+    ) -> None:
+        """Load tokenizer and model once. Raises EngineError when the model cannot be served at all."""
+        # Workers are offline by design; a missing local file must fail, not trigger a download.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise EngineError(f"the transformers engine needs `pip install 'lmdq[cpu]'`: {exc}") from exc
+        self._torch = torch
+        if dtype not in _DTYPES:
+            raise EngineError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+
+        path = Path(model_path).expanduser()
+        self.model_path = path
+        self.model_name: str = served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise EngineError(f"bad device {device!r}: {exc}") from exc
+        self.dtype = self._resolve_dtype(dtype)
+
+        load_kw: dict[str, Any] = {"local_files_only": True}
+        source = str(path)
+        if path.is_file() and path.suffix == ".gguf":
+            source, load_kw["gguf_file"] = str(path.parent), path.name
+        try:
+            self._tokenizer: Any = AutoTokenizer.from_pretrained(source, **load_kw)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=self.dtype, **load_kw)
+            model.to(self.device)
+            model.eval()
+        except Exception as exc:
+            raise EngineError(f"could not load model from {path}: {exc}") from exc
+        self._model: Any = model
+        self._chat_template = self._load_chat_template(chat_template)
+        forward_params = inspect.signature(model.forward).parameters
+        self._accepts_logits_to_keep = "logits_to_keep" in forward_params
+        # transformers >= 5.2x renamed ``past_key_values`` to ``cache``; the old name still works but goes
+        # through a deprecation shim on every step.
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        default_len = max_pos if isinstance(max_pos, int) and max_pos > 0 else 4096
+        self.session_len: int = session_len if session_len is not None else default_len
+        if self.session_len < 2:
+            raise EngineError(f"session_len must be >= 2, got {self.session_len}")
+        self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids())
+        self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))
+
+        # One lock serialises forward passes (each request owns its KV cache, but concurrent forwards would
+        # only fight for the same cores, or race for GPU memory); a separate one guards the Rust tokenizer,
+        # whose concurrent use can raise "Already borrowed".
+        self._model_lock = threading.Lock()
+        self._tok_lock = threading.RLock()
+        self._closed = False
+        self._warm_up()
+        log.info(
+            "transformers engine ready: model=%s device=%s dtype=%s session_len=%d eos=%s",
+            self.model_name,
+            self.device,
+            self.dtype,
+            self.session_len,
+            sorted(self.eos_token_ids),
+        )
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _resolve_dtype(self, dtype: str) -> Any:
+        """'auto' = float32 on CPU (bf16/fp16 matmuls are slow and less exact there), bf16 on GPU."""
+        torch = self._torch
+        if dtype == "auto":
+            if self.device.type == "cuda":
+                return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.float32
+        return getattr(torch, dtype)
+
+    def _load_chat_template(self, chat_template: str | None) -> str | None:
+        """The override (a file path or a Jinja string) wins over the tokenizer's own template."""
+        if chat_template is None:
+            return getattr(self._tokenizer, "chat_template", None) or None
+        candidate = Path(chat_template).expanduser()
+        if "{" not in chat_template and len(chat_template) < 4096:
+            try:
+                if candidate.is_file():
+                    return candidate.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise EngineError(f"cannot read chat template {candidate}: {exc}") from exc
+            raise EngineError(f"chat_template {chat_template!r} is neither a file nor a Jinja template")
+        return chat_template
+
+    def _eos_ids(self) -> set[int]:
+        """Tokenizer eos + generation_config eos (int or list), as LMDeploy's update_from_hf_gen_cfg."""
+        ids: set[int] = set()
+        tok_eos = getattr(self._tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int):
+            ids.add(tok_eos)
+        gen_cfg = getattr(self._model, "generation_config", None)
+        eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(i) for i in eos)
+        return ids
+
+    def _warm_up(self) -> None:
+        """One tiny forward at load time: safetensors are mmapped, so the first forward pages in the whole
+        model (seconds on a cold disk) and would otherwise be billed to the first request's latency."""
+        torch = self._torch
+        try:
+            with torch.inference_mode():
+                self._model(input_ids=torch.tensor([[0, 1]], device=self.device), use_cache=False)
+        except Exception as exc:
+            raise EngineError(f"the model failed its warm-up forward pass: {exc}") from exc
+
+    # ------------------------------------------------------------------ public API
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` encodes to without special tokens (what generate_token_len counts)."""
+        self._require_open()
+        with self._tok_lock:
+            return len(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def close(self) -> None:
+        """Free the model (waits for an in-flight step). Idempotent; later stream calls raise EngineError."""
+        with self._model_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            self._torch.cuda.empty_cache()
+
+    def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
+        """Run ``requests`` one after another, yielding deltas and exactly one final event per request."""
+        self._require_open()
+        for req in requests:
+            if abort.is_set():
+                yield EngineEvent(index=req.index, finish_reason="abort")
+                continue
+            yield from self._run_one(req, abort)
+
+    # ------------------------------------------------------------------ per request
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise EngineError("the transformers engine is closed")
+
+    def _run_one(self, req: EngineRequest, abort: threading.Event) -> Iterator[EngineEvent]:
+        """One request from prompt to final event; its failures never escape as exceptions."""
+        try:
+            input_ids = self._prompt_ids(req)
+            sampling = self._sampling(req, len(input_ids))
+        except _BadRequest as exc:
+            yield _error(req.index, "bad_request", str(exc))
+            return
+        except Exception as exc:  # a bug or an odd tokenizer: this request fails, the call goes on
+            log.exception("preparing request %d failed", req.index)
+            yield _error(req.index, "internal_error", f"{type(exc).__name__}: {exc}")
+            return
+        input_len = len(input_ids)
+        if input_len >= self.session_len:
+            yield _error(
+                req.index,
+                "context_length_exceeded",
+                f"Input length ({input_len}) must be smaller than the model context length ({self.session_len}).",
+                input_token_len=input_len,
+            )
+            return
+        yield from self._generate(req.index, input_ids, sampling, abort)
+
+    def _prompt_ids(self, req: EngineRequest) -> list[int]:
+        """Template (chat) or take verbatim (completion), then tokenize as LMDeploy does (with BOS)."""
+        if req.raw:
+            if req.prompt is None:
+                raise _BadRequest("completion requests need 'prompt'")
+            text = req.prompt
+        else:
+            if req.messages is not None:
+                messages = _normalise_messages(req.messages)
+            elif req.prompt is not None:
+                messages = [{"role": "user", "content": req.prompt}]
+            else:
+                raise _BadRequest("a request needs 'prompt' or 'messages'")
+            if not self._chat_template:
+                raise _BadRequest("this model has no chat template: use the completion endpoint or --chat-template")
+            text = self._apply_template(messages)
+        with self._tok_lock:
+            ids: list[int] = list(self._tokenizer.encode(text, add_special_tokens=True))
+        bos = getattr(self._tokenizer, "bos_token_id", None)
+        # A template that writes BOS itself plus a tokenizer that adds one would double it.
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        if not ids:
+            raise _BadRequest("the prompt encodes to zero tokens")
+        return ids
+
+    def _apply_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render messages; anything the template rejects is the request's fault (bad_request)."""
+        from jinja2 import TemplateError
+
+        try:
+            with self._tok_lock:
+                text = self._tokenizer.apply_chat_template(
+                    messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False
+                )
+        except (TemplateError, TypeError, ValueError, KeyError) as exc:
+            raise _BadRequest(f"the chat template rejected the messages: {exc}") from exc
+        if not isinstance(text, str):
+            raise _BadRequest("the chat template did not render to text")
+        return text
+
+    def _sampling(self, req: EngineRequest, input_len: int) -> _Sampling:
+        """Resolve params with LMDeploy defaults and trim max_new_tokens to the session."""
+        p = req.params.resolved()
+        ignore_eos = bool(p["ignore_eos"])
+        stop_ids = self.eos_token_ids | set(p["stop_token_ids"] or [])
+        stop_words = [] if ignore_eos else [w for w in (p["stop_words"] or []) if w]
+        temperature = float(p["temperature"])
+        seed = p["random_seed"]
+        return _Sampling(
+            max_new_tokens=max(1, min(int(p["max_new_tokens"]), self.session_len - input_len)),
+            min_new_tokens=int(p["min_new_tokens"] or 0),
+            greedy=not p["do_sample"] or temperature == 0.0,
+            temperature=temperature,
+            top_p=float(p["top_p"]),
+            top_k=int(p["top_k"]),
+            min_p=float(p["min_p"]),
+            repetition_penalty=float(p["repetition_penalty"]),
+            seed=int(seed) if seed is not None else random.getrandbits(63),
+            stop_words=stop_words,
+            stop_ids=set() if ignore_eos else stop_ids,
+            banned_ids=sorted(i for i in stop_ids if i < self._vocab_size) if ignore_eos else [],
+            skip_special_tokens=bool(p["skip_special_tokens"]),
+        )
+
+    def _generate(
+        self, index: int, input_ids: list[int], s: _Sampling, abort: threading.Event
+    ) -> Iterator[EngineEvent]:
+        """The decode loop: one forward per token under the model lock, streaming stable text."""
+        torch = self._torch
+        input_len = len(input_ids)
+        min_ban = sorted(i for i in s.stop_ids if i < self._vocab_size)
+        generator = None if s.greedy else torch.Generator(device=self.device).manual_seed(s.seed)
+        history = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        step_input = history.unsqueeze(0)
+        cache: Any = None
+        gen_ids: list[int] = []
+        text, emitted, last_event_at = "", 0, 0
+        finish: str | None = None
+        try:
+            while finish is None:
+                if abort.is_set():
+                    finish = "abort"
+                    break
+                with self._model_lock:
+                    if self._model is None:
+                        raise EngineError("the transformers engine was closed during generation")
+                    kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
+                    if self._accepts_logits_to_keep:
+                        kwargs["logits_to_keep"] = 1
+                    with torch.inference_mode():
+                        out = self._model(input_ids=step_input, **kwargs)
+                        cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
+                        logits = out.logits[0, -1].float()
+                        banned = s.banned_ids + (min_ban if len(gen_ids) < s.min_new_tokens else [])
+                        token = self._next_token(logits, history, s, banned, generator)
+                if token in s.stop_ids:
+                    finish = "stop"
+                    break
+                gen_ids.append(token)
+                history = torch.cat([history, history.new_tensor([token])])
+                step_input = history[-1:].unsqueeze(0)
+                stable_before = len(text.rstrip(_REPLACEMENT_CHAR))
+                with self._tok_lock:
+                    text = self._tokenizer.decode(
+                        gen_ids, skip_special_tokens=s.skip_special_tokens, clean_up_tokenization_spaces=False
+                    )
+                if s.stop_words and len(gen_ids) > s.min_new_tokens:
+                    # Stop words ending inside the first min_new_tokens tokens don't count (LMDeploy bans
+                    # stop tokens there); stable_before keeps U+FFFD-completed characters searchable.
+                    pos = find_stop(text, s.stop_words, stable_before)
+                    if pos is not None:
+                        text, finish = text[:pos], "stop"
+                        break
+                if len(gen_ids) >= s.max_new_tokens:
+                    finish = "length"
+                    break
+                end = safe_text_end(text, s.stop_words)
+                if end > emitted or len(gen_ids) - last_event_at >= _EVENT_EVERY_TOKENS:
+                    delta = text[emitted:end] if end > emitted else ""
+                    emitted = max(emitted, end)
+                    last_event_at = len(gen_ids)
+                    yield EngineEvent(
+                        index=index, text=delta, input_token_len=input_len, generate_token_len=len(gen_ids)
+                    )
+        except EngineError:
+            raise
+        except Exception as exc:
+            log.exception("generation of request %d failed", index)
+            yield _error(
+                index,
+                "internal_error",
+                f"{type(exc).__name__}: {exc}",
+                input_token_len=input_len,
+                generate_token_len=len(gen_ids),
+            )
+            return
+        finally:
+            del cache
+        yield EngineEvent(
+            index=index,
+            text=text[emitted:] if len(text) > emitted else "",
+            input_token_len=input_len,
+            generate_token_len=len(gen_ids),
+            finish_reason=finish,
+        )
+
+    def _next_token(self, logits: Any, history: Any, s: _Sampling, banned: list[int], generator: Any) -> int:
+        """Pick one token: argmax for greedy, else penalty -> temperature -> top-k -> top-p -> min-p -> draw."""
+        torch = self._torch
+        if banned:
+            logits[banned] = -float("inf")
+        if s.greedy:
+            return int(torch.argmax(logits).item())
+        if s.repetition_penalty != 1.0:
+            seen = history.unique()
+            scores = logits[seen]
+            logits[seen] = torch.where(scores < 0, scores * s.repetition_penalty, scores / s.repetition_penalty)
+        logits = logits / s.temperature
+        if 0 < s.top_k < logits.numel():
+            kth = torch.topk(logits, s.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, -float("inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if s.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) > s.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if s.min_p > 0.0:
+            probs = probs.masked_fill(probs < s.min_p * probs.max(), 0.0)
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validate roles and flatten text parts to a string, as lmdq serves text-only models."""
+    out: list[dict[str, Any]] = []
+    for raw in messages:
+        if not isinstance(raw, dict):
+            raise _BadRequest("each message must be an object")
+        try:
+            msg = ChatMessage.model_validate(raw)
+            content = msg.text()
+        except ValueError as exc:
+            raise _BadRequest(f"invalid message: {exc}") from exc
+        out.append({**raw, "role": msg.role, "content": content})
+    return out
+
+
+def _error(
+    index: int, code: str, message: str, *, input_token_len: int = 0, generate_token_len: int = 0
+) -> EngineEvent:
+    """A final error event (the request fails alone; the call carries on)."""
+    return EngineEvent(
+        index=index,
+        input_token_len=input_token_len,
+        generate_token_len=generate_token_len,
+        finish_reason="error",
+        error_code=code,
+        error_message=message,
+    )
