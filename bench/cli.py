@@ -31,6 +31,8 @@ def efficiency(
     backend: Annotated[str, typer.Option()] = "pytorch",
     dtype: Annotated[str, typer.Option()] = "auto",
     cache_max_entry_count: Annotated[float, typer.Option()] = 0.8,
+    tp: Annotated[int, typer.Option(help="tensor parallel GPUs (lmdeploy)")] = 1,
+    skip_naive: Annotated[bool, typer.Option(help="skip the one-job-at-a-time baseline")] = False,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
@@ -39,7 +41,7 @@ def efficiency(
     from bench.local_redis import local_redis
 
     cfg = EfficiencyConfig(n=n, batch_size=batch_size, input_len=input_len, output_len=output_len, repeat=repeat,
-                           jobs_in_flight=jobs_in_flight)
+                           jobs_in_flight=jobs_in_flight, naive=not skip_naive)
     if engine == "sim":
         from worker.engines.sim import SimEngine
 
@@ -59,7 +61,7 @@ def efficiency(
             model_name = model or ""
         if not model:
             raise typer.BadParameter("--model or --random-llama8b is required", param_hint="--model")
-        eng = LMDeployEngine(model_path=model, served_model_name="bench", backend=backend, dtype=dtype,
+        eng = LMDeployEngine(model_path=model, served_model_name="bench", backend=backend, dtype=dtype, tp=tp,
                              cache_max_entry_count=cache_max_entry_count)  # type: ignore[assignment]
     else:
         from worker.engines.transformers_engine import TransformersEngine
@@ -73,10 +75,12 @@ def efficiency(
     with local_redis(redis_url) as url:
         res = run_efficiency(eng, cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
     eng.close()
-    out = {"engine": engine, "model": model_name, "n": n, "batch_size": batch_size, "input_len": input_len,
+    out = {"engine": engine, "model": model_name, "tp": tp, "n": n, "batch_size": batch_size, "input_len": input_len,
            "output_len": output_len, **res}
     print(f"{'path':8s} {'tok/s':>10s} {'vs raw':>7s}")
     for k in ("raw", "lmdq", "naive"):
+        if res.get(k + "_tok_s") is None:
+            continue
         print(f"{k:8s} {res[k + '_tok_s']:>10,.0f} {res[k + '_tok_s'] / res['raw_tok_s']:>7.3f}")
     line = json.dumps({k: out[k] for k in ("engine", "model", "n", "batch_size", "raw_tok_s", "lmdq_tok_s",
                                            "naive_tok_s", "ratio")} | {"detail": out})

@@ -43,3 +43,15 @@ def model_path() -> Path:
 def gpu_dtype() -> str:
     """dtype the suite runs SmolLM2 in (see docs/gpu-validation.md for why float16)."""
     return os.environ.get("LMDQ_GPU_DTYPE", "float16")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """A folder with SmolLM2's tokenizer files (vocab 49152) for random-weight models."""
+    t = os.environ.get("LMDQ_GPU_TOKENIZER")
+    if t:
+        return Path(t)
+    p = Path(os.environ.get("LMDQ_GPU_MODEL", "/root/models/smollm2-135m-instruct"))
+    if not (p / "tokenizer.json").exists():
+        pytest.skip("no tokenizer folder (set LMDQ_GPU_TOKENIZER)")
+    return p

@@ -32,7 +32,7 @@ def _build(tmp: Path, shape: dict, model_path: Path, dtype: str) -> Path:
                       rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, torch_dtype=dtype, **shape)
     m = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     m.save_pretrained(tmp)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (model_path / f).exists():
             shutil.copy(model_path / f, tmp / f)
     return tmp
@@ -40,12 +40,12 @@ def _build(tmp: Path, shape: dict, model_path: Path, dtype: str) -> Path:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_greedy_parity(name: str, dtype: str, model_path: Path, tmp_path: Path) -> None:
+def test_greedy_parity(name: str, dtype: str, tokenizer_dir: Path, tmp_path: Path) -> None:
     import torch
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
     from transformers import AutoModelForCausalLM
 
-    folder = _build(tmp_path / name, SHAPES[name], model_path, dtype)
+    folder = _build(tmp_path / name, SHAPES[name], tokenizer_dir, dtype)
     pipe = pipeline(str(folder), backend_config=PytorchEngineConfig(dtype=dtype, cache_max_entry_count=0.2,
                                                                       session_len=512))
     try:
