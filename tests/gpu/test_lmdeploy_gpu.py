@@ -27,7 +27,7 @@ def engine(model_path: Path, gpu_dtype: str):  # type: ignore[no-untyped-def]
     from worker.engines.lmdeploy_engine import LMDeployEngine
 
     eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
-                         dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3)
+                         dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, emit_interval_s=0.02)
     yield eng
     eng.close()
 
@@ -88,11 +88,10 @@ def test_greedy_is_deterministic(engine) -> None:  # type: ignore[no-untyped-def
 def test_token_counts_match_tokenizer(engine, hf_tok) -> None:  # type: ignore[no-untyped-def]
     out = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=24, ignore_eos=True)])
     text, last, _ = out[0]
-    templated = hf_tok.apply_chat_template(CAPITAL, add_generation_prompt=True, tokenize=True)
-    if isinstance(templated, dict):  # transformers 5 returns a BatchEncoding
-        templated = templated["input_ids"]
-    assert last.input_token_len == len(templated)
+    templated = hf_tok.apply_chat_template(CAPITAL, add_generation_prompt=True, tokenize=False)
+    assert last.input_token_len == len(hf_tok.encode(templated, add_special_tokens=False))
     assert last.generate_token_len == 24 and last.finish_reason == "length"
+    assert len(hf_tok.encode(text, add_special_tokens=False)) in (23, 24, 25)  # re-tokenising is not exact
 
 
 def test_stop_words(engine) -> None:  # type: ignore[no-untyped-def]
@@ -130,7 +129,7 @@ def test_abort_in_flight(engine) -> None:  # type: ignore[no-untyped-def]
 
 def test_streams_several_deltas(engine) -> None:  # type: ignore[no-untyped-def]
     out = _run(engine, [_req(0, prompt="Write a long story about a cat.", max_new_tokens=200, ignore_eos=True)])
-    assert out[0][2] > 10  # many chunks, not one final blob
+    assert out[0][2] > 3  # several coalesced deltas, not one final blob
 
 
 def test_worker_writes_partials_before_finish(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

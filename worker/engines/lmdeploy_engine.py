@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,9 @@ def build_backend_config(
     if backend == "pytorch":
         if not 0 < cache_max_entry_count < 1:
             raise ValueError("--cache-max-entry-count: the PyTorch engine needs a fraction 0 < x < 1")
-        return PytorchEngineConfig(**common, eager_mode=eager_mode)
+        # tp > 1 on one host: multiprocessing executor (LMDeploy's default for tp > 1 wants ray).
+        extra: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
+        return PytorchEngineConfig(**common, eager_mode=eager_mode, **extra)
     return TurbomindEngineConfig(**common)
 
 
@@ -129,6 +132,7 @@ class LMDeployEngine:
         eager_mode: bool = False,
         raw: bool = False,
         log_level: str = "WARNING",
+        emit_interval_s: float = 0.5,
     ) -> None:
         _check_tp(tp)
         from lmdeploy import pipeline
@@ -154,14 +158,21 @@ class LMDeployEngine:
         self.backend = "pytorch" if type(bc).__name__.startswith("Pytorch") else "turbomind"
         self.capacity = int(getattr(bc, "max_batch_size", None) or 128)
         self.raw = raw
+        self.emit_interval_s = emit_interval_s
         self._closed = False
 
     def count_tokens(self, text: str) -> int:
         return len(self.pipe.async_engine.tokenizer.encode(text, add_bos=False))
 
-    def _prompt(self, r: EngineRequest) -> Any:
+    @staticmethod
+    def _prompt(r: EngineRequest, preprocess: bool) -> Any:
+        """What stream_infer gets. It refuses a list mixing strings and message lists, so with
+        the chat template on, a plain prompt becomes one user message (what LMDeploy itself does
+        with a str prompt)."""
         if r.messages is not None:
             return r.messages
+        if preprocess:
+            return [{"role": "user", "content": r.prompt}]
         return r.prompt
 
     def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
@@ -180,7 +191,7 @@ class LMDeployEngine:
     ) -> Iterator[EngineEvent]:
         if any(r.messages is not None for r in group) and not preprocess:
             raise EngineError("messages need the chat template (do not combine with --raw)")
-        prompts = [self._prompt(r) for r in group]
+        prompts = [self._prompt(r, preprocess) for r in group]
         gens = [build_gen_config(r.params.resolved()) for r in group]
         sessions = [self.pipe.session() for _ in group]
         open_ = set(range(len(group)))
@@ -199,23 +210,31 @@ class LMDeployEngine:
         watcher = threading.Thread(target=watch_abort, daemon=True, name="lmdq-abort-watch")
         watcher.start()
         try:
-            for out in self.pipe.stream_infer(
-                prompts, sessions=sessions, gen_config=gens, do_preprocess=preprocess, stream_response=True
-            ):
+            # LMDeploy yields one chunk per token per request. Handing each one up costs GIL time
+            # the engine's own loop needs, so deltas are coalesced here: an event goes up for the
+            # first token (time to first token), then at most every ``emit_interval_s``, and at the end.
+            pending: dict[int, list[str]] = {}
+            last_emit: dict[int, float] = {}
+            interval = self.emit_interval_s
+            for out in self.pipe.stream_infer(prompts, sessions=sessions, gen_config=gens,
+                                              do_preprocess=preprocess, stream_response=True):
                 i = out.index
-                r = group[i]
-                ev = EngineEvent(
-                    index=r.index,
-                    text=out.text or "",
-                    input_token_len=out.input_token_len or 0,
-                    generate_token_len=out.generate_token_len or 0,
-                    finish_reason=out.finish_reason,
-                    error_code=getattr(out, "error_code", None),
-                    error_message=getattr(out, "error_message", None),
-                )
-                if out.finish_reason is not None:
+                if out.text:
+                    pending.setdefault(i, []).append(out.text)
+                if out.finish_reason is None:
+                    if not out.generate_token_len:
+                        continue
+                    now = time.monotonic()
+                    if i in last_emit and now - last_emit[i] < interval:
+                        continue
+                    last_emit[i] = now
+                else:
                     open_.discard(i)
-                yield ev
+                yield EngineEvent(index=group[i].index, text="".join(pending.pop(i, ())),
+                                  input_token_len=out.input_token_len or 0,
+                                  generate_token_len=out.generate_token_len or 0, finish_reason=out.finish_reason,
+                                  error_code=getattr(out, "error_code", None),
+                                  error_message=getattr(out, "error_message", None))
         except Exception as e:
             raise EngineError(f"stream_infer failed: {e!r}") from e
         finally:
@@ -229,7 +248,7 @@ class LMDeployEngine:
     def infer_all(self, requests: Sequence[EngineRequest]) -> list[Any]:
         """One plain ``pipe(prompts)`` call: the raw-pipeline baseline benchmarks compare against."""
         raw = all(r.raw or self.raw for r in requests)
-        return list(self.pipe([self._prompt(r) for r in requests],
+        return list(self.pipe([self._prompt(r, not raw) for r in requests],
                               gen_config=[build_gen_config(r.params.resolved()) for r in requests],
                               do_preprocess=not raw))
 
