@@ -7,9 +7,10 @@ password redacted, not a traceback.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -18,11 +19,34 @@ from redis.retry import Retry
 
 from lmdq.errors import RedisUnavailable
 
-__all__ = ["connect", "redact_url", "with_reconnect"]
+__all__ = ["RETRYABLE_ERRORS", "connect", "redact_url", "with_reconnect"]
 
 T = TypeVar("T")
 
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
+RETRYABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
+"""Errors that mean "Redis is (re)starting or unreachable": wait and retry, never give up work."""
+_RETRYABLE = RETRYABLE_ERRORS
+
+_CREDENTIAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
+"""Subclasses of ConnectionError that retrying cannot fix: the credentials were refused."""
+
+
+class _Retry(Retry):
+    """redis-py's Retry, except refused credentials fail at once instead of after ~16 s of backoff."""
+
+    def call_with_retry(
+        self, do: Callable[[], T], fail: Callable[..., Any], is_retryable: Any = None, *args: Any, **kwargs: Any
+    ) -> T:
+        def retryable(e: Exception) -> bool:
+            return not isinstance(e, _CREDENTIAL_ERRORS) and (is_retryable is None or bool(is_retryable(e)))
+
+        return super().call_with_retry(do, fail, retryable, *args, **kwargs)
+
+
+# Older redis-py has no is_retryable hook; there, credential errors are retried like any other.
+_RETRY_CLASS: type[Retry] = (
+    _Retry if "is_retryable" in inspect.signature(Retry.call_with_retry).parameters else Retry
+)
 
 
 def redact_url(url: str) -> str:
@@ -46,7 +70,7 @@ def connect(url: str, *, check: bool = True, retries: int = 6) -> redis.Redis:
     try:
         client = redis.Redis.from_url(
             url,
-            retry=Retry(ExponentialBackoff(cap=5.0, base=0.2), retries),
+            retry=_RETRY_CLASS(ExponentialBackoff(cap=5.0, base=0.2), retries),
             retry_on_error=list(_RETRYABLE),
             health_check_interval=30,
             socket_keepalive=True,
@@ -84,7 +108,7 @@ def with_reconnect(
         try:
             return fn()
         except _RETRYABLE as e:
-            if i == attempts - 1:
+            if i == attempts - 1 or isinstance(e, _CREDENTIAL_ERRORS):
                 raise
             if on_retry:
                 on_retry(e, delay)

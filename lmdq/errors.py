@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LmdqError", "BatchNotFound", "RedisUnavailable", "SubmitRejected", "UnknownModel"]
+__all__ = ["LmdqError", "BatchNotFound", "RedisUnavailable", "RetryRejected", "SubmitRejected", "UnknownModel"]
 
 
 class LmdqError(Exception):
@@ -25,6 +25,10 @@ class SubmitRejected(LmdqError):
     """The input file was not accepted; nothing was enqueued."""
 
     exit_code = 2
+
+
+class RetryRejected(LmdqError):
+    """``retry`` found nothing to resubmit, or the batch cannot be retried (yet); nothing was enqueued."""
 
 
 class RedisUnavailable(LmdqError):

@@ -12,11 +12,13 @@ re-running part of a job is safe.
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+from rq.exceptions import DeserializationError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
@@ -198,9 +200,17 @@ class JobQueue:
 
     @staticmethod
     def payload_of(job: Job) -> JobPayload:
-        """Decode a job's single argument; raises ValueError for anything not an lmdq payload."""
-        if job.func_name != JOB_FUNCTION:
-            raise ValueError(f"refusing job {job.id}: function {job.func_name!r} is not {JOB_FUNCTION!r}")
+        """Decode a job's single argument; raises ValueError for anything not an lmdq payload.
+
+        Jobs are fetched with the JSON serializer, so a pickled job (rq's default) fails to decode
+        here and is refused: its bytes are never unpickled.
+        """
+        try:
+            func_name = job.func_name
+        except DeserializationError as e:
+            raise ValueError(f"refusing job {job.id}: its data is not JSON (lmdq jobs are JSON only)") from e
+        if func_name != JOB_FUNCTION:
+            raise ValueError(f"refusing job {job.id}: function {func_name!r} is not {JOB_FUNCTION!r}")
         if len(job.args) != 1 or job.kwargs:
             raise ValueError(f"refusing job {job.id}: expected one payload argument")
         return JobPayload.model_validate(job.args[0])
@@ -213,6 +223,31 @@ class JobQueue:
             claim.job.prepare_for_execution(worker, p)
             claim.execution = Execution.create(claim.job, ttl_s, p, worker_name=worker)
             p.execute()
+
+    def mark_refused(self, job_id: str, reason: str, *, ttl_s: int) -> bool:
+        """Record a refused (foreign) job as failed in RQ WITHOUT decoding or re-saving it.
+
+        Only plain fields are written (status, reason, FailedJobRegistry entry), so a job that is
+        not lmdq's JSON is never deserialized. Returns False when there is no job hash.
+        """
+        key = Job.key_for(job_id)
+        origin = self.client.hget(key, "origin")
+        if origin is None:
+            return False
+        registry = FailedJobRegistry(origin.decode(), connection=self.client, serializer=SERIALIZER)
+        with self.client.pipeline() as p:
+            p.hset(
+                key,
+                mapping={
+                    "status": JobStatus.FAILED.value,
+                    "exc_info": zlib.compress(reason.encode()),
+                    "ended_at": _utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                },
+            )
+            p.expire(key, ttl_s)
+            p.zadd(registry.key, {job_id: int(time.time()) + ttl_s})
+            p.execute()
+        return True
 
     def heartbeat(self, claims: Iterable[Claim], *, worker: str, lease_s: float) -> list[str]:
         """Extend leases this worker still owns; returns job ids it has lost (reaped)."""

@@ -25,3 +25,6 @@ class CommonSettings(BaseSettings):
     result_ttl_s: int = Field(default=7 * 24 * 3600, ge=60, description="how long batches and results are kept")
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     log_level: str = "INFO"
+    redis_retries: int = Field(
+        default=6, ge=0, le=100, description="reconnect attempts per Redis command (backoff 0.4 s doubling to 5 s)"
+    )

@@ -38,7 +38,7 @@ def _settings() -> ProducerSettings:
 
 def _client() -> Any:
     if "client" not in _STATE:
-        _STATE["client"] = connect(_settings().redis_url)
+        _STATE["client"] = connect(_settings().redis_url, retries=_settings().redis_retries)
     return _STATE["client"]
 
 
@@ -296,6 +296,39 @@ def cancel(
     s = _settings()
     b = cancel_batch(_client(), Keys(s.key_prefix), batch_id, ttl_s=s.result_ttl_s)
     _print_batch(b, as_json)
+
+
+@app.command()
+def retry(
+    batch_id: Annotated[str, typer.Argument(help="an ended batch")],
+    include_cancelled: Annotated[bool, typer.Option(help="also resubmit cancelled requests")] = False,
+    include_expired: Annotated[bool, typer.Option(help="also resubmit expired requests")] = False,
+    priority: Annotated[Priority | None, typer.Option(help="queue priority (default: the batch's)")] = None,
+    idempotency_key: Annotated[str | None, typer.Option(help="same key → same retry batch")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the new batch as a JSON object")] = False,
+) -> None:
+    """Resubmit BATCH's failed requests as a new batch (same custom_ids and params); prints its id."""
+    from producer.retry import retry_batch
+
+    s = _settings()
+    batch, created = retry_batch(
+        _client(),
+        Keys(s.key_prefix),
+        batch_id,
+        ttl_s=s.result_ttl_s,
+        include_cancelled=include_cancelled,
+        include_expired=include_expired,
+        priority=priority,
+        idempotency_key=idempotency_key,
+    )
+    if as_json:
+        out = json.loads(batch.model_dump_json())
+        out["created"] = created
+        typer.echo(json.dumps(out))
+    else:
+        if not created:
+            err.print("idempotency key matched an existing batch; nothing enqueued")
+        typer.echo(batch.id)
 
 
 def main() -> None:

@@ -13,12 +13,13 @@ import hashlib
 import time
 import uuid
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
@@ -27,7 +28,15 @@ from lmdq.keys import Keys, queue_name
 from lmdq.store import ResultStore
 from producer.formats import InputError, InputFormat, InputLimits, ParsedLine, detect_format, iter_lines
 
-__all__ = ["SubmitOptions", "submit_file", "known_models"]
+__all__ = [
+    "SubmitOptions",
+    "claim_idempotency_key",
+    "enqueue_batch",
+    "job_payloads",
+    "known_models",
+    "new_batch_id",
+    "submit_file",
+]
 
 Progress = Callable[[int], None]
 
@@ -46,6 +55,10 @@ class SubmitOptions:
     limits: InputLimits = field(default_factory=InputLimits)
     max_errors: int = 20
     fmt: InputFormat | None = None
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex[:24]}"
 
 
 def _h64(s: str) -> int:
@@ -130,22 +143,30 @@ def _request_dict(index: int, item: ParsedLine) -> dict[str, Any]:
     return d
 
 
-def _jobs(path: Path, opts: SubmitOptions, batch_id: str, model: str) -> Iterator[dict[str, Any]]:
-    """Pass 2: job payload dicts of ``batch_size`` requests, in input order."""
-    params = opts.params.model_dump(exclude_none=True)
-    reqs: list[dict[str, Any]] = []
-    job_no = 0
+def _file_requests(path: Path, opts: SubmitOptions) -> Iterator[dict[str, Any]]:
+    """Pass 2: the file's request dicts, in input order."""
     for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
         if isinstance(item, InputError):  # the file changed since pass 1
             raise SubmitRejected(f"{item} (the file changed during submit)")
-        reqs.append(_request_dict(index, item))
-        if len(reqs) == opts.batch_size:
+        yield _request_dict(index, item)
+
+
+def job_payloads(
+    requests: Iterable[dict[str, Any]], *, batch_id: str, model: str, params: GenerationParams, batch_size: int
+) -> Iterator[dict[str, Any]]:
+    """Job payload dicts of ``batch_size`` requests each, in request order."""
+    p = params.model_dump(exclude_none=True)
+    reqs: list[dict[str, Any]] = []
+    job_no = 0
+    for req in requests:
+        reqs.append(req)
+        if len(reqs) == batch_size:
             yield {
                 "format_version": 1,
                 "batch_id": batch_id,
                 "model": model,
                 "job_no": job_no,
-                "params": params,
+                "params": p,
                 "requests": reqs,
             }
             job_no += 1
@@ -156,9 +177,67 @@ def _jobs(path: Path, opts: SubmitOptions, batch_id: str, model: str) -> Iterato
             "batch_id": batch_id,
             "model": model,
             "job_no": job_no,
-            "params": params,
+            "params": p,
             "requests": reqs,
         }
+
+
+def claim_idempotency_key(client: redis.Redis, keys: Keys, key: str, batch_id: str, ttl_s: int) -> str | None:
+    """Bind ``key`` to ``batch_id`` unless it is bound already; returns the existing batch id then.
+
+    SET NX first, so two concurrent submits with one key cannot both enqueue.
+    """
+    if client.set(keys.idempotency(key), batch_id, nx=True, ex=ttl_s):
+        return None
+    existing = client.get(keys.idempotency(key))
+    assert existing is not None
+    return existing.decode()
+
+
+def enqueue_batch(
+    batch: Batch,
+    requests: Iterable[dict[str, Any]],
+    *,
+    client: redis.Redis,
+    keys: Keys,
+    ttl_s: int,
+    enqueue_progress: Progress | None = None,
+    chunk_jobs: int = 256,
+) -> Batch:
+    """Create ``batch`` (status validating), stage its jobs, and make them all visible at once.
+
+    On any failure before the commit, everything staged is deleted (idempotency key included),
+    so a batch is either fully enqueued or not at all.
+    """
+    store = ResultStore(client, keys=keys, ttl_s=ttl_s)
+    jq = JobQueue(client, keys=keys, job_ttl_s=ttl_s)
+    queue = queue_name(batch.model, batch.priority, keys.prefix)
+    store.create_batch(batch)
+    try:
+        pipe = client.pipeline(transaction=False)
+        staged = 0
+        for payload in job_payloads(
+            requests, batch_id=batch.id, model=batch.model, params=batch.params, batch_size=batch.batch_size
+        ):
+            jq.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
+            staged += 1
+            if staged % chunk_jobs == 0:
+                pipe.execute()
+                if enqueue_progress:
+                    enqueue_progress(staged)
+        pipe.execute()
+        if enqueue_progress:
+            enqueue_progress(staged)
+        jq.commit(batch.id, queue)
+    except BaseException:
+        jq.discard_staged(batch.id)
+        client.delete(keys.batch(batch.id))
+        client.zrem(keys.batches(), batch.id)
+        if batch.idempotency_key:
+            client.delete(keys.idempotency(batch.idempotency_key))
+        raise
+    store.transition(batch.id, [BatchStatus.validating], BatchStatus.queued)
+    return store.get_batch(batch.id)
 
 
 def submit_file(
@@ -198,55 +277,41 @@ def submit_file(
                 "Start a worker for it, or pass --allow-unknown-model to queue anyway."
             )
 
-    batch_id = f"batch_{uuid.uuid4().hex[:24]}"
-    if opts.idempotency_key:
-        # Claim the key first so two concurrent submits with one key cannot both enqueue.
-        if not client.set(keys.idempotency(opts.idempotency_key), batch_id, nx=True, ex=ttl_s):
-            existing = client.get(keys.idempotency(opts.idempotency_key))
-            assert existing is not None
-            return store.get_batch(existing.decode()), False
-
+    batch_id = new_batch_id()
     now = time.time()
-    queue = queue_name(model, opts.priority, keys.prefix)
     num_jobs = (total + opts.batch_size - 1) // opts.batch_size
-    batch = Batch(
-        id=batch_id,
-        model=model,
-        status=BatchStatus.validating,
-        input_file=str(path),
-        priority=opts.priority,
-        batch_size=opts.batch_size,
-        num_jobs=num_jobs,
-        params=opts.params,
-        request_counts=RequestCounts(total=total),
-        metadata=opts.metadata,
-        idempotency_key=opts.idempotency_key,
-        completion_window_s=opts.completion_window_s,
-        created_at=now,
-        expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
-    )
-    jq = JobQueue(client, keys=keys, job_ttl_s=ttl_s)
-    store.create_batch(batch)
     try:
-        pipe = client.pipeline(transaction=False)
-        staged = 0
-        for payload in _jobs(path, opts, batch_id, model):
-            jq.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
-            staged += 1
-            if staged % chunk_jobs == 0:
-                pipe.execute()
-                if enqueue_progress:
-                    enqueue_progress(staged)
-        pipe.execute()
-        if enqueue_progress:
-            enqueue_progress(staged)
-        jq.commit(batch_id, queue)
-    except BaseException:
-        jq.discard_staged(batch_id)
-        client.delete(keys.batch(batch_id))
-        client.zrem(keys.batches(), batch_id)
-        if opts.idempotency_key:
-            client.delete(keys.idempotency(opts.idempotency_key))
-        raise
-    store.transition(batch_id, [BatchStatus.validating], BatchStatus.queued)
-    return store.get_batch(batch_id), True
+        batch = Batch(
+            id=batch_id,
+            model=model,
+            status=BatchStatus.validating,
+            input_file=str(path),
+            priority=opts.priority,
+            batch_size=opts.batch_size,
+            num_jobs=num_jobs,
+            params=opts.params,
+            request_counts=RequestCounts(total=total),
+            metadata=opts.metadata,
+            idempotency_key=opts.idempotency_key,
+            completion_window_s=opts.completion_window_s,
+            created_at=now,
+            expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
+        )
+    except ValidationError as e:  # e.g. --metadata over its limits: checked before anything is written
+        first = e.errors()[0]
+        field_ = ".".join(str(x) for x in first["loc"]) or "batch"
+        raise SubmitRejected(f"--{field_}: {first['msg'].removeprefix('Value error, ')}") from e
+    if opts.idempotency_key:
+        existing_id = claim_idempotency_key(client, keys, opts.idempotency_key, batch_id, ttl_s)
+        if existing_id is not None:
+            return store.get_batch(existing_id), False
+    batch = enqueue_batch(
+        batch,
+        _file_requests(path, opts),
+        client=client,
+        keys=keys,
+        ttl_s=ttl_s,
+        enqueue_progress=enqueue_progress,
+        chunk_jobs=chunk_jobs,
+    )
+    return batch, True

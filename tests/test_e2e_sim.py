@@ -75,7 +75,8 @@ def test_openai_output_format(tmp_path: Path, env: dict[str, str], client: redis
     assert body["usage"]["completion_tokens"] == 5
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
     assert cmpl["response"]["body"]["object"] == "text_completion"
-    assert cmpl["response"]["body"]["choices"][0]["text"] and cmpl["response"]["body"]["usage"]["completion_tokens"] == 4
+    cbody = cmpl["response"]["body"]
+    assert cbody["choices"][0]["text"] and cbody["usage"]["completion_tokens"] == 4
     # a raw completion prompt skips the chat template: fewer input tokens than templated
     assert cmpl["response"]["body"]["usage"]["prompt_tokens"] == 4
 

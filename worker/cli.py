@@ -73,7 +73,7 @@ def run(
     s = WorkerSettings(**{k: v for k, v in flags.items() if v is not None})
     configure_logging(s.log_format, s.log_level)
     log = get_logger("lmdq.worker")
-    client = connect(s.redis_url)
+    client = connect(s.redis_url, retries=s.redis_retries)
     log.info("connected to redis", url=redact_url(s.redis_url))
 
     from worker.engine_factory import build_engine, engine_capacity

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 import structlog
 
-from lmdq.connection import with_reconnect
+from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.contract import (
     BatchStatus,
     ErrorInfo,
@@ -148,6 +148,7 @@ class Worker:
 
     def _loop(self) -> None:
         last_cancel_poll = 0.0
+        backoff = 0.1
         while not self._stop.is_set():
             if self.health:
                 self.health.beat()
@@ -157,12 +158,18 @@ class Worker:
                 self._poll_cancellations()
             claimed = None
             if self._can_admit():
-                claimed = with_reconnect(
-                    lambda: self.jobs.claim(
+                try:
+                    claimed = self.jobs.claim(
                         self.queues, model=self.model, worker=self.name, lease_s=self.s.heartbeat_ttl_s
-                    ),
-                    on_retry=self._redis_retry,
-                )
+                    )
+                    backoff = 0.1
+                except RETRYABLE_ERRORS as e:
+                    # Redis is away: wait for it however long it takes (never exit with jobs held),
+                    # but on the stop event, so SIGTERM still drains promptly.
+                    self._redis_retry(e, backoff)
+                    self._stop.wait(backoff)
+                    backoff = min(5.0, backoff * 2)
+                    continue
             if claimed is not None:
                 held = _Held(claim=claimed, reserved=self._last_job_size)
                 with self._lock:
@@ -172,10 +179,18 @@ class Worker:
                 continue
             with self._slot:
                 if self.s.burst and not self._held and claimed is None and self._can_admit():
-                    if self.jobs.queue_depth(self.queues) == 0:
+                    if self._queues_empty():
                         self.log.info("burst: queues empty, exiting")
                         return
                 self._slot.wait(self.s.poll_interval_s)
+
+    def _queues_empty(self) -> bool:
+        """Burst mode's exit test; an unreachable Redis counts as 'maybe not empty'."""
+        try:
+            return self.jobs.queue_depth(self.queues) == 0
+        except RETRYABLE_ERRORS as e:
+            self._redis_retry(e, self.s.poll_interval_s)
+            return False
 
     def _teardown(self) -> None:
         if self.health:
@@ -192,6 +207,7 @@ class Worker:
             end = time.monotonic() + 30
             while self._held and time.monotonic() < end:
                 self._slot.wait(0.2)
+        self._stop.set()  # also ends the heartbeat thread (a burst exit never set it)
         self._pool.shutdown(wait=False, cancel_futures=True)
         try:
             with self.client.pipeline() as p:
@@ -263,8 +279,10 @@ class Worker:
         failed: str | None = None
         try:
             try:
-                job = self.jobs.fetch_job(claim.job_id)
+                job = with_reconnect(lambda: self.jobs.fetch_job(claim.job_id), on_retry=self._redis_retry)
                 payload = self.jobs.payload_of(job)
+            except RETRYABLE_ERRORS:
+                raise  # Redis is down, the job is not foreign: re-queued below, never refused
             except Exception as e:  # noqa: BLE001 - anything not an lmdq payload is refused, never run
                 jlog.error("refused job: not an lmdq job", error=str(e))
                 self.stats["refused"] += 1
@@ -286,9 +304,11 @@ class Worker:
         except redis.RedisError as e:
             jlog.error("redis failed while running job; re-queueing", error=str(e))
             outcome = "requeue"
+            held.abort.set()  # free the engine slots this job's requests still hold
         except Exception as e:  # noqa: BLE001 - a job failure must not kill the worker
             jlog.exception("job crashed; re-queueing")
             outcome, failed = "requeue", repr(e)
+            held.abort.set()
         finally:
             try:
                 if held.abort_reason == "lost":
@@ -303,7 +323,11 @@ class Worker:
             except Exception:  # noqa: BLE001
                 jlog.exception("could not release job; its lease will expire and another worker retries it")
             with self._slot:
-                self._held.pop(claim.job_id, None)
+                # Only our own entry: a re-queued job can already be re-claimed (same id) by this
+                # worker's loop, and dropping THAT entry would hide a running job from heartbeat,
+                # drain and burst exit.
+                if self._held.get(claim.job_id) is held:
+                    del self._held[claim.job_id]
                 self._requests_in_flight -= held.reserved
                 self._slot.notify_all()
             if self.health:
@@ -311,20 +335,14 @@ class Worker:
 
     def _refuse(self, claim: Claim, why: str) -> None:
         """Drop a foreign job from the queue: lease released, RQ marks it failed, nothing runs."""
-        from rq.job import JobStatus
-        from rq.registry import FailedJobRegistry
-
-        self.jobs.finish(claim, worker=self.name)
+        with_reconnect(lambda: self.jobs.finish(claim, worker=self.name), on_retry=self._redis_retry)
         try:
-            job = self.jobs.fetch_job(claim.job_id)
-            with self.client.pipeline() as p:
-                job.set_status(JobStatus.FAILED, pipeline=p)
-                FailedJobRegistry(job.origin, connection=self.client).add(
-                    job, ttl=self.s.result_ttl_s, exc_string=f"refused by lmdq-worker: {why}", pipeline=p
-                )
-                p.execute()
-        except Exception:  # noqa: BLE001 - a job we cannot even decode stays where it is
-            pass
+            recorded = self.jobs.mark_refused(claim.job_id, f"refused by lmdq-worker: {why}", ttl_s=self.s.result_ttl_s)
+        except redis.RedisError as e:
+            recorded = False
+            self.log.warning("could not mark refused job failed in RQ", job=claim.job_id, error=str(e))
+        if not recorded:
+            self.log.warning("refused job has no RQ job hash; dropped from the queue", job=claim.job_id)
 
     def _result(
         self, payload: JobPayload, req: Request, enq: float | None, started: float, attempt: int, **kw: Any
@@ -350,6 +368,14 @@ class Worker:
     def _write(self, result: Result) -> None:
         new = with_reconnect(lambda: self.store.write_result(result), on_retry=self._redis_retry)
         self.stats["results" if new else "duplicates"] += 1
+
+    def _write_partial(self, result: Result) -> None:
+        """Best effort: partial text is a progress hint, so a Redis outage skips it instead of
+        failing the job (the final result, written with reconnect, is what must not be lost)."""
+        try:
+            self.store.write_partial(result)
+        except RETRYABLE_ERRORS as e:
+            self.log.debug("partial result not written", error=str(e))
 
     def _execute(self, held: _Held, payload: JobPayload, job: Any, jlog: Any) -> tuple[str, str | None]:
         """Run the job's unfinished requests; returns ('done'|'requeue', failure text)."""
@@ -461,7 +487,7 @@ class Worker:
         if ev.finish_reason is None:
             if lv.dirty and now - lv.last_partial >= self.s.partial_interval_s:
                 lv.last_partial, lv.dirty = now, False
-                self.store.write_partial(
+                self._write_partial(
                     self._result(
                         payload,
                         lv.req,

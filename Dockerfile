@@ -1,0 +1,141 @@
+# syntax=docker/dockerfile:1
+#
+# lmdq images, one Dockerfile, four targets:
+#   worker    (default)  GPU worker: lmdq[worker] = LMDeploy + PyTorch on an NVIDIA CUDA base
+#   producer             the CLI that submits batches: no torch, no lmdeploy, no CUDA
+#   dashboard            rq-dashboard, to watch the queues
+#   build                internal: builds the lmdq wheel
+#
+#   docker build -t lmdq-worker:cu12 .                                   # CUDA 12.6, Volta..Hopper
+#   docker build -t lmdq-worker:cu128 --build-arg CUDA_VARIANT=cu128 .   # CUDA 12.8, + Blackwell
+#   docker build -t lmdq-producer --target producer .
+#
+# CUDA_VARIANT picks the CUDA base image and the PyTorch CUDA build. The LMDeploy wheel is the same
+# in both: since v0.13.0 the PyPI wheel itself is built with CUDA 12.8 (nvcc 12.8, TurboMind
+# kernels for sm_70..sm_90, sm_100 and sm_120, linked against libcudart.so.12), and LMDeploy no
+# longer publishes separate +cu128 wheels on GitHub releases. What does differ is PyTorch (used by
+# LMDeploy's PyTorch backend and for the CUDA runtime libraries): PyPI's torch 2.11/2.12 are CUDA
+# 13.0 builds (driver >= 580), so torch MUST come from PyTorch's CUDA 12 index first:
+#   cu12  : nvidia/cuda 12.6 + torch 2.12.1+cu126 (sm_50..sm_90; driver >= 560). No Blackwell
+#           kernels.
+#   cu128 : nvidia/cuda 12.8 + torch 2.11.0+cu128 (sm_75..sm_120; driver >= 570). torch 2.11 is the
+#           last release with cu128 wheels (2.12 dropped CUDA 12.8 for 13.0/13.2), and
+#           lmdeploy 0.18.0 accepts torch >= 2.0, <= 2.12.1.
+# Versions here must match pyproject.toml; tests/test_packaging.py checks that they do.
+
+ARG CUDA_VARIANT=cu12
+ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
+
+# ---------------------------------------------------------------------------------------------
+# build: the lmdq wheel (pure Python). Only the package sources enter the build context (see
+# .dockerignore), so editing docs or tests does not invalidate the dependency layers below.
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY lmdq/ lmdq/
+COPY producer/ producer/
+COPY worker/ worker/
+COPY bench/ bench/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---------------------------------------------------------------------------------------------
+# producer: base install only (redis, rq, pydantic, typer, ...): no torch, no lmdeploy.
+FROM ${PYTHON_IMAGE} AS producer
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --system --gid 10001 lmdq \
+    && useradd --system --uid 10001 --gid lmdq --create-home --home-dir /home/lmdq --shell /usr/sbin/nologin lmdq
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir /wheels/lmdq-*.whl
+WORKDIR /data
+USER 10001:10001
+# A one-shot CLI: nothing to probe.
+HEALTHCHECK NONE
+ENTRYPOINT ["lmdq-producer"]
+CMD ["--help"]
+
+# ---------------------------------------------------------------------------------------------
+# dashboard: rq-dashboard with the same RQ as lmdq. rq-dashboard 0.9.0 imports `six` without
+# declaring it; its JSON serializer (--json) reads lmdq's JSON jobs.
+FROM ${PYTHON_IMAGE} AS dashboard
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN pip install --no-cache-dir rq-dashboard==0.9.0 rq==3.0.0 six==1.17.0 \
+    && groupadd --system --gid 10001 lmdq \
+    && useradd --system --uid 10001 --gid lmdq --no-create-home --shell /usr/sbin/nologin lmdq
+USER 10001:10001
+EXPOSE 9181
+HEALTHCHECK --interval=30s --timeout=5s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9181/', timeout=4)"]
+ENTRYPOINT ["rq-dashboard", "--json", "--bind", "0.0.0.0", "--port", "9181"]
+
+# ---------------------------------------------------------------------------------------------
+# CUDA variants: base image + the matching PyTorch build. `base` images carry only the CUDA
+# runtime bits the driver needs; CUDA libraries come as pip wheels with torch.
+FROM nvidia/cuda:12.6.3-base-ubuntu24.04 AS cuda-cu12
+ENV LMDQ_CUDA_VARIANT=cu12 \
+    TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 \
+    TORCH_CUDA=12.6 \
+    TORCH_VERSION=2.12.1 \
+    TORCHVISION_VERSION=0.27.1
+
+FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS cuda-cu128
+ENV LMDQ_CUDA_VARIANT=cu128 \
+    TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+    TORCH_CUDA=12.8 \
+    TORCH_VERSION=2.11.0 \
+    TORCHVISION_VERSION=0.26.0
+
+# ---------------------------------------------------------------------------------------------
+# worker: one LMDeploy pipeline per container. Its base is one of the stages above (hadolint cannot
+# tell a stage name built from an ARG from an untagged image).
+# hadolint ignore=DL3006
+FROM cuda-${CUDA_VARIANT} AS worker
+ARG LMDEPLOY_VERSION=0.18.0
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+# Python 3.12 is Ubuntu 24.04's own. gcc + python3.12-dev stay in the image on purpose: Triton
+# (LMDeploy's PyTorch backend) compiles a small C launcher against Python.h at run time.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        ca-certificates gcc libc6-dev python3.12 python3.12-dev python3.12-venv \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3.12 -m venv /opt/venv
+# torch first, from the PyTorch index of this CUDA variant; the constraints file then stops the
+# second install from swapping it for PyPI's (CUDA 13) build while resolving lmdeploy's deps.
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
+        "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
+    && printf 'torch==%s\ntorchvision==%s\n' "${TORCH_VERSION}" "${TORCHVISION_VERSION}" > /opt/venv/torch-constraints.txt \
+    && pip install --no-cache-dir --constraint /opt/venv/torch-constraints.txt "lmdeploy==${LMDEPLOY_VERSION}" \
+    && python -c "import os, torch; assert torch.version.cuda.startswith(os.environ['TORCH_CUDA']), torch.version.cuda"
+# lmdq last: code changes rebuild only this layer. [worker] re-checks the lmdeploy pin above
+# against pyproject's.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    for whl in /wheels/lmdq-*.whl; do \
+        pip install --no-cache-dir --constraint /opt/venv/torch-constraints.txt "${whl}[worker]"; \
+    done \
+    && pip check
+RUN groupadd --system --gid 10001 lmdq \
+    && useradd --system --uid 10001 --gid lmdq --create-home --home-dir /home/lmdq --shell /usr/sbin/nologin lmdq \
+    && mkdir -p /models/hf \
+    && chown -R lmdq:lmdq /models
+# Model cache: mount a volume here (compose: `models`, Kubernetes: emptyDir or a shared PVC), so a
+# model downloads once, not on every container start.
+ENV HF_HOME=/models/hf \
+    LMDQ_HEALTH_PORT=8000
+VOLUME ["/models"]
+WORKDIR /home/lmdq
+USER 10001:10001
+EXPOSE 8000
+# Liveness of the worker loop (/healthz), not readiness: a container still loading its model
+# reports healthy ("starting"). Slim CUDA images have no curl: use Python's urllib. Port 0 turns
+# the endpoint off, then there is nothing to check.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, sys, urllib.request; p = os.environ.get('LMDQ_HEALTH_PORT') or '8000'; p == '0' and sys.exit(0); urllib.request.urlopen(f'http://127.0.0.1:{p}/healthz', timeout=4)"]
+ENTRYPOINT ["lmdq-worker"]

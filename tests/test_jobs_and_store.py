@@ -1,0 +1,107 @@
+"""Leases, reaping and exactly-once results against a real Redis (no worker process)."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
+from lmdq.jobs import JobQueue
+from lmdq.keys import Keys, queue_name, rq_queue_key
+from lmdq.store import ResultStore
+
+
+def _batch(store: ResultStore, bid: str, total: int) -> None:
+    store.create_batch(Batch(id=bid, model="sim", status=BatchStatus.queued, batch_size=4,
+                             request_counts=RequestCounts(total=total), created_at=time.time()))
+
+
+def _res(bid: str, i: int, status: ResultStatus = ResultStatus.completed, text: str = "x") -> Result:
+    return Result(batch_id=bid, custom_id=str(i), index=i, status=status, text=text, model="sim")
+
+
+def test_final_result_written_once_and_counted_once(client: redis.Redis, prefix: str) -> None:
+    store = ResultStore(client, keys=Keys(prefix))
+    _batch(store, "b1", 2)
+    assert store.write_result(_res("b1", 0, text="first"))
+    assert not store.write_result(_res("b1", 0, text="late duplicate"))
+    b = store.get_batch("b1")
+    assert b.request_counts.completed == 1 and b.status is BatchStatus.queued
+    assert store.write_result(_res("b1", 1, ResultStatus.failed))
+    b = store.get_batch("b1")
+    assert b.request_counts.completed == 1 and b.request_counts.failed == 1
+    assert b.status is BatchStatus.completed and b.completed_at is not None
+    (_, raw0), _ = list(store.iter_results("b1", 2))
+    assert Result.model_validate_json(raw0).text == "first"  # type: ignore[arg-type]
+
+
+def test_partial_never_shadows_final(client: redis.Redis, prefix: str) -> None:
+    store = ResultStore(client, keys=Keys(prefix))
+    _batch(store, "b2", 1)
+    assert store.write_partial(_res("b2", 0, ResultStatus.in_progress, "par"))
+    assert store.partial_count("b2") == 1
+    store.write_result(_res("b2", 0, text="final"))
+    assert store.partial_count("b2") == 0
+    assert not store.write_partial(_res("b2", 0, ResultStatus.in_progress, "late partial"))
+    assert Result.model_validate_json(next(store.iter_results("b2", 1))[1]).text == "final"  # type: ignore[arg-type]
+
+
+def _stage(client: redis.Redis, prefix: str, bid: str, n_jobs: int) -> JobQueue:
+    jq = JobQueue(client, keys=Keys(prefix))
+    q = queue_name("sim", "normal", prefix)
+    with client.pipeline() as p:
+        for j in range(n_jobs):
+            jq.stage({"format_version": 1, "batch_id": bid, "model": "sim", "job_no": j, "params": {},
+                      "requests": [{"index": j, "custom_id": str(j), "prompt": "hi"}]}, queue=q, job_no=j, pipe=p)
+        p.execute()
+    assert client.llen(rq_queue_key(q)) == 0  # staged jobs are invisible until commit
+    assert jq.commit(bid, q) == n_jobs
+    return jq
+
+
+def test_claim_is_priority_ordered_and_leased(client: redis.Redis, prefix: str) -> None:
+    jq = _stage(client, prefix, "b3", 2)
+    hi = queue_name("sim", "high", prefix)
+    client.rpush(rq_queue_key(hi), "urgent-job")
+    qs = [queue_name("sim", p, prefix) for p in ("high", "normal", "low")]
+    c1 = jq.claim(qs, model="sim", worker="w1", lease_s=30)
+    c2 = jq.claim(qs, model="sim", worker="w1", lease_s=30)
+    assert c1 is not None and c1.job_id == "urgent-job"
+    assert c2 is not None and c2.job_id == "b3-000000" and c2.attempt == 1
+    k = Keys(prefix)
+    assert client.zscore(k.leases(), "b3-000000") is not None
+    assert client.lrange(k.inflight("sim"), 0, -1) == [b"urgent-job", b"b3-000000"]
+
+
+def test_expired_lease_is_requeued_at_front_and_late_owner_is_fenced(client: redis.Redis, prefix: str) -> None:
+    jq = _stage(client, prefix, "b4", 2)
+    qs = [queue_name("sim", "normal", prefix)]
+    c = jq.claim(qs, model="sim", worker="dead", lease_s=0.2)
+    assert c is not None
+    time.sleep(0.3)
+    assert jq.reap() == [(c.job_id, "dead")]
+    assert client.lindex(rq_queue_key(qs[0]), 0) == c.job_id.encode()  # front of the queue
+    assert client.llen(Keys(prefix).inflight("sim")) == 0
+    c2 = jq.claim(qs, model="sim", worker="alive", lease_s=30)
+    assert c2 is not None and c2.job_id == c.job_id and c2.attempt == 2
+    # the presumed-dead worker wakes up: its heartbeat reports the loss, its release is a no-op
+    assert jq.heartbeat([c], worker="dead", lease_s=30) == [c.job_id]
+    assert not jq.finish(c, worker="dead")
+    assert client.zscore(Keys(prefix).leases(), c.job_id) is not None  # still leased to 'alive'
+    assert jq.finish(c2, worker="alive")
+
+
+def test_foreign_function_is_refused_by_payload_check(client: redis.Redis, prefix: str) -> None:
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    q = Queue(queue_name("sim", "normal", prefix), connection=client, serializer=JSONSerializer)
+    job = q.enqueue("os.system", "touch /tmp/pwned")
+    jq = JobQueue(client, keys=Keys(prefix))
+    try:
+        jq.payload_of(jq.fetch_job(job.id))
+    except ValueError as e:
+        assert "os.system" in str(e)
+    else:
+        raise AssertionError("os.system job was accepted")

@@ -1,0 +1,671 @@
+"""Static checks of the packaging: Dockerfile, docker-compose.yml and the Kustomize tree agree with
+pyproject.toml, with lmdq's Redis key layout and with each other.
+
+No Docker engine needed; the rendered-overlay tests use `kubectl kustomize` and skip without it.
+(.ci/static-checks.sh runs the schema validators; this module checks what they cannot: values.)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from lmdq.contract import Priority
+from lmdq.keys import Keys, queue_name, rq_queue_key
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+VARIANTS = ("cu12", "cu128")
+UID = 10001
+
+# lmdeploy 0.18.0's own torch/torchvision ranges (its wheel METADATA), used when lmdeploy is not
+# installed in the test environment.
+LMDEPLOY_TORCH_FALLBACK = {"torch": SpecifierSet("<=2.12.1,>=2.0.0"), "torchvision": SpecifierSet("<=0.27.1,>=0.15.0")}
+
+
+# ------------------------------------------------------------------------------------ parsing
+
+
+@dataclass
+class Instruction:
+    cmd: str
+    args: str
+    line: int
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def all(self, cmd: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.cmd == cmd]
+
+    def env(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for ins in self.all("ENV"):
+            out.update(parse_env(ins.args))
+        return out
+
+    def args(self) -> dict[str, str | None]:
+        out: dict[str, str | None] = {}
+        for ins in self.all("ARG"):
+            name, _, default = ins.args.partition("=")
+            out[name.strip()] = default.strip() or None
+        return out
+
+    def run_text(self) -> str:
+        return "\n".join(i.args for i in self.all("RUN"))
+
+
+@dataclass
+class Dockerfile:
+    global_args: dict[str, str | None]
+    stages: list[Stage]
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise AssertionError(f"Dockerfile has no stage {name!r}; stages: {[s.name for s in self.stages]}")
+
+
+def parse_env(args: str) -> dict[str, str]:
+    """ENV k=v k2="v 2" (the key=value form only; the Dockerfile uses no other)."""
+    out = {}
+    for token in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', args):
+        key, val = token
+        out[key] = val[1:-1] if val.startswith('"') else val
+    return out
+
+
+def exec_form(args: str) -> list[str]:
+    """JSON array form of ENTRYPOINT/CMD/HEALTHCHECK CMD."""
+    parsed = json.loads(args)
+    assert isinstance(parsed, list), f"not exec form: {args}"
+    return parsed
+
+
+@cache
+def dockerfile() -> Dockerfile:
+    logical: list[tuple[int, str]] = []
+    buf, start = "", 0
+    for n, raw in enumerate((ROOT / "Dockerfile").read_text().splitlines(), 1):
+        stripped = raw.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if buf and stripped.startswith("#"):
+            continue  # comment lines inside a continued instruction are dropped by BuildKit too
+        if not buf:
+            start = n
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        logical.append((start, buf + stripped))
+        buf = ""
+    assert not buf, "Dockerfile ends inside a line continuation"
+
+    global_args: dict[str, str | None] = {}
+    stages: list[Stage] = []
+    for line, text in logical:
+        cmd, _, args = text.partition(" ")
+        cmd, args = cmd.upper(), args.strip()
+        if cmd == "FROM":
+            parts = [p for p in args.split() if not p.startswith("--")]
+            name = parts[2] if len(parts) >= 3 and parts[1].lower() == "as" else None
+            stages.append(Stage(base=parts[0], name=name))
+        elif not stages:
+            assert cmd == "ARG", f"line {line}: only ARG may precede the first FROM, got {cmd}"
+            key, _, default = args.partition("=")
+            global_args[key.strip()] = default.strip() or None
+        else:
+            stages[-1].instructions.append(Instruction(cmd, args, line))
+    return Dockerfile(global_args, stages)
+
+
+@cache
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def extra_requirements(extra: str) -> dict[str, Requirement]:
+    reqs = [Requirement(r) for r in pyproject()["project"]["optional-dependencies"][extra]]
+    return {r.name.lower(): r for r in reqs}
+
+
+def base_requirements() -> dict[str, Requirement]:
+    return {Requirement(r).name.lower(): Requirement(r) for r in pyproject()["project"]["dependencies"]}
+
+
+def pinned(req: Requirement) -> str:
+    specs = list(req.specifier)
+    assert len(specs) == 1 and specs[0].operator == "==", f"{req} is not an exact pin"
+    return specs[0].version
+
+
+def lmdeploy_torch_specs() -> dict[str, SpecifierSet]:
+    """torch/torchvision ranges of the lmdeploy pinned in pyproject, from its installed metadata."""
+    want = pinned(extra_requirements("worker")["lmdeploy"])
+    try:
+        have = importlib.metadata.version("lmdeploy")
+        requires = importlib.metadata.requires("lmdeploy") or []
+    except importlib.metadata.PackageNotFoundError:
+        return LMDEPLOY_TORCH_FALLBACK
+    if have != want:
+        return LMDEPLOY_TORCH_FALLBACK
+    out = {}
+    for r in map(Requirement, requires):
+        if r.name in ("torch", "torchvision") and r.marker is None:
+            out[r.name] = r.specifier
+    return out or LMDEPLOY_TORCH_FALLBACK
+
+
+def image_python_minor(image: str) -> str:
+    m = re.match(r"python:(\d+\.\d+)", image)
+    assert m, f"not an official python image: {image}"
+    return m.group(1)
+
+
+def resolve(stage: Stage, df: Dockerfile) -> str:
+    """Base image of a stage with global ARG defaults substituted."""
+    base = stage.base
+    for key, val in df.global_args.items():
+        if val is not None:
+            base = base.replace("${" + key + "}", val).replace("$" + key, val)
+    return base
+
+
+# ------------------------------------------------------------------------------------ Dockerfile
+
+
+def test_stages_and_default_target() -> None:
+    df = dockerfile()
+    names = [s.name for s in df.stages]
+    for required in ("build", "producer", "dashboard", "worker", *(f"cuda-{v}" for v in VARIANTS)):
+        assert required in names
+    assert names[-1] == "worker", "the default target (last stage) must be the worker"
+
+
+def test_cuda_variant_selects_base_image_and_torch_build() -> None:
+    df = dockerfile()
+    assert df.global_args.get("CUDA_VARIANT") == "cu12"
+    assert df.stage("worker").base == "cuda-${CUDA_VARIANT}"
+    for variant in VARIANTS:
+        stage = df.stage(f"cuda-{variant}")
+        env = stage.env()
+        m = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.(\d+)-base-ubuntu(\d+\.\d+)", stage.base)
+        assert m, f"cuda-{variant}: expected a pinned nvidia/cuda base image, got {stage.base}"
+        cuda_mm = f"{m.group(1)}.{m.group(2)}"
+        assert env["LMDQ_CUDA_VARIANT"] == variant
+        assert env["TORCH_CUDA"] == cuda_mm, f"cuda-{variant}: torch CUDA {env['TORCH_CUDA']} vs base {cuda_mm}"
+        tag = "cu" + cuda_mm.replace(".", "")
+        assert env["TORCH_INDEX_URL"] == f"https://download.pytorch.org/whl/{tag}"
+        assert Version(env["TORCH_VERSION"]).local is None, "pin torch without a local tag; the index picks it"
+    assert df.stage("cuda-cu12").env()["TORCH_CUDA"].startswith("12.")
+    assert df.stage("cuda-cu128").env()["TORCH_CUDA"] == "12.8", "cu128 is the CUDA 12.8 (Blackwell) variant"
+    assert df.stage("cuda-cu12").base.split("-ubuntu")[1] == df.stage("cuda-cu128").base.split("-ubuntu")[1]
+
+
+def test_lmdeploy_pin_matches_pyproject() -> None:
+    worker = dockerfile().stage("worker")
+    assert worker.args()["LMDEPLOY_VERSION"] == pinned(extra_requirements("worker")["lmdeploy"])
+    run = worker.run_text()
+    assert '"lmdeploy==${LMDEPLOY_VERSION}"' in run
+    # the lmdq wheel is installed with the [worker] extra, so pip re-checks pyproject's pins
+    assert "[worker]" in run
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_torch_pins_satisfy_pyproject_and_lmdeploy(variant: str) -> None:
+    env = dockerfile().stage(f"cuda-{variant}").env()
+    torch_v, tv_v = Version(env["TORCH_VERSION"]), Version(env["TORCHVISION_VERSION"])
+    assert torch_v in extra_requirements("worker")["torch"].specifier
+    specs = lmdeploy_torch_specs()
+    assert torch_v in specs["torch"], f"torch {torch_v} outside lmdeploy's {specs['torch']}"
+    assert tv_v in specs["torchvision"], f"torchvision {tv_v} outside lmdeploy's {specs['torchvision']}"
+    # torchvision 0.N+15.P is built for torch 2.N.P
+    assert (tv_v.major, tv_v.minor, tv_v.micro) == (0, torch_v.minor + 15, torch_v.micro)
+
+
+def test_worker_installs_torch_from_the_variant_index_before_lmdeploy() -> None:
+    run = dockerfile().stage("worker").run_text()
+    torch_at = run.index('--index-url "${TORCH_INDEX_URL}"')
+    lmdeploy_at = run.index('"lmdeploy==${LMDEPLOY_VERSION}"')
+    assert torch_at < lmdeploy_at
+    assert run.count("--constraint /opt/venv/torch-constraints.txt") >= 2
+    assert "torch.version.cuda.startswith" in run
+
+
+def test_producer_has_no_gpu_stack() -> None:
+    df = dockerfile()
+    producer = df.stage("producer")
+    base = resolve(producer, df)
+    assert "nvidia" not in base and "cuda" not in base
+    gpu_stages = {"worker", *(f"cuda-{v}" for v in VARIANTS)}
+    assert producer.base not in gpu_stages
+    text = "\n".join(f"{i.cmd} {i.args}" for i in producer.instructions).lower()
+    for forbidden in ("torch", "lmdeploy", "[worker]", "[cpu]", "transformers", "nvidia"):
+        assert forbidden not in text, f"producer stage mentions {forbidden!r}"
+    for ins in producer.all("COPY") + producer.all("RUN"):
+        for ref in re.findall(r"from=([\w.-]+)", ins.args):
+            assert ref == "build", f"producer takes files from stage {ref!r}"
+    assert exec_form(producer.all("ENTRYPOINT")[-1].args) == ["lmdq-producer"]
+
+
+def test_wheel_build_copies_every_package() -> None:
+    build = dockerfile().stage("build")
+    copied = " ".join(i.args for i in build.all("COPY"))
+    for pattern in pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]:
+        pkg = pattern.rstrip("*")
+        assert f"{pkg}/" in copied, f"build stage does not COPY package {pkg}"
+    assert pyproject()["project"]["readme"] in copied
+    assert "pyproject.toml" in copied
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    lines = [
+        ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
+    assert lines[0] == "*", "allow-list .dockerignore expected"
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    for heavy in (".venv", "gpu-bundle", ".git", "tests", "deploy"):
+        assert heavy not in allowed
+    for ins in dockerfile().stage("build").all("COPY"):
+        for src in ins.args.split()[:-1]:
+            assert src.rstrip("/") in allowed, f"COPY {src} is excluded by .dockerignore"
+
+
+@pytest.mark.parametrize("stage", ["producer", "dashboard", "worker"])
+def test_runs_as_non_root(stage: str) -> None:
+    users = dockerfile().stage(stage).all("USER")
+    assert users, f"{stage} never switches user"
+    user = users[-1].args.split(":")[0]
+    assert user not in ("root", "0")
+    assert user == str(UID), f"{stage} runs as {user}; Kubernetes' runAsUser is {UID}"
+
+
+def test_entrypoints_exist_in_pyproject() -> None:
+    scripts = pyproject()["project"]["scripts"]
+    df = dockerfile()
+    assert exec_form(df.stage("worker").all("ENTRYPOINT")[-1].args) == ["lmdq-worker"]
+    for stage in ("worker", "producer"):
+        (script,) = exec_form(df.stage(stage).all("ENTRYPOINT")[-1].args)[:1]
+        assert script in scripts
+
+
+def test_worker_healthcheck_uses_python_urllib_on_the_health_port() -> None:
+    worker = dockerfile().stage("worker")
+    (hc,) = worker.all("HEALTHCHECK")
+    assert "--start-period=" in hc.args
+    cmd = exec_form(hc.args.split(" CMD ", 1)[1])
+    assert cmd[:2] == ["python", "-c"]
+    code = cmd[2]
+    assert "urllib.request" in code and "/healthz" in code
+    assert "LMDQ_HEALTH_PORT" in code and "'8000'" in code
+    assert worker.env()["LMDQ_HEALTH_PORT"] == "8000"
+    assert "8000" in [i.args for i in worker.all("EXPOSE")]
+    compile(code, "<healthcheck>", "exec")
+    text = (ROOT / "Dockerfile").read_text()
+    assert not re.search(r"^\s*(HEALTHCHECK|RUN).*\b(curl|wget)\b", text, re.M), "slim images lack curl/wget"
+
+
+def test_worker_model_cache_volume() -> None:
+    worker = dockerfile().stage("worker")
+    hf_home = worker.env()["HF_HOME"]
+    volumes = [v for ins in worker.all("VOLUME") for v in exec_form(ins.args)]
+    assert any(hf_home == v or hf_home.startswith(v.rstrip("/") + "/") for v in volumes), (hf_home, volumes)
+
+
+def test_python_versions_agree() -> None:
+    df = dockerfile()
+    minor = image_python_minor(df.global_args["PYTHON_IMAGE"] or "")
+    assert Version(minor + ".0") in SpecifierSet(pyproject()["project"]["requires-python"])
+    assert f"python{minor}" in df.stage("worker").run_text(), "worker and producer must run the same Python"
+    for stage in ("build", "producer", "dashboard"):
+        assert df.stage(stage).base == "${PYTHON_IMAGE}"
+
+
+def test_dashboard_uses_the_projects_rq() -> None:
+    run = dockerfile().stage("dashboard").run_text()
+    m = re.search(r"\brq==([\w.]+)", run)
+    assert m, "dashboard must pin rq"
+    assert Version(m.group(1)) in base_requirements()["rq"].specifier
+    assert re.search(r"rq-dashboard==[\w.]+", run)
+
+
+# ------------------------------------------------------------------------------------ compose
+
+
+@cache
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def seconds(duration: str) -> float:
+    total = 0.0
+    for num, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration):
+        total += float(num) * {"h": 3600, "m": 60, "s": 1, "ms": 0.001}[unit]
+    return total
+
+
+def test_compose_default_services_are_redis_and_worker() -> None:
+    services = compose()["services"]
+    default = {name for name, svc in services.items() if not svc.get("profiles")}
+    assert default == {"redis", "worker"}
+    assert services["producer"]["profiles"] == ["producer"]
+    assert services["rq-dashboard"]["profiles"] == ["dashboard"]
+
+
+def test_compose_build_targets_exist() -> None:
+    names = {s.name for s in dockerfile().stages}
+    for name, svc in compose()["services"].items():
+        if "build" in svc:
+            assert svc["build"]["target"] in names, name
+
+
+def test_compose_redis_persistence_and_password() -> None:
+    redis = compose()["services"]["redis"]
+    cmd = redis["command"]
+    assert cmd[0] == "redis-server"
+    opts = dict(zip(cmd[1::2], cmd[2::2], strict=True))
+    assert opts["--appendonly"] == "yes"
+    assert opts["--appendfsync"] == "everysec"
+    assert opts["--maxmemory-policy"] == "noeviction"
+    assert opts["--requirepass"].startswith("${LMDQ_REDIS_PASSWORD")
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+    assert redis["image"] == k8s_redis_image()
+
+
+def test_compose_worker() -> None:
+    worker = compose()["services"]["worker"]
+    assert worker["build"]["args"]["CUDA_VARIANT"].startswith("${CUDA_VARIANT:-cu12")
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    env = worker["environment"]
+    assert "${LMDQ_REDIS_PASSWORD" in env["LMDQ_REDIS_URL"] and env["LMDQ_REDIS_URL"].startswith("redis://")
+    assert "@redis:6379" in env["LMDQ_REDIS_URL"]
+    drain = float(env["LMDQ_DRAIN_TIMEOUT"])
+    assert drain == 30
+    assert seconds(worker["stop_grace_period"]) > drain
+    hf_home = env["HF_HOME"]
+    assert any(hf_home.startswith(v.split(":")[1]) for v in worker["volumes"])
+    assert hf_home == dockerfile().stage("worker").env()["HF_HOME"]
+
+
+def test_compose_producer() -> None:
+    producer = compose()["services"]["producer"]
+    assert producer["build"]["target"] == "producer"
+    assert producer["entrypoint"] == ["lmdq-producer"]
+    assert any(v.split(":")[:2] == ["./examples", "/data"] for v in producer["volumes"])
+    assert "${LMDQ_REDIS_PASSWORD" in producer["environment"]["LMDQ_REDIS_URL"]
+
+
+# ------------------------------------------------------------------------------------ Kubernetes
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    hits = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
+@cache
+def base_docs() -> list[dict[str, Any]]:
+    docs = []
+    for name in yaml.safe_load((DEPLOY / "base" / "kustomization.yaml").read_text())["resources"]:
+        docs += load_docs(DEPLOY / "base" / name)
+    return docs
+
+
+@cache
+def scaledjob() -> dict[str, Any]:
+    return find(load_docs(DEPLOY / "components" / "burst-scaledjob" / "scaledjob.yaml"), "ScaledJob")
+
+
+def k8s_redis_image() -> str:
+    sts = find(base_docs(), "StatefulSet", "lmdq-redis")
+    return sts["spec"]["template"]["spec"]["containers"][0]["image"]
+
+
+def config() -> dict[str, str]:
+    return find(base_docs(), "ConfigMap", "lmdq-config")["data"]
+
+
+def worker_pod() -> dict[str, Any]:
+    return find(base_docs(), "Deployment", "lmdq-worker")["spec"]["template"]["spec"]
+
+
+def test_keda_scaledobject_counts_queues_and_in_flight() -> None:
+    model = config()["LMDQ_SERVED_MODEL_NAME"]
+    so = find(base_docs(), "ScaledObject", "lmdq-worker")
+    triggers = {t["name"]: t for t in so["spec"]["triggers"]}
+    expected = {p.value: rq_queue_key(queue_name(model, p)) for p in Priority}
+    expected["inflight"] = Keys().inflight(model)
+    assert {name: t["metadata"]["listName"] for name, t in triggers.items()} == expected
+    for t in triggers.values():
+        assert t["type"] == "redis"
+        assert t["authenticationRef"]["name"] == "lmdq-redis"
+    modifiers = so["spec"]["advanced"]["scalingModifiers"]
+    # the composite metric is the SUM of all four lists (the HPA alone would take their max)
+    terms = re.split(r"\s*\+\s*", modifiers["formula"].strip())
+    assert sorted(terms) == sorted(triggers)
+    assert float(modifiers["target"]) > 0
+    assert modifiers["metricType"] == "AverageValue"
+    assert so["spec"]["scaleTargetRef"]["name"] == "lmdq-worker"
+    assert "replicas" not in find(base_docs(), "Deployment", "lmdq-worker")["spec"], "KEDA owns replicas"
+
+
+def test_keda_scaledjob_counts_queues_only() -> None:
+    model = config()["LMDQ_SERVED_MODEL_NAME"]
+    spec = scaledjob()["spec"]
+    lists = {t["name"]: t["metadata"]["listName"] for t in spec["triggers"]}
+    assert lists == {p.value: rq_queue_key(queue_name(model, p)) for p in Priority}
+    assert spec["scalingStrategy"]["multipleScalersCalculation"] == "sum"
+    assert spec["scalingStrategy"]["strategy"] == "accurate"
+    assert spec["scalingStrategy"]["pendingPodConditions"] == ["Ready"]
+    container = spec["jobTargetRef"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["--burst"]
+    assert "readinessProbe" in container, "pendingPodConditions: Ready needs a readiness probe"
+
+
+def test_keda_target_is_the_jobs_a_saturated_worker_holds() -> None:
+    """A worker claims jobs until their requests fill max_batch_size (+ one job), so with the
+    producer's default job size a busy worker holds max_batch_size / batch_size jobs: one replica
+    per that many jobs, queued or in flight."""
+    from producer.settings import ProducerSettings
+
+    requests_per_job = ProducerSettings.model_fields["batch_size"].default
+    jobs_per_worker = int(config()["LMDQ_MAX_BATCH_SIZE"]) // requests_per_job
+    so = find(base_docs(), "ScaledObject", "lmdq-worker")
+    assert float(so["spec"]["advanced"]["scalingModifiers"]["target"]) == jobs_per_worker
+    for t in so["spec"]["triggers"] + scaledjob()["spec"]["triggers"]:
+        assert int(t["metadata"]["listLength"]) == jobs_per_worker
+    assert "LMDQ_JOBS_IN_FLIGHT" not in config(), "a job cap below the engine's slots starves the GPU"
+
+
+def test_trigger_authentication_keys_exist_in_secret() -> None:
+    secret = find(base_docs(), "Secret", "lmdq-redis")
+    keys = set(secret["stringData"])
+    ta = find(base_docs(), "TriggerAuthentication", "lmdq-redis")
+    for ref in ta["spec"]["secretTargetRef"]:
+        assert ref["name"] == "lmdq-redis" and ref["key"] in keys
+    assert secret["stringData"]["redis-tls"] in ("enable", "disable")
+    pod = worker_pod()
+    (url_env,) = [e for e in pod["containers"][0]["env"] if e["name"] == "LMDQ_REDIS_URL"]
+    assert url_env["valueFrom"]["secretKeyRef"] == {"name": "lmdq-redis", "key": "redis-url"}
+
+
+def probe_port(probe: dict[str, Any], container: dict[str, Any]) -> int:
+    port = probe["httpGet"]["port"]
+    if isinstance(port, int):
+        return port
+    (named,) = [p for p in container["ports"] if p["name"] == port]
+    return named["containerPort"]
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "ScaledJob"])
+def test_worker_pod_probes_grace_and_cache(kind: str) -> None:
+    pod = worker_pod() if kind == "Deployment" else scaledjob()["spec"]["jobTargetRef"]["template"]["spec"]
+    container = pod["containers"][0]
+    drain = float(config()["LMDQ_DRAIN_TIMEOUT"])
+    assert pod["terminationGracePeriodSeconds"] > drain
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] == "/readyz"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "allow >= 10 min for model load"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    if kind == "Deployment":
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    health_port = int(config()["LMDQ_HEALTH_PORT"])
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        if probe in container:
+            assert probe_port(container[probe], container) == health_port
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
+    assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert pod["securityContext"]["runAsUser"] == UID and pod["securityContext"]["runAsNonRoot"] is True
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    hf_home = config()["HF_HOME"]
+    assert any(hf_home.startswith(path.rstrip("/") + "/") for path in mounts), (hf_home, mounts)
+    assert "/dev/shm" in mounts
+    # components/model-cache-pvc replaces volumes/0 by index
+    assert pod["volumes"][0]["name"] == "model-cache"
+
+
+def test_scaledjob_pod_template_matches_deployment() -> None:
+    dep, job = worker_pod(), scaledjob()["spec"]["jobTargetRef"]["template"]["spec"]
+    assert job["restartPolicy"] == "Never"
+    for key in (
+        "serviceAccountName",
+        "automountServiceAccountToken",
+        "terminationGracePeriodSeconds",
+        "nodeSelector",
+        "tolerations",
+        "securityContext",
+        "volumes",
+    ):
+        assert job[key] == dep[key], key
+    dc, jc = dep["containers"][0], job["containers"][0]
+    for key in (
+        "name",
+        "image",
+        "envFrom",
+        "env",
+        "ports",
+        "startupProbe",
+        "readinessProbe",
+        "livenessProbe",
+        "resources",
+        "securityContext",
+        "volumeMounts",
+    ):
+        assert jc[key] == dc[key], key
+
+
+def test_pdb_and_statefulset() -> None:
+    pdb = find(base_docs(), "PodDisruptionBudget", "lmdq-worker")
+    dep = find(base_docs(), "Deployment", "lmdq-worker")
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    sts = find(base_docs(), "StatefulSet", "lmdq-redis")
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    opts = dict(zip(args[::2], args[1::2], strict=True))
+    assert opts["--appendonly"] == "yes" and opts["--appendfsync"] == "everysec"
+    assert opts["--maxmemory-policy"] == "noeviction"
+    assert opts["--requirepass"] == "$(REDIS_PASSWORD)"
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+def test_variant_components_share_the_scaledjob_image_config() -> None:
+    texts = {(DEPLOY / "components" / f"cuda-{v}" / "images-scaledjob.yaml").read_text() for v in VARIANTS}
+    assert len(texts) == 1
+
+
+# ------------------------------------------------------------------------------------ rendered overlays
+
+
+@cache
+def render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not on PATH")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / "overlays" / overlay)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def worker_containers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for d in docs:
+        if d["kind"] == "Deployment":
+            out += d["spec"]["template"]["spec"]["containers"]
+        elif d["kind"] == "ScaledJob":
+            out += d["spec"]["jobTargetRef"]["template"]["spec"]["containers"]
+    return out
+
+
+def overlays() -> list[str]:
+    return sorted(p.name for p in (DEPLOY / "overlays").iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("overlay", overlays())
+def test_overlay_sets_the_variant_image_everywhere(overlay: str) -> None:
+    variant = "cu128" if overlay.startswith("cu128") else "cu12"
+    containers = worker_containers(render(overlay))
+    assert containers
+    for c in containers:
+        assert c["image"].endswith(f"-{variant}"), c["image"]
+        resources = c["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"]
+    assert all(d["metadata"].get("namespace") == "lmdq" for d in render(overlay) if d["kind"] != "Namespace")
+
+
+def test_overlay_tp2_asks_two_gpus() -> None:
+    docs = render("cu128-tp2")
+    (container,) = worker_containers(docs)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert find(docs, "ConfigMap", "lmdq-config")["data"]["LMDQ_TP"] == "2"
+    dep = find(docs, "Deployment", "lmdq-worker")
+    assert dep["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "lmdq-models"
+    assert find(docs, "PersistentVolumeClaim", "lmdq-models")["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_overlay_burst_replaces_the_deployment() -> None:
+    kinds = {d["kind"] for d in render("cu12-burst")}
+    assert "ScaledJob" in kinds
+    assert not kinds & {"Deployment", "ScaledObject", "PodDisruptionBudget"}
+
+
+def test_overlay_external_redis_drops_the_statefulset() -> None:
+    docs = render("cu12-external-redis")
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]
+    assert not [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].startswith("lmdq-redis")]
+    secret = find(docs, "Secret", "lmdq-redis")["stringData"]
+    assert secret["redis-tls"] == "enable" and secret["redis-url"].startswith("rediss://")
+    ta = find(docs, "TriggerAuthentication", "lmdq-redis")
+    assert {r["parameter"] for r in ta["spec"]["secretTargetRef"]} >= {"address", "password", "tls", "username"}
