@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import queue
+import random
 import threading
 import time
 from collections import deque
@@ -74,6 +75,7 @@ class _Seq:
     max_new: int
     seed: bytes
     stop_words: list[str]
+    words: list[str] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # chars of text already emitted
     n: int = 0
@@ -93,7 +95,7 @@ class SimEngine:
         step_ms: float = 5.0,
         max_batch: int = 256,
         session_len: int = 32768,
-        emit_every: int = 16,
+        emit_every: int = 64,
     ) -> None:
         self.model_name = model_name
         self.step_s = step_ms / 1000.0
@@ -152,12 +154,15 @@ class SimEngine:
             self._cv.notify()
 
     # -- scheduler ------------------------------------------------------------------------
-    def _token(self, s: _Seq) -> str:
-        h = hashlib.blake2b(s.seed + s.n.to_bytes(4, "little"), digest_size=2).digest()
-        return _WORDS[int.from_bytes(h, "little") % len(_WORDS)]
+    @staticmethod
+    def _words(s: _Seq) -> list[str]:
+        """The whole deterministic output, drawn once at admission (cheap per decode step)."""
+        return random.Random(s.seed).choices(_WORDS, k=s.max_new)
 
     def _finish(self, s: _Seq, reason: str, code: str | None = None, msg: str | None = None) -> None:
         s.done = True
+        if reason == "abort" and s.words:
+            s.text = " ".join(s.words[: s.n])
         s.out.put(
             EngineEvent(
                 index=s.req.index,
@@ -188,24 +193,28 @@ class SimEngine:
             self._finish(s, "error", "internal_error", "simulated per-request failure")
             return False
         s.max_new = min(s.max_new, self.session_len - s.input_len)
+        s.words = self._words(s)
         return True
 
     def _step(self, s: _Seq) -> None:
         if s.abort.is_set():
             self._finish(s, "abort")
             return
-        word = self._token(s)
         s.n += 1
-        s.text += (" " if s.text else "") + word
-        for w in s.stop_words:
-            pos = s.text.find(w)
-            if pos >= 0:
-                s.text = s.text[:pos].rstrip()
-                self._finish(s, "stop")
-                return
+        if s.stop_words:
+            # Only stop words need the text every step; otherwise it is built when emitted.
+            s.text = " ".join(s.words[: s.n])
+            for w in s.stop_words:
+                pos = s.text.find(w)
+                if pos >= 0:
+                    s.text = s.text[:pos].rstrip()
+                    self._finish(s, "stop")
+                    return
         if s.n >= s.max_new:
+            s.text = " ".join(s.words[: s.n])
             self._finish(s, "length")
         elif s.n == 1 or s.n % s.emit_every == 0:
+            s.text = " ".join(s.words[: s.n])
             # Hold back a possible stop-word prefix: emit only text that can no longer change.
             safe = len(s.text) - max((len(w) for w in s.stop_words), default=0)
             if safe > s.sent:
