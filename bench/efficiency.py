@@ -104,7 +104,9 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
     t_end = max(r.timings.finished_at or 0 for r in rs)
     toks = sum(r.generate_token_len for r in rs)
     assert len(rs) == cfg.n, f"{len(rs)} results for {cfg.n} prompts"
-    return t_end - batch.created_at, toks
+    # From the moment the jobs became visible on the queue (commit) to the last result stored.
+    t0 = store.get_batch(batch.id).queued_at or batch.created_at
+    return t_end - t0, toks
 
 
 def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log: Any = print) -> dict[str, Any]:

@@ -275,6 +275,7 @@ class Batch(_Strict):
     idempotency_key: str | None = None
     completion_window_s: float | None = None
     created_at: float
+    queued_at: float | None = None
     in_progress_at: float | None = None
     finalizing_at: float | None = None
     completed_at: float | None = None

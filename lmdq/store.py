@@ -23,6 +23,7 @@ __all__ = ["ResultStore"]
 
 _COUNT_FIELDS = ("completed", "failed", "cancelled", "expired")
 _TIME_FIELDS = (
+    "queued_at",
     "in_progress_at",
     "finalizing_at",
     "completed_at",

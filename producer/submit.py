@@ -228,6 +228,8 @@ def enqueue_batch(
         pipe.execute()
         if enqueue_progress:
             enqueue_progress(staged)
+        # The moment jobs become visible: what "enqueued" means for timings and benchmarks.
+        client.hset(keys.batch(batch.id), "queued_at", time.time())
         jq.commit(batch.id, queue)
     except BaseException:
         jq.discard_staged(batch.id)

@@ -19,6 +19,7 @@ from worker.engines.lmdeploy_engine import (  # noqa: E402
     build_backend_config,
     build_gen_config,
     resolve_chat_template,
+    resolve_dtype,
 )
 
 
@@ -105,3 +106,22 @@ def test_worker_flags_reach_engine_config(monkeypatch: pytest.MonkeyPatch) -> No
                              max_batch_size=s.max_batch_size, cache_max_entry_count=s.cache_max_entry_count,
                              quant_policy=s.quant_policy, eager_mode=s.eager_mode)
     assert isinstance(c, PytorchEngineConfig) and int(c.quant_policy) == 8 and c.max_batch_size == 64
+
+
+SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "num_hidden_layers": 30, "tie_word_embeddings": True, "vocab_size": 49152}
+
+
+def test_dtype_guard_for_bf16_affected_shape(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))
+    assert resolve_dtype(str(tmp_path), "auto")[0] == "float16"
+    d, warn = resolve_dtype(str(tmp_path), "bfloat16")
+    assert d == "bfloat16" and warn and "float16" in warn
+    assert resolve_dtype(str(tmp_path), "float16") == ("float16", None)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**SMOLLM2_135M, "hidden_size": 4096}))
+    assert resolve_dtype(str(other), "auto") == ("auto", None)
+    assert resolve_dtype("org/hub-id", "auto") == ("auto", None)

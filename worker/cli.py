@@ -36,6 +36,9 @@ def run(
     sim_max_batch: Annotated[int | None, typer.Option(help="sim engine: concurrent sequences")] = None,
     burst: Annotated[bool | None, typer.Option("--burst/--no-burst", help="exit when the queues are empty")] = None,
     jobs_in_flight: Annotated[int | None, typer.Option(help="max jobs held at once (0 = auto)")] = None,
+    prefetch_requests: Annotated[
+        int | None, typer.Option(help="requests held beyond engine capacity (0 = max(job size, capacity/2))")
+    ] = None,
     drain_timeout: Annotated[float | None, typer.Option(help="seconds to finish work after SIGTERM")] = None,
     heartbeat_ttl: Annotated[float | None, typer.Option(help="lease TTL: a dead worker's jobs rerun after it")] = None,
     max_attempts: Annotated[int | None, typer.Option()] = None,
@@ -63,6 +66,7 @@ def run(
         "sim_max_batch": sim_max_batch,
         "burst": burst,
         "jobs_in_flight": jobs_in_flight,
+        "prefetch_requests": prefetch_requests,
         "drain_timeout_s": drain_timeout,
         "heartbeat_ttl_s": heartbeat_ttl,
         "max_attempts": max_attempts,

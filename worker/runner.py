@@ -142,9 +142,11 @@ class Worker:
             p.execute()
 
     def _can_admit(self) -> bool:
-        # Keep the engine's slots full plus one job's worth queued behind them, so a job
-        # boundary never leaves the engine waiting for the next claim.
-        return len(self._held) < self.max_jobs and self._requests_in_flight < self.capacity + self._last_job_size
+        # Keep the engine's slots full plus a lookahead queued behind them (half an engine-full,
+        # at least one job), so when many sequences end in the same step, the engine refills
+        # from requests it already holds instead of waiting for the next claim round-trip.
+        lookahead = self.s.prefetch_requests or max(self._last_job_size, self.capacity // 2)
+        return len(self._held) < self.max_jobs and self._requests_in_flight < self.capacity + lookahead
 
     def _loop(self) -> None:
         last_cancel_poll = 0.0

@@ -99,6 +99,34 @@ def resolve_chat_template(chat_template: str | None) -> Any:
     return ChatTemplateConfig(model_name=chat_template)
 
 
+# Shapes where LMDeploy 0.18's PyTorch backend in bfloat16 gives wrong greedy answers while
+# float16 and transformers (bf16 and fp32) are right: SmolLM2-135M-Instruct (docs/gpu-validation.md).
+_BF16_AFFECTED = [
+    {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+     "num_hidden_layers": 30, "tie_word_embeddings": True},
+]
+
+
+def resolve_dtype(model_path: str, dtype: str) -> tuple[str, str | None]:
+    """``--dtype auto`` → float16 for shapes known to go wrong in bf16; returns (dtype, warning)."""
+    cfg_file = Path(model_path) / "config.json"
+    if dtype not in ("auto", "bfloat16") or not cfg_file.is_file():
+        return dtype, None
+    import json
+
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        return dtype, None
+    if not any(all(cfg.get(k) == v for k, v in shape.items()) for shape in _BF16_AFFECTED):
+        return dtype, None
+    if dtype == "auto":
+        return "float16", ("this model's shape (SmolLM2-135M) answers wrongly in bfloat16 under LMDeploy's PyTorch "
+                           "backend; --dtype auto resolved to float16 (see docs/gpu-validation.md)")
+    return dtype, ("--dtype bfloat16 on a SmolLM2-135M-shaped model: LMDeploy's PyTorch backend gives wrong greedy "
+                   "answers in bf16 here; use --dtype float16 (see docs/gpu-validation.md)")
+
+
 def _check_tp(tp: int) -> None:
     """Fail early and clearly when tp exceeds the GPUs this process can see."""
     if tp <= 1:
@@ -136,6 +164,11 @@ class LMDeployEngine:
     ) -> None:
         _check_tp(tp)
         from lmdeploy import pipeline
+
+        dtype, warning = resolve_dtype(model_path, dtype)
+        if warning:
+            log.warning(warning)
+        self.dtype = dtype
 
         cfg = build_backend_config(
             backend=backend,
