@@ -36,26 +36,18 @@ def _gen_file(path: Path, lines: int) -> int:
 
 
 def _run(args: list[str], env: dict[str, str]) -> tuple[float, int, bytes]:
-    """(seconds, peak RSS bytes, stdout) of one CLI subprocess."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "producer", *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
-    out, err = p.communicate()
-    secs = time.perf_counter() - t0
-    # ru_maxrss of the reaped child: communicate() already waited, so read it from RUSAGE_CHILDREN deltas
-    if p.returncode != 0:
-        raise RuntimeError(f"producer {args[0]} failed: {err.decode()[-2000:]}")
-    return secs, _last_child_maxrss(), out
-
-
-_seen_rss = 0
-
-
-def _last_child_maxrss() -> int:
-    import resource
-
-    # RUSAGE_CHILDREN is the max over all reaped children so far: runs go smallest first.
-    return int(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+    """(seconds, peak RSS bytes of THIS child, stdout) of one CLI subprocess, via wait4."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-m", "producer", *args], env=env, cwd=ROOT, stdout=out, stderr=err)
+        _, status, usage = os.wait4(p.pid, 0)
+        secs = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if p.returncode != 0:
+            raise RuntimeError(f"producer {args[0]} failed: {err.read().decode()[-2000:]}")
+        return secs, int(usage.ru_maxrss) * 1024, out.read()
 
 
 def run_producer_bench(*, lines: int, batch_size: int, redis_url: str, log: Callable[[str], None]) -> dict[str, Any]:

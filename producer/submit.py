@@ -10,6 +10,7 @@ a batch is either fully enqueued or not at all.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import time
 import uuid
 from array import array
@@ -108,10 +109,28 @@ def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tup
     return n, model
 
 
+def _duplicate_hashes(hashes: array, run: int = 1 << 16) -> set[int]:
+    """Hashes seen more than once, in flat memory: sort the array in runs in place, then merge.
+
+    ``sorted(hashes)`` would build a Python int per line (~40 MB per million lines); sorting
+    64k-element runs and merging them through zero-copy memoryviews keeps the extra memory to
+    one run, however long the file.
+    """
+    for s in range(0, len(hashes), run):
+        hashes[s : s + run] = array("Q", sorted(hashes[s : s + run]))
+    view = memoryview(hashes)
+    dup: set[int] = set()
+    prev = None
+    for h in heapq.merge(*(iter(view[s : s + run]) for s in range(0, len(hashes), run))):
+        if h == prev:
+            dup.add(h)
+        prev = h
+    return dup
+
+
 def _duplicates(path: Path, opts: SubmitOptions, hashes: array) -> list[str]:
     """Find duplicate custom_ids from their hashes; re-scan only to name the lines."""
-    srt = sorted(hashes)
-    dup = {srt[i] for i in range(1, len(srt)) if srt[i] == srt[i - 1]}
+    dup = _duplicate_hashes(hashes)
     if not dup:
         return []
     first: dict[str, int] = {}
