@@ -94,7 +94,10 @@ def _print_batch(b: Batch, as_json: bool) -> None:
 @app.command()
 def submit(
     file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, or OpenAI Batch JSONL")],
-    model: Annotated[str | None, typer.Option(help="served model name (queue); OpenAI files may carry it")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(envvar="LMDQ_MODEL", help="served model name (queue); OpenAI files may carry it"),
+    ] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="requests per job (default 32)")] = None,
     priority: Annotated[Priority, typer.Option(help="queue priority")] = Priority.normal,
     metadata: Annotated[list[str] | None, typer.Option(help="k=v, repeatable")] = None,

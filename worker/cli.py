@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
+import uuid
 from typing import Annotated, Any
 
 import typer
@@ -76,6 +79,9 @@ def run(
     }
     s = WorkerSettings(**{k: v for k, v in flags.items() if v is not None})
     configure_logging(s.log_format, s.log_level)
+    if not s.worker_name:
+        # One name for logs, Redis records and metrics labels.
+        s.worker_name = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
     log = get_logger("lmdq.worker")
     client = connect(s.redis_url, retries=s.redis_retries)
     log.info("connected to redis", url=redact_url(s.redis_url))
@@ -91,7 +97,7 @@ def run(
     t0 = time.monotonic()
     name_hint = s.served_model_name or s.model or "default"
     if WorkerHealth is not None and s.health_port:
-        health = WorkerHealth(worker_name=s.worker_name or "lmdq-worker", model=name_hint)
+        health = WorkerHealth(worker_name=s.worker_name, model=name_hint)
         port = health.serve(s.health_host, s.health_port)
         log.info("health endpoint", port=port)
         health.set_redis_check(lambda: bool(client.ping()))
