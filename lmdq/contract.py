@@ -18,6 +18,9 @@ __all__ = [
     "BatchStatus",
     "Batch",
     "ChatMessage",
+    "ResponseFormat",
+    "TensorRef",
+    "TokenLogprob",
     "Endpoint",
     "ErrorInfo",
     "FinishReason",
@@ -93,6 +96,22 @@ class BatchStatus(str, Enum):
         return self in (BatchStatus.completed, BatchStatus.failed, BatchStatus.cancelled, BatchStatus.expired)
 
 
+class ResponseFormat(_Strict):
+    """Constrained output, as in LMDeploy's ``response_format`` / OpenAI's: a JSON schema or a regex."""
+
+    type: Literal["json_schema", "json_object", "regex"]
+    json_schema: dict[str, Any] | None = None
+    regex: Annotated[str, Field(min_length=1, max_length=10_000)] | None = None
+
+    @model_validator(mode="after")
+    def _payload(self) -> ResponseFormat:
+        if self.type == "json_schema" and not self.json_schema:
+            raise ValueError("type 'json_schema' needs 'json_schema' (an object with 'schema')")
+        if self.type == "regex" and not self.regex:
+            raise ValueError("type 'regex' needs 'regex'")
+        return self
+
+
 class GenerationParams(_Strict):
     """Sampling/stopping parameters, mirroring LMDeploy's ``GenerationConfig`` field for field.
 
@@ -114,6 +133,9 @@ class GenerationParams(_Strict):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    output_logits: Literal["all", "generation"] | None = None
+    output_last_hidden_state: Literal["all", "generation"] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _min_le_max(self) -> GenerationParams:
@@ -147,6 +169,9 @@ class GenerationParams(_Strict):
             "ignore_eos": False,
             "skip_special_tokens": True,
             "logprobs": None,
+            "output_logits": None,
+            "output_last_hidden_state": None,
+            "response_format": None,
         }
         out.update(self.model_dump(exclude_none=True))
         return out
@@ -221,6 +246,24 @@ class Timings(_Strict):
     finished_at: float | None = None
 
 
+class TokenLogprob(_Strict):
+    """One generated token: its id, its logprob, and the top-k alternatives as [token_id, logprob]."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class TensorRef(_Strict):
+    """A tensor stored outside Redis (safetensors in a blob store), referenced from a result."""
+
+    uri: str
+    key: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
 class Result(_Strict):
     """One request's outcome; exactly one final Result per accepted request."""
 
@@ -240,6 +283,8 @@ class Result(_Strict):
     attempt: int = 1
     endpoint: Endpoint = Endpoint.chat
     timings: Timings = Field(default_factory=Timings)
+    logprobs: list[TokenLogprob] | None = None
+    tensors: dict[str, TensorRef] | None = None
 
     @property
     def final(self) -> bool:
@@ -274,6 +319,8 @@ class Batch(_Strict):
     metadata: dict[str, str] = Field(default_factory=dict)
     idempotency_key: str | None = None
     completion_window_s: float | None = None
+    results_url: str | None = None
+    blob_url: str | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None

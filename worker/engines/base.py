@@ -54,6 +54,11 @@ class EngineEvent:
     finish_reason: str | None = None
     error_code: str | None = None
     error_message: str | None = None
+    #: on the final event only, when asked for: per generated token (token_id, logprob, [(id, lp), ...])
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    #: on the final event only, when asked for: name -> 2-D array-like ([tokens, vocab] / [tokens, hidden]),
+    #: e.g. {"logits": ..., "last_hidden_state": ...}; the worker writes them to the blob store
+    tensors: dict[str, Any] | None = None
 
 
 class Engine(Protocol):
