@@ -230,6 +230,10 @@ class JobPayload(_Strict):
     job_no: Annotated[int, Field(ge=0)]
     params: GenerationParams = Field(default_factory=GenerationParams)
     requests: list[Request] = Field(min_length=1)
+    #: the batch's results sink: final results go to JSONL shards there, Redis keeps compact records
+    results_url: str | None = None
+    #: the batch's blob store for tensors (logits, hidden states); the worker's LMDQ_BLOB_URL otherwise
+    blob_url: str | None = None
 
 
 class ErrorInfo(_Strict):
@@ -285,6 +289,9 @@ class Result(_Strict):
     timings: Timings = Field(default_factory=Timings)
     logprobs: list[TokenLogprob] | None = None
     tensors: dict[str, TensorRef] | None = None
+    #: set on the COMPACT record Redis keeps once the full one (text, logprobs, tensors) is in a
+    #: results shard: that shard's name under ``<Batch.results_url>/<batch_id>/``
+    stored_at: str | None = None
 
     @property
     def final(self) -> bool:

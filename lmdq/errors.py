@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["LmdqError", "BatchNotFound", "RedisUnavailable", "RetryRejected", "SubmitRejected", "UnknownModel"]
+__all__ = [
+    "LmdqError",
+    "BatchNotFound",
+    "RedisUnavailable",
+    "ResultsUnavailable",
+    "RetryRejected",
+    "SubmitRejected",
+    "UnknownModel",
+]
 
 
 class LmdqError(Exception):
@@ -35,3 +43,9 @@ class RedisUnavailable(LmdqError):
     """Redis could not be reached or refused our credentials."""
 
     exit_code = 3
+
+
+class ResultsUnavailable(LmdqError):
+    """A batch's results shard (its results URL) could not be read."""
+
+    exit_code = 4

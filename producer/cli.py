@@ -80,6 +80,18 @@ def _parse_window(s: str | None) -> float | None:
         raise typer.BadParameter(f"expected e.g. 24h, 90m, 3600; got {s!r}", param_hint="--completion-window") from e
 
 
+def _check_url(url: str | None, flag: str) -> str | None:
+    """A results/blob URL: a folder (made absolute: workers may run elsewhere but share it) or s3://."""
+    if not url:
+        return None
+    if "://" in url:
+        scheme = url.split("://", 1)[0]
+        if scheme not in ("file", "s3", "s3a"):
+            raise typer.BadParameter(f"expected a folder, file:// or s3:// URL, got {url!r}", param_hint=flag)
+        return url.rstrip("/")
+    return str(Path(url).expanduser().resolve())
+
+
 def _print_batch(b: Batch, as_json: bool) -> None:
     if as_json:
         typer.echo(b.model_dump_json())
@@ -118,6 +130,13 @@ def submit(
     idempotency_key: Annotated[str | None, typer.Option(help="same key → same batch, never enqueued twice")] = None,
     completion_window: Annotated[str | None, typer.Option(help="e.g. 24h: requests not started by then expire")] = None,
     allow_unknown_model: Annotated[bool, typer.Option(help="queue even if no worker ever served MODEL")] = False,
+    results_url: Annotated[
+        str | None,
+        typer.Option(help="folder or s3://bucket/prefix: full results go to JSONL shards there, Redis keeps counts"),
+    ] = None,
+    blob_url: Annotated[
+        str | None, typer.Option(help="folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
 ) -> None:
     """Validate FILE completely, then enqueue it as one batch; prints the batch id."""
@@ -161,6 +180,8 @@ def submit(
         allow_unknown_model=allow_unknown_model,
         known_models=s.known_models,
         limits=InputLimits(max_line_bytes=s.max_line_bytes, max_requests=s.max_requests),
+        results_url=_check_url(results_url, "--results-url"),
+        blob_url=_check_url(blob_url, "--blob-url"),
     )
     client = _client()
     show = sys.stderr.isatty() and not as_json

@@ -12,9 +12,20 @@ from lmdq.store import ResultStore
 __all__ = ["iter_lmdq_lines", "iter_openai_lines", "to_openai"]
 
 
+def _records(store: ResultStore, batch: Batch, *, partial: bool) -> Iterator[tuple[int, bytes | None]]:
+    """Full records in input order; with a results URL, compact Redis records are replaced by the
+    full ones from the batch's shards (jobs not flushed yet are still whole in Redis)."""
+    pairs = store.iter_results(batch.id, batch.request_counts.total, partial=partial)
+    if not batch.results_url:
+        return pairs
+    from lmdq.sink import resolve_results
+
+    return resolve_results(pairs, batch.results_url, batch.id)
+
+
 def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -> Iterator[bytes]:
     """One JSON line per request, in input order; requests with no record yet are skipped."""
-    for _, raw in store.iter_results(batch.id, batch.request_counts.total, partial=partial):
+    for _, raw in _records(store, batch, partial=partial):
         if raw is not None:
             yield raw + b"\n"
 
@@ -67,6 +78,6 @@ def to_openai(r: Result) -> dict[str, Any]:
 
 def iter_openai_lines(store: ResultStore, batch: Batch) -> Iterator[bytes]:
     """OpenAI Batch output: final results only (partials are not answers yet)."""
-    for _, raw in store.iter_results(batch.id, batch.request_counts.total, partial=False):
+    for _, raw in _records(store, batch, partial=False):
         if raw is not None:
             yield json.dumps(to_openai(Result.model_validate_json(raw)), ensure_ascii=False).encode() + b"\n"

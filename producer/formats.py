@@ -25,6 +25,14 @@ Decisions worth knowing:
   OpenAI's own default of 1.0; ``temperature`` > 0 turns sampling on, 0 means greedy.
 * OpenAI ``logprobs``: chat ``logprobs: true`` maps to ``max(top_logprobs, 1)`` (1 when no count);
   completions ``logprobs: N`` maps to ``max(N, 1)``; lmdq always includes the chosen token.
+* OpenAI ``response_format`` (chat): ``{"type": "json_schema", "json_schema": {"name", "schema",
+  "strict", "description"}}``, ``{"type": "json_object"}``, LMDeploy's ``{"type": "regex_schema",
+  "regex_schema": "..."}``, or ``{"type": "text"}`` (no constraint). Any ``response_format`` (also
+  lmdq JSONL ``params.response_format``) is checked by :func:`lmdq.guided.check`: compiled with
+  xgrammar when the producer has it, else a meta-schema / ``re`` check (see that module).
+* ``output_logits`` / ``output_last_hidden_state`` ``'all'`` can't be checked here: LMDeploy refuses
+  them with prefix caching on, which only the worker knows; such a worker fails the request with
+  ``unsupported_feature``.
 * Duplicate ``custom_id`` values are NOT checked here (the caller does that over the whole file).
 """
 
@@ -41,6 +49,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from lmdq.contract import ChatMessage, Endpoint, GenerationParams, Request
+from lmdq.guided import check as check_response_format
 
 __all__ = ["InputError", "InputFormat", "InputLimits", "ParsedLine", "detect_format", "iter_lines"]
 
@@ -182,7 +191,7 @@ _BODY_SPECIAL = ("model", "stop", "n", "logprobs", "stream")
 _BODY_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
 _BODY_ZERO_ONLY = frozenset({"frequency_penalty", "presence_penalty"})
 _BODY_KEYS = {
-    Endpoint.chat: frozenset({"messages", "top_logprobs", *_BODY_DIRECT, *_BODY_SPECIAL}),
+    Endpoint.chat: frozenset({"messages", "top_logprobs", "response_format", *_BODY_DIRECT, *_BODY_SPECIAL}),
     Endpoint.completion: frozenset({"prompt", *_BODY_DIRECT, *_BODY_SPECIAL}),
 }
 
@@ -307,7 +316,57 @@ def _validate_params(
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in the parameters)"
         raise _LineError(field, message) from None
+    if params.response_format is not None:
+        try:
+            check_response_format(params.response_format)
+        except ValueError as exc:
+            if src is not None and "response_format" in src:
+                field = src["response_format"]
+            else:
+                field = f"{prefix}.response_format" if prefix else "response_format"
+            raise _LineError(field, str(exc)) from None
     return params if params.model_fields_set else None
+
+
+_RF_WRAPPER_KEYS = ("name", "schema", "strict", "description")
+
+
+def _openai_response_format(rf: Any) -> dict[str, Any] | None:
+    """OpenAI's chat ``response_format`` → lmdq's ResponseFormat data (None for ``text``)."""
+    name = "body.response_format"
+    if not isinstance(rf, dict):
+        raise _LineError(name, f"expected an object, got {_got(rf)}")
+    kind = rf.get("type")
+    allowed = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema"),
+               "regex_schema": ("type", "regex_schema")}
+    if kind not in allowed:
+        raise _LineError(f"{name}.type", f"expected one of {_join(tuple(allowed))}, got {_got(kind)}")
+    for key in rf:
+        if key not in allowed[kind]:
+            raise _LineError(f"{name}.{key}", f"unknown key for type {kind!r}; expected only {_join(allowed[kind])}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "regex_schema":
+        regex = rf.get("regex_schema")
+        if not isinstance(regex, str) or not regex:
+            raise _LineError(f"{name}.regex_schema", f"expected a non-empty string, got {_got(regex)}")
+        return {"type": "regex", "regex": regex}
+    wrapper = rf.get("json_schema")
+    if not isinstance(wrapper, dict):
+        raise _LineError(f"{name}.json_schema", f"expected an object with 'name' and 'schema', got {_got(wrapper)}")
+    for key in wrapper:
+        if key not in _RF_WRAPPER_KEYS:
+            raise _LineError(f"{name}.json_schema.{key}", f"unknown key; expected only {_join(_RF_WRAPPER_KEYS)}")
+    if not isinstance(wrapper.get("schema"), dict):
+        got = _got(wrapper.get("schema"))
+        raise _LineError(f"{name}.json_schema.schema", f"expected a JSON schema object, got {got}")
+    if "name" in wrapper and not isinstance(wrapper["name"], str):
+        raise _LineError(f"{name}.json_schema.name", f"expected a string, got {_got(wrapper['name'])}")
+    if wrapper.get("strict") is not None and not isinstance(wrapper["strict"], bool):
+        raise _LineError(f"{name}.json_schema.strict", f"expected true or false, got {_got(wrapper['strict'])}")
+    return {"type": "json_schema", "json_schema": dict(wrapper)}
 
 
 def _custom_id(value: Any, line_no: int, field: str = "custom_id") -> str:
@@ -520,6 +579,16 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
             raise _LineError("body.logprobs", f"expected an integer, got {_got(logprobs)}")
         params["logprobs"] = max(logprobs, 1)
         src["logprobs"] = "body.logprobs"
+
+    response_format = body.get("response_format")
+    if response_format is not None:
+        mapped = _openai_response_format(response_format)
+        if mapped is not None:
+            params["response_format"] = mapped
+            # where a schema/regex that does not compile is reported
+            src["response_format"] = {"json_schema": "body.response_format.json_schema.schema",
+                                      "regex": "body.response_format.regex_schema"}.get(
+                                          mapped["type"], "body.response_format")
 
     validated = _validate_params(params, src, "body", wrapped)
     return ParsedLine(line_no, custom_id, prompt, messages, endpoint, validated, model)

@@ -136,6 +136,8 @@ def retry_batch(
         metadata=metadata,
         idempotency_key=idempotency_key,
         completion_window_s=orig.completion_window_s,
+        results_url=orig.results_url,
+        blob_url=orig.blob_url,
         created_at=now,
         expires_at=(now + orig.completion_window_s) if orig.completion_window_s else None,
     )

@@ -56,6 +56,8 @@ class SubmitOptions:
     limits: InputLimits = field(default_factory=InputLimits)
     max_errors: int = 20
     fmt: InputFormat | None = None
+    results_url: str | None = None
+    blob_url: str | None = None
 
 
 def new_batch_id() -> str:
@@ -171,10 +173,18 @@ def _file_requests(path: Path, opts: SubmitOptions) -> Iterator[dict[str, Any]]:
 
 
 def job_payloads(
-    requests: Iterable[dict[str, Any]], *, batch_id: str, model: str, params: GenerationParams, batch_size: int
+    requests: Iterable[dict[str, Any]],
+    *,
+    batch_id: str,
+    model: str,
+    params: GenerationParams,
+    batch_size: int,
+    results_url: str | None = None,
+    blob_url: str | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Job payload dicts of ``batch_size`` requests each, in request order."""
     p = params.model_dump(exclude_none=True)
+    urls = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
     reqs: list[dict[str, Any]] = []
     job_no = 0
     for req in requests:
@@ -187,6 +197,7 @@ def job_payloads(
                 "job_no": job_no,
                 "params": p,
                 "requests": reqs,
+                **urls,
             }
             job_no += 1
             reqs = []
@@ -198,6 +209,7 @@ def job_payloads(
             "job_no": job_no,
             "params": p,
             "requests": reqs,
+            **urls,
         }
 
 
@@ -236,7 +248,13 @@ def enqueue_batch(
         pipe = client.pipeline(transaction=False)
         staged = 0
         for payload in job_payloads(
-            requests, batch_id=batch.id, model=batch.model, params=batch.params, batch_size=batch.batch_size
+            requests,
+            batch_id=batch.id,
+            model=batch.model,
+            params=batch.params,
+            batch_size=batch.batch_size,
+            results_url=batch.results_url,
+            blob_url=batch.blob_url,
         ):
             jq.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
             staged += 1
@@ -315,6 +333,8 @@ def submit_file(
             metadata=opts.metadata,
             idempotency_key=opts.idempotency_key,
             completion_window_s=opts.completion_window_s,
+            results_url=opts.results_url,
+            blob_url=opts.blob_url,
             created_at=now,
             expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
         )

@@ -125,3 +125,111 @@ def test_dtype_guard_for_bf16_affected_shape(tmp_path) -> None:  # type: ignore[
     (other / "config.json").write_text(json.dumps({**SMOLLM2_135M, "hidden_size": 4096}))
     assert resolve_dtype(str(other), "auto") == ("auto", None)
     assert resolve_dtype("org/hub-id", "auto") == ("auto", None)
+
+
+# ------------------------------------------------------------------ rich outputs / guided decoding
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+def test_rich_output_params_reach_generation_config() -> None:
+    p = GenerationParams(logprobs=3, output_logits="generation", output_last_hidden_state="all",
+                         response_format={"type": "json_schema",
+                                          "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+    g = build_gen_config(p.resolved())
+    assert isinstance(g, GenerationConfig)
+    assert (g.logprobs, g.output_logits, g.output_last_hidden_state) == (3, "generation", "all")
+    assert g.response_format == {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    plain = build_gen_config(GenerationParams().resolved())
+    assert (plain.logprobs, plain.output_logits, plain.output_last_hidden_state, plain.response_format) == (
+        None, None, None, None)
+
+
+@pytest.mark.parametrize("rf", [
+    {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+    {"type": "json_schema", "json_schema": SCHEMA},
+    {"type": "json_object"},
+    {"type": "regex", "regex": "[0-9]{3}"},
+])
+def test_response_format_is_what_lmdeploy_compiles(rf: dict) -> None:
+    """The mapped dict goes through LMDeploy's OWN guided-decoding front door (needs xgrammar)."""
+    pytest.importorskip("xgrammar")
+    from lmdeploy._guided_decoding import ensure_response_format_compilable
+
+    g = build_gen_config(GenerationParams(response_format=rf).resolved())
+    ensure_response_format_compilable(g.response_format)
+    if rf["type"] == "regex":
+        assert g.response_format == {"type": "regex_schema", "regex_schema": "[0-9]{3}"}
+
+
+def test_logprob_rows_from_lmdeploy_dicts() -> None:
+    from worker.engines.lmdeploy_engine import _logprob_rows
+
+    rows = _logprob_rows([5, 9], [{5: -0.1, 7: -2.5, 8: -3.0}, {7: -0.2, 8: -1.0, 9: -4.0}], 2)
+    assert rows == [(5, -0.1, [(5, -0.1), (7, -2.5)]), (9, -4.0, [(7, -0.2), (8, -1.0)])]
+
+
+class _FakePipe:
+    """Just enough of ``lmdeploy.pipeline`` for LMDeployEngine._stream_group: scripted Response chunks,
+    shaped as lmdeploy 0.18's async_engine yields them (token_ids/logprobs deltas, cumulative tensors,
+    a terminal chunk with none of them)."""
+
+    def __init__(self, prefix_caching: bool = False) -> None:
+        self.backend_config = PytorchEngineConfig(enable_prefix_caching=prefix_caching)
+        self.calls = 0
+
+    def session(self) -> object:
+        class _S:
+            def abort(self) -> None: ...
+            def close(self) -> None: ...
+        return _S()
+
+    def stream_infer(self, prompts, sessions, gen_config, do_preprocess, stream_response):  # type: ignore[no-untyped-def]
+        import torch
+        from lmdeploy.messages import Response
+
+        self.calls += 1
+        logits = torch.arange(3 * 4, dtype=torch.float16).reshape(3, 4)
+        yield Response(text="a", generate_token_len=1, input_token_len=5, index=0, token_ids=[11],
+                       logprobs=[{11: -0.5, 12: -1.5}], logits=logits[:1])
+        yield Response(text="b", generate_token_len=3, input_token_len=5, index=0, token_ids=[12, 13],
+                       logprobs=[{12: -0.25, 11: -2.0}, {14: -0.1, 13: -0.9}], logits=logits[:3])
+        yield Response(text="", generate_token_len=3, input_token_len=5, index=0, finish_reason="length")
+
+
+def _engine(pipe: _FakePipe) -> object:
+    from worker.engines.lmdeploy_engine import LMDeployEngine
+
+    e = object.__new__(LMDeployEngine)
+    e.pipe, e.raw, e.emit_interval_s, e._closed = pipe, False, 0.0, False  # type: ignore[attr-defined]
+    return e
+
+
+def test_stream_carries_rich_outputs_on_the_final_event() -> None:
+    import threading
+
+    from worker.engines.base import EngineRequest
+
+    params = GenerationParams(logprobs=1, output_logits="generation")
+    events = list(_engine(_FakePipe()).stream([EngineRequest(index=4, prompt="x", params=params)],  # type: ignore[attr-defined]
+                                               threading.Event()))
+    final = events[-1]
+    assert final.finish_reason == "length" and final.index == 4
+    assert all(e.logprobs is None and e.tensors is None for e in events[:-1])
+    assert final.logprobs == [(11, -0.5, [(11, -0.5)]), (12, -0.25, [(12, -0.25)]), (13, -0.9, [(14, -0.1)])]
+    assert final.tensors is not None and tuple(final.tensors["logits"].shape) == (3, 4)
+    assert str(final.tensors["logits"].dtype) == "torch.float32"
+
+
+def test_all_outputs_refused_when_the_engine_has_prefix_caching() -> None:
+    import threading
+
+    from worker.engines.base import EngineRequest
+
+    pipe = _FakePipe(prefix_caching=True)
+    reqs = [EngineRequest(index=0, prompt="x", params=GenerationParams(output_logits="all")),
+            EngineRequest(index=1, prompt="y", params=GenerationParams(output_last_hidden_state="all"))]
+    events = list(_engine(pipe).stream(reqs, threading.Event()))  # type: ignore[attr-defined]
+    assert [(e.index, e.finish_reason, e.error_code) for e in events] == [
+        (0, "error", "unsupported_feature"), (1, "error", "unsupported_feature")]
+    assert "prefix caching" in (events[0].error_message or "") and pipe.calls == 0

@@ -30,6 +30,7 @@ from lmdq.contract import (
     Result,
     ResultStatus,
     Timings,
+    TokenLogprob,
 )
 from lmdq.jobs import Claim, JobQueue
 from lmdq.keys import Keys, queue_names
@@ -100,6 +101,7 @@ class Worker:
         self._requests_in_flight = 0
         self._pool = ThreadPoolExecutor(max_workers=self.max_jobs, thread_name_prefix="lmdq-job")
         self.log = log.bind(worker=self.name, model=self.model)
+        self._blob_stores: dict[str, Any] = {}
         self.stats = {"jobs": 0, "results": 0, "duplicates": 0, "requeued": 0, "refused": 0}
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -302,6 +304,8 @@ class Worker:
             jlog = jlog.bind(batch=payload.batch_id)
             self.jobs.mark_started(claim, self.name, int(self.s.heartbeat_ttl_s) + 60)
             outcome, failed = self._execute(held, payload, job, jlog)
+            if outcome == "done" and payload.results_url and held.abort_reason != "lost":
+                self._flush_results(payload, jlog)
             self.stats["jobs"] += 1
         except redis.RedisError as e:
             jlog.error("redis failed while running job; re-queueing", error=str(e))
@@ -370,6 +374,55 @@ class Worker:
     def _write(self, result: Result) -> None:
         new = with_reconnect(lambda: self.store.write_result(result), on_retry=self._redis_retry)
         self.stats["results" if new else "duplicates"] += 1
+
+    def _flush_results(self, payload: JobPayload, jlog: Any) -> None:
+        """Results sink: the ended job's results become one shard, Redis keeps compact records.
+
+        A sink failure is logged and leaves the full records in Redis, where ``results`` reads them.
+        """
+        from lmdq.sink import flush_job
+
+        try:
+            uri = with_reconnect(lambda: flush_job(self.client, self.keys, payload), on_retry=self._redis_retry)
+        except redis.RedisError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the results are safe in Redis; only the offload failed
+            jlog.error("results shard not written; full results stay in Redis", error=f"{type(e).__name__}: {e}")
+            return
+        if uri:
+            jlog.debug("results shard written", uri=uri)
+
+    def _blob_store(self, url: str) -> Any:
+        from lmdq.blobs import BlobStore
+
+        if url not in self._blob_stores:
+            self._blob_stores[url] = BlobStore.from_url(url)
+        return self._blob_stores[url]
+
+    def _store_tensors(
+        self, ev: EngineEvent, lv: _Live, payload: JobPayload
+    ) -> tuple[dict[str, Any] | None, ErrorInfo | None]:
+        """Write a final event's tensors to the blob store: (TensorRefs, None) or (None, why not)."""
+        params = payload.params.merged(lv.req.params)
+        asked = bool(params.output_logits or params.output_last_hidden_state)
+        if not (ev.tensors or asked):
+            return None, None
+        url = payload.blob_url or self.s.blob_url
+        if not url:
+            return None, ErrorInfo(
+                code="no_blob_store",
+                message="this request asked for tensors (output_logits / output_last_hidden_state) but no blob "
+                "store is configured: submit with --blob-url, or set LMDQ_BLOB_URL on the worker",
+            )
+        if not ev.tensors:
+            return None, None
+        from lmdq.blobs import TensorTooLarge
+
+        try:
+            refs = self._blob_store(url).put_tensors(f"{payload.batch_id}/{lv.req.index}", ev.tensors)
+        except TensorTooLarge as e:
+            return None, ErrorInfo(code="tensor_too_large", message=str(e))
+        return refs, None
 
     def _write_partial(self, result: Result) -> None:
         """Best effort: partial text is a progress hint, so a Redis outage skips it instead of
@@ -516,6 +569,16 @@ class Worker:
             error = ErrorInfo(code=ev.error_code or "internal_error", message=ev.error_message or "generation failed")
         else:
             status, error = ResultStatus.completed, None
+        logprobs = (
+            [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in ev.logprobs]
+            if ev.logprobs is not None
+            else None
+        )
+        tensors = None
+        if status is ResultStatus.completed:
+            tensors, terr = self._store_tensors(ev, lv, payload)
+            if terr is not None:
+                status, error, reason = ResultStatus.failed, terr, FinishReason.error
         result = self._result(
             payload,
             lv.req,
@@ -530,6 +593,8 @@ class Worker:
             error=error,
             first_token_at=lv.first_token_at,
             finished_at=now,
+            logprobs=logprobs,
+            tensors=tensors,
         )
         self._write(result)
         if self.health:

@@ -27,6 +27,9 @@ class WorkerSettings(CommonSettings):
     eager_mode: bool = False
     raw: bool = Field(default=False, description="skip the chat template for plain prompts too")
     device: str = "auto"
+    blob_url: str | None = Field(
+        default=None, description="folder or s3://bucket/prefix for tensors when a batch names none (LMDQ_BLOB_URL)"
+    )
     # sim engine
     sim_step_ms: float = Field(default=5.0, ge=0.0)
     sim_max_batch: int = Field(default=256, ge=1)

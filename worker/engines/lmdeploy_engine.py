@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmdq.guided import to_lmdeploy
 from worker.engines.base import EngineError, EngineEvent, EngineRequest
 
 __all__ = ["LMDeployEngine", "build_backend_config", "build_gen_config", "resolve_chat_template"]
@@ -84,7 +85,31 @@ def build_gen_config(p: dict[str, Any]) -> Any:
         ignore_eos=p["ignore_eos"],
         skip_special_tokens=p["skip_special_tokens"],
         logprobs=p["logprobs"],
+        output_logits=p.get("output_logits"),
+        output_last_hidden_state=p.get("output_last_hidden_state"),
+        response_format=to_lmdeploy(p.get("response_format")),
     )
+
+
+def _logprob_rows(token_ids: list[int], rows: list[dict[int, float]], k: int) -> list[tuple[int, float, list[Any]]]:
+    """LMDeploy's per-token ``{token_id: logprob}`` dicts (top-k plus the chosen token) → lmdq's
+    (chosen id, chosen logprob, top-k sorted by logprob) rows; ``token_ids`` are the generated ids."""
+    out: list[tuple[int, float, list[Any]]] = []
+    for tok, row in zip(token_ids, rows):
+        top = sorted(((int(t), float(v)) for t, v in row.items()), key=lambda kv: -kv[1])[:k]
+        out.append((int(tok), float(row.get(tok, float("nan"))), top))
+    return out
+
+
+def _prefix_caching_conflict(backend_config: Any, p: dict[str, Any]) -> str | None:
+    """LMDeploy refuses 'all' logits/hidden states with prefix caching on; lmdq can't know the worker's
+    prefix caching at submit time, so the worker fails such a request up front, clearly."""
+    if getattr(backend_config, "enable_prefix_caching", False) and "all" in (
+        p.get("output_logits"), p.get("output_last_hidden_state")
+    ):
+        return ("output_logits/output_last_hidden_state 'all' is not supported when prefix caching is on "
+                "(this worker's engine has enable_prefix_caching); ask for 'generation' instead")
+    return None
 
 
 def resolve_chat_template(chat_template: str | None) -> Any:
@@ -224,6 +249,17 @@ class LMDeployEngine:
     ) -> Iterator[EngineEvent]:
         if any(r.messages is not None for r in group) and not preprocess:
             raise EngineError("messages need the chat template (do not combine with --raw)")
+        kept = []
+        for r in group:
+            conflict = _prefix_caching_conflict(self.pipe.backend_config, r.params.resolved())
+            if conflict:
+                yield EngineEvent(index=r.index, finish_reason="error", error_code="unsupported_feature",
+                                  error_message=conflict)
+            else:
+                kept.append(r)
+        group = kept
+        if not group:
+            return
         prompts = [self._prompt(r, preprocess) for r in group]
         gens = [build_gen_config(r.params.resolved()) for r in group]
         sessions = [self.pipe.session() for _ in group]
@@ -247,6 +283,14 @@ class LMDeployEngine:
             # the engine's own loop needs, so deltas are coalesced here: an event goes up for the
             # first token (time to first token), then at most every ``emit_interval_s``, and at the end.
             pending: dict[int, list[str]] = {}
+            # Rich outputs (final event only). Per chunk, Response.token_ids and .logprobs are DELTAS
+            # (async_engine.generate slices both per chunk), so they are accumulated; .logits and
+            # .last_hidden_state are cumulative views (TurboMind: rows[:step - offset - 1]; PyTorch: on the
+            # finishing chunk), and the terminal chunk carries None: the latest non-None one is kept.
+            want_lp = [r.params.resolved()["logprobs"] for r in group]
+            gen_ids: dict[int, list[int]] = {}
+            lp_rows: dict[int, list[dict[int, float]]] = {}
+            tensors: dict[int, dict[str, Any]] = {}
             last_emit: dict[int, float] = {}
             interval = self.emit_interval_s
             for out in self.pipe.stream_infer(prompts, sessions=sessions, gen_config=gens,
@@ -254,6 +298,13 @@ class LMDeployEngine:
                 i = out.index
                 if out.text:
                     pending.setdefault(i, []).append(out.text)
+                if want_lp[i] is not None and out.logprobs:
+                    gen_ids.setdefault(i, []).extend(out.token_ids or [])
+                    lp_rows.setdefault(i, []).extend(out.logprobs)
+                for key in ("logits", "last_hidden_state"):
+                    value = getattr(out, key, None)
+                    if value is not None:
+                        tensors.setdefault(i, {})[key] = value
                 if out.finish_reason is None:
                     if not out.generate_token_len:
                         continue
@@ -263,11 +314,17 @@ class LMDeployEngine:
                     last_emit[i] = now
                 else:
                     open_.discard(i)
+                final = out.finish_reason is not None
+                rich_lp = (_logprob_rows(gen_ids.pop(i, []), lp_rows.pop(i, []), int(want_lp[i]))
+                           if final and want_lp[i] is not None and out.finish_reason != "error" else None)
+                rich_t = {k: v.float().cpu() if hasattr(v, "float") else v for k, v in tensors.pop(i, {}).items()
+                          } if final and out.finish_reason != "error" else None
                 yield EngineEvent(index=group[i].index, text="".join(pending.pop(i, ())),
                                   input_token_len=out.input_token_len or 0,
                                   generate_token_len=out.generate_token_len or 0, finish_reason=out.finish_reason,
                                   error_code=getattr(out, "error_code", None),
-                                  error_message=getattr(out, "error_message", None))
+                                  error_message=getattr(out, "error_message", None),
+                                  logprobs=rich_lp, tensors=rich_t or None)
         except Exception as e:
             raise EngineError(f"stream_infer failed: {e!r}") from e
         finally:

@@ -7,11 +7,22 @@ across job boundaries is exactly as hard as keeping a GPU busy. Text is determin
 prompt; a request produces exactly ``max_new_tokens`` tokens unless a stop word applies.
 A prompt containing ``[[sim:error]]`` ends with an internal error, ``[[sim:engine-error]]``
 raises :class:`EngineError` for the whole call (fault tests).
+
+Rich outputs are SIMULATED too, with the real engines' shapes (see docs/outputs.md): ``logprobs=k``
+gives per generated token a deterministic fake chosen id in ``[0, sim_vocab)`` with a fake logprob
+(<= 0) and k descending alternatives (the chosen one first); ``output_logits`` gives a float32 array
+``[generated, sim_vocab]`` ('generation') or ``[input + generated - 1, sim_vocab]`` ('all');
+``output_last_hidden_state`` the same rows with ``sim_hidden`` columns; values are seeded noise.
+``response_format`` json_schema / json_object makes the whole output a minimal instance of the
+schema (:func:`minimal_instance`: every listed property, each with a small legal value), emitted as
+one "token" and finishing with 'stop'; regex is NOT simulated (the output stays the usual words).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import queue
 import random
 import threading
@@ -19,10 +30,11 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from worker.engines.base import EngineError, EngineEvent, EngineRequest
 
-__all__ = ["SimEngine"]
+__all__ = ["SimEngine", "minimal_instance"]
 
 _WORDS = [
     "alpha",
@@ -82,6 +94,10 @@ class _Seq:
     done: bool = False
     emit_every: int = 16
     extra: dict[str, str] = field(default_factory=dict)
+    guided: str | None = None  # the minimal JSON instance the output must be
+    logprobs: int | None = None
+    output_logits: str | None = None
+    output_hidden: str | None = None
 
 
 class SimEngine:
@@ -96,12 +112,16 @@ class SimEngine:
         max_batch: int = 256,
         session_len: int = 32768,
         emit_every: int = 64,
+        sim_vocab: int = 1000,
+        sim_hidden: int = 64,
     ) -> None:
         self.model_name = model_name
         self.step_s = step_ms / 1000.0
         self.max_batch = max_batch
         self.session_len = session_len
         self.emit_every = emit_every
+        self.sim_vocab = sim_vocab
+        self.sim_hidden = sim_hidden
         self._pending: deque[_Seq] = deque()
         self._active: list[_Seq] = []
         self._cv = threading.Condition()
@@ -124,6 +144,7 @@ class SimEngine:
             if "[[sim:engine-error]]" in text:
                 raise EngineError("simulated engine failure")
             p = r.params.resolved()
+            guided = _guided_text(p["response_format"])
             seqs.append(
                 _Seq(
                     req=r,
@@ -134,6 +155,10 @@ class SimEngine:
                     seed=hashlib.sha256(text.encode()).digest(),
                     stop_words=list(p["stop_words"] or []),
                     emit_every=self.emit_every,
+                    guided=guided,
+                    logprobs=p["logprobs"],
+                    output_logits=p["output_logits"],
+                    output_hidden=p["output_last_hidden_state"],
                 )
             )
         with self._cv:
@@ -159,10 +184,38 @@ class SimEngine:
         """The whole deterministic output, drawn once at admission (cheap per decode step)."""
         return random.Random(s.seed).choices(_WORDS, k=s.max_new)
 
+    def _rich(self, s: _Seq) -> tuple[list[tuple[int, float, list[tuple[int, float]]]] | None, dict[str, Any] | None]:
+        """Simulated logprobs and tensors for the final event (deterministic from the prompt)."""
+        logprobs = None
+        if s.logprobs is not None:
+            rng = random.Random(s.seed + b"logprobs")
+            logprobs = []
+            for _ in range(s.n):
+                chosen = rng.randrange(self.sim_vocab)
+                lp = -round(rng.random() * 2.0, 6)
+                top = [(chosen, lp)]
+                while len(top) < min(s.logprobs, self.sim_vocab):
+                    cand = rng.randrange(self.sim_vocab)
+                    if all(cand != t for t, _ in top):
+                        top.append((cand, top[-1][1] - round(0.1 + rng.random(), 6)))
+                logprobs.append((chosen, lp, top if s.logprobs > 0 else []))
+        tensors: dict[str, Any] = {}
+        for key, mode, width in (("logits", s.output_logits, self.sim_vocab),
+                                 ("last_hidden_state", s.output_hidden, self.sim_hidden)):
+            if mode is None:
+                continue
+            import numpy as np
+
+            rows = s.n if mode == "generation" else max(0, s.input_len + s.n - 1)
+            rng_np = np.random.default_rng(int.from_bytes(s.seed[:8], "little") + len(key))
+            tensors[key] = rng_np.standard_normal((rows, width), dtype=np.float32)
+        return logprobs, tensors or None
+
     def _finish(self, s: _Seq, reason: str, code: str | None = None, msg: str | None = None) -> None:
         s.done = True
         if reason == "abort" and s.words:
             s.text = " ".join(s.words[: s.n])
+        logprobs, tensors = self._rich(s) if reason != "error" else (None, None)
         s.out.put(
             EngineEvent(
                 index=s.req.index,
@@ -172,6 +225,8 @@ class SimEngine:
                 finish_reason=reason,
                 error_code=code,
                 error_message=msg,
+                logprobs=logprobs,
+                tensors=tensors,
             )
         )
         s.sent = len(s.text)
@@ -193,6 +248,10 @@ class SimEngine:
             self._finish(s, "error", "internal_error", "simulated per-request failure")
             return False
         s.max_new = min(s.max_new, self.session_len - s.input_len)
+        if s.guided is not None:
+            s.max_new = 1  # the whole JSON instance is one simulated "token"
+            s.words = [s.guided]
+            return True
         s.words = self._words(s)
         return True
 
@@ -212,7 +271,7 @@ class SimEngine:
                     return
         if s.n >= s.max_new:
             s.text = " ".join(s.words[: s.n])
-            self._finish(s, "length")
+            self._finish(s, "stop" if s.guided is not None else "length")
         elif s.n == 1 or s.n % s.emit_every == 0:
             s.text = " ".join(s.words[: s.n])
             # Hold back a possible stop-word prefix: emit only text that can no longer change.
@@ -258,3 +317,60 @@ class SimEngine:
             self.steps += 1
             with self._cv:
                 self._active = [s for s in self._active if not s.done]
+
+
+def _guided_text(response_format: Any) -> str | None:
+    """The simulated output of a json_schema/json_object request (None: not simulated)."""
+    if response_format is None:
+        return None
+    from lmdq.contract import ResponseFormat
+    from lmdq.guided import schema_of
+
+    rf = ResponseFormat.model_validate(response_format)
+    if rf.type == "regex":
+        return None
+    schema = schema_of(rf)
+    if not isinstance(schema, dict):  # a boolean schema: `true` accepts anything
+        return "{}"
+    return json.dumps(minimal_instance(schema))
+
+
+def minimal_instance(schema: dict[str, Any]) -> Any:
+    """A small value valid against common JSON schemas: const/enum first, else the first anyOf/oneOf
+    branch, else by type — every listed property of an object, strings of ``minLength`` 'a's, numbers at
+    their minimum (or 0), ``minItems`` array items. $ref, patterns and formats are not interpreted."""
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key):
+            return minimal_instance(schema[key][0])
+    if schema.get("allOf"):
+        merged: dict[str, Any] = {}
+        for part in schema["allOf"]:
+            merged.update(part)
+        return minimal_instance(merged)
+    typ = schema.get("type", "object" if "properties" in schema else None)
+    if isinstance(typ, list):
+        typ = next((t for t in typ if t != "null"), "null")
+    if typ == "object":
+        props = schema.get("properties") or {}
+        return {name: minimal_instance(sub if isinstance(sub, dict) else {}) for name, sub in props.items()}
+    if typ == "array":
+        items = schema.get("items")
+        item = items if isinstance(items, dict) else {}
+        return [minimal_instance(item) for _ in range(int(schema.get("minItems", 0)))]
+    if typ == "string":
+        return "a" * int(schema.get("minLength", 0))
+    if typ in ("integer", "number"):
+        low = schema.get("minimum", schema.get("exclusiveMinimum"))
+        if low is None:
+            return 0
+        value = low + 1 if "minimum" not in schema else low
+        return int(math.ceil(value)) if typ == "integer" else value
+    if typ == "boolean":
+        return False
+    if typ == "null":
+        return None
+    return {}

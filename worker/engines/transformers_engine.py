@@ -22,6 +22,21 @@ Semantics mirror ``lmdeploy.pipeline`` (v0.18, ``AsyncEngine`` + ``GenerationCon
   repetition_penalty. Sampling applies repetition penalty, temperature, top-k, top-p, min-p in that
   order with a per-request seeded ``torch.Generator`` (random seed when none is given).
 
+Rich outputs and guided decoding (GenerationConfig ``logprobs`` / ``output_logits`` /
+``output_last_hidden_state`` / ``response_format``):
+
+* ``logprobs=k``: per generated token, the chosen token's logprob and the top-k, from ``log_softmax`` of
+  the RAW model logits of that step (before bans, the grammar mask, penalties and temperature), i.e.
+  LMDeploy's ``logprobs_mode='raw_logprobs'``. A stop token is not a generated token and gets no row.
+* ``output_logits`` / ``output_last_hidden_state`` follow LMDeploy TurboMind's row layout: 'generation'
+  is one row per generated token (the raw logits / final-norm hidden state of the position that
+  produced it: ``[generated, vocab|hidden]``); 'all' adds every prompt position before it, i.e. one row
+  per position whose next token is known: ``[input + generated - 1, ...]`` (the last generated token
+  is never fed back). float32 CPU tensors on the final event's ``tensors``.
+* ``response_format`` (json_schema / json_object / regex) is compiled with xgrammar (what LMDeploy
+  uses) and every step masks the tokens the grammar forbids; the request stops ('stop') when the
+  grammar terminates (it accepted an end token) or when it leaves no legal token.
+
 One deliberate difference: LMDeploy stops on the *token ids* whose text contains a stop word, while
 this engine stops on the exact string (the stop word is cut from the output). For stop words that are
 single tokens, the two agree.
@@ -104,6 +119,10 @@ class _Sampling:
     stop_ids: set[int]
     banned_ids: list[int]
     skip_special_tokens: bool
+    logprobs: int | None = None
+    output_logits: str | None = None
+    output_hidden: str | None = None
+    grammar: Any = None  # a compiled xgrammar grammar, or None
 
 
 class TransformersEngine:
@@ -178,6 +197,9 @@ class TransformersEngine:
         self._model_lock = threading.Lock()
         self._tok_lock = threading.RLock()
         self._closed = False
+        self._grammar_lock = threading.Lock()
+        self._grammar_compiler: Any = None
+        self._grammar_info: Any = None
         self._warm_up()
         log.info(
             "transformers engine ready: model=%s device=%s dtype=%s session_len=%d eos=%s",
@@ -357,7 +379,41 @@ class TransformersEngine:
             stop_ids=set() if ignore_eos else stop_ids,
             banned_ids=sorted(i for i in stop_ids if i < self._vocab_size) if ignore_eos else [],
             skip_special_tokens=bool(p["skip_special_tokens"]),
+            logprobs=p["logprobs"],
+            output_logits=p["output_logits"],
+            output_hidden=p["output_last_hidden_state"],
+            grammar=self._grammar(p["response_format"]),
         )
+
+    def _grammar(self, response_format: Any) -> Any:
+        """Compile ``response_format`` with xgrammar (compiler built on first use; it caches grammars)."""
+        if response_format is None:
+            return None
+        from lmdq.contract import ResponseFormat
+        from lmdq.guided import grammar_source
+
+        rf = ResponseFormat.model_validate(response_format)
+        try:
+            import xgrammar as xgr
+        except ImportError as exc:
+            msg = f"response_format needs xgrammar on the worker (`pip install 'lmdq[cpu]'`): {exc}"
+            raise _BadRequest(msg) from exc
+        try:
+            kind, source = grammar_source(rf)
+        except ValueError as exc:
+            raise _BadRequest(str(exc)) from exc
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                with self._tok_lock:
+                    self._grammar_info = xgr.TokenizerInfo.from_huggingface(
+                        self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=sorted(self.eos_token_ids)
+                    )
+                self._grammar_compiler = xgr.GrammarCompiler(self._grammar_info, max_threads=1)
+            compiler = self._grammar_compiler
+        try:
+            return compiler.compile_regex(source) if kind == "regex" else compiler.compile_json_schema(source)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError on a bad schema/regex
+            raise _BadRequest(f"response_format cannot be compiled: {exc}") from exc
 
     def _generate(
         self, index: int, input_ids: list[int], s: _Sampling, abort: threading.Event
@@ -370,6 +426,18 @@ class TransformersEngine:
         history = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         step_input = history.unsqueeze(0)
         cache: Any = None
+        want_all = "all" in (s.output_logits, s.output_hidden)
+        want_hidden = s.output_hidden is not None
+        matcher: Any = None
+        bitmask: Any = None
+        if s.grammar is not None:
+            import xgrammar as xgr
+
+            matcher = xgr.GrammarMatcher(s.grammar)
+            bitmask = xgr.allocate_token_bitmask(1, self._grammar_info.vocab_size)
+        logprob_rows: list[tuple[int, float, list[tuple[int, float]]]] = []
+        logit_rows: list[Any] = []
+        hidden_rows: list[Any] = []
         gen_ids: list[int] = []
         text, emitted, last_event_at = "", 0, 0
         finish: str | None = None
@@ -382,17 +450,51 @@ class TransformersEngine:
                     if self._model is None:
                         raise EngineError("the transformers engine was closed during generation")
                     kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
-                    if self._accepts_logits_to_keep:
+                    prefill = cache is None
+                    if self._accepts_logits_to_keep and not (prefill and s.output_logits == "all"):
                         kwargs["logits_to_keep"] = 1
+                    if want_hidden:
+                        kwargs["output_hidden_states"] = True
                     with torch.inference_mode():
                         out = self._model(input_ids=step_input, **kwargs)
                         cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
-                        logits = out.logits[0, -1].float()
+                        raw = out.logits[0, -1].float()
+                        hidden = out.hidden_states[-1][0].float() if want_hidden else None
+                        if prefill and want_all:
+                            # 'all': the prompt positions before the last one (their next token is known)
+                            if s.output_logits == "all":
+                                logit_rows.append(out.logits[0, :-1].float().cpu())
+                            if s.output_hidden == "all" and hidden is not None:
+                                hidden_rows.append(hidden[:-1].cpu())
+                        logits = raw.clone()
+                        if matcher is not None:
+                            matcher.fill_next_token_bitmask(bitmask)
+                            xgr.apply_token_bitmask_inplace(logits, bitmask[0].to(logits.device))
                         banned = s.banned_ids + (min_ban if len(gen_ids) < s.min_new_tokens else [])
+                        if matcher is not None:
+                            legal = logits.clone()
+                            if banned:
+                                legal[banned] = -float("inf")
+                            if not bool(torch.isfinite(legal).any()):
+                                finish = "stop"  # the grammar (with the bans) leaves no token: it is done
+                                break
                         token = self._next_token(logits, history, s, banned, generator)
                 if token in s.stop_ids:
                     finish = "stop"
                     break
+                if matcher is not None and not matcher.accept_token(token):
+                    raise RuntimeError(f"the grammar rejected token {token}")
+                if s.logprobs is not None:
+                    lp = torch.log_softmax(raw, dim=-1)
+                    top: list[tuple[int, float]] = []
+                    if s.logprobs > 0:
+                        vals, ids = torch.topk(lp, min(s.logprobs, lp.numel()))
+                        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
+                    logprob_rows.append((token, float(lp[token]), top))
+                if s.output_logits is not None:
+                    logit_rows.append(raw.cpu().unsqueeze(0))
+                if hidden is not None:
+                    hidden_rows.append(hidden[-1:].cpu())
                 gen_ids.append(token)
                 history = torch.cat([history, history.new_tensor([token])])
                 step_input = history[-1:].unsqueeze(0)
@@ -408,6 +510,9 @@ class TransformersEngine:
                     if pos is not None:
                         text, finish = text[:pos], "stop"
                         break
+                if matcher is not None and matcher.is_terminated():
+                    finish = "stop"
+                    break
                 if len(gen_ids) >= s.max_new_tokens:
                     finish = "length"
                     break
@@ -433,12 +538,20 @@ class TransformersEngine:
             return
         finally:
             del cache
+        tensors: dict[str, Any] = {}
+        if s.output_logits is not None:
+            tensors["logits"] = _stack(torch, logit_rows, self._vocab_size)
+        if s.output_hidden is not None:
+            hidden_size = int(getattr(self._model.config, "hidden_size", 0)) if self._model is not None else 0
+            tensors["last_hidden_state"] = _stack(torch, hidden_rows, hidden_size)
         yield EngineEvent(
             index=index,
             text=text[emitted:] if len(text) > emitted else "",
             input_token_len=input_len,
             generate_token_len=len(gen_ids),
             finish_reason=finish,
+            logprobs=logprob_rows if s.logprobs is not None else None,
+            tensors=tensors or None,
         )
 
     def _next_token(self, logits: Any, history: Any, s: _Sampling, banned: list[int], generator: Any) -> int:
@@ -480,6 +593,13 @@ def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise _BadRequest(f"invalid message: {exc}") from exc
         out.append({**raw, "role": msg.role, "content": content})
     return out
+
+
+def _stack(torch: Any, rows: list[Any], width: int) -> Any:
+    """Row blocks → one float32 CPU tensor ``[rows, width]`` (``[0, width]`` when nothing was generated)."""
+    if not rows:
+        return torch.zeros((0, width), dtype=torch.float32)
+    return torch.cat(rows, dim=0).to(torch.float32).contiguous()
 
 
 def _error(
