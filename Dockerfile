@@ -46,8 +46,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN groupadd --system --gid 10001 lmdq \
     && useradd --system --uid 10001 --gid lmdq --create-home --home-dir /home/lmdq --shell /usr/sbin/nologin lmdq
+# The wheel is lmdq's own, built above (pinned by construction); [blobs] reads result shards from S3.
+# hadolint ignore=DL3013
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir /wheels/lmdq-*.whl
+    for whl in /wheels/lmdq-*.whl; do pip install --no-cache-dir "${whl}[blobs]"; done
 WORKDIR /data
 USER 10001:10001
 # A one-shot CLI: nothing to probe.
@@ -118,7 +120,7 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
 # against pyproject's.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     for whl in /wheels/lmdq-*.whl; do \
-        pip install --no-cache-dir --constraint /opt/venv/torch-constraints.txt "${whl}[worker]"; \
+        pip install --no-cache-dir --constraint /opt/venv/torch-constraints.txt "${whl}[worker,blobs]"; \
     done \
     && pip check
 RUN groupadd --system --gid 10001 lmdq \

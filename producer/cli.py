@@ -126,7 +126,13 @@ def submit(
     do_sample: Annotated[bool | None, typer.Option("--do-sample/--greedy")] = None,
     ignore_eos: Annotated[bool | None, typer.Option("--ignore-eos/--no-ignore-eos")] = None,
     skip_special_tokens: Annotated[bool | None, typer.Option("--skip-special-tokens/--keep-special-tokens")] = None,
-    logprobs: Annotated[int | None, typer.Option()] = None,
+    logprobs: Annotated[int | None, typer.Option(help="top-k logprobs per generated token")] = None,
+    output_logits: Annotated[str | None, typer.Option(help="all | generation (tensors go to --blob-url)")] = None,
+    output_last_hidden_state: Annotated[str | None, typer.Option(help="all | generation")] = None,
+    json_schema: Annotated[
+        Path | None, typer.Option(help="constrain every answer to this JSON schema (a .json file)")
+    ] = None,
+    regex: Annotated[str | None, typer.Option(help="constrain every answer to this regex")] = None,
     idempotency_key: Annotated[str | None, typer.Option(help="same key → same batch, never enqueued twice")] = None,
     completion_window: Annotated[str | None, typer.Option(help="e.g. 24h: requests not started by then expire")] = None,
     allow_unknown_model: Annotated[bool, typer.Option(help="queue even if no worker ever served MODEL")] = False,
@@ -161,7 +167,22 @@ def submit(
         "ignore_eos": ignore_eos,
         "skip_special_tokens": skip_special_tokens,
         "logprobs": logprobs,
+        "output_logits": output_logits,
+        "output_last_hidden_state": output_last_hidden_state,
     }
+    if json_schema is not None and regex is not None:
+        print("error: --json-schema and --regex: pass one of them", file=sys.stderr)
+        raise typer.Exit(2)
+    if json_schema is not None:
+        try:
+            schema = json.loads(json_schema.read_text())
+        except (OSError, ValueError) as e:
+            print(f"error: --json-schema: {json_schema}: expected a readable JSON file ({e})", file=sys.stderr)
+            raise typer.Exit(2) from e
+        raw_params["response_format"] = {"type": "json_schema", "json_schema": {"name": json_schema.stem,
+                                                                                "schema": schema}}
+    elif regex is not None:
+        raw_params["response_format"] = {"type": "regex", "regex": regex}
     try:
         params = GenerationParams.model_validate({k: v for k, v in raw_params.items() if v is not None})
     except ValidationError as e:
@@ -169,6 +190,14 @@ def submit(
         flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "params"
         print(f"error: {flag}: {first['msg']}", file=sys.stderr)
         raise typer.Exit(2) from e
+    if params.response_format is not None:
+        from lmdq.guided import check as check_response_format
+
+        try:
+            check_response_format(params.response_format)
+        except ValueError as e:
+            print(f"error: {'--json-schema' if json_schema else '--regex'}: {e}", file=sys.stderr)
+            raise typer.Exit(2) from e
     opts = SubmitOptions(
         model=model,
         batch_size=batch_size or s.batch_size,

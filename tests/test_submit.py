@@ -118,3 +118,24 @@ def test_redis_wrong_password_is_one_clear_line(tmp_path: Path, env: dict[str, s
         assert ok.returncode == 0, ok.stderr.decode()
     finally:
         srv.cleanup()
+
+
+def test_json_schema_and_regex_flags(tmp_path: Path, env: dict[str, str]) -> None:
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "give me a person"}])
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}))
+    ok = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--json",
+                 "--json-schema", str(schema), "--output-logits", "generation", env=env)
+    assert ok.returncode == 0, ok.stderr.decode()
+    params = json.loads(ok.stdout)["params"]
+    assert params["response_format"]["type"] == "json_schema" and params["output_logits"] == "generation"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "no-such-type"}}}))
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--json-schema", str(bad),
+                env=env)
+    assert p.returncode == 2 and "--json-schema" in p.stderr.decode()
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--regex", "([a-z", env=env)
+    assert p.returncode == 2 and "--regex" in p.stderr.decode()
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--output-logits", "some",
+                env=env)
+    assert p.returncode == 2 and "--output-logits" in p.stderr.decode()
