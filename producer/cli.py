@@ -103,6 +103,18 @@ def _print_batch(b: Batch, as_json: bool) -> None:
     )
 
 
+def _print_submitted(batch: Batch, created: bool, as_json: bool) -> None:
+    """The batch id (or the batch as JSON, with ``created``) for submit and retry."""
+    if as_json:
+        out = json.loads(batch.model_dump_json())
+        out["created"] = created
+        typer.echo(json.dumps(out))
+        return
+    if not created:
+        err.print("idempotency key matched an existing batch; nothing enqueued")
+    typer.echo(batch.id)
+
+
 @app.command()
 def submit(
     file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, or OpenAI Batch JSONL")],
@@ -242,14 +254,7 @@ def submit(
             validate_progress=vprog if show else None,
             enqueue_progress=eprog if show else None,
         )
-    if as_json:
-        out = json.loads(batch.model_dump_json())
-        out["created"] = created
-        typer.echo(json.dumps(out))
-    else:
-        if not created:
-            err.print("idempotency key matched an existing batch; nothing enqueued")
-        typer.echo(batch.id)
+    _print_submitted(batch, created, as_json)
 
 
 @app.command()
@@ -374,14 +379,7 @@ def retry(
         priority=priority,
         idempotency_key=idempotency_key,
     )
-    if as_json:
-        out = json.loads(batch.model_dump_json())
-        out["created"] = created
-        typer.echo(json.dumps(out))
-    else:
-        if not created:
-            err.print("idempotency key matched an existing batch; nothing enqueued")
-        typer.echo(batch.id)
+    _print_submitted(batch, created, as_json)
 
 
 def main() -> None:
