@@ -27,7 +27,7 @@ from rq.serializers import JSONSerializer
 from lmdq.contract import JOB_FUNCTION, JobPayload
 from lmdq.keys import Keys, rq_queue_key
 
-__all__ = ["Claim", "JobQueue", "generate", "job_id_for"]
+__all__ = ["Claim", "JobQueue", "generate", "job_id_for", "job_id_prefix"]
 
 SERIALIZER = JSONSerializer()
 
@@ -114,8 +114,13 @@ def generate(payload: dict[str, Any]) -> None:
     raise RuntimeError("lmdq jobs must be run by lmdq-worker, which holds the model; not by `rq worker`")
 
 
+def job_id_prefix(batch_id: str) -> str:
+    """Every job id of a batch starts with this (cancel finds them on a queue by it)."""
+    return f"{batch_id}-"
+
+
 def job_id_for(batch_id: str, job_no: int) -> str:
-    return f"{batch_id}-{job_no:06d}"
+    return f"{job_id_prefix(batch_id)}{job_no:06d}"
 
 
 @dataclass

@@ -12,8 +12,8 @@ import time
 
 import redis
 
-from lmdq.contract import Batch, BatchStatus, JobPayload, Result, ResultStatus, Timings
-from lmdq.jobs import JobQueue
+from lmdq.contract import Batch, BatchStatus, Result, ResultStatus, Timings
+from lmdq.jobs import JobQueue, job_id_prefix
 from lmdq.keys import Keys, queue_names, rq_queue_key
 from lmdq.store import ResultStore
 
@@ -53,10 +53,10 @@ def cancel_batch(client: redis.Redis, keys: Keys, batch_id: str, *, ttl_s: int) 
     jq = JobQueue(client, keys=keys, job_ttl_s=ttl_s)
     now = time.time()
     for q in queue_names(batch.model, keys.prefix):
-        gone = remove(keys=[rq_queue_key(q)], args=[f"{batch_id}-"])
+        gone = remove(keys=[rq_queue_key(q)], args=[job_id_prefix(batch_id)])
         for jid in gone:
             job = jq.fetch_job(jid.decode())
-            payload = JobPayload.model_validate(job.args[0])
+            payload = jq.payload_of(job)
             store.write_results(
                 Result(
                     batch_id=batch_id,

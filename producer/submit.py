@@ -185,32 +185,20 @@ def job_payloads(
     """Job payload dicts of ``batch_size`` requests each, in request order."""
     p = params.model_dump(exclude_none=True)
     urls = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
+    def job(job_no: int, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"format_version": 1, "batch_id": batch_id, "model": model, "job_no": job_no, "params": p,
+                "requests": reqs, **urls}
+
     reqs: list[dict[str, Any]] = []
     job_no = 0
     for req in requests:
         reqs.append(req)
         if len(reqs) == batch_size:
-            yield {
-                "format_version": 1,
-                "batch_id": batch_id,
-                "model": model,
-                "job_no": job_no,
-                "params": p,
-                "requests": reqs,
-                **urls,
-            }
+            yield job(job_no, reqs)
             job_no += 1
             reqs = []
     if reqs:
-        yield {
-            "format_version": 1,
-            "batch_id": batch_id,
-            "model": model,
-            "job_no": job_no,
-            "params": p,
-            "requests": reqs,
-            **urls,
-        }
+        yield job(job_no, reqs)
 
 
 def claim_idempotency_key(client: redis.Redis, keys: Keys, key: str, batch_id: str, ttl_s: int) -> str | None:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 import time
-import uuid
 from typing import Annotated, Any
 
 import typer
@@ -81,7 +78,9 @@ def run(
     configure_logging(s.log_format, s.log_level)
     if not s.worker_name:
         # One name for logs, Redis records and metrics labels.
-        s.worker_name = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        from worker.runner import default_worker_name
+
+        s.worker_name = default_worker_name()
     log = get_logger("lmdq.worker")
     client = connect(s.redis_url, retries=s.redis_retries)
     log.info("connected to redis", url=redact_url(s.redis_url))

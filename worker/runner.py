@@ -68,6 +68,11 @@ class _Live:
     dirty: bool = False
 
 
+def default_worker_name() -> str:
+    """host.pid.random: unique per process, readable in logs, Redis records and metrics labels."""
+    return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+
+
 class Worker:
     """Drains one model's queues with one long-lived engine."""
 
@@ -88,7 +93,7 @@ class Worker:
         self.jobs = JobQueue(client, keys=self.keys, job_ttl_s=settings.result_ttl_s)
         self.model = engine.model_name
         self.queues = queue_names(self.model, self.keys.prefix)
-        self.name = settings.worker_name or f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        self.name = settings.worker_name or default_worker_name()
         self.health = health
         self.capacity = max(1, capacity or 1)
         self.max_jobs = settings.jobs_in_flight or 256
