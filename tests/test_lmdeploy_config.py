@@ -174,8 +174,9 @@ class _FakePipe:
     shaped as lmdeploy 0.18's async_engine yields them (token_ids/logprobs deltas, cumulative tensors,
     a terminal chunk with none of them)."""
 
-    def __init__(self, prefix_caching: bool = False) -> None:
-        self.backend_config = PytorchEngineConfig(enable_prefix_caching=prefix_caching)
+    def __init__(self, prefix_caching: bool = False, backend: str = "turbomind") -> None:
+        cfg = PytorchEngineConfig if backend == "pytorch" else TurbomindEngineConfig
+        self.backend_config = cfg(enable_prefix_caching=prefix_caching)
         self.calls = 0
 
     def session(self) -> object:
@@ -233,3 +234,21 @@ def test_all_outputs_refused_when_the_engine_has_prefix_caching() -> None:
     assert [(e.index, e.finish_reason, e.error_code) for e in events] == [
         (0, "error", "unsupported_feature"), (1, "error", "unsupported_feature")]
     assert "prefix caching" in (events[0].error_message or "") and pipe.calls == 0
+
+
+def test_pytorch_backend_refuses_what_it_would_drop() -> None:
+    """LMDeploy 0.18's PyTorch engine drops hidden states and generation logits with a warning: lmdq fails
+    those requests clearly instead of returning a result without the tensors; logprobs still go through."""
+    import threading
+
+    from worker.engines.base import EngineRequest
+
+    pipe = _FakePipe(backend="pytorch")
+    reqs = [EngineRequest(index=0, prompt="x", params=GenerationParams(output_last_hidden_state="generation")),
+            EngineRequest(index=1, prompt="y", params=GenerationParams(output_logits="generation")),
+            EngineRequest(index=2, prompt="z", params=GenerationParams(logprobs=1))]
+    events = list(_engine(pipe).stream(reqs, threading.Event()))  # type: ignore[attr-defined]
+    refused = [(e.index, e.error_code) for e in events if e.finish_reason == "error"]
+    assert refused == [(0, "unsupported_feature"), (1, "unsupported_feature")]
+    assert "PyTorch engine" in (events[0].error_message or "") and "--backend turbomind" in (events[0].error_message or "")
+    assert pipe.calls == 1 and events[-1].finish_reason == "length"

@@ -6,6 +6,7 @@ Run on the GPU host: `python -m pytest tests/gpu -v` (see docs/gpu-validation.md
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -218,4 +219,86 @@ def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, tmp_path:
         if w is not None and w.poll() is None:
             w.kill()
         log.close()
+        srv.cleanup()
+
+
+# --- rich outputs (logprobs, hidden states, guided JSON) on LMDeploy's PyTorch backend -------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_logprobs_top_k(engine, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    out = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=12, ignore_eos=True, logprobs=5)])
+    text, last, _ = out[0]
+    rows = last.logprobs
+    assert last.generate_token_len == 12 and rows is not None and len(rows) == 12
+    for tok, lp, top in rows:
+        assert len(top) == 5 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert tok == top[0][0] and abs(lp - top[0][1]) < 1e-6  # greedy picks the top-1 token
+        assert lp <= 1e-4 and sum(math.exp(v) for _, v in top) <= 1.001
+    assert "Paris" in hf_tok.decode([t for t, _, _ in rows], skip_special_tokens=True)
+
+
+def test_pytorch_engine_drops_hidden_states_so_lmdq_refuses_them(engine) -> None:  # type: ignore[no-untyped-def]
+    """LMDeploy 0.18's PyTorch engine returns no hidden states / generation logits (upstream, checked here
+    on the real pipeline); lmdq fails such requests clearly and serves their neighbours."""
+    from lmdeploy import GenerationConfig
+
+    r = engine.pipe([CAPITAL], gen_config=GenerationConfig(max_new_tokens=4, output_last_hidden_state="generation",
+                                                           output_logits="generation"))[0]
+    assert r.last_hidden_state is None and r.logits is None and r.generate_token_len == 4
+    out = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=8, output_last_hidden_state="generation"),
+                        _req(1, messages=CAPITAL, max_new_tokens=8, output_logits="generation"),
+                        _req(2, messages=CAPITAL, max_new_tokens=16)])
+    assert [out[i][1].error_code for i in (0, 1)] == ["unsupported_feature"] * 2
+    assert "--backend turbomind" in out[0][1].error_message and "Paris" in out[2][0]
+
+
+def test_100_json_schema_requests_through_the_worker(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """100 guided-JSON requests (greedy and sampled) through submit + the in-process worker on the real
+    engine: every stored result parses and validates against the schema."""
+    from lmdq.contract import ResponseFormat
+    from lmdq.keys import Keys
+    from lmdq.store import ResultStore
+    from producer.submit import SubmitOptions, submit_file
+    from worker.runner import Worker
+    from worker.settings import WorkerSettings
+
+    names = ["Ann", "Bob", "Carla", "Dmitri", "Eve", "Farid", "Gao", "Hana", "Ivo", "Jun"]
+    srv = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(srv.url)
+        f = tmp_path / "p.jsonl"
+        f.write_text("".join(json.dumps({"custom_id": f"p{i}", "messages": [{"role": "user", "content": (
+            f"Give {names[i % 10]}'s profile as JSON with name and age.")}], "params": (
+            {"do_sample": True, "temperature": 0.9, "random_seed": i} if i % 2 else {})}) + "\n" for i in range(100)))
+        rf = ResponseFormat(type="json_schema", json_schema={"name": "person", "schema": PERSON})
+        opts = SubmitOptions(model="smollm2", batch_size=16, allow_unknown_model=True,
+                             params=GenerationParams(max_new_tokens=48, response_format=rf))
+        batch, _ = submit_file(f, opts, client=client, keys=Keys(), ttl_s=3600)
+        s = WorkerSettings(redis_url=srv.url, burst=True, health_port=0)
+        Worker(engine=_NoClose(engine), client=client, settings=s, capacity=engine.capacity).run()
+        rows = [Result.model_validate_json(raw) for _, raw in ResultStore(client).iter_results(batch.id, 100) if raw]
+        assert len(rows) == 100 and all(r.status is ResultStatus.completed for r in rows)
+        bad = []
+        for r in rows:
+            try:
+                obj = json.loads(r.text)
+                ok = (set(obj) == {"name", "age"} and isinstance(obj["name"], str) and 1 <= len(obj["name"]) <= 10
+                      and isinstance(obj["age"], int) and 0 <= obj["age"] <= 120)
+            except ValueError:
+                ok = False
+            if not ok:
+                bad.append((r.custom_id, r.finish_reason, r.text))
+        print(f"\n100 json_schema requests: {100 - len(bad)} valid; e.g. {rows[0].text} / {rows[1].text}")
+        assert not bad, bad[:5]
+    finally:
         srv.cleanup()

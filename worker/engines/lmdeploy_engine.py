@@ -101,9 +101,21 @@ def _logprob_rows(token_ids: list[int], rows: list[dict[int, float]], k: int) ->
     return out
 
 
-def _prefix_caching_conflict(backend_config: Any, p: dict[str, Any]) -> str | None:
-    """LMDeploy refuses 'all' logits/hidden states with prefix caching on; lmdq can't know the worker's
-    prefix caching at submit time, so the worker fails such a request up front, clearly."""
+def _unsupported(backend_config: Any, p: dict[str, Any]) -> str | None:
+    """Rich outputs this worker's engine would silently drop or refuse, checked per request up front so the
+    request fails clearly (lmdq can't know the worker's backend at submit time).
+
+    LMDeploy 0.18's PyTorch engine logs a warning and returns nothing for ``output_last_hidden_state``,
+    and returns logits only for ``output_logits='all'`` with ``max_new_tokens=0`` (lmdeploy/pytorch/
+    messages.py); TurboMind returns both. Either backend refuses 'all' when prefix caching is on."""
+    pytorch = type(backend_config).__name__.startswith("Pytorch")
+    if pytorch and p.get("output_last_hidden_state"):
+        return ("output_last_hidden_state is not supported by LMDeploy 0.18's PyTorch engine (it drops it with a "
+                "warning); serve this batch with --backend turbomind or --engine transformers")
+    if pytorch and p.get("output_logits"):
+        return ("output_logits is not supported by LMDeploy 0.18's PyTorch engine during generation (only 'all' with "
+                "max_new_tokens=0); ask for logprobs (top-k per token) or serve with --backend turbomind or "
+                "--engine transformers")
     if getattr(backend_config, "enable_prefix_caching", False) and "all" in (
         p.get("output_logits"), p.get("output_last_hidden_state")
     ):
@@ -251,7 +263,7 @@ class LMDeployEngine:
             raise EngineError("messages need the chat template (do not combine with --raw)")
         kept = []
         for r in group:
-            conflict = _prefix_caching_conflict(self.pipe.backend_config, r.params.resolved())
+            conflict = _unsupported(self.pipe.backend_config, r.params.resolved())
             if conflict:
                 yield EngineEvent(index=r.index, finish_reason="error", error_code="unsupported_feature",
                                   error_message=conflict)
