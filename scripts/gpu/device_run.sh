@@ -1,33 +1,48 @@
 #!/usr/bin/env bash
-# One stage of the GPU validation, run on the device machine from the repo root (see docs/gpu-validation.md).
-# Stages A, B, C carry gpu-bundle/1-wheels, 2-model-a, 3-model-b in turn (made by ../shared/gpu/make-bundle.sh
-# plus pytest wheels, and gpu-bundle/tok with SmolLM2's tokenizer files).
+# One stage of the GPU validation, run on the device machine (2x H200 kind) from the repo root; see
+# docs/gpu-validation.md. Four consecutive calls (the machine keeps /root only while warm, 30 s):
+#   1 bench   carry gpu-bundle/1-wheels gpu-bundle/tok : efficiency tp=1 (with naive) then tp=2, one run
+#   2 setup   carry gpu-bundle/2-model-a               : first model half
+#   3 suite   carry gpu-bundle/3-model-b gpu-bundle/tok : model conversion, the gpu suite
+#   4 tp      (no carry)                               : tp=1 vs tp=2 end to end + orphans, bf16 margins
+# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py.
 set -uo pipefail
-stage=${1:?stage A|B|C|D}
-part=${2:-}
-[ -n "$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle > "$OUT/setup_$stage.log" 2>&1
+stage=${1:?stage bench|setup|suite|tp|parity}
+for part in 1-wheels 2-model-a 3-model-b; do
+  [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
+done
 export PYTHONPATH=/root/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 LMDQ_GPU_TOKENIZER=$PWD/gpu-bundle/tok
 M=/root/models/smollm2-135m-instruct
+env_txt() {
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import sys,torch,lmdeploy,transformers,triton;print('python',sys.version.split()[0],'torch',torch.__version__,'cuda',torch.version.cuda,'lmdeploy',lmdeploy.__version__,'transformers',transformers.__version__,'triton',triton.__version__)"
+  } > "$OUT/env.txt" 2>&1
+}
+eff() {  # eff TP EXTRA...
+  local tp=$1; shift
+  timeout "${EFF_TIMEOUT:-300}" python3 -m bench efficiency --engine lmdeploy --random-llama8b /root/llama8b \
+    --tokenizer-from gpu-bundle/tok --tp "$tp" --n 1024 --batch-size 32 --input-len 234 --output-len 256 "$@" \
+    -o "$OUT/efficiency_gpu_tp$tp.json" > "$OUT/efficiency_tp$tp.log" 2>&1
+  grep -E "^rep|^\{" "$OUT/efficiency_tp$tp.log" | tail -7
+}
 case $stage in
-  A)
-    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-      python3 -c "import sys,torch,lmdeploy,transformers,triton;print('python',sys.version.split()[0],'torch',torch.__version__,'cuda',torch.version.cuda,'lmdeploy',lmdeploy.__version__,'transformers',transformers.__version__,'triton',triton.__version__)"
-    } > "$OUT/env.txt" 2>&1
-    python3 -m pytest tests/gpu/test_parity.py -v -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" | tail -15
-    python3 -m bench efficiency --engine lmdeploy --random-llama8b /root/llama8b --tokenizer-from gpu-bundle/tok \
-      --n 1024 --batch-size 32 --input-len 234 --output-len 256 -o "$OUT/efficiency_gpu_tp1.json" 2>&1 \
-      | tee "$OUT/efficiency_tp1.log" | tail -8
+  bench)
+    env_txt
+    EFF_TIMEOUT=300 eff 1 --repeat 2
+    EFF_TIMEOUT=240 eff 2 --repeat 2 --skip-naive
     ;;
-  B)
-    python3 -m bench efficiency --engine lmdeploy --random-llama8b /root/llama8b --tokenizer-from gpu-bundle/tok \
-      --tp 2 --skip-naive --n 1024 --batch-size 32 --input-len 234 --output-len 256 \
-      -o "$OUT/efficiency_gpu_tp2.json" 2>&1 | tee "$OUT/efficiency_tp2.log" | tail -8
+  setup) tail -2 "$OUT/setup_$stage.log" ;;
+  parity)
+    timeout 400 python3 -m pytest tests/gpu/test_parity.py -v -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" | tail -8
     ;;
-  C)
-    python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_suite.log" | tail -25
+  suite)
+    env_txt
+    timeout 540 python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -p no:cacheprovider -rA 2>&1 \
+      | grep -v DEBUG > "$OUT/gpu_suite.log"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests" "$OUT/gpu_suite.log" | tail -22
     ;;
-  D)
-    python3 scripts/gpu/tp_check.py $M 2>&1 | tee "$OUT/tp_check.log" | tail -5
-    python3 scripts/gpu/bf16_probe.py $M 2>&1 | tee "$OUT/bf16_probe.log" | tail -25
+  tp)
+    timeout 330 python3 scripts/gpu/tp_check.py $M > "$OUT/tp_check.log" 2>&1; tail -4 "$OUT/tp_check.log"
+    timeout 240 python3 scripts/gpu/bf16_margin.py $M > "$OUT/bf16_margin.log" 2>&1; tail -5 "$OUT/bf16_margin.log"
     ;;
 esac
