@@ -250,5 +250,17 @@ def test_pytorch_backend_refuses_what_it_would_drop() -> None:
     events = list(_engine(pipe).stream(reqs, threading.Event()))  # type: ignore[attr-defined]
     refused = [(e.index, e.error_code) for e in events if e.finish_reason == "error"]
     assert refused == [(0, "unsupported_feature"), (1, "unsupported_feature")]
-    assert "PyTorch engine" in (events[0].error_message or "") and "--backend turbomind" in (events[0].error_message or "")
+    msg = events[0].error_message or ""
+    assert "PyTorch engine" in msg and "--backend turbomind" in msg
     assert pipe.calls == 1 and events[-1].finish_reason == "length"
+
+
+def test_tp_must_divide_attention_heads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """LMDeploy asserts heads % tp == 0 with no message (seen on the GPU with SmolLM2's 9 heads, tp=2)."""
+    import json
+
+    from worker.engines.lmdeploy_engine import _check_tp
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9}))
+    with pytest.raises(EngineError, match=r"--tp 2 must divide the model's num_attention_heads \(9\)"):
+        _check_tp(2, str(tmp_path))

@@ -115,6 +115,7 @@ def main() -> None:
                                                                        cache_max_entry_count=0.1))
             try:
                 pm = pipe.async_engine.engine.executor.model_agent.patched_model
+                pm = getattr(pm, "model", pm)  # a CUDAGraphRunner wraps the model even in eager mode
                 store = {}
                 hook_streams(decoder_layers(pm), store)
                 grabbed: list[Any] = []

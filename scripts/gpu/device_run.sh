@@ -28,8 +28,10 @@ eff() {  # eff TP EXTRA...
 case $stage in
   bench)
     env_txt
-    EFF_TIMEOUT=300 eff 1 --repeat 2
-    EFF_TIMEOUT=240 eff 2 --repeat 2 --skip-naive
+    EFF_TIMEOUT=330 eff 1 --repeat 2 --also-streamed
+    [ "${TP2_BENCH:-1}" = 1 ] && EFF_TIMEOUT=240 eff 2 --repeat 2 --skip-naive
+    [ "${TP_CHECK:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/tp_check.py /root/llama8b > "$OUT/tp_check.log" 2>&1
+                                  tail -3 "$OUT/tp_check.log"; }
     ;;
   setup) tail -2 "$OUT/setup_$stage.log" ;;
   parity)
@@ -40,6 +42,8 @@ case $stage in
     timeout 540 python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -p no:cacheprovider -rA 2>&1 \
       | grep -v DEBUG > "$OUT/gpu_suite.log"
     grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests" "$OUT/gpu_suite.log" | tail -22
+    [ "${MARGIN:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/bf16_margin.py $M > "$OUT/bf16_margin.log" 2>&1
+                                tail -5 "$OUT/bf16_margin.log"; }
     ;;
   tp)
     timeout 330 python3 scripts/gpu/tp_check.py $M > "$OUT/tp_check.log" 2>&1; tail -4 "$OUT/tp_check.log"

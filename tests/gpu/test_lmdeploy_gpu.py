@@ -28,7 +28,8 @@ def engine(model_path: Path, gpu_dtype: str):  # type: ignore[no-untyped-def]
     from worker.engines.lmdeploy_engine import LMDeployEngine
 
     eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
-                         dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, emit_interval_s=0.02)
+                         dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, emit_interval_s=0.02,
+                         stream_min_new_tokens=0)  # stream everything: partial/delta tests need it
     yield eng
     eng.close()
 
@@ -126,6 +127,22 @@ def test_abort_in_flight(engine) -> None:  # type: ignore[no-untyped-def]
     assert {e.finish_reason for e in seen.values()} == {"abort"}  # type: ignore[attr-defined]
     assert all(e.generate_token_len < 900 for e in seen.values())  # type: ignore[attr-defined]
     assert time.monotonic() - t0 < 30
+
+
+def test_unstreamed_job_gives_the_same_result(engine) -> None:  # type: ignore[no-untyped-def]
+    """Jobs below --stream-min-new-tokens come back whole (one event): same greedy text and counts."""
+    reqs = [_req(0, messages=CAPITAL, max_new_tokens=40, logprobs=2), _req(1, prompt="Tell me a joke.")]
+    streamed = _run(engine, reqs)
+    engine.stream_min_new_tokens = 10_000
+    try:
+        whole = _run(engine, reqs)
+    finally:
+        engine.stream_min_new_tokens = 0
+    assert whole[0][2] == 1 and streamed[0][2] > 1
+    for i in (0, 1):
+        assert whole[i][0] == streamed[i][0]
+        assert whole[i][1].generate_token_len == streamed[i][1].generate_token_len
+    assert whole[0][1].logprobs == streamed[0][1].logprobs
 
 
 def test_streams_several_deltas(engine) -> None:  # type: ignore[no-untyped-def]
