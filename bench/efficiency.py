@@ -38,7 +38,6 @@ class EfficiencyConfig:
     repeat: int = 1
     jobs_in_flight: int = 0
     naive: bool = True
-    streamed: bool = False  # also lmdq with per-token streaming forced on (LMDeploy: stream_min_new_tokens=0)
 
 
 def make_prompts(engine: Engine, n: int, input_len: int, seed: int = 0) -> list[str]:
@@ -114,26 +113,18 @@ def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log
     prompts = make_prompts(engine, cfg.n, cfg.input_len)
     log(f"warm-up: raw run of {cfg.n} prompts")
     run_raw(engine, prompts, cfg)
-    rows: dict[str, list[tuple[float, int]]] = {"raw": [], "lmdq": [], "naive": [], "lmdq_streamed": []}
+    rows: dict[str, list[tuple[float, int]]] = {"raw": [], "lmdq": [], "naive": []}
     for rep in range(cfg.repeat):
         rows["raw"].append(run_raw(engine, prompts, cfg))
         rows["lmdq"].append(run_lmdq(engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=cfg.jobs_in_flight,
                                      prefix=f"bench{rep}a"))
-        if cfg.streamed and hasattr(engine, "stream_min_new_tokens"):
-            kept = engine.stream_min_new_tokens
-            engine.stream_min_new_tokens = 0
-            try:
-                rows["lmdq_streamed"].append(run_lmdq(engine, prompts, cfg, redis_url=redis_url,
-                                                      jobs_in_flight=cfg.jobs_in_flight, prefix=f"bench{rep}s"))
-            finally:
-                engine.stream_min_new_tokens = kept
         if cfg.naive:
             rows["naive"].append(run_lmdq(engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=1,
                                           prefix=f"bench{rep}b"))
         for k, v in rows.items():
             if not v:
                 continue
-            log(f"rep {rep}: {k:13s} {v[-1][1]:>9,d} tokens in {v[-1][0]:7.2f} s = {v[-1][1] / v[-1][0]:>9,.0f} tok/s")
+            log(f"rep {rep}: {k:5s} {v[-1][1]:>9,d} tokens in {v[-1][0]:7.2f} s = {v[-1][1] / v[-1][0]:>9,.0f} tok/s")
 
     def best(k: str) -> float | None:
         """Median over repeats (each repeat runs raw, lmdq and naive back to back)."""
@@ -141,9 +132,8 @@ def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log
             return None
         return round(float(statistics.median(toks / secs for secs, toks in rows[k])), 1)
 
-    raw, lmdq, naive, streamed = best("raw"), best("lmdq"), best("naive"), best("lmdq_streamed")
+    raw, lmdq, naive = best("raw"), best("lmdq"), best("naive")
     assert raw and lmdq
     return {"raw_tok_s": raw, "lmdq_tok_s": lmdq, "naive_tok_s": naive, "ratio": round(lmdq / raw, 4),
             "naive_ratio": round(naive / raw, 4) if naive else None,
-            "lmdq_streamed_tok_s": streamed, "lmdq_streamed_ratio": round(streamed / raw, 4) if streamed else None,
             "runs": {k: [[round(s, 3), t] for s, t in v] for k, v in rows.items()}}

@@ -31,9 +31,6 @@ def run(
     chat_template: Annotated[str | None, typer.Option(help="LMDeploy template name, or a Jinja file")] = None,
     eager_mode: Annotated[bool | None, typer.Option("--eager-mode/--no-eager-mode")] = None,
     raw: Annotated[bool | None, typer.Option("--raw/--no-raw", help="never apply the chat template")] = None,
-    stream_min_new_tokens: Annotated[
-        int | None, typer.Option(help="lmdeploy: stream partial text only for jobs asking this many tokens (0 = all)")
-    ] = None,
     device: Annotated[str | None, typer.Option(help="transformers engine: auto | cpu | cuda")] = None,
     sim_step_ms: Annotated[float | None, typer.Option(help="sim engine: ms per decode step")] = None,
     sim_max_batch: Annotated[int | None, typer.Option(help="sim engine: concurrent sequences")] = None,
@@ -64,7 +61,6 @@ def run(
         "chat_template": chat_template,
         "eager_mode": eager_mode,
         "raw": raw,
-        "stream_min_new_tokens": stream_min_new_tokens,
         "device": device,
         "sim_step_ms": sim_step_ms,
         "sim_max_batch": sim_max_batch,

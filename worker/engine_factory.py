@@ -53,7 +53,6 @@ def build_engine(s: WorkerSettings) -> Engine:
         chat_template=s.chat_template,
         eager_mode=s.eager_mode,
         raw=s.raw,
-        stream_min_new_tokens=s.stream_min_new_tokens,
     )
 
 

@@ -25,9 +25,6 @@ class WorkerSettings(CommonSettings):
     quant_policy: int = Field(default=0, description="KV cache quantization: 0, 4 or 8")
     chat_template: str | None = None
     eager_mode: bool = False
-    # LMDeploy: stream tokens (partial results) only for jobs with a request this long; shorter ones
-    # come back whole, which keeps the engine's loop free (see worker/engines/lmdeploy_engine.py).
-    stream_min_new_tokens: int = Field(default=1024, ge=0)
     raw: bool = Field(default=False, description="skip the chat template for plain prompts too")
     device: str = "auto"
     blob_url: str | None = Field(
