@@ -298,3 +298,36 @@ def test_transformers_guided_regex_and_json_object(tf_engine: Any) -> None:
     else:  # a long object may hit max_new_tokens: still a valid prefix start
         assert texts[1].lstrip().startswith("{")
     assert finals[2].finish_reason == "error" and finals[2].error_code == "bad_request"
+
+
+@pytest.mark.model
+def test_hidden_state_generation_lands_in_a_safetensors_file(tf_engine: Any, tmp_path: Path, client: redis.Redis,
+                                                             redis_url: str, prefix: str) -> None:
+    """The real transformers engine through the worker: output_last_hidden_state='generation' ends as a
+    safetensors file of shape [generated tokens, hidden size], read back from the URI the result carries."""
+    from safetensors.numpy import load_file
+
+    from lmdq.blobs import read_tensor
+    from lmdq.keys import Keys
+    from lmdq.store import ResultStore
+    from producer.submit import SubmitOptions, submit_file
+    from worker.engines.base import Borrowed
+    from worker.runner import Worker
+    from worker.settings import WorkerSettings
+
+    f = write_jsonl(tmp_path / "p.jsonl", [{"custom_id": "h", "prompt": "Name a colour."}])
+    opts = SubmitOptions(model=tf_engine.model_name, allow_unknown_model=True, blob_url=str(tmp_path / "blobs"),
+                         params=GenerationParams(max_new_tokens=6, ignore_eos=True,
+                                                 output_last_hidden_state="generation"))
+    batch, _ = submit_file(f, opts, client=client, keys=Keys(prefix), ttl_s=3600)
+    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, burst=True, health_port=0)
+    Worker(engine=Borrowed(tf_engine), client=client, settings=s).run()
+    raw = next(ResultStore(client, keys=Keys(prefix)).iter_results(batch.id, 1, partial=False))[1]
+    r = Result.model_validate_json(raw)  # type: ignore[arg-type]
+    assert r.status is ResultStatus.completed and r.generate_token_len == 6
+    ref = r.tensors["last_hidden_state"]  # type: ignore[index]
+    hidden = tf_engine._model.config.hidden_size  # 576 for SmolLM2-135M
+    assert ref.shape == [6, hidden] and ref.dtype == "float32" and ref.nbytes == 6 * hidden * 4
+    assert ref.uri.endswith(".safetensors") and Path(ref.uri).is_file()
+    assert read_tensor(ref).shape == (6, hidden)
+    assert load_file(ref.uri)[ref.key].shape == (6, hidden)  # any safetensors reader, straight from the URI
