@@ -33,6 +33,8 @@ def efficiency(
     cache_max_entry_count: Annotated[float, typer.Option()] = 0.8,
     tp: Annotated[int, typer.Option(help="tensor parallel GPUs (lmdeploy)")] = 1,
     skip_naive: Annotated[bool, typer.Option(help="skip the one-job-at-a-time baseline")] = False,
+    stream_baseline: Annotated[bool, typer.Option(help="also: all prompts in one engine.stream call (no queue)")
+                               ] = False,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
@@ -41,7 +43,8 @@ def efficiency(
     from bench.local_redis import local_redis
 
     cfg = EfficiencyConfig(n=n, batch_size=batch_size, input_len=input_len, output_len=output_len, repeat=repeat,
-                           jobs_in_flight=jobs_in_flight, naive=not skip_naive)
+                           jobs_in_flight=jobs_in_flight, naive=not skip_naive,
+                           stream_baseline=stream_baseline)
     if engine == "sim":
         from worker.engines.sim import SimEngine
 
@@ -78,7 +81,7 @@ def efficiency(
     out = {"engine": engine, "model": model_name, "tp": tp, "n": n, "batch_size": batch_size, "input_len": input_len,
            "output_len": output_len, **res}
     print(f"{'path':14s} {'tok/s':>10s} {'vs raw':>7s}")
-    for k in ("raw", "lmdq", "naive"):
+    for k in ("raw", "stream1", "lmdq", "naive"):
         if res.get(k + "_tok_s") is None:
             continue
         print(f"{k:14s} {res[k + '_tok_s']:>10,.0f} {res[k + '_tok_s'] / res['raw_tok_s']:>7.3f}")

@@ -38,6 +38,9 @@ class EfficiencyConfig:
     repeat: int = 1
     jobs_in_flight: int = 0
     naive: bool = True
+    # Also: every prompt in ONE engine.stream call (lmdq's engine adapter, per-token streaming, no queue).
+    # With raw and lmdq beside it, the gap splits into what streaming costs and what the queue costs.
+    stream_baseline: bool = False
 
 
 def make_prompts(engine: Engine, n: int, input_len: int, seed: int = 0) -> list[str]:
@@ -74,6 +77,34 @@ def run_raw(engine: Engine, prompts: list[str], cfg: EfficiencyConfig) -> tuple[
     return time.perf_counter() - t0, toks
 
 
+def run_stream_one_call(engine: Engine, prompts: list[str], cfg: EfficiencyConfig) -> tuple[float, int]:
+    """All prompts in one ``engine.stream`` call, consumed here: streaming without the queue."""
+    reqs = [EngineRequest(index=i, prompt=p, endpoint=Endpoint.completion, params=_params(cfg))
+            for i, p in enumerate(prompts)]
+    toks = 0
+    t0 = time.perf_counter()
+    for ev in engine.stream(reqs, threading.Event()):
+        if ev.finish_reason:
+            toks += ev.generate_token_len
+    return time.perf_counter() - t0, toks
+
+
+def _timeline(rs: list[Any], t0: float) -> dict[str, float]:
+    """Where lmdq's time goes, seconds after the jobs became visible: ramp (first start / first token /
+    last start) and tail (p50 / p99 / last finish)."""
+    def q(xs: list[float], f: float) -> float:
+        xs = sorted(xs)
+        return round(xs[min(len(xs) - 1, int(f * len(xs)))] - t0, 3)
+    started = [r.timings.started_at for r in rs if r.timings.started_at]
+    first = [r.timings.first_token_at for r in rs if r.timings.first_token_at]
+    done = [r.timings.finished_at for r in rs if r.timings.finished_at]
+    out = {"first_start_s": q(started, 0.0), "last_start_s": q(started, 1.0), "p50_finish_s": q(done, 0.5),
+           "p99_finish_s": q(done, 0.99), "last_finish_s": q(done, 1.0)}
+    if first:
+        out |= {"first_token_s": q(first, 0.0), "p50_first_token_s": q(first, 0.5), "last_first_token_s": q(first, 1.0)}
+    return out
+
+
 def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis_url: str, jobs_in_flight: int,
              prefix: str) -> tuple[float, int]:
     """Producer submit → a worker on the same engine → results stored; first enqueue to last result."""
@@ -106,25 +137,43 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
     assert len(rs) == cfg.n, f"{len(rs)} results for {cfg.n} prompts"
     # From the moment the jobs became visible on the queue (commit) to the last result stored.
     t0 = store.get_batch(batch.id).queued_at or batch.created_at
+    TIMELINES.append(_timeline(rs, t0))
     return t_end - t0, toks
+
+
+TIMELINES: list[dict[str, float]] = []  # one per lmdq run, in order (diagnostics for the JSON output)
 
 
 def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log: Any = print) -> dict[str, Any]:
     prompts = make_prompts(engine, cfg.n, cfg.input_len)
     log(f"warm-up: raw run of {cfg.n} prompts")
     run_raw(engine, prompts, cfg)
-    rows: dict[str, list[tuple[float, int]]] = {"raw": [], "lmdq": [], "naive": []}
+    rows: dict[str, list[tuple[float, int]]] = {"raw": [], "stream1": [], "lmdq": [], "naive": []}
+    TIMELINES.clear()
+    lmdq_timelines: list[dict[str, float]] = []
+    # Process CPU seconds per run (all threads: the engine's own loop too, which shares the GIL with the
+    # worker's threads on LMDeploy's in-process engine): what each path burns besides the GPU.
+    cpu: dict[str, list[float]] = {k: [] for k in rows}
+
+    def timed(k: str, fn: Any, *args: Any, **kw: Any) -> None:
+        c0 = time.process_time()
+        rows[k].append(fn(*args, **kw))
+        cpu[k].append(round(time.process_time() - c0, 2))
+
     for rep in range(cfg.repeat):
-        rows["raw"].append(run_raw(engine, prompts, cfg))
-        rows["lmdq"].append(run_lmdq(engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=cfg.jobs_in_flight,
-                                     prefix=f"bench{rep}a"))
+        timed("raw", run_raw, engine, prompts, cfg)
+        if cfg.stream_baseline:
+            timed("stream1", run_stream_one_call, engine, prompts, cfg)
+        timed("lmdq", run_lmdq, engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=cfg.jobs_in_flight,
+              prefix=f"bench{rep}a")
+        lmdq_timelines.append(TIMELINES[-1])
         if cfg.naive:
-            rows["naive"].append(run_lmdq(engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=1,
-                                          prefix=f"bench{rep}b"))
+            timed("naive", run_lmdq, engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=1, prefix=f"bench{rep}b")
         for k, v in rows.items():
             if not v:
                 continue
-            log(f"rep {rep}: {k:5s} {v[-1][1]:>9,d} tokens in {v[-1][0]:7.2f} s = {v[-1][1] / v[-1][0]:>9,.0f} tok/s")
+            log(f"rep {rep}: {k:7s} {v[-1][1]:>9,d} tokens in {v[-1][0]:7.2f} s = {v[-1][1] / v[-1][0]:>9,.0f} tok/s"
+                f"  (process CPU {cpu[k][-1]:.1f} s)")
 
     def best(k: str) -> float | None:
         """Median over repeats (each repeat runs raw, lmdq and naive back to back)."""
@@ -136,4 +185,5 @@ def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log
     assert raw and lmdq
     return {"raw_tok_s": raw, "lmdq_tok_s": lmdq, "naive_tok_s": naive, "ratio": round(lmdq / raw, 4),
             "naive_ratio": round(naive / raw, 4) if naive else None,
+            "stream1_tok_s": best("stream1"), "lmdq_timelines": lmdq_timelines, "process_cpu_s": cpu,
             "runs": {k: [[round(s, 3), t] for s, t in v] for k, v in rows.items()}}

@@ -28,7 +28,7 @@ eff() {  # eff TP EXTRA...
 case $stage in
   bench)
     env_txt
-    EFF_TIMEOUT=300 eff 1 --repeat 2
+    EFF_TIMEOUT=330 eff 1 --repeat 2 --stream-baseline
     [ "${TP2_BENCH:-1}" = 1 ] && EFF_TIMEOUT=240 eff 2 --repeat 2 --skip-naive
     [ "${TP_CHECK:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/tp_check.py /root/llama8b > "$OUT/tp_check.log" 2>&1
                                   tail -3 "$OUT/tp_check.log"; }
