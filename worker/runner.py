@@ -3,6 +3,9 @@
 Life: bootstrap (register, heartbeat thread, health endpoint) → loop (claim jobs while the
 engine has room, so the next job's requests start while the last one's tail still decodes) →
 teardown (drain within ``drain_timeout``, re-queue the rest, close the engine).
+
+Building results (:mod:`worker.result_builder`), tensor outputs (:mod:`worker.tensor_store`)
+and the results shard (:mod:`worker.results_sink`) live in their own modules.
 """
 
 from __future__ import annotations
@@ -21,22 +24,15 @@ import redis
 import structlog
 
 from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
-from lmdq.contract import (
-    BatchStatus,
-    ErrorInfo,
-    FinishReason,
-    JobPayload,
-    Request,
-    Result,
-    ResultStatus,
-    Timings,
-    TokenLogprob,
-)
+from lmdq.contract import BatchStatus, ErrorInfo, FinishReason, JobPayload, Result, ResultStatus
 from lmdq.jobs import Claim, JobQueue
 from lmdq.keys import Keys, queue_names
 from lmdq.store import ResultStore
 from worker.engines.base import Engine, EngineError, EngineEvent, EngineRequest
+from worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
+from worker.results_sink import flush_results
 from worker.settings import WorkerSettings
+from worker.tensor_store import TensorStore
 
 __all__ = ["Worker"]
 
@@ -53,19 +49,6 @@ class _Held:
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: str | None = None  # 'cancel' | 'drain' | 'lost'
     reserved: int = 0  # requests counted against engine capacity for this job
-
-
-@dataclass
-class _Live:
-    """Per-request state while it streams."""
-
-    req: Request
-    text: list[str] = field(default_factory=list)
-    input_len: int = 0
-    gen_len: int = 0
-    first_token_at: float | None = None
-    last_partial: float = 0.0
-    dirty: bool = False
 
 
 def default_worker_name() -> str:
@@ -106,7 +89,7 @@ class Worker:
         self._requests_in_flight = 0
         self._pool = ThreadPoolExecutor(max_workers=self.max_jobs, thread_name_prefix="lmdq-job")
         self.log = log.bind(worker=self.name, model=self.model)
-        self._blob_stores: dict[str, Any] = {}
+        self._tensors = TensorStore()
         self.stats = {"jobs": 0, "results": 0, "duplicates": 0, "requeued": 0, "refused": 0}
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -310,7 +293,7 @@ class Worker:
             self.jobs.mark_started(claim, self.name, int(self.s.heartbeat_ttl_s) + 60)
             outcome, failed = self._execute(held, payload, job, jlog)
             if outcome == "done" and payload.results_url and held.abort_reason != "lost":
-                self._flush_results(payload, jlog)
+                flush_results(self.client, self.keys, payload, jlog, on_retry=self._redis_retry)
             self.stats["jobs"] += 1
         except redis.RedisError as e:
             jlog.error("redis failed while running job; re-queueing", error=str(e))
@@ -355,79 +338,9 @@ class Worker:
         if not recorded:
             self.log.warning("refused job has no RQ job hash; dropped from the queue", job=claim.job_id)
 
-    def _result(
-        self, payload: JobPayload, req: Request, enq: float | None, started: float, attempt: int, **kw: Any
-    ) -> Result:
-        return Result(
-            batch_id=payload.batch_id,
-            custom_id=req.custom_id,
-            index=req.index,
-            model=self.model,
-            backend=self.engine.backend,
-            worker=self.name,
-            attempt=attempt,
-            endpoint=req.endpoint,
-            timings=Timings(
-                enqueued_at=enq,
-                started_at=started,
-                first_token_at=kw.pop("first_token_at", None),
-                finished_at=kw.pop("finished_at", time.time()),
-            ),
-            **kw,
-        )
-
     def _write(self, result: Result) -> None:
         new = with_reconnect(lambda: self.store.write_result(result), on_retry=self._redis_retry)
         self.stats["results" if new else "duplicates"] += 1
-
-    def _flush_results(self, payload: JobPayload, jlog: Any) -> None:
-        """Results sink: the ended job's results become one shard, Redis keeps compact records.
-
-        A sink failure is logged and leaves the full records in Redis, where ``results`` reads them.
-        """
-        from lmdq.sink import flush_job
-
-        try:
-            uri = with_reconnect(lambda: flush_job(self.client, self.keys, payload), on_retry=self._redis_retry)
-        except redis.RedisError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the results are safe in Redis; only the offload failed
-            jlog.error("results shard not written; full results stay in Redis", error=f"{type(e).__name__}: {e}")
-            return
-        if uri:
-            jlog.debug("results shard written", uri=uri)
-
-    def _blob_store(self, url: str) -> Any:
-        from lmdq.blobs import BlobStore
-
-        if url not in self._blob_stores:
-            self._blob_stores[url] = BlobStore.from_url(url)
-        return self._blob_stores[url]
-
-    def _store_tensors(
-        self, ev: EngineEvent, lv: _Live, payload: JobPayload
-    ) -> tuple[dict[str, Any] | None, ErrorInfo | None]:
-        """Write a final event's tensors to the blob store: (TensorRefs, None) or (None, why not)."""
-        params = payload.params.merged(lv.req.params)
-        asked = bool(params.output_logits or params.output_last_hidden_state)
-        if not (ev.tensors or asked):
-            return None, None
-        url = payload.blob_url or self.s.blob_url
-        if not url:
-            return None, ErrorInfo(
-                code="no_blob_store",
-                message="this request asked for tensors (output_logits / output_last_hidden_state) but no blob "
-                "store is configured: submit with --blob-url, or set LMDQ_BLOB_URL on the worker",
-            )
-        if not ev.tensors:
-            return None, None
-        from lmdq.blobs import TensorTooLarge
-
-        try:
-            refs = self._blob_store(url).put_tensors(f"{payload.batch_id}/{lv.req.index}", ev.tensors)
-        except TensorTooLarge as e:
-            return None, ErrorInfo(code="tensor_too_large", message=str(e))
-        return refs, None
 
     def _write_partial(self, result: Result) -> None:
         """Best effort: partial text is a progress hint, so a Redis outage skips it instead of
@@ -458,20 +371,20 @@ class Worker:
             jlog.info("resuming job: skipping requests that already have results", skipped=len(done))
         if not todo:
             return "done", None
+        results = ResultBuilder(
+            payload=payload,
+            model=self.model,
+            backend=self.engine.backend,
+            worker=self.name,
+            attempt=claim.attempt,
+            enqueued_at=enq,
+            started_at=started,
+        )
 
         def close_all(status_: ResultStatus, code: str | None, msg: str | None) -> None:
             for r in todo:
-                self._write(
-                    self._result(
-                        payload,
-                        r,
-                        enq,
-                        started,
-                        claim.attempt,
-                        status=status_,
-                        error=ErrorInfo(code=code, message=msg or code) if code else None,
-                    )
-                )
+                error = ErrorInfo(code=code, message=msg or code) if code else None
+                self._write(results.build(r, status=status_, error=error))
 
         if status in (BatchStatus.cancelling, BatchStatus.cancelled):
             close_all(ResultStatus.cancelled, None, None)
@@ -487,7 +400,7 @@ class Worker:
             )
             return "done", f"max attempts ({self.s.max_attempts}) exceeded"
 
-        live = [_Live(req=r) for r in todo]
+        live = [LiveRequest(req=r) for r in todo]
         ereqs = [
             EngineRequest(
                 index=i,
@@ -501,19 +414,15 @@ class Worker:
         finished: set[int] = set()
         try:
             for ev in self.engine.stream(ereqs, held.abort):
-                self._on_event(ev, live[ev.index], payload, enq, started, claim.attempt, held, finished)
+                self._on_event(ev, live[ev.index], results, held, finished)
         except EngineError as e:
             jlog.error("engine error; job will be retried", error=str(e))
             if claim.attempt >= self.s.max_attempts:
                 rest = [lv.req for lv in live if lv.req.index not in finished]
                 for r in rest:
                     self._write(
-                        self._result(
-                            payload,
+                        results.build(
                             r,
-                            enq,
-                            started,
-                            claim.attempt,
                             status=ResultStatus.failed,
                             finish_reason=FinishReason.error,
                             error=ErrorInfo(code="engine_error", message=str(e)),
@@ -526,15 +435,7 @@ class Worker:
         return "done", None
 
     def _on_event(
-        self,
-        ev: EngineEvent,
-        lv: _Live,
-        payload: JobPayload,
-        enq: float | None,
-        started: float,
-        attempt: int,
-        held: _Held,
-        finished: set[int],
+        self, ev: EngineEvent, lv: LiveRequest, results: ResultBuilder, held: _Held, finished: set[int]
     ) -> None:
         now = time.time()
         if ev.text:
@@ -547,59 +448,21 @@ class Worker:
         if ev.finish_reason is None:
             if lv.dirty and now - lv.last_partial >= self.s.partial_interval_s:
                 lv.last_partial, lv.dirty = now, False
-                self._write_partial(
-                    self._result(
-                        payload,
-                        lv.req,
-                        enq,
-                        started,
-                        attempt,
-                        status=ResultStatus.in_progress,
-                        text="".join(lv.text),
-                        input_token_len=lv.input_len,
-                        generate_token_len=lv.gen_len,
-                        first_token_at=lv.first_token_at,
-                        finished_at=None,
-                    )
-                )
+                self._write_partial(results.partial(lv))
             return
         reason = FinishReason(ev.finish_reason)
         if reason is FinishReason.abort and held.abort_reason in ("drain", "lost"):
             return  # not an answer: the job is re-queued and this request runs again
         finished.add(ev.index)
-        if reason is FinishReason.abort:
-            status, error = ResultStatus.cancelled, None
-        elif reason is FinishReason.error:
-            status = ResultStatus.failed
-            error = ErrorInfo(code=ev.error_code or "internal_error", message=ev.error_message or "generation failed")
-        else:
-            status, error = ResultStatus.completed, None
-        logprobs = (
-            [TokenLogprob(token_id=t, logprob=lp, top=list(top)) for t, lp, top in ev.logprobs]
-            if ev.logprobs is not None
-            else None
-        )
+        status, error = final_status(ev, reason)
+        logprobs = token_logprobs(ev)
         tensors = None
         if status is ResultStatus.completed:
-            tensors, terr = self._store_tensors(ev, lv, payload)
+            tensors, terr = self._tensors.put(ev, lv.req, results.payload, self.s.blob_url)
             if terr is not None:
                 status, error, reason = ResultStatus.failed, terr, FinishReason.error
-        result = self._result(
-            payload,
-            lv.req,
-            enq,
-            started,
-            attempt,
-            status=status,
-            text="".join(lv.text),
-            finish_reason=reason,
-            input_token_len=lv.input_len,
-            generate_token_len=lv.gen_len,
-            error=error,
-            first_token_at=lv.first_token_at,
-            finished_at=now,
-            logprobs=logprobs,
-            tensors=tensors,
+        result = results.final(
+            lv, status=status, reason=reason, error=error, finished_at=now, logprobs=logprobs, tensors=tensors
         )
         self._write(result)
         if self.health:
@@ -607,6 +470,6 @@ class Worker:
                 status=status.value,
                 input_tokens=lv.input_len,
                 output_tokens=lv.gen_len,
-                ttft_s=(lv.first_token_at - started) if lv.first_token_at else None,
-                latency_s=now - started,
+                ttft_s=(lv.first_token_at - results.started_at) if lv.first_token_at else None,
+                latency_s=now - results.started_at,
             )

@@ -1,0 +1,238 @@
+"""Streaming parsers for prompt files: plain text, lmdq JSONL and OpenAI Batch JSONL.
+
+Prompt files can be many GB, so everything here streams: the file is read in binary one line at a
+time through bounded ``readline`` calls, an over-long line is skipped chunk by chunk (never held
+whole), and each line is decoded, parsed and validated on its own.  A bad line becomes an
+:class:`InputError` naming ``file:line`` and the offending field, and parsing carries on, so the
+caller can show the first N problems of a file in one go instead of one per run.
+
+Formats (see :func:`detect_format`):
+
+* ``text`` (``*.txt``): one prompt per line, chat endpoint.
+* ``jsonl``: ``{"custom_id", "prompt" | "messages", "params", "endpoint"}`` objects.
+* ``openai``: OpenAI Batch API lines ``{"custom_id", "method", "url", "body"}``.
+
+Decisions worth knowing:
+
+* ``custom_id`` defaults to the 1-based line number; JSON integers are accepted and turned into
+  strings (``7`` -> ``"7"``); booleans, floats and empty strings are refused.
+* ``null`` means "absent" for every optional key.
+* Values are checked strictly: ``"temperature": "0.7"`` is an error, not silently coerced.
+* An empty ``prompt`` string is refused (a model given nothing is almost always a file bug).
+* Whitespace-only lines are blank: skipped, but still counted for line numbers.
+* A UTF-8 byte-order mark at the start of the file is ignored.
+* OpenAI lines without ``temperature`` keep the batch default (lmdq's default is greedy), unlike
+  OpenAI's own default of 1.0; ``temperature`` > 0 turns sampling on, 0 means greedy.
+* OpenAI ``logprobs``: chat ``logprobs: true`` maps to ``max(top_logprobs, 1)`` (1 when no count);
+  completions ``logprobs: N`` maps to ``max(N, 1)``; lmdq always includes the chosen token.
+* OpenAI ``response_format`` (chat): ``{"type": "json_schema", "json_schema": {"name", "schema",
+  "strict", "description"}}``, ``{"type": "json_object"}``, LMDeploy's ``{"type": "regex_schema",
+  "regex_schema": "..."}``, or ``{"type": "text"}`` (no constraint). Any ``response_format`` (also
+  lmdq JSONL ``params.response_format``) is checked by :func:`lmdq.guided.check`: compiled with
+  xgrammar when the producer has it, else a meta-schema / ``re`` check (see that module).
+* ``output_logits`` / ``output_last_hidden_state`` ``'all'`` can't be checked here: LMDeploy refuses
+  them with prefix caching on, which only the worker knows; such a worker fails the request with
+  ``unsupported_feature``.
+* Duplicate ``custom_id`` values are NOT checked here (the caller does that over the whole file).
+
+The package is split by concept: :mod:`~producer.formats.records` (the types and line errors),
+:mod:`~producer.formats.validation` (field checks shared by the JSON formats),
+:mod:`~producer.formats.jsonl` and :mod:`~producer.formats.openai_batch` (one line parser each).
+The streaming reader and format detection stay here, next to the JSON loader and chunk size that
+tests swap out on this module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from lmdq.contract import Endpoint
+from producer.formats.jsonl import _parse_jsonl
+from producer.formats.openai_batch import _parse_openai
+from producer.formats.records import InputError, InputFormat, InputLimits, ParsedLine, _got, _LineError
+
+__all__ = ["InputError", "InputFormat", "InputLimits", "ParsedLine", "detect_format", "iter_lines"]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _stdlib_loads(data: bytes | str) -> Any:
+    """Stdlib fallback; refuses NaN/Infinity like orjson so both give the same answers."""
+    return json.loads(data, parse_constant=_reject_constant)
+
+
+_loads: Callable[[bytes | str], Any]
+try:  # orjson is ~2x faster than the stdlib parser here
+    import orjson
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover - exercised only where orjson is absent
+    _loads = _stdlib_loads
+
+_CHUNK = 1 << 20  # readline granularity: bounds memory while skipping an over-long line
+_BOM = b"\xef\xbb\xbf"
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming
+
+
+def _read_lines(f: IO[bytes], max_bytes: int) -> Iterator[tuple[int, int, bytes | None, int]]:
+    """Yield ``(line_no, file_offset, content, size)`` per line, newline and one '\\r' stripped.
+
+    ``content`` is None when the line exceeds ``max_bytes``; such a line is read and dropped in
+    bounded chunks, so memory stays near ``max_bytes`` however long the line is.
+    """
+    chunk = min(max_bytes + 2, _CHUNK)
+    readline = f.readline
+    line_no = 0
+    offset = 0
+    while True:
+        raw = readline(chunk)
+        if not raw:
+            return
+        line_no += 1
+        start = offset
+        offset += len(raw)
+        if raw[-1:] != b"\n" and len(raw) == chunk:  # the line continues past this chunk
+            parts: list[bytes] | None = [raw]
+            total = len(raw)
+            last = raw
+            while True:
+                more = readline(chunk)
+                if not more:
+                    break
+                last = more
+                offset += len(more)
+                total += len(more)
+                if parts is not None:
+                    if total > max_bytes + 2:  # cannot fit even without its '\r\n': stop keeping it
+                        parts = None
+                    else:
+                        parts.append(more)
+                if more[-1:] == b"\n" or len(more) < chunk:
+                    break
+            if parts is None:
+                ending = 2 if last[-2:] == b"\r\n" else 1 if last[-1:] in (b"\n", b"\r") else 0
+                yield line_no, start, None, total - ending
+                continue
+            raw = b"".join(parts)
+        if raw[-1:] == b"\n":
+            raw = raw[:-2] if raw[-2:-1] == b"\r" else raw[:-1]
+        elif raw[-1:] == b"\r":
+            raw = raw[:-1]
+        if len(raw) > max_bytes:
+            yield line_no, start, None, len(raw)
+        else:
+            yield line_no, start, raw, len(raw)
+
+
+def detect_format(path: Path) -> InputFormat:
+    """Pick the format: ``*.txt`` is text; otherwise OpenAI if the first request line has url+body.
+
+    Anything undecidable (unparseable first line, empty file) is ``jsonl``, whose parser then
+    reports the real problem with a line number.
+    """
+    path = Path(path)
+    if path.suffix.lower() == ".txt":
+        return InputFormat.text
+    with open(path, "rb") as f:
+        for line_no, _start, data, _size in _read_lines(f, InputLimits().max_line_bytes):
+            if data is None:
+                return InputFormat.jsonl
+            if line_no == 1 and data.startswith(_BOM):
+                data = data[len(_BOM) :]
+            if not data or data.isspace():
+                continue
+            try:
+                obj = _loads(data)
+            except (ValueError, RecursionError):
+                return InputFormat.jsonl
+            if isinstance(obj, dict) and "url" in obj and "body" in obj:
+                return InputFormat.openai
+            return InputFormat.jsonl
+    return InputFormat.jsonl
+
+
+def _json_error(exc: Exception) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"invalid JSON at column {exc.colno}: {exc.msg}; expected one JSON object per line"
+    if isinstance(exc, RecursionError):
+        return "invalid JSON: nested too deeply; expected one JSON object per line"
+    return f"invalid JSON: {exc}; expected one JSON object per line"
+
+
+def iter_lines(
+    path: Path, *, fmt: InputFormat | None = None, limits: InputLimits = InputLimits()
+) -> Iterator[ParsedLine | InputError]:
+    """Stream ``path``, yielding a ParsedLine per valid request and an InputError per bad line.
+
+    Parsing continues after errors; the caller decides how many to show.  Memory stays flat:
+    one line (at most ``limits.max_line_bytes``) is held at a time.  ``OSError`` from opening
+    the file propagates.
+    """
+    path = Path(path)
+    if fmt is None:
+        fmt = detect_format(path)
+    name = str(path)
+    parse = _parse_openai if fmt is InputFormat.openai else _parse_jsonl
+    is_text = fmt is InputFormat.text
+    count = 0
+    max_requests = limits.max_requests
+    max_bytes = limits.max_line_bytes
+    loads = _loads
+    chat = Endpoint.chat
+    with open(path, "rb", buffering=256 * 1024) as f:
+        for line_no, start, data, size in _read_lines(f, max_bytes):
+            bom = 0
+            if line_no == 1 and data is not None and data.startswith(_BOM):
+                data = data[len(_BOM) :]
+                bom = len(_BOM)
+            if data is not None and (not data or data.isspace()):
+                continue
+            count += 1
+            if count > max_requests:
+                yield InputError(name, line_no, None, f"too many requests: the limit is {max_requests:,} per file")
+                return
+            if data is None:
+                yield InputError(
+                    name, line_no, None, f"line is {size:,} bytes, over the limit of {max_bytes:,} bytes per line"
+                )
+                continue
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                hint = ""
+                if line_no == 1 and data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+                    hint = " (the file looks like UTF-16; save it as UTF-8)"
+                yield InputError(
+                    name,
+                    line_no,
+                    None,
+                    f"invalid UTF-8 at byte {exc.start + bom} of the line (file offset {start + bom + exc.start}); "
+                    f"expected UTF-8 text{hint}",
+                )
+                continue
+            if is_text:
+                yield ParsedLine(line_no, str(line_no), text, None, chat, None, None)
+                continue
+            try:
+                obj = loads(text)
+            except (ValueError, RecursionError) as exc:
+                yield InputError(name, line_no, None, _json_error(exc))
+                continue
+            if not isinstance(obj, dict):
+                hint = " (for one plain prompt per line use a .txt file)" if isinstance(obj, str) else ""
+                yield InputError(name, line_no, None, f"expected a JSON object, got {_got(obj)}{hint}")
+                continue
+            try:
+                yield parse(obj, line_no)
+            except _LineError as exc:
+                yield InputError(name, line_no, exc.field, exc.message)
+    if count == 0:
+        yield InputError(name, 0, None, "file has no requests (expected at least one non-blank line)")

@@ -1,0 +1,212 @@
+"""OpenAI Batch API lines ``{"custom_id", "method", "url", "body"}``, mapped onto lmdq requests.
+
+The body's OpenAI/vLLM keys are translated to GenerationParams names (``max_tokens`` ->
+``max_new_tokens``, ``temperature`` > 0 turns sampling on, ``logprobs``/``top_logprobs`` and
+``response_format`` are reshaped), so files written for OpenAI's batch API run unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmdq.contract import Endpoint
+from producer.formats.records import ParsedLine, _got, _join, _LineError
+from producer.formats.validation import _check_messages, _check_prompt, _custom_id, _validate_params
+
+_OPENAI_LINE_KEYS = ("custom_id", "method", "url", "body")
+_OPENAI_LINE_KEY_SET = frozenset(_OPENAI_LINE_KEYS)
+_OPENAI_URLS = {"/v1/chat/completions": Endpoint.chat, "/v1/completions": Endpoint.completion}
+
+# OpenAI/vLLM body key -> GenerationParams field, where the value carries over unchanged.
+_BODY_DIRECT = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "random_seed",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "min_tokens": "min_new_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "skip_special_tokens": "skip_special_tokens",
+}
+_BODY_SPECIAL = ("model", "stop", "n", "logprobs", "stream")
+_BODY_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
+_BODY_ZERO_ONLY = frozenset({"frequency_penalty", "presence_penalty"})
+_BODY_KEYS = {
+    Endpoint.chat: frozenset({"messages", "top_logprobs", "response_format", *_BODY_DIRECT, *_BODY_SPECIAL}),
+    Endpoint.completion: frozenset({"prompt", *_BODY_DIRECT, *_BODY_SPECIAL}),
+}
+
+_RF_WRAPPER_KEYS = ("name", "schema", "strict", "description")
+
+
+def _openai_response_format(rf: Any) -> dict[str, Any] | None:
+    """OpenAI's chat ``response_format`` → lmdq's ResponseFormat data (None for ``text``)."""
+    name = "body.response_format"
+    if not isinstance(rf, dict):
+        raise _LineError(name, f"expected an object, got {_got(rf)}")
+    kind = rf.get("type")
+    allowed = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema"),
+               "regex_schema": ("type", "regex_schema")}
+    if kind not in allowed:
+        raise _LineError(f"{name}.type", f"expected one of {_join(tuple(allowed))}, got {_got(kind)}")
+    for key in rf:
+        if key not in allowed[kind]:
+            raise _LineError(f"{name}.{key}", f"unknown key for type {kind!r}; expected only {_join(allowed[kind])}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "regex_schema":
+        regex = rf.get("regex_schema")
+        if not isinstance(regex, str) or not regex:
+            raise _LineError(f"{name}.regex_schema", f"expected a non-empty string, got {_got(regex)}")
+        return {"type": "regex", "regex": regex}
+    wrapper = rf.get("json_schema")
+    if not isinstance(wrapper, dict):
+        raise _LineError(f"{name}.json_schema", f"expected an object with 'name' and 'schema', got {_got(wrapper)}")
+    for key in wrapper:
+        if key not in _RF_WRAPPER_KEYS:
+            raise _LineError(f"{name}.json_schema.{key}", f"unknown key; expected only {_join(_RF_WRAPPER_KEYS)}")
+    if not isinstance(wrapper.get("schema"), dict):
+        got = _got(wrapper.get("schema"))
+        raise _LineError(f"{name}.json_schema.schema", f"expected a JSON schema object, got {got}")
+    if "name" in wrapper and not isinstance(wrapper["name"], str):
+        raise _LineError(f"{name}.json_schema.name", f"expected a string, got {_got(wrapper['name'])}")
+    if wrapper.get("strict") is not None and not isinstance(wrapper["strict"], bool):
+        raise _LineError(f"{name}.json_schema.strict", f"expected true or false, got {_got(wrapper['strict'])}")
+    return {"type": "json_schema", "json_schema": dict(wrapper)}
+
+
+def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
+    for key in obj:
+        if key not in _OPENAI_LINE_KEY_SET:
+            raise _LineError(key, f"unknown key; expected only {_join(_OPENAI_LINE_KEYS)} (OpenAI batch format)")
+    if "url" not in obj or "body" not in obj:
+        missing = "url" if "url" not in obj else "body"
+        raise _LineError(
+            missing, "required field is missing; every line of an OpenAI batch file needs 'url' and 'body'"
+        )
+    custom_id = _custom_id(obj.get("custom_id"), line_no)
+    method = obj.get("method")
+    if method is not None and method != "POST":
+        raise _LineError("method", f"expected 'POST', got {_got(method)}")
+    url = obj["url"]
+    endpoint = _OPENAI_URLS.get(url) if isinstance(url, str) else None
+    if endpoint is None:
+        raise _LineError("url", f"expected one of {_join(tuple(_OPENAI_URLS))}, got {_got(url)}")
+    body = obj["body"]
+    if not isinstance(body, dict):
+        raise _LineError("body", f"expected an object, got {_got(body)}")
+
+    allowed = _BODY_KEYS[endpoint]
+    params: dict[str, Any] = {}
+    src: dict[str, str] = {}
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if key in _BODY_IGNORED:
+            continue
+        if key in _BODY_ZERO_ONLY:
+            if value is None or (type(value) in (int, float) and value == 0):
+                continue
+            raise _LineError(
+                f"body.{key}",
+                f"expected 0 or null, got {_got(value)}: {key} is unsupported by lmdq (use repetition_penalty)",
+            )
+        if key == "messages" or key == "prompt":
+            other = "/v1/chat/completions" if key == "messages" else "/v1/completions"
+            raise _LineError(f"body.{key}", f"'{key}' belongs to url {other}, not {url}")
+        raise _LineError(
+            f"body.{key}",
+            f"unsupported key; expected only {_join(sorted(allowed | _BODY_IGNORED | _BODY_ZERO_ONLY))}",
+        )
+
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _LineError("body.model", f"expected a string, got {_got(model)}")
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    if endpoint is Endpoint.chat:
+        if body.get("messages") is None:
+            raise _LineError("body.messages", "required field is missing; expected a list of chat messages")
+        messages = _check_messages(body["messages"], "body.messages")
+    else:
+        raw_prompt = body.get("prompt")
+        if raw_prompt is None:
+            raise _LineError("body.prompt", "required field is missing; expected a string")
+        if isinstance(raw_prompt, list):
+            raise _LineError(
+                "body.prompt",
+                f"expected a single string, got {_got(raw_prompt)}: list prompts are not supported, "
+                "put one prompt per line",
+            )
+        prompt = _check_prompt(raw_prompt, "body.prompt")
+
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            raise _LineError(
+                "body.n", f"expected 1, got {n}: lmdq generates one completion per request; repeat the line instead"
+            )
+        raise _LineError("body.n", f"expected 1, got {_got(n)}")
+
+    for key, field in _BODY_DIRECT.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if field in params and params[field] != value:
+            raise _LineError(f"body.{key}", f"conflicts with body.{src[field][5:]}; set only one of them")
+        params[field] = value
+        src[field] = f"body.{key}"
+    temperature = params.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        params["do_sample"] = temperature > 0
+        src["do_sample"] = "body.temperature"
+
+    stop = body.get("stop")
+    wrapped: frozenset[str] = frozenset()
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        elif not isinstance(stop, list):
+            raise _LineError("body.stop", f"expected a string or a list of strings, got {_got(stop)}")
+        params["stop_words"] = stop
+        src["stop_words"] = "body.stop"
+        wrapped = frozenset({"stop_words"}) if isinstance(body["stop"], str) else frozenset()
+
+    logprobs = body.get("logprobs")
+    top_logprobs = body.get("top_logprobs")
+    if endpoint is Endpoint.chat:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise _LineError("body.logprobs", f"expected true or false, got {_got(logprobs)}")
+        if top_logprobs is not None:
+            if not logprobs:
+                raise _LineError("body.top_logprobs", 'requires "logprobs": true')
+            if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool):
+                raise _LineError("body.top_logprobs", f"expected an integer, got {_got(top_logprobs)}")
+        if logprobs:
+            params["logprobs"] = max(top_logprobs or 0, 1)
+            src["logprobs"] = "body.top_logprobs" if top_logprobs is not None else "body.logprobs"
+    elif logprobs is not None:
+        if not isinstance(logprobs, int) or isinstance(logprobs, bool):
+            raise _LineError("body.logprobs", f"expected an integer, got {_got(logprobs)}")
+        params["logprobs"] = max(logprobs, 1)
+        src["logprobs"] = "body.logprobs"
+
+    response_format = body.get("response_format")
+    if response_format is not None:
+        mapped = _openai_response_format(response_format)
+        if mapped is not None:
+            params["response_format"] = mapped
+            # where a schema/regex that does not compile is reported
+            src["response_format"] = {"json_schema": "body.response_format.json_schema.schema",
+                                      "regex": "body.response_format.regex_schema"}.get(
+                                          mapped["type"], "body.response_format")
+
+    validated = _validate_params(params, src, "body", wrapped)
+    return ParsedLine(line_no, custom_id, prompt, messages, endpoint, validated, model)

@@ -1,0 +1,89 @@
+"""The prompt parser's shared vocabulary: formats, limits, the records it yields, and line errors.
+
+Every format module builds :class:`ParsedLine` and raises :class:`_LineError`; the reader in
+:mod:`producer.formats` turns those into what callers see, so the types live apart from both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from lmdq.contract import Endpoint, GenerationParams
+
+
+class InputFormat(str, Enum):
+    """The three prompt-file formats lmdq reads."""
+
+    text = "text"
+    jsonl = "jsonl"
+    openai = "openai"
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Per-file guards so one bad file cannot exhaust producer memory or Redis."""
+
+    max_line_bytes: int = 10 * 1024 * 1024
+    max_requests: int = 10_000_000
+
+
+@dataclass(frozen=True)
+class InputError:
+    """One problem in a prompt file; ``line`` is 1-based, 0 for whole-file problems."""
+
+    path: str
+    line: int
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}:{self.line}" if self.line > 0 else self.path
+        if self.field:
+            return f"{where}: field '{self.field}': {self.message}"
+        return f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class ParsedLine:
+    """One valid request line; ``messages`` are the file's own dicts, already checked."""
+
+    line_no: int
+    custom_id: str
+    prompt: str | None
+    messages: list[dict] | None
+    endpoint: Endpoint
+    params: GenerationParams | None
+    model: str | None
+
+
+class _LineError(Exception):
+    """Internal: the first problem found on a line (turned into an InputError by the caller)."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _got(value: Any) -> str:
+    """A short, JSON-flavoured description of a user value for 'got ...' (never a 10 MB dump)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value if len(value) <= 60 else value[:57] + "...")
+    if isinstance(value, (int, float)):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    if isinstance(value, list):
+        return f"a list of {len(value)} item{'s' if len(value) != 1 else ''}"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _join(names: tuple[str, ...] | list[str]) -> str:
+    return "|".join(names)
