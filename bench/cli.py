@@ -28,6 +28,8 @@ def efficiency(
     jobs_in_flight: Annotated[int, typer.Option(help="0 = auto")] = 0,
     sim_step_ms: Annotated[float, typer.Option()] = 5.0,
     sim_max_batch: Annotated[int, typer.Option()] = 256,
+    sim_emit_every: Annotated[int, typer.Option(help="sim: tokens per streamed event (LMDeploy: 1)")] = 64,
+    sim_step_cpu_ms: Annotated[float, typer.Option(help="sim: GIL-holding Python work per step")] = 0.0,
     backend: Annotated[str, typer.Option()] = "pytorch",
     dtype: Annotated[str, typer.Option()] = "auto",
     cache_max_entry_count: Annotated[float, typer.Option()] = 0.8,
@@ -48,8 +50,11 @@ def efficiency(
     if engine == "sim":
         from worker.engines.sim import SimEngine
 
-        eng = SimEngine(model_name="sim-bench", step_ms=sim_step_ms, max_batch=sim_max_batch)
+        eng = SimEngine(model_name="sim-bench", step_ms=sim_step_ms, max_batch=sim_max_batch,
+                        emit_every=sim_emit_every, step_cpu_ms=sim_step_cpu_ms)
         model_name = f"sim(step={sim_step_ms}ms,max_batch={sim_max_batch})"
+        if sim_emit_every != 64 or sim_step_cpu_ms:
+            model_name = model_name[:-1] + f",emit_every={sim_emit_every},step_cpu={sim_step_cpu_ms}ms)"
     elif engine == "lmdeploy":
         from worker.engines.lmdeploy_engine import LMDeployEngine
 

@@ -43,19 +43,23 @@ redis.call('SADD', KEYS[3], ARGV[1])
 return n
 """
 
-# KEYS: leases, owners, attempts, inflight list, queue1..n.  ARGV: now, ttl, worker
+# KEYS: leases, owners, attempts, inflight list, queue1..n.  ARGV: now, ttl, worker, max jobs
 _CLAIM = """
+local out = {}
+local want = tonumber(ARGV[4])
 for i = 5, #KEYS do
-  local id = redis.call('LPOP', KEYS[i])
-  if id then
+  while #out < 3 * want do
+    local id = redis.call('LPOP', KEYS[i])
+    if not id then break end
     redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[2]), id)
     redis.call('HSET', KEYS[2], id, ARGV[3] .. '\\t' .. KEYS[i] .. '\\t' .. KEYS[4])
     local n = redis.call('HINCRBY', KEYS[3], id, 1)
     redis.call('RPUSH', KEYS[4], id)
-    return {id, KEYS[i], n}
+    table.insert(out, id); table.insert(out, KEYS[i]); table.insert(out, n)
   end
 end
-return false
+if #out == 0 then return false end
+return out
 """
 
 # KEYS: leases, owners.  ARGV: now, ttl, worker, ids...
@@ -190,15 +194,24 @@ class JobQueue:
     # ---- worker side -------------------------------------------------------------------
     def claim(self, queues: Sequence[str], *, model: str, worker: str, lease_s: float) -> Claim | None:
         """Pop the next job from the first non-empty queue and lease it to ``worker``, atomically."""
+        got = self.claim_many(queues, model=model, worker=worker, lease_s=lease_s, n=1)
+        return got[0] if got else None
+
+    def claim_many(self, queues: Sequence[str], *, model: str, worker: str, lease_s: float, n: int) -> list[Claim]:
+        """Up to ``n`` jobs, highest priority first, each popped and leased atomically, in ONE round trip.
+
+        Why: a worker filling an empty engine claims dozens of jobs at once, and each round trip waits
+        for the GIL behind the engine's own Python loop (milliseconds each, measured): one call per job
+        spread a 32-job ramp over ~0.4 s of engine time."""
         k = self.keys
         res = self._claim(
             keys=[k.leases(), k.lease_owner(), k.attempts(), k.inflight(model), *(rq_queue_key(q) for q in queues)],
-            args=[time.time(), lease_s, worker],
+            args=[time.time(), lease_s, worker, max(1, n)],
         )
         if not res:
-            return None
-        job_id, qkey, attempt = res[0].decode(), res[1].decode(), int(res[2])
-        return Claim(job_id=job_id, queue_key=qkey, attempt=attempt)
+            return []
+        return [Claim(job_id=res[i].decode(), queue_key=res[i + 1].decode(), attempt=int(res[i + 2]))
+                for i in range(0, len(res), 3)]
 
     def fetch_job(self, job_id: str) -> Job:
         return Job.fetch(job_id, connection=self.client, serializer=SERIALIZER)

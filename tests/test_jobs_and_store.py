@@ -74,6 +74,23 @@ def test_claim_is_priority_ordered_and_leased(client: redis.Redis, prefix: str) 
     assert client.lrange(k.inflight("sim"), 0, -1) == [b"urgent-job", b"b3-000000"]
 
 
+def test_claim_many_takes_several_jobs_in_priority_order_in_one_call(client: redis.Redis, prefix: str) -> None:
+    jq = _stage(client, prefix, "b5", 4)
+    hi = queue_name("sim", "high", prefix)
+    client.rpush(rq_queue_key(hi), "urgent-1", "urgent-2")
+    qs = [queue_name("sim", p, prefix) for p in ("high", "normal", "low")]
+    got = jq.claim_many(qs, model="sim", worker="w1", lease_s=30, n=3)
+    assert [c.job_id for c in got] == ["urgent-1", "urgent-2", "b5-000000"]  # high drained first, then normal
+    assert [c.queue_key for c in got] == [rq_queue_key(hi)] * 2 + [rq_queue_key(qs[1])]
+    k = Keys(prefix)
+    assert all(client.zscore(k.leases(), c.job_id) is not None for c in got)
+    assert client.lrange(k.inflight("sim"), 0, -1) == [b"urgent-1", b"urgent-2", b"b5-000000"]
+    rest = jq.claim_many(qs, model="sim", worker="w2", lease_s=30, n=10)  # fewer left than asked
+    assert [c.job_id for c in rest] == ["b5-000001", "b5-000002", "b5-000003"]
+    assert jq.claim_many(qs, model="sim", worker="w2", lease_s=30, n=10) == []
+    assert client.hget(k.lease_owner(), "b5-000003").decode().startswith("w2\t")
+
+
 def test_expired_lease_is_requeued_at_front_and_late_owner_is_fenced(client: redis.Redis, prefix: str) -> None:
     jq = _stage(client, prefix, "b4", 2)
     qs = [queue_name("sim", "normal", prefix)]

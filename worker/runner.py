@@ -135,8 +135,15 @@ class Worker:
         # Keep the engine's slots full plus a lookahead queued behind them (half an engine-full,
         # at least one job), so when many sequences end in the same step, the engine refills
         # from requests it already holds instead of waiting for the next claim round-trip.
+        return self._room() > 0
+
+    def _room(self) -> int:
+        """How many more jobs to claim now (one Lua call claims them all: see JobQueue.claim_many)."""
         lookahead = self.s.prefetch_requests or max(self._last_job_size, self.capacity // 2)
-        return len(self._held) < self.max_jobs and self._requests_in_flight < self.capacity + lookahead
+        free = self.capacity + lookahead - self._requests_in_flight
+        if free <= 0:
+            return 0
+        return max(0, min(self.max_jobs - len(self._held), -(-free // max(1, self._last_job_size)), 64))
 
     def _loop(self) -> None:
         last_cancel_poll = 0.0
@@ -148,11 +155,12 @@ class Worker:
             if now - last_cancel_poll > 0.5:
                 last_cancel_poll = now
                 self._poll_cancellations()
-            claimed = None
-            if self._can_admit():
+            claimed: list[Claim] = []
+            room = self._room()
+            if room:
                 try:
-                    claimed = self.jobs.claim(
-                        self.queues, model=self.model, worker=self.name, lease_s=self.s.heartbeat_ttl_s
+                    claimed = self.jobs.claim_many(
+                        self.queues, model=self.model, worker=self.name, lease_s=self.s.heartbeat_ttl_s, n=room
                     )
                     backoff = 0.1
                 except RETRYABLE_ERRORS as e:
@@ -162,15 +170,16 @@ class Worker:
                     self._stop.wait(backoff)
                     backoff = min(5.0, backoff * 2)
                     continue
-            if claimed is not None:
-                held = _Held(claim=claimed, reserved=self._last_job_size)
-                with self._lock:
-                    self._held[claimed.job_id] = held
-                    self._requests_in_flight += held.reserved  # corrected once the payload is read
-                self._pool.submit(self._run_job, held)
+            if claimed:
+                for c in claimed:
+                    held = _Held(claim=c, reserved=self._last_job_size)
+                    with self._lock:
+                        self._held[c.job_id] = held
+                        self._requests_in_flight += held.reserved  # corrected once the payload is read
+                    self._pool.submit(self._run_job, held)
                 continue
             with self._slot:
-                if self.s.burst and not self._held and claimed is None and self._can_admit():
+                if self.s.burst and not self._held and self._can_admit():
                     if self._queues_empty():
                         self.log.info("burst: queues empty, exiting")
                         return

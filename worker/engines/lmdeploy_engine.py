@@ -314,6 +314,7 @@ class LMDeployEngine:
             # .last_hidden_state are cumulative views (TurboMind: rows[:step - offset - 1]; PyTorch: on the
             # finishing chunk), and the terminal chunk carries None: the latest non-None one is kept.
             want_lp = [r.params.resolved()["logprobs"] for r in group]
+            want_t = [bool(r.params.output_logits or r.params.output_last_hidden_state) for r in group]
             gen_ids: dict[int, list[int]] = {}
             lp_rows: dict[int, list[dict[int, float]]] = {}
             tensors: dict[int, dict[str, Any]] = {}
@@ -327,10 +328,11 @@ class LMDeployEngine:
                 if want_lp[i] is not None and out.logprobs:
                     gen_ids.setdefault(i, []).extend(out.token_ids or [])
                     lp_rows.setdefault(i, []).extend(out.logprobs)
-                for key in ("logits", "last_hidden_state"):
-                    value = getattr(out, key, None)
-                    if value is not None:
-                        tensors.setdefault(i, {})[key] = value
+                if want_t[i]:  # (this loop runs once per token per request: skip what no one asked for)
+                    for key in ("logits", "last_hidden_state"):
+                        value = getattr(out, key, None)
+                        if value is not None:
+                            tensors.setdefault(i, {})[key] = value
                 if out.finish_reason is None:
                     if not out.generate_token_len:
                         continue

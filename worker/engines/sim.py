@@ -114,9 +114,13 @@ class SimEngine:
         emit_every: int = 64,
         sim_vocab: int = 1000,
         sim_hidden: int = 64,
+        step_cpu_ms: float = 0.0,
     ) -> None:
         self.model_name = model_name
         self.step_s = step_ms / 1000.0
+        # Python work per step that holds the GIL (LMDeploy's PyTorch engine schedules, samples and
+        # detokenizes in Python in the worker's process): lets the sim show GIL contention.
+        self.step_cpu_s = step_cpu_ms / 1000.0
         self.max_batch = max_batch
         self.session_len = session_len
         self.emit_every = emit_every
@@ -312,6 +316,10 @@ class SimEngine:
                 time.sleep(delay)
             else:
                 next_tick = time.monotonic()  # behind: like a busy GPU, don't bank time
+            if self.step_cpu_s:
+                end = time.thread_time() + self.step_cpu_s
+                while time.thread_time() < end:
+                    pass
             for s in active:
                 self._step(s)
             self.steps += 1
