@@ -35,3 +35,15 @@ def results_of(client: redis.Redis, prefix: str, batch_id: str) -> list[Result]:
     store = ResultStore(client, keys=Keys(prefix))
     b = store.get_batch(batch_id)
     return [Result.model_validate_json(raw) for _, raw in store.iter_results(batch_id, b.request_counts.total) if raw]
+
+
+# A small JSON schema the guided-decoding tests constrain output to (CPU engines and the GPU suite).
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}

@@ -21,21 +21,13 @@ from lmdq.contract import GenerationParams, ResponseFormat, Result, ResultStatus
 from lmdq.guided import check, schema_of, to_lmdeploy
 from producer.formats import InputError, InputFormat, iter_lines
 from tests.conftest import run_cli, start_worker
-from tests.helpers import write_jsonl
+from tests.helpers import PERSON_SCHEMA, write_jsonl
 from worker.engines.base import EngineEvent, EngineRequest
 from worker.engines.sim import SimEngine, minimal_instance
 
 jsonschema = pytest.importorskip("jsonschema")
 
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
+SCHEMA: dict[str, Any] = PERSON_SCHEMA
 RF = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 
 

@@ -19,6 +19,7 @@ import redis
 
 from lmdq.contract import Endpoint, GenerationParams, Result, ResultStatus
 from tests.conftest import ROOT, RedisServer
+from tests.helpers import PERSON_SCHEMA as PERSON
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -223,17 +224,6 @@ def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, tmp_path:
 
 
 # --- rich outputs (logprobs, hidden states, guided JSON) on LMDeploy's PyTorch backend -------------------
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-
 
 def test_logprobs_top_k(engine, hf_tok, model_path: Path) -> None:  # type: ignore[no-untyped-def]
     out = _run(engine, [_req(0, messages=CAPITAL, max_new_tokens=12, ignore_eos=True, logprobs=5)])
