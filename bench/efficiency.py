@@ -132,7 +132,8 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
     from lmdq.contract import Result
 
     rs = [Result.model_validate_json(raw) for _, raw in store.iter_results(batch.id, cfg.n, partial=False) if raw]
-    t_end = max(r.timings.finished_at or 0 for r in rs)
+    # The batch's completed_at is stamped by the Lua that stores its last result: "last result stored".
+    t_end = store.get_batch(batch.id).completed_at or max(r.timings.finished_at or 0 for r in rs)
     toks = sum(r.generate_token_len for r in rs)
     assert len(rs) == cfg.n, f"{len(rs)} results for {cfg.n} prompts"
     # From the moment the jobs became visible on the queue (commit) to the last result stored.

@@ -233,9 +233,16 @@ class JobQueue:
             raise ValueError(f"refusing job {job.id}: expected one payload argument")
         return JobPayload.model_validate(job.args[0])
 
-    def mark_started(self, claim: Claim, worker: str, ttl_s: int) -> None:
-        """Reflect the claim in RQ's own records (status, StartedJobRegistry) for rq info/dashboard."""
+    def mark_started(self, claim: Claim, worker: str, ttl_s: int, pipe: Any | None = None) -> None:
+        """Reflect the claim in RQ's own records (status, StartedJobRegistry) for rq info/dashboard.
+
+        With ``pipe`` the commands join the caller's pipeline (executed by the caller), so a worker
+        starting a job pays one round trip for this and its own reads together."""
         if claim.job is None:
+            return
+        if pipe is not None:
+            claim.job.prepare_for_execution(worker, pipe)
+            claim.execution = Execution.create(claim.job, ttl_s, pipe, worker_name=worker)
             return
         with self.client.pipeline() as p:
             claim.job.prepare_for_execution(worker, p)

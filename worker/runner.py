@@ -299,7 +299,6 @@ class Worker:
                 held.reserved = held.n_requests
                 self._last_job_size = held.n_requests
             jlog = jlog.bind(batch=payload.batch_id)
-            self.jobs.mark_started(claim, self.name, int(self.s.heartbeat_ttl_s) + 60)
             outcome, failed = self._execute(held, payload, job, jlog)
             if outcome == "done" and payload.results_url and held.abort_reason != "lost":
                 flush_results(self.client, self.keys, payload, jlog, on_retry=self._redis_retry)
@@ -365,7 +364,14 @@ class Worker:
         enq = job.enqueued_at.timestamp() if job.enqueued_at else None
         started = time.time()
         bkey = self.keys.batch(payload.batch_id)
-        st, expires_at = self.client.hmget(bkey, ["status", "expires_at"])
+        indices = [r.index for r in payload.requests]
+        # One round trip before the engine gets the job: RQ's started records, the batch's status and
+        # which requests already have results (each round trip waits for the GIL behind the engine).
+        with self.client.pipeline() as p:
+            p.hmget(bkey, ["status", "expires_at"])
+            p.hmget(self.keys.results(payload.batch_id), indices)
+            self.jobs.mark_started(claim, self.name, int(self.s.heartbeat_ttl_s) + 60, pipe=p)
+            (st, expires_at), have, *_ = p.execute()
         status = BatchStatus(st.decode()) if st else None
         if status in (BatchStatus.validating, BatchStatus.queued):
             self.store.transition(
@@ -374,7 +380,7 @@ class Worker:
                 BatchStatus.in_progress,
                 "in_progress_at",
             )
-        done = self.store.final_indices(payload.batch_id, [r.index for r in payload.requests])
+        done = {i for i, v in zip(indices, have) if v is not None}
         todo = [r for r in payload.requests if r.index not in done]
         if len(todo) < len(payload.requests):
             jlog.info("resuming job: skipping requests that already have results", skipped=len(done))
@@ -451,7 +457,10 @@ class Worker:
             lv.text.append(ev.text)
             lv.dirty = True
         if lv.first_token_at is None and (ev.generate_token_len > 0 or ev.text):
-            lv.first_token_at = now
+            # The first partial comes one interval after the first token, not with it: a one-token
+            # partial tells a reader little, and writing 1024 of them while the engine fills up (one
+            # Lua call each, behind the engine's GIL) delayed the last requests' start (sim, measured).
+            lv.first_token_at = lv.last_partial = now
         lv.input_len = ev.input_token_len or lv.input_len
         lv.gen_len = ev.generate_token_len
         if ev.finish_reason is None:
