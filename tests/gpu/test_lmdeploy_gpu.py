@@ -235,10 +235,11 @@ def test_logprobs_top_k(engine, hf_tok, model_path: Path) -> None:  # type: igno
     # GPU: eos was the raw top-1 while the chosen token was the best other one).
     gen_cfg = model_path / "generation_config.json"
     eos = json.loads(gen_cfg.read_text()).get("eos_token_id") if gen_cfg.exists() else None
-    stops = {hf_tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+    banned = {*hf_tok.all_special_ids, *(eos if isinstance(eos, list) else [eos])} - {None}
     for tok, lp, top in rows:
         assert len(top) == 5 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
-        best = next((t, v) for t, v in top if t not in stops)
+        # everything ranked above the chosen token is a banned (special/stop) token
+        best = next((t, v) for t, v in top if t == tok or t not in banned)
         assert tok == best[0] and abs(lp - best[1]) < 1e-6, (tok, lp, top)
         assert lp <= 1e-4 and sum(math.exp(v) for _, v in top) <= 1.001
     assert "Paris" in hf_tok.decode([t for t, _, _ in rows], skip_special_tokens=True)
