@@ -264,3 +264,6 @@ def test_tp_must_divide_attention_heads(tmp_path) -> None:  # type: ignore[no-un
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9}))
     with pytest.raises(EngineError, match=r"--tp 2 must divide the model's num_attention_heads \(9\)"):
         _check_tp(2, str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 12, "num_key_value_heads": 6}))
+    with pytest.raises(EngineError, match=r"num_key_value_heads \(6\)"):
+        _check_tp(4, str(tmp_path))

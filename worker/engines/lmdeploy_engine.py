@@ -178,10 +178,13 @@ def _check_tp(tp: int, model_path: str = "") -> None:
     if cfg_file.is_file():
         import json
 
-        heads = json.loads(cfg_file.read_text()).get("num_attention_heads")
+        cfg = json.loads(cfg_file.read_text())
+        heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
         if isinstance(heads, int) and heads % tp:
             raise EngineError(f"--tp {tp} must divide the model's num_attention_heads ({heads}); "
                               f"use a tp that divides {heads}")
+        if isinstance(kv, int) and kv >= tp and kv % tp:  # fewer KV heads than tp: LMDeploy replicates them
+            raise EngineError(f"--tp {tp} must divide the model's num_key_value_heads ({kv})")
     try:
         import torch
 
