@@ -22,20 +22,11 @@ Semantics mirror ``lmdeploy.pipeline`` (v0.18, ``AsyncEngine`` + ``GenerationCon
   repetition_penalty. Sampling applies repetition penalty, temperature, top-k, top-p, min-p in that
   order with a per-request seeded ``torch.Generator`` (random seed when none is given).
 
-Rich outputs and guided decoding (GenerationConfig ``logprobs`` / ``output_logits`` /
-``output_last_hidden_state`` / ``response_format``):
-
-* ``logprobs=k``: per generated token, the chosen token's logprob and the top-k, from ``log_softmax`` of
-  the RAW model logits of that step (before bans, the grammar mask, penalties and temperature), i.e.
-  LMDeploy's ``logprobs_mode='raw_logprobs'``. A stop token is not a generated token and gets no row.
-* ``output_logits`` / ``output_last_hidden_state`` follow LMDeploy TurboMind's row layout: 'generation'
-  is one row per generated token (the raw logits / final-norm hidden state of the position that
-  produced it: ``[generated, vocab|hidden]``); 'all' adds every prompt position before it, i.e. one row
-  per position whose next token is known: ``[input + generated - 1, ...]`` (the last generated token
-  is never fed back). float32 CPU tensors on the final event's ``tensors``.
-* ``response_format`` (json_schema / json_object / regex) is compiled with xgrammar (what LMDeploy
-  uses) and every step masks the tokens the grammar forbids; the request stops ('stop') when the
-  grammar terminates (it accepted an end token) or when it leaves no legal token.
+Rich outputs (GenerationConfig ``logprobs`` / ``output_logits`` / ``output_last_hidden_state``) are
+collected by :mod:`worker.engines.rich_outputs`; guided decoding (``response_format``, on xgrammar) lives
+in :mod:`worker.engines.guided_decoding`. Both modules document their semantics. The token pick is in
+:mod:`worker.engines.sampling`, the stop-word and hold-back rules of streamed text in
+:mod:`worker.engines.stop_words`; this module keeps the request preparation and the decode loop.
 
 One deliberate difference: LMDeploy stops on the *token ids* whose text contains a stop word, while
 this engine stops on the exact string (the stop word is cut from the output). For stop words that are
@@ -51,78 +42,27 @@ import os
 import random
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmdq.contract import ChatMessage
 from worker.engines.base import EngineError, EngineEvent, EngineRequest
+from worker.engines.guided_decoding import GrammarCache, GuidedMatcher
+from worker.engines.request_errors import BadRequest, error_event
+from worker.engines.rich_outputs import RichOutputs
+from worker.engines.sampling import Sampling, next_token
+from worker.engines.stop_words import REPLACEMENT_CHAR, find_stop, safe_text_end
 
 __all__ = ["TransformersEngine", "find_stop", "safe_text_end"]
+
+#: The old private name, kept importable (tests use it).
+_BadRequest = BadRequest
 
 log = logging.getLogger(__name__)
 
 #: Emit an (empty-delta) progress event at least this often, even while text is held back.
 _EVENT_EVERY_TOKENS = 4
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_REPLACEMENT_CHAR = "\ufffd"
-
-
-def safe_text_end(text: str, stop_words: Sequence[str]) -> int:
-    """How much of ``text`` may be streamed now: everything except a tail that might still change.
-
-    Held back: a trailing run of U+FFFD (an incomplete multi-byte character that the next token may
-    complete) and the longest tail that is a proper prefix of a stop word (it may become the stop word,
-    which must not be emitted).
-    """
-    end = len(text.rstrip(_REPLACEMENT_CHAR))
-    body = text[:end]
-    for word in stop_words:
-        for k in range(min(len(word) - 1, len(body)), 0, -1):
-            if body.endswith(word[:k]):
-                end = min(end, len(body) - k)
-                break
-    return end
-
-
-def find_stop(text: str, stop_words: Sequence[str], checked_end: int = 0) -> int | None:
-    """Start index of the earliest stop word in ``text`` that ends after ``checked_end``, else None.
-
-    ``checked_end`` is how much text was already searched, so each step only looks at the new tail.
-    """
-    best: int | None = None
-    for word in stop_words:
-        pos = text.find(word, max(0, checked_end - len(word) + 1))
-        if pos != -1 and (best is None or pos < best):
-            best = pos
-    return best
-
-
-class _BadRequest(ValueError):
-    """The request itself is unusable (the caller's fault): reported as ``bad_request``."""
-
-
-@dataclass
-class _Sampling:
-    """The effective decoding settings of one request (LMDeploy's resolved GenerationConfig)."""
-
-    max_new_tokens: int
-    min_new_tokens: int
-    greedy: bool
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    seed: int
-    stop_words: list[str]
-    stop_ids: set[int]
-    banned_ids: list[int]
-    skip_special_tokens: bool
-    logprobs: int | None = None
-    output_logits: str | None = None
-    output_hidden: str | None = None
-    grammar: Any = None  # a compiled xgrammar grammar, or None
 
 
 class TransformersEngine:
@@ -197,9 +137,7 @@ class TransformersEngine:
         self._model_lock = threading.Lock()
         self._tok_lock = threading.RLock()
         self._closed = False
-        self._grammar_lock = threading.Lock()
-        self._grammar_compiler: Any = None
-        self._grammar_info: Any = None
+        self._grammars = GrammarCache(self._tokenizer, self._tok_lock, self._vocab_size, sorted(self.eos_token_ids))
         self._warm_up()
         log.info(
             "transformers engine ready: model=%s device=%s dtype=%s session_len=%d eos=%s",
@@ -298,16 +236,16 @@ class TransformersEngine:
         try:
             input_ids = self._prompt_ids(req)
             sampling = self._sampling(req, len(input_ids))
-        except _BadRequest as exc:
-            yield _error(req.index, "bad_request", str(exc))
+        except BadRequest as exc:
+            yield error_event(req.index, "bad_request", str(exc))
             return
         except Exception as exc:  # a bug or an odd tokenizer: this request fails, the call goes on
             log.exception("preparing request %d failed", req.index)
-            yield _error(req.index, "internal_error", f"{type(exc).__name__}: {exc}")
+            yield error_event(req.index, "internal_error", f"{type(exc).__name__}: {exc}")
             return
         input_len = len(input_ids)
         if input_len >= self.session_len:
-            yield _error(
+            yield error_event(
                 req.index,
                 "context_length_exceeded",
                 f"Input length ({input_len}) must be smaller than the model context length ({self.session_len}).",
@@ -320,7 +258,7 @@ class TransformersEngine:
         """Template (chat) or take verbatim (completion), then tokenize as LMDeploy does (with BOS)."""
         if req.raw:
             if req.prompt is None:
-                raise _BadRequest("completion requests need 'prompt'")
+                raise BadRequest("completion requests need 'prompt'")
             text = req.prompt
         else:
             if req.messages is not None:
@@ -328,9 +266,9 @@ class TransformersEngine:
             elif req.prompt is not None:
                 messages = [{"role": "user", "content": req.prompt}]
             else:
-                raise _BadRequest("a request needs 'prompt' or 'messages'")
+                raise BadRequest("a request needs 'prompt' or 'messages'")
             if not self._chat_template:
-                raise _BadRequest("this model has no chat template: use the completion endpoint or --chat-template")
+                raise BadRequest("this model has no chat template: use the completion endpoint or --chat-template")
             text = self._apply_template(messages)
         with self._tok_lock:
             ids: list[int] = list(self._tokenizer.encode(text, add_special_tokens=True))
@@ -339,7 +277,7 @@ class TransformersEngine:
         if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
             ids = ids[1:]
         if not ids:
-            raise _BadRequest("the prompt encodes to zero tokens")
+            raise BadRequest("the prompt encodes to zero tokens")
         return ids
 
     def _apply_template(self, messages: list[dict[str, Any]]) -> str:
@@ -352,12 +290,12 @@ class TransformersEngine:
                     messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False
                 )
         except (TemplateError, TypeError, ValueError, KeyError) as exc:
-            raise _BadRequest(f"the chat template rejected the messages: {exc}") from exc
+            raise BadRequest(f"the chat template rejected the messages: {exc}") from exc
         if not isinstance(text, str):
-            raise _BadRequest("the chat template did not render to text")
+            raise BadRequest("the chat template did not render to text")
         return text
 
-    def _sampling(self, req: EngineRequest, input_len: int) -> _Sampling:
+    def _sampling(self, req: EngineRequest, input_len: int) -> Sampling:
         """Resolve params with LMDeploy defaults and trim max_new_tokens to the session."""
         p = req.params.resolved()
         ignore_eos = bool(p["ignore_eos"])
@@ -365,7 +303,7 @@ class TransformersEngine:
         stop_words = [] if ignore_eos else [w for w in (p["stop_words"] or []) if w]
         temperature = float(p["temperature"])
         seed = p["random_seed"]
-        return _Sampling(
+        return Sampling(
             max_new_tokens=max(1, min(int(p["max_new_tokens"]), self.session_len - input_len)),
             min_new_tokens=int(p["min_new_tokens"] or 0),
             greedy=not p["do_sample"] or temperature == 0.0,
@@ -382,42 +320,10 @@ class TransformersEngine:
             logprobs=p["logprobs"],
             output_logits=p["output_logits"],
             output_hidden=p["output_last_hidden_state"],
-            grammar=self._grammar(p["response_format"]),
+            grammar=self._grammars.compile(p["response_format"]),
         )
 
-    def _grammar(self, response_format: Any) -> Any:
-        """Compile ``response_format`` with xgrammar (compiler built on first use; it caches grammars)."""
-        if response_format is None:
-            return None
-        from lmdq.contract import ResponseFormat
-        from lmdq.guided import grammar_source
-
-        rf = ResponseFormat.model_validate(response_format)
-        try:
-            import xgrammar as xgr
-        except ImportError as exc:
-            msg = f"response_format needs xgrammar on the worker (`pip install 'lmdq[cpu]'`): {exc}"
-            raise _BadRequest(msg) from exc
-        try:
-            kind, source = grammar_source(rf)
-        except ValueError as exc:
-            raise _BadRequest(str(exc)) from exc
-        with self._grammar_lock:
-            if self._grammar_compiler is None:
-                with self._tok_lock:
-                    self._grammar_info = xgr.TokenizerInfo.from_huggingface(
-                        self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=sorted(self.eos_token_ids)
-                    )
-                self._grammar_compiler = xgr.GrammarCompiler(self._grammar_info, max_threads=1)
-            compiler = self._grammar_compiler
-        try:
-            return compiler.compile_regex(source) if kind == "regex" else compiler.compile_json_schema(source)
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError on a bad schema/regex
-            raise _BadRequest(f"response_format cannot be compiled: {exc}") from exc
-
-    def _generate(
-        self, index: int, input_ids: list[int], s: _Sampling, abort: threading.Event
-    ) -> Iterator[EngineEvent]:
+    def _generate(self, index: int, input_ids: list[int], s: Sampling, abort: threading.Event) -> Iterator[EngineEvent]:
         """The decode loop: one forward per token under the model lock, streaming stable text."""
         torch = self._torch
         input_len = len(input_ids)
@@ -426,18 +332,8 @@ class TransformersEngine:
         history = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         step_input = history.unsqueeze(0)
         cache: Any = None
-        want_all = "all" in (s.output_logits, s.output_hidden)
-        want_hidden = s.output_hidden is not None
-        matcher: Any = None
-        bitmask: Any = None
-        if s.grammar is not None:
-            import xgrammar as xgr
-
-            matcher = xgr.GrammarMatcher(s.grammar)
-            bitmask = xgr.allocate_token_bitmask(1, self._grammar_info.vocab_size)
-        logprob_rows: list[tuple[int, float, list[tuple[int, float]]]] = []
-        logit_rows: list[Any] = []
-        hidden_rows: list[Any] = []
+        rich = RichOutputs(torch, s.logprobs, s.output_logits, s.output_hidden)
+        matcher: GuidedMatcher | None = None if s.grammar is None else self._grammars.matcher(s.grammar)
         gen_ids: list[int] = []
         text, emitted, last_event_at = "", 0, 0
         finish: str | None = None
@@ -453,52 +349,33 @@ class TransformersEngine:
                     prefill = cache is None
                     if self._accepts_logits_to_keep and not (prefill and s.output_logits == "all"):
                         kwargs["logits_to_keep"] = 1
-                    if want_hidden:
+                    if rich.want_hidden:
                         kwargs["output_hidden_states"] = True
                     with torch.inference_mode():
                         out = self._model(input_ids=step_input, **kwargs)
                         cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
                         raw = out.logits[0, -1].float()
-                        hidden = out.hidden_states[-1][0].float() if want_hidden else None
-                        if prefill and want_all:
-                            # 'all': the prompt positions before the last one (their next token is known)
-                            if s.output_logits == "all":
-                                logit_rows.append(out.logits[0, :-1].float().cpu())
-                            if s.output_hidden == "all" and hidden is not None:
-                                hidden_rows.append(hidden[:-1].cpu())
+                        hidden = out.hidden_states[-1][0].float() if rich.want_hidden else None
+                        if prefill and rich.want_all:
+                            rich.add_prompt(out.logits, hidden)
                         logits = raw.clone()
                         if matcher is not None:
-                            matcher.fill_next_token_bitmask(bitmask)
-                            xgr.apply_token_bitmask_inplace(logits, bitmask[0].to(logits.device))
+                            matcher.mask(logits)
                         banned = s.banned_ids + (min_ban if len(gen_ids) < s.min_new_tokens else [])
-                        if matcher is not None:
-                            legal = logits.clone()
-                            if banned:
-                                legal[banned] = -float("inf")
-                            if not bool(torch.isfinite(legal).any()):
-                                finish = "stop"  # the grammar (with the bans) leaves no token: it is done
-                                break
-                        token = self._next_token(logits, history, s, banned, generator)
+                        if matcher is not None and matcher.exhausted(logits, banned):
+                            finish = "stop"  # the grammar (with the bans) leaves no token: it is done
+                            break
+                        token = next_token(torch, logits, history, s, banned, generator)
                 if token in s.stop_ids:
                     finish = "stop"
                     break
-                if matcher is not None and not matcher.accept_token(token):
+                if matcher is not None and not matcher.accept(token):
                     raise RuntimeError(f"the grammar rejected token {token}")
-                if s.logprobs is not None:
-                    lp = torch.log_softmax(raw, dim=-1)
-                    top: list[tuple[int, float]] = []
-                    if s.logprobs > 0:
-                        vals, ids = torch.topk(lp, min(s.logprobs, lp.numel()))
-                        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
-                    logprob_rows.append((token, float(lp[token]), top))
-                if s.output_logits is not None:
-                    logit_rows.append(raw.cpu().unsqueeze(0))
-                if hidden is not None:
-                    hidden_rows.append(hidden[-1:].cpu())
+                rich.add_token(token, raw, hidden)
                 gen_ids.append(token)
                 history = torch.cat([history, history.new_tensor([token])])
                 step_input = history[-1:].unsqueeze(0)
-                stable_before = len(text.rstrip(_REPLACEMENT_CHAR))
+                stable_before = len(text.rstrip(REPLACEMENT_CHAR))
                 with self._tok_lock:
                     text = self._tokenizer.decode(
                         gen_ids, skip_special_tokens=s.skip_special_tokens, clean_up_tokenization_spaces=False
@@ -528,7 +405,7 @@ class TransformersEngine:
             raise
         except Exception as exc:
             log.exception("generation of request %d failed", index)
-            yield _error(
+            yield error_event(
                 index,
                 "internal_error",
                 f"{type(exc).__name__}: {exc}",
@@ -538,46 +415,19 @@ class TransformersEngine:
             return
         finally:
             del cache
-        tensors: dict[str, Any] = {}
-        if s.output_logits is not None:
-            tensors["logits"] = _stack(torch, logit_rows, self._vocab_size)
-        if s.output_hidden is not None:
-            hidden_size = int(getattr(self._model.config, "hidden_size", 0)) if self._model is not None else 0
-            tensors["last_hidden_state"] = _stack(torch, hidden_rows, hidden_size)
+        hidden_size = 0
+        if s.output_hidden is not None and self._model is not None:
+            hidden_size = int(getattr(self._model.config, "hidden_size", 0))
+        tensors = rich.tensors(self._vocab_size, hidden_size)
         yield EngineEvent(
             index=index,
             text=text[emitted:] if len(text) > emitted else "",
             input_token_len=input_len,
             generate_token_len=len(gen_ids),
             finish_reason=finish,
-            logprobs=logprob_rows if s.logprobs is not None else None,
+            logprobs=rich.logprob_rows(),
             tensors=tensors or None,
         )
-
-    def _next_token(self, logits: Any, history: Any, s: _Sampling, banned: list[int], generator: Any) -> int:
-        """Pick one token: argmax for greedy, else penalty -> temperature -> top-k -> top-p -> min-p -> draw."""
-        torch = self._torch
-        if banned:
-            logits[banned] = -float("inf")
-        if s.greedy:
-            return int(torch.argmax(logits).item())
-        if s.repetition_penalty != 1.0:
-            seen = history.unique()
-            scores = logits[seen]
-            logits[seen] = torch.where(scores < 0, scores * s.repetition_penalty, scores / s.repetition_penalty)
-        logits = logits / s.temperature
-        if 0 < s.top_k < logits.numel():
-            kth = torch.topk(logits, s.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, -float("inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if s.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) > s.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        if s.min_p > 0.0:
-            probs = probs.masked_fill(probs < s.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -585,32 +435,11 @@ def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for raw in messages:
         if not isinstance(raw, dict):
-            raise _BadRequest("each message must be an object")
+            raise BadRequest("each message must be an object")
         try:
             msg = ChatMessage.model_validate(raw)
             content = msg.text()
         except ValueError as exc:
-            raise _BadRequest(f"invalid message: {exc}") from exc
+            raise BadRequest(f"invalid message: {exc}") from exc
         out.append({**raw, "role": msg.role, "content": content})
     return out
-
-
-def _stack(torch: Any, rows: list[Any], width: int) -> Any:
-    """Row blocks → one float32 CPU tensor ``[rows, width]`` (``[0, width]`` when nothing was generated)."""
-    if not rows:
-        return torch.zeros((0, width), dtype=torch.float32)
-    return torch.cat(rows, dim=0).to(torch.float32).contiguous()
-
-
-def _error(
-    index: int, code: str, message: str, *, input_token_len: int = 0, generate_token_len: int = 0
-) -> EngineEvent:
-    """A final error event (the request fails alone; the call carries on)."""
-    return EngineEvent(
-        index=index,
-        input_token_len=input_token_len,
-        generate_token_len=generate_token_len,
-        finish_reason="error",
-        error_code=code,
-        error_message=message,
-    )
