@@ -148,18 +148,24 @@ _BF16_AFFECTED = [
 ]
 
 
-def resolve_dtype(model_path: str, dtype: str) -> tuple[str, str | None]:
-    """``--dtype auto`` → float16 for shapes known to go wrong in bf16; returns (dtype, warning)."""
-    cfg_file = Path(model_path) / "config.json"
-    if dtype not in ("auto", "bfloat16") or not cfg_file.is_file():
-        return dtype, None
+def _local_config(model_path: str) -> dict[str, Any]:
+    """A local model folder's config.json, or {} (a hub id resolves only after LMDeploy downloads it;
+    an unreadable file is LMDeploy's to report)."""
     import json
 
     try:
-        cfg = json.loads(cfg_file.read_text())
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def resolve_dtype(model_path: str, dtype: str) -> tuple[str, str | None]:
+    """``--dtype auto`` → float16 for shapes known to go wrong in bf16; returns (dtype, warning)."""
+    if dtype not in ("auto", "bfloat16"):
         return dtype, None
-    if not any(all(cfg.get(k) == v for k, v in shape.items()) for shape in _BF16_AFFECTED):
+    cfg = _local_config(model_path)
+    if not cfg or not any(all(cfg.get(k) == v for k, v in shape.items()) for shape in _BF16_AFFECTED):
         return dtype, None
     if dtype == "auto":
         return "float16", ("SmolLM2-135M-shaped model: bf16 rounding flips near-tie greedy answers here (e.g. the "
@@ -174,17 +180,13 @@ def _check_tp(tp: int, model_path: str = "") -> None:
     model's attention heads (LMDeploy asserts it, with no message)."""
     if tp <= 1:
         return
-    cfg_file = Path(model_path) / "config.json"
-    if cfg_file.is_file():
-        import json
-
-        cfg = json.loads(cfg_file.read_text())
-        heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-        if isinstance(heads, int) and heads % tp:
-            raise EngineError(f"--tp {tp} must divide the model's num_attention_heads ({heads}); "
-                              f"use a tp that divides {heads}")
-        if isinstance(kv, int) and kv >= tp and kv % tp:  # fewer KV heads than tp: LMDeploy replicates them
-            raise EngineError(f"--tp {tp} must divide the model's num_key_value_heads ({kv})")
+    cfg = _local_config(model_path) if model_path else {}
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if isinstance(heads, int) and heads % tp:
+        raise EngineError(f"--tp {tp} must divide the model's num_attention_heads ({heads}); "
+                          f"use a tp that divides {heads}")
+    if isinstance(kv, int) and kv >= tp and kv % tp:  # fewer KV heads than tp: LMDeploy replicates them
+        raise EngineError(f"--tp {tp} must divide the model's num_key_value_heads ({kv})")
     try:
         import torch
 
@@ -278,19 +280,21 @@ class LMDeployEngine:
     ) -> Iterator[EngineEvent]:
         if any(r.messages is not None for r in group) and not preprocess:
             raise EngineError("messages need the chat template (do not combine with --raw)")
-        kept = []
+        kept, params = [], []
         for r in group:
-            conflict = _unsupported(self.pipe.backend_config, r.params.resolved())
+            p = r.params.resolved()
+            conflict = _unsupported(self.pipe.backend_config, p)
             if conflict:
                 yield EngineEvent(index=r.index, finish_reason="error", error_code="unsupported_feature",
                                   error_message=conflict)
             else:
                 kept.append(r)
+                params.append(p)
         group = kept
         if not group:
             return
         prompts = [self._prompt(r, preprocess) for r in group]
-        gens = [build_gen_config(r.params.resolved()) for r in group]
+        gens = [build_gen_config(p) for p in params]
         sessions = [self.pipe.session() for _ in group]
         open_ = set(range(len(group)))
         done = threading.Event()
@@ -316,8 +320,8 @@ class LMDeployEngine:
             # (async_engine.generate slices both per chunk), so they are accumulated; .logits and
             # .last_hidden_state are cumulative views (TurboMind: rows[:step - offset - 1]; PyTorch: on the
             # finishing chunk), and the terminal chunk carries None: the latest non-None one is kept.
-            want_lp = [r.params.resolved()["logprobs"] for r in group]
-            want_t = [bool(r.params.output_logits or r.params.output_last_hidden_state) for r in group]
+            want_lp = [p["logprobs"] for p in params]
+            want_t = [bool(p["output_logits"] or p["output_last_hidden_state"]) for p in params]
             gen_ids: dict[int, list[int]] = {}
             lp_rows: dict[int, list[dict[int, float]]] = {}
             tensors: dict[int, dict[str, Any]] = {}
