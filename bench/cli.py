@@ -52,9 +52,10 @@ def efficiency(
 
         eng = SimEngine(model_name="sim-bench", step_ms=sim_step_ms, max_batch=sim_max_batch,
                         emit_every=sim_emit_every, step_cpu_ms=sim_step_cpu_ms)
-        model_name = f"sim(step={sim_step_ms}ms,max_batch={sim_max_batch})"
-        if sim_emit_every != 64 or sim_step_cpu_ms:
-            model_name = model_name[:-1] + f",emit_every={sim_emit_every},step_cpu={sim_step_cpu_ms}ms)"
+        knobs = f"step={sim_step_ms}ms,max_batch={sim_max_batch}"
+        if sim_emit_every != 64 or sim_step_cpu_ms:  # 64: SimEngine's default emit_every
+            knobs += f",emit_every={sim_emit_every},step_cpu={sim_step_cpu_ms}ms"
+        model_name = f"sim({knobs})"
     elif engine == "lmdeploy":
         from worker.engines.lmdeploy_engine import LMDeployEngine
 

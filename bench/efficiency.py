@@ -106,8 +106,9 @@ def _timeline(rs: list[Any], t0: float) -> dict[str, float]:
 
 
 def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis_url: str, jobs_in_flight: int,
-             prefix: str) -> tuple[float, int]:
-    """Producer submit → a worker on the same engine → results stored; first enqueue to last result."""
+             prefix: str, timelines: list[dict[str, float]] | None = None) -> tuple[float, int]:
+    """Producer submit → a worker on the same engine → results stored; first enqueue to last result.
+    With ``timelines``, the run's ramp/tail timeline is appended to it."""
     client = redis.Redis.from_url(redis_url)
     keys = Keys(prefix)
     with tempfile.TemporaryDirectory() as d:
@@ -138,11 +139,9 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
     assert len(rs) == cfg.n, f"{len(rs)} results for {cfg.n} prompts"
     # From the moment the jobs became visible on the queue (commit) to the last result stored.
     t0 = store.get_batch(batch.id).queued_at or batch.created_at
-    TIMELINES.append(_timeline(rs, t0))
+    if timelines is not None:
+        timelines.append(_timeline(rs, t0))
     return t_end - t0, toks
-
-
-TIMELINES: list[dict[str, float]] = []  # one per lmdq run, in order (diagnostics for the JSON output)
 
 
 def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log: Any = print) -> dict[str, Any]:
@@ -150,7 +149,6 @@ def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log
     log(f"warm-up: raw run of {cfg.n} prompts")
     run_raw(engine, prompts, cfg)
     rows: dict[str, list[tuple[float, int]]] = {"raw": [], "stream1": [], "lmdq": [], "naive": []}
-    TIMELINES.clear()
     lmdq_timelines: list[dict[str, float]] = []
     # Process CPU seconds per run (all threads: the engine's own loop too, which shares the GIL with the
     # worker's threads on LMDeploy's in-process engine): what each path burns besides the GPU.
@@ -166,8 +164,7 @@ def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log
         if cfg.stream_baseline:
             timed("stream1", run_stream_one_call, engine, prompts, cfg)
         timed("lmdq", run_lmdq, engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=cfg.jobs_in_flight,
-              prefix=f"bench{rep}a")
-        lmdq_timelines.append(TIMELINES[-1])
+              prefix=f"bench{rep}a", timelines=lmdq_timelines)
         if cfg.naive:
             timed("naive", run_lmdq, engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=1, prefix=f"bench{rep}b")
         for k, v in rows.items():
