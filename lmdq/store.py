@@ -198,13 +198,6 @@ class ResultStore:
             )
         )
 
-    def final_indices(self, batch_id: str, indices: list[int]) -> set[int]:
-        """Which of ``indices`` already have a final result (so a re-run skips them)."""
-        if not indices:
-            return set()
-        vals = self.client.hmget(self.keys.results(batch_id), indices)
-        return {i for i, v in zip(indices, vals) if v is not None}
-
     def iter_results(
         self, batch_id: str, total: int, *, chunk: int = 2000, partial: bool = True
     ) -> Iterator[tuple[int, bytes | None]]:

@@ -364,7 +364,7 @@ class Worker:
         enq = job.enqueued_at.timestamp() if job.enqueued_at else None
         started = time.time()
         bkey = self.keys.batch(payload.batch_id)
-        indices = [r.index for r in payload.requests]
+        indices = [r.index for r in payload.requests]  # never empty: JobPayload.requests has min_length 1
         # One round trip before the engine gets the job: RQ's started records, the batch's status and
         # which requests already have results (each round trip waits for the GIL behind the engine).
         with self.client.pipeline() as p:
