@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 __all__ = [
     "LmdqError",
+    "run_cli",
     "BatchNotFound",
     "RedisUnavailable",
     "ResultsUnavailable",
@@ -17,6 +21,15 @@ class LmdqError(Exception):
     """Base class; CLIs print ``str(err)`` on one line and exit non-zero."""
 
     exit_code = 1
+
+
+def run_cli(app: Callable[[], object]) -> None:
+    """Console entry point shared by the CLIs: an lmdq error becomes one line on stderr and its exit code."""
+    try:
+        app()
+    except LmdqError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 class BatchNotFound(LmdqError):

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from lmdq.connection import connect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
-from lmdq.errors import LmdqError
+from lmdq.errors import run_cli
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
 from lmdq.store import ResultStore
@@ -383,12 +383,7 @@ def retry(
 
 
 def main() -> None:
-    """Console entry point: lmdq errors become one line on stderr and their exit code."""
-    try:
-        app()
-    except LmdqError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+    run_cli(app)
 
 
 _ = BatchStatus  # re-exported for type checkers of callers

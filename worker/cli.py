@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Annotated, Any
 
 import typer
 
 from lmdq.connection import connect, redact_url
-from lmdq.errors import LmdqError
+from lmdq.errors import run_cli
 from lmdq.logs import configure_logging, get_logger
 from worker.settings import WorkerSettings
 
@@ -115,11 +114,7 @@ def run(
 
 
 def main() -> None:
-    try:
-        app()
-    except LmdqError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+    run_cli(app)
 
 
 if __name__ == "__main__":
