@@ -129,6 +129,13 @@ def test_burst_exits_when_queues_empty(env: dict[str, str]) -> None:
     assert w.wait(30) == 0
 
 
+def _wait_in_progress(store: ResultStore, bid: str, timeout: float = 20) -> None:
+    """Until a worker has started the batch (the tests' own assertions say what happens if none did)."""
+    deadline = time.monotonic() + timeout
+    while store.get_batch(bid).status is not BatchStatus.in_progress and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_sigterm_with_work_in_flight_requeues_and_exits_zero(tmp_path: Path, env: dict[str, str],
                                                              client: redis.Redis, prefix: str) -> None:
     rows = [{"custom_id": f"r{i}", "prompt": f"p{i}"} for i in range(8)]
@@ -136,9 +143,7 @@ def test_sigterm_with_work_in_flight_requeues_and_exits_zero(tmp_path: Path, env
     w = start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "5", "--drain-timeout", "1",
                      env=env)
     store = ResultStore(client, keys=Keys(prefix))
-    deadline = time.monotonic() + 20
-    while store.get_batch(bid).status is not BatchStatus.in_progress and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_in_progress(store, bid)
     time.sleep(0.5)
     w.send_signal(signal.SIGTERM)
     assert w.wait(30) == 0
@@ -175,9 +180,7 @@ def test_cancel_removes_queued_and_aborts_in_flight(tmp_path: Path, env: dict[st
     w = start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "5", "--jobs-in-flight", "2",
                      env=env)
     store = ResultStore(client, keys=Keys(prefix))
-    deadline = time.monotonic() + 20
-    while store.get_batch(bid).status is not BatchStatus.in_progress and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_in_progress(store, bid)
     time.sleep(0.3)
     p = run_cli("producer", "cancel", bid, "--json", env=env)
     assert p.returncode == 0, p.stderr.decode()
