@@ -34,6 +34,8 @@ def efficiency(
     dtype: Annotated[str, typer.Option()] = "auto",
     cache_max_entry_count: Annotated[float, typer.Option()] = 0.8,
     tp: Annotated[int, typer.Option(help="tensor parallel GPUs (lmdeploy)")] = 1,
+    mp_engine: Annotated[bool, typer.Option("--mp-engine/--no-mp-engine", help="lmdeploy pytorch: engine loop in "
+                                            "its own process (the worker's default)")] = True,
     skip_naive: Annotated[bool, typer.Option(help="skip the one-job-at-a-time baseline")] = False,
     stream_baseline: Annotated[bool, typer.Option(help="also: all prompts in one engine.stream call (no queue)")
                                ] = False,
@@ -71,7 +73,8 @@ def efficiency(
         if not model:
             raise typer.BadParameter("--model or --random-llama8b is required", param_hint="--model")
         eng = LMDeployEngine(model_path=model, served_model_name="bench", backend=backend, dtype=dtype, tp=tp,
-                             cache_max_entry_count=cache_max_entry_count)  # type: ignore[assignment]
+                             cache_max_entry_count=cache_max_entry_count,
+                             mp_engine=mp_engine)  # type: ignore[assignment]
     else:
         from worker.engines.transformers_engine import TransformersEngine
 
@@ -85,7 +88,7 @@ def efficiency(
         res = run_efficiency(eng, cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
     eng.close()
     out = {"engine": engine, "model": model_name, "tp": tp, "n": n, "batch_size": batch_size, "input_len": input_len,
-           "output_len": output_len, **res}
+           "output_len": output_len, **({"mp_engine": mp_engine} if engine == "lmdeploy" else {}), **res}
     print(f"{'path':14s} {'tok/s':>10s} {'vs raw':>7s}")
     for k in ("raw", "stream1", "lmdq", "naive"):
         if res.get(k + "_tok_s") is None:

@@ -30,6 +30,9 @@ def test_pytorch_backend_flags_reach_pytorch_engine_config() -> None:
     assert (c.tp, c.dtype, c.session_len, c.max_batch_size, c.cache_max_entry_count, c.eager_mode) == (
         2, "float16", 4096, 256, 0.5, True)
     assert int(c.quant_policy) == 8
+    # the engine loop runs in its own process unless asked not to (as LMDeploy's own api_server does)
+    assert c.enable_mp_engine is True
+    assert build_backend_config(backend="pytorch", mp_engine=False).enable_mp_engine is False
 
 
 @pytest.mark.parametrize("backend", ["turbomind", "auto"])
@@ -98,14 +101,16 @@ def test_tp_above_visible_gpus_is_a_clear_error() -> None:
 def test_worker_flags_reach_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """lmdq-worker flags/env → WorkerSettings → the config LMDeployEngine would build."""
     monkeypatch.setenv("LMDQ_QUANT_POLICY", "8")
+    monkeypatch.setenv("LMDQ_MP_ENGINE", "false")
     from worker.settings import WorkerSettings
 
     s = WorkerSettings(model="/m", engine="lmdeploy", backend="pytorch", tp=1, dtype="float16", session_len=2048,
                        max_batch_size=64, eager_mode=True)
     c = build_backend_config(backend=s.backend, tp=s.tp, dtype=s.dtype, session_len=s.session_len,
                              max_batch_size=s.max_batch_size, cache_max_entry_count=s.cache_max_entry_count,
-                             quant_policy=s.quant_policy, eager_mode=s.eager_mode)
+                             quant_policy=s.quant_policy, eager_mode=s.eager_mode, mp_engine=s.mp_engine)
     assert isinstance(c, PytorchEngineConfig) and int(c.quant_policy) == 8 and c.max_batch_size == 64
+    assert c.enable_mp_engine is False
 
 
 SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,

@@ -428,6 +428,52 @@ def test_ending_attempt_never_hides_the_reclaimed_attempt_of_the_same_job(tmp_pa
     w.engine.close()
 
 
+def test_busy_worker_polls_the_queue_slowly_idle_worker_fast(tmp_path: Path, env: dict[str, str], redis_url: str,
+                                                             client: redis.Redis, prefix: str) -> None:
+    """Claims cost Python time that LMDeploy's in-process scheduler competes for: while the worker
+    holds a job, an empty queue is polled every busy_poll_interval_s (a finished job wakes it
+    anyway); while idle, every poll_interval_s so that new work starts at once."""
+    import threading
+
+    from worker.engines.sim import SimEngine
+    from worker.runner import Worker
+    from worker.settings import WorkerSettings
+
+    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, poll_interval_s=0.02,
+                       busy_poll_interval_s=0.5)
+    w = Worker(engine=SimEngine(model_name="sim", step_ms=10), client=client, settings=s)
+    calls: list[float] = []
+    claim_many = w.jobs.claim_many
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(time.monotonic())
+        return claim_many(*a, **kw)
+
+    w.jobs.claim_many = counted  # type: ignore[method-assign]
+    th = threading.Thread(target=w.run, daemon=True)
+    th.start()
+    try:
+        time.sleep(0.6)
+        idle_calls = len(calls)
+        # one job of ~4 s (400 tokens at 10 ms a step)
+        bid = _submit(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "long"}]), env, "--max-new-tokens", "400")["id"]
+        deadline = time.monotonic() + 10
+        while not w._held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w._held, "the job was never claimed"
+        t0, n0 = time.monotonic(), len(calls)
+        time.sleep(2.0)
+        assert w._held, "the job ended before the busy window closed"
+        busy = len(calls) - n0
+        busy_s = time.monotonic() - t0
+        assert idle_calls >= 8, f"idle worker polled only {idle_calls} times in 0.6 s (poll_interval 0.02)"
+        assert busy <= busy_s / 0.5 + 2, f"busy worker polled {busy} times in {busy_s:.1f} s (busy interval 0.5 s)"
+        assert wait_batch(client, prefix, bid, timeout=20).status is BatchStatus.completed
+    finally:
+        w.stop()
+        th.join(30)
+
+
 # ---------------------------------------------------------------------------------------------
 # Retries, retry command, completion window
 

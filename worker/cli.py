@@ -29,6 +29,9 @@ def run(
     quant_policy: Annotated[int | None, typer.Option(help="0 | 4 | 8 (KV cache quantization)")] = None,
     chat_template: Annotated[str | None, typer.Option(help="LMDeploy template name, or a Jinja file")] = None,
     eager_mode: Annotated[bool | None, typer.Option("--eager-mode/--no-eager-mode")] = None,
+    mp_engine: Annotated[
+        bool | None, typer.Option("--mp-engine/--no-mp-engine", help="pytorch: engine loop in its own process")
+    ] = None,
     raw: Annotated[bool | None, typer.Option("--raw/--no-raw", help="never apply the chat template")] = None,
     device: Annotated[str | None, typer.Option(help="transformers engine: auto | cpu | cuda")] = None,
     sim_step_ms: Annotated[float | None, typer.Option(help="sim engine: ms per decode step")] = None,
@@ -59,6 +62,7 @@ def run(
         "quant_policy": quant_policy,
         "chat_template": chat_template,
         "eager_mode": eager_mode,
+        "mp_engine": mp_engine,
         "raw": raw,
         "device": device,
         "sim_step_ms": sim_step_ms,

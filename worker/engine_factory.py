@@ -52,6 +52,7 @@ def build_engine(s: WorkerSettings) -> Engine:
         quant_policy=s.quant_policy,
         chat_template=s.chat_template,
         eager_mode=s.eager_mode,
+        mp_engine=s.mp_engine,
         raw=s.raw,
     )
 

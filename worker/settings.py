@@ -25,6 +25,7 @@ class WorkerSettings(CommonSettings):
     quant_policy: int = Field(default=0, description="KV cache quantization: 0, 4 or 8")
     chat_template: str | None = None
     eager_mode: bool = False
+    mp_engine: bool = Field(default=True, description="PyTorch backend: engine loop in its own process")
     raw: bool = Field(default=False, description="skip the chat template for plain prompts too")
     device: str = "auto"
     blob_url: str | None = Field(
@@ -44,7 +45,10 @@ class WorkerSettings(CommonSettings):
     heartbeat_ttl_s: float = Field(default=30.0, ge=2.0, le=600.0, alias="LMDQ_HEARTBEAT_TTL")
     max_attempts: int = Field(default=3, ge=1)
     partial_interval_s: float = Field(default=2.0, ge=0.05)
-    poll_interval_s: float = Field(default=0.05, gt=0.0)
+    poll_interval_s: float = Field(default=0.05, gt=0.0, description="queue poll period while idle")
+    busy_poll_interval_s: float = Field(
+        default=0.5, gt=0.0, description="queue poll period while holding jobs (a finished job also wakes it)"
+    )
     health_host: str = "0.0.0.0"
     health_port: int = Field(default=8000, ge=0, le=65535, description="0 = no HTTP endpoint")
 

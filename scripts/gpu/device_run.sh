@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage of the GPU validation, run on the device machine (2x H200 kind) from the repo root; see
 # docs/gpu-validation.md. Four consecutive calls (the machine keeps /root only while warm, 30 s):
-#   1 bench   carry gpu-bundle/1-wheels gpu-bundle/tok : efficiency tp=1 (with naive) then tp=2, one run
+#   1 bench   carry gpu-bundle/1-wheels gpu-bundle/tok : efficiency tp=1 (with naive), then in-process engine
 #   2 setup   carry gpu-bundle/2-model-a               : first model half
 #   3 suite   carry gpu-bundle/3-model-b gpu-bundle/tok : model conversion, the gpu suite
 #   4 tp      (no carry)                               : tp=1 vs tp=2 end to end + orphans, bf16 margins
@@ -18,18 +18,21 @@ env_txt() {
     python3 -c "import sys,torch,lmdeploy,transformers,triton;print('python',sys.version.split()[0],'torch',torch.__version__,'cuda',torch.version.cuda,'lmdeploy',lmdeploy.__version__,'transformers',transformers.__version__,'triton',triton.__version__)"
   } > "$OUT/env.txt" 2>&1
 }
-eff() {  # eff TP EXTRA...
-  local tp=$1; shift
+eff() {  # eff NAME TP EXTRA...
+  local name=$1 tp=$2; shift 2
   timeout "${EFF_TIMEOUT:-300}" python3 -m bench efficiency --engine lmdeploy --random-llama8b /root/llama8b \
     --tokenizer-from gpu-bundle/tok --tp "$tp" --n 1024 --batch-size 32 --input-len 234 --output-len 256 "$@" \
-    -o "$OUT/efficiency_gpu_tp$tp.json" > "$OUT/efficiency_tp$tp.log" 2>&1
-  grep -E "^rep|^\{" "$OUT/efficiency_tp$tp.log" | tail -7
+    -o "$OUT/efficiency_gpu_$name.json" > "$OUT/efficiency_$name.log" 2>&1
+  grep -E "^rep|^(raw|stream1|lmdq|naive) " "$OUT/efficiency_$name.log" | tail -12
 }
 case $stage in
   bench)
     env_txt
-    EFF_TIMEOUT=330 eff 1 --repeat 2 --stream-baseline
-    [ "${TP2_BENCH:-1}" = 1 ] && EFF_TIMEOUT=240 eff 2 --repeat 2 --skip-naive
+    # the worker's default (PyTorch engine loop in its own process), with the naive baseline; then the
+    # in-process engine (--no-mp-engine) for comparison; tp=2 only when asked (measured in session 2)
+    EFF_TIMEOUT=330 eff tp1 1 --repeat 2 --stream-baseline
+    [ "${INPROC_BENCH:-1}" = 1 ] && EFF_TIMEOUT=200 eff tp1_inproc 1 --no-mp-engine --repeat 2 --skip-naive --stream-baseline
+    [ "${TP2_BENCH:-0}" = 1 ] && EFF_TIMEOUT=240 eff tp2 2 --repeat 2 --skip-naive
     [ "${TP_CHECK:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/tp_check.py /root/llama8b > "$OUT/tp_check.log" 2>&1
                                   tail -3 "$OUT/tp_check.log"; }
     ;;
@@ -39,9 +42,15 @@ case $stage in
     ;;
   suite)
     env_txt
-    timeout 540 python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -p no:cacheprovider -rA 2>&1 \
+    timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -o cache_dir=/tmp/pyc -rA 2>&1 \
       | grep -v DEBUG > "$OUT/gpu_suite.log"
     grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests" "$OUT/gpu_suite.log" | tail -22
+    # anything failed: the same tests again with the engine loop in-process, to tell mp-engine issues apart
+    if grep -qE "^(FAILED|ERROR)" "$OUT/gpu_suite.log"; then
+      LMDQ_MP_ENGINE=0 timeout 150 python3 -m pytest tests/gpu/test_lmdeploy_gpu.py --lf -v -s -o cache_dir=/tmp/pyc \
+        -rA 2>&1 | grep -v DEBUG > "$OUT/gpu_suite_inproc_rerun.log"
+      echo "--- rerun with LMDQ_MP_ENGINE=0:"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_suite_inproc_rerun.log" | tail -8
+    fi
     [ "${MARGIN:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/bf16_margin.py $M > "$OUT/bf16_margin.log" 2>&1
                                 tail -5 "$OUT/bf16_margin.log"; }
     ;;

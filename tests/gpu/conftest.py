@@ -55,3 +55,9 @@ def tokenizer_dir() -> Path:
     if not (p / "tokenizer.json").exists():
         pytest.skip("no tokenizer folder (set LMDQ_GPU_TOKENIZER)")
     return p
+
+
+@pytest.fixture(scope="session")
+def gpu_mp_engine() -> bool:
+    """The suite follows the worker's LMDQ_MP_ENGINE (default on: the engine loop in its own process)."""
+    return os.environ.get("LMDQ_MP_ENGINE", "1").lower() not in ("0", "false", "no", "off")

@@ -25,11 +25,15 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def engine(model_path: Path, gpu_dtype: str):  # type: ignore[no-untyped-def]
+def engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool):  # type: ignore[no-untyped-def]
     from worker.engines.lmdeploy_engine import LMDeployEngine
 
     eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
-                         dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, emit_interval_s=0.02)
+                         dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, emit_interval_s=0.02,
+                         mp_engine=gpu_mp_engine)
+    # the engine really runs where the flag says (LMDeploy's MPEngine proxy vs the in-process Engine)
+    kind = type(eng.pipe.async_engine.engine)
+    assert (kind.__name__ != "Engine") is gpu_mp_engine, kind
     yield eng
     eng.close()
 

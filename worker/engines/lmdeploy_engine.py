@@ -34,6 +34,7 @@ def build_backend_config(
     cache_max_entry_count: float = 0.8,
     quant_policy: int = 0,
     eager_mode: bool = False,
+    mp_engine: bool = True,
 ) -> Any:
     """Translate lmdq's flags into LMDeploy's engine config (the real classes).
 
@@ -63,7 +64,10 @@ def build_backend_config(
         extra: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
         # logprobs_mode: without it the PyTorch engine returns no logprobs at all (found on the GPU); it costs
         # nothing for requests that don't ask (the engine computes them only when a request in the step does).
-        return PytorchEngineConfig(**common, eager_mode=eager_mode, logprobs_mode="raw_logprobs", **extra)
+        # enable_mp_engine: the engine's scheduler runs in its own process (what LMDeploy's own api_server
+        # always does), so it never waits for the GIL behind the worker's threads and their per-token work.
+        return PytorchEngineConfig(**common, eager_mode=eager_mode, logprobs_mode="raw_logprobs",
+                                   enable_mp_engine=mp_engine, **extra)
     return TurbomindEngineConfig(**common)
 
 
@@ -214,6 +218,7 @@ class LMDeployEngine:
         quant_policy: int = 0,
         chat_template: str | None = None,
         eager_mode: bool = False,
+        mp_engine: bool = True,
         raw: bool = False,
         log_level: str = "WARNING",
         emit_interval_s: float = 0.5,
@@ -235,6 +240,7 @@ class LMDeployEngine:
             cache_max_entry_count=cache_max_entry_count,
             quant_policy=quant_policy,
             eager_mode=eager_mode,
+            mp_engine=mp_engine,
         )
         self.pipe = pipeline(
             model_path,
