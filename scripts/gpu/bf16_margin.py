@@ -111,8 +111,11 @@ def main() -> None:
         from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 
         for name, dt in (("lmdeploy_bf16", "bfloat16"), ("lmdeploy_fp16", "float16")):
+            # logprobs_mode: without it the PyTorch engine returns no logprobs (session 3 got []); in-process
+            # engine (the default): the lm_head hook below needs the model in this process
             pipe = pipeline(model, backend_config=PytorchEngineConfig(dtype=dt, eager_mode=True, session_len=512,
-                                                                       cache_max_entry_count=0.1))
+                                                                       cache_max_entry_count=0.1,
+                                                                       logprobs_mode="raw_logprobs"))
             try:
                 pm = pipe.async_engine.engine.executor.model_agent.patched_model
                 pm = getattr(pm, "model", pm)  # a CUDAGraphRunner wraps the model even in eager mode
