@@ -59,5 +59,8 @@ def tokenizer_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def gpu_mp_engine() -> bool:
-    """The suite follows the worker's LMDQ_MP_ENGINE (default on: the engine loop in its own process)."""
-    return os.environ.get("LMDQ_MP_ENGINE", "1").lower() not in ("0", "false", "no", "off")
+    """The suite follows the worker's LMDQ_MP_ENGINE (default on: the engine loop in its own process),
+    read by the worker's own settings so both parse it the same way."""
+    from worker.settings import WorkerSettings
+
+    return WorkerSettings().mp_engine
