@@ -43,14 +43,14 @@ def efficiency(
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
     """raw engine vs lmdq vs naive lmdq, side by side; the LAST line printed is a JSON object."""
-    from bench.efficiency import EfficiencyConfig, run_efficiency
-    from bench.local_redis import local_redis
+    from lmdq.bench.efficiency import EfficiencyConfig, run_efficiency
+    from lmdq.bench.local_redis import local_redis
 
     cfg = EfficiencyConfig(n=n, batch_size=batch_size, input_len=input_len, output_len=output_len, repeat=repeat,
                            jobs_in_flight=jobs_in_flight, naive=not skip_naive,
                            stream_baseline=stream_baseline)
     if engine == "sim":
-        from worker.engines.sim import SimEngine
+        from lmdq.worker.engines.sim import SimEngine
 
         eng = SimEngine(model_name="sim-bench", step_ms=sim_step_ms, max_batch=sim_max_batch,
                         emit_every=sim_emit_every, step_cpu_ms=sim_step_cpu_ms)
@@ -59,10 +59,10 @@ def efficiency(
             knobs += f",emit_every={sim_emit_every},step_cpu={sim_step_cpu_ms}ms"
         model_name = f"sim({knobs})"
     elif engine == "lmdeploy":
-        from worker.engines.lmdeploy_engine import LMDeployEngine
+        from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
         if random_llama8b:
-            from bench.random_model import build_random_llama
+            from lmdq.bench.random_model import build_random_llama
 
             if tokenizer_from is None:
                 raise typer.BadParameter("needs --tokenizer-from", param_hint="--random-llama8b")
@@ -76,10 +76,10 @@ def efficiency(
                              cache_max_entry_count=cache_max_entry_count,
                              mp_engine=mp_engine)  # type: ignore[assignment]
     else:
-        from worker.engines.transformers_engine import TransformersEngine
+        from lmdq.worker.engines.transformers_engine import TransformersEngine
 
         if not model:
-            from worker.default_model import ensure_default_model
+            from lmdq.worker.default_model import ensure_default_model
 
             model = str(ensure_default_model())
         eng = TransformersEngine(model_path=model, served_model_name="bench")  # type: ignore[assignment]
@@ -109,8 +109,8 @@ def producer(
     output: Annotated[Path | None, typer.Option("-o")] = None,
 ) -> None:
     """Submit a generated JSONL and export its results: requests/s both ways, peak RSS, Redis bytes/result."""
-    from bench.local_redis import local_redis
-    from bench.producer_bench import run_producer_bench
+    from lmdq.bench.local_redis import local_redis
+    from lmdq.bench.producer_bench import run_producer_bench
 
     with local_redis(redis_url) as url:
         res = run_producer_bench(lines=lines, batch_size=batch_size, redis_url=url,

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from lmdq.producer.submit import SubmitOptions, submit_file
+from lmdq.worker.engines.base import Borrowed, Engine, EngineRequest
+from lmdq.worker.runner import Worker
+from lmdq.worker.settings import WorkerSettings
 
 from lmdq.contract import Endpoint, GenerationParams
 from lmdq.keys import Keys
 from lmdq.store import ResultStore
-from producer.submit import SubmitOptions, submit_file
-from worker.engines.base import Borrowed, Engine, EngineRequest
-from worker.runner import Worker
-from worker.settings import WorkerSettings
 
 __all__ = ["EfficiencyConfig", "run_efficiency"]
 

@@ -1,6 +1,6 @@
 """Producer and collector throughput: submit a generated JSONL, export its results.
 
-Both sides run as real CLI subprocesses (``python -m producer``), timed from outside, with their
+Both sides run as real CLI subprocesses (``python -m lmdq.producer``), timed from outside, with their
 peak RSS read from ``wait4``. Results are written straight into the store (as workers would,
 pipelined) so the export measures reading, not generation.
 """

@@ -1,4 +1,4 @@
-from producer.cli import main
+from lmdq.producer.cli import main
 
 if __name__ == "__main__":
     main()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from lmdq.producer.settings import ProducerSettings
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -19,7 +20,6 @@ from lmdq.errors import run_cli
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
 from lmdq.store import ResultStore
-from producer.settings import ProducerSettings
 
 app = typer.Typer(
     add_completion=False,
@@ -158,10 +158,9 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
 ) -> None:
     """Validate FILE completely, then enqueue it as one batch; prints the batch id."""
+    from lmdq.producer.formats import InputLimits
+    from lmdq.producer.submit import SubmitOptions, submit_file
     from pydantic import ValidationError
-
-    from producer.formats import InputLimits
-    from producer.submit import SubmitOptions, submit_file
 
     s = _settings()
     raw_params = {
@@ -288,7 +287,7 @@ def results(
     timeout: Annotated[float | None, typer.Option(help="give up waiting after S seconds (exit 1)")] = None,
 ) -> None:
     """One JSON line per request, in input order."""
-    from producer.export import iter_lmdq_lines, iter_openai_lines
+    from lmdq.producer.export import iter_lmdq_lines, iter_openai_lines
 
     if fmt not in ("lmdq", "openai"):
         raise typer.BadParameter("expected lmdq or openai", param_hint="--format")
@@ -349,7 +348,7 @@ def cancel(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Remove the batch's queued jobs and abort its in-flight requests."""
-    from producer.cancel import cancel_batch
+    from lmdq.producer.cancel import cancel_batch
 
     s = _settings()
     b = cancel_batch(_client(), Keys(s.key_prefix), batch_id, ttl_s=s.result_ttl_s)
@@ -366,7 +365,7 @@ def retry(
     as_json: Annotated[bool, typer.Option("--json", help="print the new batch as a JSON object")] = False,
 ) -> None:
     """Resubmit BATCH's failed requests as a new batch (same custom_ids and params); prints its id."""
-    from producer.retry import retry_batch
+    from lmdq.producer.retry import retry_batch
 
     s = _settings()
     batch, created = retry_batch(

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
+from lmdq.producer.submit import claim_idempotency_key, enqueue_batch, new_batch_id
 from rq.job import Job
 
 from lmdq.contract import Batch, BatchStatus, Priority, Request, RequestCounts, ResultStatus
@@ -21,7 +22,6 @@ from lmdq.errors import RetryRejected
 from lmdq.jobs import SERIALIZER, JobQueue
 from lmdq.keys import Keys
 from lmdq.store import ResultStore
-from producer.submit import claim_idempotency_key, enqueue_batch, new_batch_id
 
 __all__ = ["retry_batch"]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from lmdq.producer.formats import InputError, InputFormat, InputLimits, ParsedLine, detect_format, iter_lines
 from pydantic import ValidationError
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
@@ -27,7 +28,6 @@ from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.jobs import JobQueue
 from lmdq.keys import Keys, queue_name
 from lmdq.store import ResultStore
-from producer.formats import InputError, InputFormat, InputLimits, ParsedLine, detect_format, iter_lines
 
 __all__ = [
     "SubmitOptions",

@@ -134,7 +134,7 @@ class SimulatedTensorEngine:
     capacity = 8
 
     def stream(self, requests: Sequence[Any], abort: threading.Event) -> Iterator[Any]:
-        from worker.engines.base import EngineEvent
+        from lmdq.worker.engines.base import EngineEvent
 
         for r in requests:
             yield EngineEvent(index=r.index, text="a b", input_token_len=2, generate_token_len=2)
@@ -155,7 +155,7 @@ class SimulatedTensorEngine:
 
 
 def _enqueue(client: redis.Redis, prefix: str, rows: list[dict[str, Any]], **batch_kw: Any) -> str:
-    from producer.submit import enqueue_batch, new_batch_id
+    from lmdq.producer.submit import enqueue_batch, new_batch_id
 
     bid = new_batch_id()
     b = Batch(id=bid, model="simt", status=BatchStatus.validating, batch_size=2, num_jobs=(len(rows) + 1) // 2,
@@ -166,8 +166,8 @@ def _enqueue(client: redis.Redis, prefix: str, rows: list[dict[str, Any]], **bat
 
 
 def _run_worker(client: redis.Redis, redis_url: str, prefix: str, **settings: Any) -> None:
-    from worker.runner import Worker
-    from worker.settings import WorkerSettings
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
 
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, burst=True, health_port=0, **settings)
     Worker(engine=SimulatedTensorEngine(), client=client, settings=s).run()
@@ -257,7 +257,7 @@ def test_flush_job_rerun_writes_every_request_exactly_once(tmp_path: Path, clien
                                          text="dup", model="m"))
     assert store.get_batch("b").request_counts.completed == 2
     # the reader resolves compact records back to the full ones, in order
-    from producer.export import iter_lmdq_lines
+    from lmdq.producer.export import iter_lmdq_lines
 
     out = [json.loads(x) for x in iter_lmdq_lines(store, store.get_batch("b"))]
     assert [(x["index"], x["text"]) for x in out] == [(3, "answer 3"), (4, "answer 4"), (5, "")]

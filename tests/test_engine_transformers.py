@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lmdq.worker import default_model
+from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.transformers_engine import _BadRequest, _normalise_messages, find_stop, safe_text_end
 
 from lmdq.contract import Endpoint, GenerationParams
-from worker import default_model
-from worker.engines.base import EngineError, EngineEvent, EngineRequest
-from worker.engines.transformers_engine import _BadRequest, _normalise_messages, find_stop, safe_text_end
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 RAW_PROMPT = "The three primary colors are"
@@ -134,7 +134,7 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Iterator[Any]:
-    from worker.engines.transformers_engine import TransformersEngine
+    from lmdq.worker.engines.transformers_engine import TransformersEngine
 
     eng = TransformersEngine(model_path=model_dir, served_model_name="smollm2-135m-instruct")
     yield eng
@@ -262,7 +262,7 @@ def test_bad_request_is_isolated(engine: Any) -> None:
 
 @pytest.mark.model
 def test_session_len_limits_and_template_override(model_dir: Path) -> None:
-    from worker.engines.transformers_engine import TransformersEngine
+    from lmdq.worker.engines.transformers_engine import TransformersEngine
 
     eng = TransformersEngine(model_path=model_dir, session_len=64, chat_template=STRICT_TEMPLATE)
     try:

@@ -7,10 +7,8 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-
-from lmdq.contract import Endpoint, GenerationParams, Request
-from producer import formats
-from producer.formats import (
+from lmdq.producer import formats
+from lmdq.producer.formats import (
     InputError,
     InputFormat,
     InputLimits,
@@ -18,6 +16,8 @@ from producer.formats import (
     detect_format,
     iter_lines,
 )
+
+from lmdq.contract import Endpoint, GenerationParams, Request
 
 DATA = Path(__file__).parent / "data"
 GOOD = DATA / "good"

@@ -11,10 +11,9 @@ pytestmark = pytest.mark.model
 
 def test_doubled_heads_compute_the_same_function(tmp_path: Path) -> None:
     import torch
+    from lmdq.bench.head_doubled import double_heads
+    from lmdq.worker.default_model import ensure_default_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bench.head_doubled import double_heads
-    from worker.default_model import ensure_default_model
 
     src = ensure_default_model()
     dst = double_heads(src, tmp_path / "doubled")

@@ -11,16 +11,16 @@ import pytest
 lmdeploy = pytest.importorskip("lmdeploy")
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig  # noqa: E402
-
-from lmdq.contract import GenerationParams  # noqa: E402
-from worker.engines.base import EngineError  # noqa: E402
-from worker.engines.lmdeploy_engine import (  # noqa: E402
+from lmdq.worker.engines.base import EngineError  # noqa: E402
+from lmdq.worker.engines.lmdeploy_engine import (  # noqa: E402
     _check_tp,
     build_backend_config,
     build_gen_config,
     resolve_chat_template,
     resolve_dtype,
 )
+
+from lmdq.contract import GenerationParams  # noqa: E402
 
 
 def test_pytorch_backend_flags_reach_pytorch_engine_config() -> None:
@@ -102,7 +102,7 @@ def test_worker_flags_reach_engine_config(monkeypatch: pytest.MonkeyPatch) -> No
     """lmdq-worker flags/env → WorkerSettings → the config LMDeployEngine would build."""
     monkeypatch.setenv("LMDQ_QUANT_POLICY", "8")
     monkeypatch.setenv("LMDQ_MP_ENGINE", "false")
-    from worker.settings import WorkerSettings
+    from lmdq.worker.settings import WorkerSettings
 
     s = WorkerSettings(model="/m", engine="lmdeploy", backend="pytorch", tp=1, dtype="float16", session_len=2048,
                        max_batch_size=64, eager_mode=True)
@@ -168,7 +168,7 @@ def test_response_format_is_what_lmdeploy_compiles(rf: dict) -> None:
 
 
 def test_logprob_rows_from_lmdeploy_dicts() -> None:
-    from worker.engines.lmdeploy_engine import _logprob_rows
+    from lmdq.worker.engines.lmdeploy_engine import _logprob_rows
 
     rows = _logprob_rows([5, 9], [{5: -0.1, 7: -2.5, 8: -3.0}, {7: -0.2, 8: -1.0, 9: -4.0}], 2)
     assert rows == [(5, -0.1, [(5, -0.1), (7, -2.5)]), (9, -4.0, [(7, -0.2), (8, -1.0)])]
@@ -204,7 +204,7 @@ class _FakePipe:
 
 
 def _engine(pipe: _FakePipe) -> object:
-    from worker.engines.lmdeploy_engine import LMDeployEngine
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
     e = object.__new__(LMDeployEngine)
     e.pipe, e.raw, e.emit_interval_s, e._closed = pipe, False, 0.0, False  # type: ignore[attr-defined]
@@ -214,7 +214,7 @@ def _engine(pipe: _FakePipe) -> object:
 def test_stream_carries_rich_outputs_on_the_final_event() -> None:
     import threading
 
-    from worker.engines.base import EngineRequest
+    from lmdq.worker.engines.base import EngineRequest
 
     params = GenerationParams(logprobs=1, output_logits="generation")
     events = list(_engine(_FakePipe()).stream([EngineRequest(index=4, prompt="x", params=params)],  # type: ignore[attr-defined]
@@ -230,7 +230,7 @@ def test_stream_carries_rich_outputs_on_the_final_event() -> None:
 def test_all_outputs_refused_when_the_engine_has_prefix_caching() -> None:
     import threading
 
-    from worker.engines.base import EngineRequest
+    from lmdq.worker.engines.base import EngineRequest
 
     pipe = _FakePipe(prefix_caching=True)
     reqs = [EngineRequest(index=0, prompt="x", params=GenerationParams(output_logits="all")),
@@ -246,7 +246,7 @@ def test_pytorch_backend_refuses_what_it_would_drop() -> None:
     those requests clearly instead of returning a result without the tensors; logprobs still go through."""
     import threading
 
-    from worker.engines.base import EngineRequest
+    from lmdq.worker.engines.base import EngineRequest
 
     pipe = _FakePipe(backend="pytorch")
     reqs = [EngineRequest(index=0, prompt="x", params=GenerationParams(output_last_hidden_state="generation")),
@@ -264,7 +264,7 @@ def test_tp_must_divide_attention_heads(tmp_path) -> None:  # type: ignore[no-un
     """LMDeploy asserts heads % tp == 0 with no message (seen on the GPU with SmolLM2's 9 heads, tp=2)."""
     import json
 
-    from worker.engines.lmdeploy_engine import _check_tp
+    from lmdq.worker.engines.lmdeploy_engine import _check_tp
 
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9}))
     with pytest.raises(EngineError, match=r"--tp 2 must divide the model's num_attention_heads \(9\)"):

@@ -375,9 +375,9 @@ def test_lua_scripts_reload_after_the_script_cache_is_lost() -> None:
 def test_redis_blip_while_fetching_a_job_is_not_a_refusal(tmp_path: Path, env: dict[str, str], redis_url: str,
                                                           client: redis.Redis, prefix: str) -> None:
     """A connection error between claim and fetch must re-try, never refuse (and drop) an lmdq job."""
-    from worker.engines.sim import SimEngine
-    from worker.runner import Worker
-    from worker.settings import WorkerSettings
+    from lmdq.worker.engines.sim import SimEngine
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
 
     bid = _submit(write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(6)]), env,
                   "--batch-size", "2", "--max-new-tokens", "3")["id"]
@@ -412,9 +412,9 @@ def test_ending_attempt_never_hides_the_reclaimed_attempt_of_the_same_job(tmp_pa
     """A re-queued job can be re-claimed by the same worker before the old attempt's thread has
     cleaned up; that cleanup must not drop the NEW attempt from the held set (it would then get no
     heartbeat, and burst exit / drain would not wait for it: seen as 'sim engine is closed')."""
-    from worker.engines.sim import SimEngine
-    from worker.runner import Worker, _Held
-    from worker.settings import WorkerSettings
+    from lmdq.worker.engines.sim import SimEngine
+    from lmdq.worker.runner import Worker, _Held
+    from lmdq.worker.settings import WorkerSettings
 
     _submit(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}]), env, "--max-new-tokens", "2")
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0)
@@ -435,9 +435,9 @@ def test_busy_worker_polls_the_queue_slowly_idle_worker_fast(tmp_path: Path, env
     anyway); while idle, every poll_interval_s so that new work starts at once."""
     import threading
 
-    from worker.engines.sim import SimEngine
-    from worker.runner import Worker
-    from worker.settings import WorkerSettings
+    from lmdq.worker.engines.sim import SimEngine
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
 
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, poll_interval_s=0.02,
                        busy_poll_interval_s=0.5)

@@ -6,11 +6,11 @@ import time
 from typing import Annotated, Any
 
 import typer
+from lmdq.worker.settings import WorkerSettings
 
 from lmdq.connection import connect, redact_url
 from lmdq.errors import run_cli
 from lmdq.logs import configure_logging, get_logger
-from worker.settings import WorkerSettings
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -81,19 +81,19 @@ def run(
     configure_logging(s.log_format, s.log_level)
     if not s.worker_name:
         # One name for logs, Redis records and metrics labels.
-        from worker.runner import default_worker_name
+        from lmdq.worker.runner import default_worker_name
 
         s.worker_name = default_worker_name()
     log = get_logger("lmdq.worker")
     client = connect(s.redis_url, retries=s.redis_retries)
     log.info("connected to redis", url=redact_url(s.redis_url))
 
-    from worker.engine_factory import build_engine, engine_capacity
-    from worker.runner import Worker
+    from lmdq.worker.engine_factory import build_engine, engine_capacity
+    from lmdq.worker.runner import Worker
 
     health = None
     try:
-        from worker.health import WorkerHealth
+        from lmdq.worker.health import WorkerHealth
     except ImportError:  # pragma: no cover - health endpoint is optional
         WorkerHealth = None  # type: ignore[assignment,misc]  # noqa: N806
     t0 = time.monotonic()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.engines.base import Engine
-from worker.settings import WorkerSettings
+from lmdq.worker.engines.base import Engine
+from lmdq.worker.settings import WorkerSettings
 
 __all__ = ["build_engine", "engine_capacity"]
 
@@ -14,7 +14,7 @@ def build_engine(s: WorkerSettings) -> Engine:
     """No ``--model`` means the embedded default: SmolLM2-135M-Instruct on the transformers engine."""
     engine = s.engine or ("transformers" if s.model is None else "lmdeploy")
     if engine == "sim":
-        from worker.engines.sim import SimEngine
+        from lmdq.worker.engines.sim import SimEngine
 
         return SimEngine(
             model_name=s.served_model_name or s.model or "sim",
@@ -23,8 +23,8 @@ def build_engine(s: WorkerSettings) -> Engine:
             session_len=s.session_len or 32768,
         )
     if engine == "transformers":
-        from worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-        from worker.engines.transformers_engine import TransformersEngine
+        from lmdq.worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from lmdq.worker.engines.transformers_engine import TransformersEngine
 
         path = Path(s.model) if s.model else ensure_default_model()
         name = s.served_model_name or (Path(s.model).name if s.model else DEFAULT_MODEL_NAME)
@@ -36,7 +36,7 @@ def build_engine(s: WorkerSettings) -> Engine:
             chat_template=s.chat_template,
             session_len=s.session_len,
         )
-    from worker.engines.lmdeploy_engine import LMDeployEngine
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
     if s.model is None:
         raise ValueError("--engine lmdeploy needs --model (a model folder or hub id)")

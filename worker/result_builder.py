@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmdq.worker.engines.base import EngineEvent
+
 from lmdq.contract import (
     ErrorInfo,
     FinishReason,
@@ -20,7 +22,6 @@ from lmdq.contract import (
     Timings,
     TokenLogprob,
 )
-from worker.engines.base import EngineEvent
 
 __all__ = ["LiveRequest", "ResultBuilder", "final_status", "token_logprobs"]
 

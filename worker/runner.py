@@ -22,17 +22,17 @@ from typing import Any
 
 import redis
 import structlog
+from lmdq.worker.engines.base import Engine, EngineError, EngineEvent, EngineRequest
+from lmdq.worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
+from lmdq.worker.results_sink import flush_results
+from lmdq.worker.settings import WorkerSettings
+from lmdq.worker.tensor_store import TensorStore
 
 from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.contract import BatchStatus, ErrorInfo, FinishReason, JobPayload, Result, ResultStatus
 from lmdq.jobs import Claim, JobQueue
 from lmdq.keys import Keys, queue_names
 from lmdq.store import ResultStore
-from worker.engines.base import Engine, EngineError, EngineEvent, EngineRequest
-from worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
-from worker.results_sink import flush_results
-from worker.settings import WorkerSettings
-from worker.tensor_store import TensorStore
 
 __all__ = ["Worker"]
 

@@ -49,10 +49,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from lmdq.producer.formats.jsonl import _parse_jsonl
+from lmdq.producer.formats.openai_batch import _parse_openai
+from lmdq.producer.formats.records import InputError, InputFormat, InputLimits, ParsedLine, _got, _LineError
+
 from lmdq.contract import Endpoint
-from producer.formats.jsonl import _parse_jsonl
-from producer.formats.openai_batch import _parse_openai
-from producer.formats.records import InputError, InputFormat, InputLimits, ParsedLine, _got, _LineError
 
 __all__ = ["InputError", "InputFormat", "InputLimits", "ParsedLine", "detect_format", "iter_lines"]
 

@@ -61,6 +61,6 @@ def tokenizer_dir() -> Path:
 def gpu_mp_engine() -> bool:
     """The suite follows the worker's LMDQ_MP_ENGINE (default on: the engine loop in its own process),
     read by the worker's own settings so both parse it the same way."""
-    from worker.settings import WorkerSettings
+    from lmdq.worker.settings import WorkerSettings
 
     return WorkerSettings().mp_engine

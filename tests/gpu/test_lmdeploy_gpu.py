@@ -26,7 +26,7 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool):  # type: ignore[no-untyped-def]
-    from worker.engines.lmdeploy_engine import LMDeployEngine
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
     eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
                          dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, emit_interval_s=0.02,
@@ -58,7 +58,7 @@ def _run(engine, reqs, abort=None):  # type: ignore[no-untyped-def]
 
 
 def _req(i, messages=None, prompt=None, endpoint=Endpoint.chat, **params):  # type: ignore[no-untyped-def]
-    from worker.engines.base import EngineRequest
+    from lmdq.worker.engines.base import EngineRequest
 
     return EngineRequest(index=i, messages=messages, prompt=prompt, endpoint=endpoint,
                          params=GenerationParams(**params))
@@ -140,11 +140,12 @@ def test_streams_several_deltas(engine) -> None:  # type: ignore[no-untyped-def]
 
 def test_worker_writes_partials_before_finish(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """In-process worker on the real engine: a long request's partial text is in Redis before it ends."""
+    from lmdq.producer.submit import SubmitOptions, submit_file
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
+
     from lmdq.keys import Keys
     from lmdq.store import ResultStore
-    from producer.submit import SubmitOptions, submit_file
-    from worker.runner import Worker
-    from worker.settings import WorkerSettings
 
     srv = RedisServer().start()
     try:
@@ -267,12 +268,13 @@ def test_pytorch_engine_drops_hidden_states_so_lmdq_refuses_them(engine) -> None
 def test_100_json_schema_requests_through_the_worker(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """100 guided-JSON requests (greedy and sampled) through submit + the in-process worker on the real
     engine: every stored result parses and validates against the schema."""
+    from lmdq.producer.submit import SubmitOptions, submit_file
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
+
     from lmdq.contract import ResponseFormat
     from lmdq.keys import Keys
     from lmdq.store import ResultStore
-    from producer.submit import SubmitOptions, submit_file
-    from worker.runner import Worker
-    from worker.settings import WorkerSettings
 
     names = ["Ann", "Bob", "Carla", "Dmitri", "Eve", "Farid", "Gao", "Hana", "Ivo", "Jun"]
     srv = RedisServer().start()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from worker.engines.request_errors import BadRequest
+from lmdq.worker.engines.request_errors import BadRequest
 
 __all__ = ["GrammarCache", "GuidedMatcher"]
 

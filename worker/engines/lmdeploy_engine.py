@@ -16,8 +16,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
+
 from lmdq.guided import to_lmdeploy
-from worker.engines.base import EngineError, EngineEvent, EngineRequest
 
 __all__ = ["LMDeployEngine", "build_backend_config", "build_gen_config", "resolve_chat_template"]
 

@@ -6,7 +6,7 @@ caller's fault (``bad_request``).
 
 from __future__ import annotations
 
-from worker.engines.base import EngineEvent
+from lmdq.worker.engines.base import EngineEvent
 
 __all__ = ["BadRequest", "error_event"]
 

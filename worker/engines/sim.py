@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.engines.base import EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 
 __all__ = ["SimEngine", "minimal_instance"]
 

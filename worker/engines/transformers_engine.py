@@ -45,13 +45,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.guided_decoding import GrammarCache, GuidedMatcher
+from lmdq.worker.engines.request_errors import BadRequest, error_event
+from lmdq.worker.engines.rich_outputs import RichOutputs
+from lmdq.worker.engines.sampling import Sampling, next_token
+from lmdq.worker.engines.stop_words import REPLACEMENT_CHAR, find_stop, safe_text_end
+
 from lmdq.contract import ChatMessage
-from worker.engines.base import EngineError, EngineEvent, EngineRequest
-from worker.engines.guided_decoding import GrammarCache, GuidedMatcher
-from worker.engines.request_errors import BadRequest, error_event
-from worker.engines.rich_outputs import RichOutputs
-from worker.engines.sampling import Sampling, next_token
-from worker.engines.stop_words import REPLACEMENT_CHAR, find_stop, safe_text_end
 
 __all__ = ["TransformersEngine", "find_stop", "safe_text_end"]
 
