@@ -677,7 +677,8 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     from this tree has no other top-level package, so `import worker` fails after `pip install`
     while the console scripts (which name lmdq.* modules) work."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
         check=True,
         capture_output=True,
     )

@@ -30,6 +30,7 @@ from lmdq.worker.tensor_store import TensorStore
 
 from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.contract import BatchStatus, ErrorInfo, FinishReason, JobPayload, Result, ResultStatus
+from lmdq.job_decode import decode_job
 from lmdq.jobs import Claim, JobQueue
 from lmdq.keys import Keys, queue_names
 from lmdq.store import ResultStore
@@ -284,8 +285,9 @@ class Worker:
         failed: str | None = None
         try:
             try:
-                job = with_reconnect(lambda: self.jobs.fetch_job(claim.job_id), on_retry=self._redis_retry)
-                payload = self.jobs.payload_of(job)
+                job, payload = with_reconnect(
+                    lambda: decode_job(self.client, self.jobs, claim.job_id), on_retry=self._redis_retry
+                )
             except RETRYABLE_ERRORS:
                 raise  # Redis is down, the job is not foreign: re-queued below, never refused
             except Exception as e:  # noqa: BLE001 - anything not an lmdq payload is refused, never run

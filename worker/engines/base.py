@@ -15,11 +15,17 @@ from typing import Any, Protocol
 
 from lmdq.contract import Endpoint, GenerationParams
 
-__all__ = ["Borrowed", "Engine", "EngineEvent", "EngineRequest", "EngineError"]
+__all__ = ["Borrowed", "Engine", "EngineDead", "EngineEvent", "EngineRequest", "EngineError"]
 
 
 class EngineError(RuntimeError):
     """The engine failed as a whole (not one request): the job is retried elsewhere/later."""
+
+
+class EngineDead(EngineError):
+    """The engine is gone for good (its process died, its RPC channel is dead): not a fault of the
+    requests it held. The worker stops claiming, re-queues held work without charging its attempts
+    and exits non-zero so its supervisor starts a fresh process with a fresh engine."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,11 @@ class Engine(Protocol):
         """Tokens ``text`` encodes to (no special tokens); used by tests and benchmarks."""
         ...
 
+    def alive(self) -> bool:
+        """False once the engine can no longer serve (dead engine process, closed). Cheap: the
+        worker asks before every claim, so a dead engine stops the claiming at once."""
+        ...
+
     def close(self) -> None:
         """Release the engine (``pipe.close()`` for LMDeploy). Idempotent."""
         ...
@@ -103,6 +114,9 @@ class Borrowed:
 
     def count_tokens(self, text: str) -> int:
         return self._engine.count_tokens(text)
+
+    def alive(self) -> bool:
+        return self._engine.alive()
 
     def close(self) -> None:
         """Deliberately a no-op: the owner closes the engine."""

@@ -384,6 +384,10 @@ class LMDeployEngine:
                               gen_config=[build_gen_config(r.params.resolved()) for r in requests],
                               do_preprocess=not raw))
 
+    def alive(self) -> bool:
+        """In-process engine: alive until closed."""
+        return not self._closed
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

@@ -177,6 +177,10 @@ class SimEngine:
                 remaining -= 1
             yield ev
 
+    def alive(self) -> bool:
+        """In-process engine: alive until closed."""
+        return not self._closed
+
     def close(self) -> None:
         with self._cv:
             self._closed = True

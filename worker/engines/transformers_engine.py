@@ -206,6 +206,10 @@ class TransformersEngine:
         with self._tok_lock:
             return len(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def alive(self) -> bool:
+        """In-process engine: alive until closed."""
+        return not self._closed
+
     def close(self) -> None:
         """Free the model (waits for an in-flight step). Idempotent; later stream calls raise EngineError."""
         with self._model_lock:
