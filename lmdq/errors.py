@@ -9,6 +9,7 @@ __all__ = [
     "LmdqError",
     "run_cli",
     "BatchNotFound",
+    "RedisRefused",
     "RedisUnavailable",
     "ResultsUnavailable",
     "RetryRejected",
@@ -62,3 +63,10 @@ class ResultsUnavailable(LmdqError):
     """A batch's results shard (its results URL) could not be read."""
 
     exit_code = 4
+
+
+class RedisRefused(LmdqError):
+    """Redis is reachable but refused a write (out of memory under ``maxmemory``, a read-only
+    replica): nothing was left behind, and retrying later or elsewhere can succeed."""
+
+    exit_code = 5
