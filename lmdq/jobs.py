@@ -25,6 +25,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 
 from lmdq.contract import JOB_FUNCTION, JobPayload
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, read_job
 from lmdq.keys import Keys, rq_queue_key
 
 __all__ = ["Claim", "JobQueue", "generate", "job_id_for", "job_id_prefix"]
@@ -141,10 +142,18 @@ class Claim:
 class JobQueue:
     """Queue operations on a Redis client (passed in; no module-level connections)."""
 
-    def __init__(self, client: redis.Redis, *, keys: Keys | None = None, job_ttl_s: int = 7 * 24 * 3600) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        keys: Keys | None = None,
+        job_ttl_s: int = 7 * 24 * 3600,
+        max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+    ) -> None:
         self.client = client
         self.keys = keys or Keys()
         self.job_ttl_s = job_ttl_s
+        self.max_job_bytes = max_job_bytes
         self._commit = client.register_script(_COMMIT)
         self._claim = client.register_script(_CLAIM)
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -214,7 +223,9 @@ class JobQueue:
                 for i in range(0, len(res), 3)]
 
     def fetch_job(self, job_id: str) -> Job:
-        return Job.fetch(job_id, connection=self.client, serializer=SERIALIZER)
+        """The job, read within ``max_job_bytes`` (never RQ's unbounded ``Job.fetch``: see
+        :mod:`lmdq.job_data`); raises ``JobRefused`` (a ValueError) for an oversized or foreign hash."""
+        return read_job(self.client, job_id, max_job_bytes=self.max_job_bytes, serializer=SERIALIZER)
 
     @staticmethod
     def payload_of(job: Job) -> JobPayload:
@@ -256,6 +267,8 @@ class JobQueue:
         not lmdq's JSON is never deserialized. Returns False when there is no job hash.
         """
         key = Job.key_for(job_id)
+        if int(self.client.hstrlen(key, "origin")) > MAX_FIELD_BYTES:
+            return False  # a forged origin of any size is never pulled out of Redis
         origin = self.client.hget(key, "origin")
         if origin is None:
             return False
