@@ -118,7 +118,7 @@ def read_job(
     got: list[Any] = client.eval(_READ, 1, key, max_job_bytes, MAX_FIELD_BYTES, *_FIELDS)
     tag = _text(got[0])
     if tag == "missing":
-        raise JobRefused(f"job {job_id}: no job hash (deleted or expired)")
+        raise JobRefused(f"No such job {job_id}: no job hash (deleted, expired, or never created)")
     if tag == "not_hash":
         raise JobRefused(f"job {job_id}: its key is a Redis {_text(got[1])}, not an RQ job hash")
     if tag == "too_large":
