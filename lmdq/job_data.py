@@ -134,8 +134,8 @@ def read_job(
         # would inflate again, unbounded) is refused before RQ sees it.
         raise JobRefused(f"job {job_id}: its data is not JSON (lmdq jobs are JSON only)")
     fields[b"data"] = data
-    job = Job(job_id, connection=client, serializer=serializer or JSONSerializer())
     try:
+        job = Job(job_id, connection=client, serializer=serializer or JSONSerializer())  # RQ checks the id
         job.restore(fields)
     except (ValueError, TypeError, KeyError, OverflowError) as e:
         raise JobRefused(f"job {job_id}: unreadable RQ fields: {type(e).__name__}: {e}") from e
