@@ -18,10 +18,13 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from lmdq.errors import SubmitRejected
+
 __all__ = [
     "DEFAULT_MAX_JOB_BYTES",
     "MAX_FIELD_BYTES",
     "JobRefused",
+    "JobTooLarge",
     "inflate",
     "read_job",
 ]
@@ -81,6 +84,18 @@ return out
 
 class JobRefused(ValueError):
     """The job is not something this worker will run (foreign, malformed, oversized, unsafe)."""
+
+
+class JobTooLarge(SubmitRejected):
+    """The producer would stage a job over ``LMDQ_MAX_JOB_BYTES``: workers would refuse it, so the submit
+    is refused instead (exit 2, nothing enqueued)."""
+
+    def __init__(self, job_no: int, size: int, cap: int) -> None:
+        super().__init__(
+            f"job {job_no} of this batch would be {size:,} bytes of JSON, over LMDQ_MAX_JOB_BYTES={cap:,} "
+            "(workers refuse larger jobs unread): submit with a smaller --batch-size, or raise "
+            "LMDQ_MAX_JOB_BYTES on the producer and every worker alike"
+        )
 
 
 def inflate(raw: bytes, max_bytes: int) -> bytes:

@@ -25,7 +25,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 
 from lmdq.contract import JOB_FUNCTION, JobPayload
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, read_job
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobTooLarge, read_job
 from lmdq.keys import Keys, rq_queue_key
 
 __all__ = ["Claim", "JobQueue", "generate", "job_id_for", "job_id_prefix"]
@@ -179,6 +179,8 @@ class JobQueue:
             description=f"lmdq batch {payload['batch_id']} job {job_no}",
         )
         job.enqueued_at = _utcnow()
+        if len(job.data) > self.max_job_bytes:  # workers refuse it unread: say so now, before anything is visible
+            raise JobTooLarge(job_no, len(job.data), self.max_job_bytes)
         job.save(pipeline=pipe)
         pipe.expire(job.key, self.job_ttl_s)
         pipe.rpush(self.keys.batch_jobs(payload["batch_id"]), job_id)

@@ -33,7 +33,7 @@ from lmdq.contract import (
     RequestCounts,
     ResultStatus,
 )
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobRefused, inflate, read_job
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobRefused, JobTooLarge, inflate, read_job
 from lmdq.job_decode import decode_job
 from lmdq.jobs import JobQueue, job_id_for
 from lmdq.keys import Keys, queue_name, rq_queue_key
@@ -315,6 +315,22 @@ def test_decode_job_checks_the_job_against_its_batch_record(tmp_path: Path, clie
     with pytest.raises(JobRefused, match="job id of 300 characters"):
         decode_job(client, jq, "j" * 300, outputs=pol)
     assert good.id == job_id_for(bid, 1)
+
+
+def test_producer_refuses_to_stage_a_job_workers_would_refuse(client: redis.Redis, prefix: str) -> None:
+    """The cap is one setting for both sides: a job over it never reaches a queue (exit 2, nothing left)."""
+    from lmdq.errors import SubmitRejected
+    from lmdq.producer.submit import enqueue_batch, new_batch_id
+
+    bid = new_batch_id()
+    b = Batch(id=bid, model=MODEL, status=BatchStatus.validating, batch_size=2, num_jobs=2,
+              request_counts=RequestCounts(total=3), created_at=time.time())
+    big = "x" * (DEFAULT_MAX_JOB_BYTES // 2)  # two of them in one job: over the cap; one alone: under
+    reqs = [{"index": i, "custom_id": f"r{i}", "prompt": big} for i in range(3)]
+    with pytest.raises(JobTooLarge, match="job 0 of this batch would be .* smaller --batch-size") as e:
+        enqueue_batch(b, reqs, client=client, keys=Keys(prefix), ttl_s=3600)
+    assert isinstance(e.value, SubmitRejected) and e.value.exit_code == 2
+    assert list(client.scan_iter(f"{prefix}:*")) == [] and list(client.scan_iter(f"rq:job:{bid}-*")) == []
 
 
 # ---- the worker ----------------------------------------------------------------------------------
