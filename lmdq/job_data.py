@@ -83,7 +83,13 @@ return out
 
 
 class JobRefused(ValueError):
-    """The job is not something this worker will run (foreign, malformed, oversized, unsafe)."""
+    """The job is not something this worker will run (foreign, malformed, oversized, unsafe).
+
+    The message is cut to about 1,000 characters (its start and end): it may quote job data (a function
+    name, say), which can be megabytes, and it is logged and stored in the job's ``exc_info``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message if len(message) <= 1000 else f"{message[:600]} ...(cut)... {message[-300:]}")
 
 
 class JobTooLarge(SubmitRejected):

@@ -314,6 +314,11 @@ def test_decode_job_checks_the_job_against_its_batch_record(tmp_path: Path, clie
         decode_job(client, jq, job_id_for(bid, 0), outputs=pol)
     with pytest.raises(JobRefused, match="job id of 300 characters"):
         decode_job(client, jq, "j" * 300, outputs=pol)
+    # a refusal quotes job data only cut short (it is logged and stored in exc_info)
+    _push_raw(client, prefix, "long-name", data=json.dumps(["f" * 100_000, None, [{}], {}]))
+    with pytest.raises(JobRefused, match="is not 'lmdq.jobs.generate'") as e:
+        decode_job(client, jq, "long-name", outputs=pol)
+    assert len(str(e.value)) < 1100
     assert good.id == job_id_for(bid, 1)
 
 
