@@ -263,7 +263,10 @@ def test_read_job_refuses_oversized_and_foreign_hashes_without_reading_them(clie
         client.hset(key, mapping={"origin": "q", "created_at": "not a date"})
         with pytest.raises(JobRefused, match="unreadable RQ fields"):
             read_job(client, jid)
-        client.hdel(key, "created_at")
+        client.hset(key, mapping={"created_at": "2026-01-01T00:00:00.000000Z", "timeout": "not a timeout"})
+        with pytest.raises(JobRefused, match="unreadable RQ fields"):
+            read_job(client, jid)
+        client.hdel(key, "created_at", "timeout")
         client.hset(key, "data", zlib.compress(zlib.compress(b"[]")))  # a zlib stream inside: RQ would inflate it
         with pytest.raises(JobRefused, match="not JSON"):
             read_job(client, jid)
