@@ -15,6 +15,7 @@ import zlib
 from typing import Any
 
 import redis
+from redis.commands.core import Script
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -80,6 +81,7 @@ local out = {'ok'}
 for i = 1, #fields do out[i + 1] = vals[i] end
 return out
 """
+_READ_SCRIPT = Script(None, _READ.encode())  # type: ignore[arg-type]  # EVALSHA, re-loaded on NOSCRIPT
 
 
 class JobRefused(ValueError):
@@ -136,7 +138,7 @@ def read_job(
     read; Redis errors propagate (the caller re-queues, never refuses, on those).
     """
     key = Job.key_for(job_id)
-    got: list[Any] = client.eval(_READ, 1, key, max_job_bytes, MAX_FIELD_BYTES, *_FIELDS)
+    got: list[Any] = _READ_SCRIPT(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
     tag = _text(got[0])
     if tag == "missing":
         raise JobRefused(f"No such job {job_id}: no job hash (deleted, expired, or never created)")

@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
+from redis.commands.core import Script
 from rq.job import Job
 
 from lmdq.contract import Batch, JobPayload
@@ -46,6 +47,7 @@ if n > tonumber(ARGV[1]) then return {'too_large', n} end
 local v = redis.call('HMGET', KEYS[1], 'meta', 'total')
 return {'ok', v[1], v[2]}
 """
+_READ_BATCH_SCRIPT = Script(None, _READ_BATCH.encode())  # type: ignore[arg-type]  # EVALSHA, re-loaded on NOSCRIPT
 
 
 def decode_job(
@@ -88,7 +90,7 @@ def decode_job(
 
 def _batch_record(client: redis.Redis, queue: JobQueue, batch_id: str) -> tuple[Batch, int]:
     """The producer's record of ``batch_id`` (size-capped, validated) and its request total."""
-    got: Any = client.eval(_READ_BATCH, 1, queue.keys.batch(batch_id), MAX_BATCH_RECORD_BYTES)
+    got: Any = _READ_BATCH_SCRIPT(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
     if not got or got[1] is None:
         raise JobRefused(f"batch {batch_id}: no batch record (deleted, expired, or the job is forged)")
     if got[0] == b"too_large":
