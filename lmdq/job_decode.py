@@ -56,7 +56,7 @@ def decode_job(
     """Fetch ``job_id`` and decode its payload (see the module doc). Raises :class:`JobRefused` for
     anything that is not a well-formed lmdq job of a live batch writing where this worker allows;
     Redis errors propagate unchanged (the job is then re-queued, not refused)."""
-    if not isinstance(job_id, str) or len(job_id) > MAX_JOB_ID_CHARS:
+    if len(job_id) > MAX_JOB_ID_CHARS:
         raise JobRefused(f"job id of {len(job_id):,} characters, over {MAX_JOB_ID_CHARS}")
     job = queue.fetch_job(job_id)  # bounded: raises JobRefused for oversized / foreign hashes
     try:

@@ -198,7 +198,7 @@ class JobQueue:
         ids = self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)
         with self.client.pipeline(transaction=False) as p:
             for jid in ids:
-                p.delete(f"rq:job:{jid.decode()}")
+                p.delete(Job.key_for(jid.decode() if isinstance(jid, bytes) else jid))
             p.delete(self.keys.batch_jobs(batch_id))
             p.execute()
 
@@ -274,7 +274,8 @@ class JobQueue:
         origin = self.client.hget(key, "origin")
         if origin is None:
             return False
-        registry = FailedJobRegistry(origin.decode(), connection=self.client, serializer=SERIALIZER)
+        registry = FailedJobRegistry(origin.decode() if isinstance(origin, bytes) else origin, connection=self.client,
+                                     serializer=SERIALIZER)
         with self.client.pipeline() as p:
             p.hset(
                 key,
