@@ -250,8 +250,11 @@ class BatchLedger:
 
         Called on failure paths, so a Redis error is logged, not raised over the original failure:
         the key would then expire with its TTL."""
+        key = self.keys.idempotency(idempotency_key)
         try:
-            self._release_key(keys=[self.keys.idempotency(idempotency_key)], args=[batch_id])
+            bound = self.client.get(key)
+            if bound is not None and _text(bound) == batch_id:  # read first: nothing to write on a replica
+                self._release_key(keys=[key], args=[batch_id])
         except redis.RedisError as e:
             self._log.error("idempotency key not released", batch=batch_id, error=str(e))
 
@@ -337,12 +340,22 @@ class BatchLedger:
         listed = {_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)}
         derived = {job_id_for(batch.id, n) for n in range(batch.num_jobs)}
         prefix = job_id_prefix(batch.id)
+        candidates = [Job.key_for(j) for j in sorted(derived | {j for j in listed if j.startswith(prefix)})]
+        candidates += [self.keys.batch_jobs(batch.id), self.keys.batch(batch.id)]
+        # Read first, delete only what exists: when the refusal was a read-only replica nothing was
+        # written, and a rollback that writes nothing cannot be refused in turn.
         with self.client.pipeline(transaction=False) as p:
-            for jid in sorted(derived | {j for j in listed if j.startswith(prefix)}):
-                p.delete(Job.key_for(jid))
-            p.delete(self.keys.batch_jobs(batch.id), self.keys.batch(batch.id))
-            p.zrem(self.keys.batches(), batch.id)
-            p.execute()
+            for key in candidates:
+                p.exists(key)
+            p.zscore(self.keys.batches(), batch.id)
+            *exists, listed_at = p.execute()
+        present = [key for key, n in zip(candidates, exists) if n]
+        if present or listed_at is not None:
+            with self.client.pipeline(transaction=False) as p:
+                for start in range(0, len(present), 1000):
+                    p.delete(*present[start : start + 1000])
+                p.zrem(self.keys.batches(), batch.id)
+                p.execute()
         if batch.idempotency_key:
             self.release_key(batch.idempotency_key, batch.id)
 
