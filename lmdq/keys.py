@@ -102,7 +102,7 @@ class Keys:
 
     # batches
     def batch(self, batch_id: str) -> str:
-        """Hash: 'meta' (Batch JSON) plus live fields (status, counters, timestamps)."""
+        """Hash: 'meta' (Batch JSON) plus live fields (status, counters, timestamps): :class:`BatchField`."""
         return f"{self.prefix}:batch:{batch_id}"
 
     def results(self, batch_id: str) -> str:

@@ -91,9 +91,8 @@ class ResultStore:
         self._transition = client.register_script(_TRANSITION)
 
     # ---- batches -------------------------------------------------------------------------
-    def create_batch(self, batch: Batch, pipe: Any | None = None) -> None:
-        """Write a new batch record (status and counters as live hash fields)."""
-        p = pipe if pipe is not None else self.client.pipeline(transaction=True)
+    def create_batch(self, batch: Batch) -> None:
+        """Write a new batch record (status and counters as live hash fields), in one transaction."""
         key = self.keys.batch(batch.id)
         meta = batch.model_dump_json(exclude={"status", "request_counts", *(f.value for f in BATCH_TIME_FIELDS)})
         fields: dict[Any, str | int | float] = {
@@ -103,10 +102,10 @@ class ResultStore:
             fields[f.value] = 0
         if batch.expires_at is not None:
             fields[F.expires_at.value] = batch.expires_at
-        p.hset(key, mapping=fields)
-        p.expire(key, self.ttl_s)
-        p.zadd(self.keys.batches(), {batch.id: batch.created_at})
-        if pipe is None:
+        with self.client.pipeline(transaction=True) as p:
+            p.hset(key, mapping=fields)
+            p.expire(key, self.ttl_s)
+            p.zadd(self.keys.batches(), {batch.id: batch.created_at})
             p.execute()
 
     def get_batch(self, batch_id: str) -> Batch:
