@@ -100,6 +100,16 @@ end
 return gone
 """
 
+# KEYS: queue list.  ARGV: id prefix.  Returns the ids on the queue that start with the prefix (read only).
+_FIND_PREFIX = """
+local out = {}
+local p = ARGV[1]
+for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  if string.sub(id, 1, string.len(p)) == p then table.insert(out, id) end
+end
+return out
+"""
+
 # KEYS: idempotency key.  ARGV: batch id.  Deletes the key only while it still names this batch.
 _RELEASE_KEY = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -155,28 +165,39 @@ def _where(client: redis.Redis) -> str:
     return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
 
 
-def redis_refusal(err: redis.RedisError, client: redis.Redis) -> RedisRefused | None:
+_ENQUEUE_OUTCOME = "nothing was enqueued"
+
+
+def redis_refusal(
+    err: redis.RedisError, client: redis.Redis, outcome: str = _ENQUEUE_OUTCOME
+) -> RedisRefused | None:
     """The one-line :class:`RedisRefused` for a write Redis refused on purpose, or None.
 
     Out of memory under ``maxmemory``, a read-only replica and a failed RDB save (MISCONF) are
     refusals: the server is fine, retrying later or against the primary can work, so the user
-    gets the cause in one line instead of a traceback.
+    gets the cause in one line instead of a traceback. ``outcome`` says what that means for the
+    operation ("nothing was enqueued").
     """
+    if not isinstance(err, redis.ResponseError):
+        return None
+    # Inside a Lua script (or a pipeline) the refusal arrives wrapped in a plain ResponseError, so the
+    # server's own wording is matched as well as redis-py's classes.
+    msg = str(err)
     where = _where(client)
-    if isinstance(err, redis.exceptions.OutOfMemoryError):
+    if isinstance(err, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in msg:
         return RedisRefused(
-            f"Redis at {where} is out of memory (maxmemory) and refused a write; nothing was enqueued. "
+            f"Redis at {where} is out of memory (maxmemory) and refused a write; {outcome}. "
             "Free memory (finished batches, results) or raise maxmemory, then try again"
         )
-    if isinstance(err, redis.exceptions.ReadOnlyError):
+    if isinstance(err, redis.exceptions.ReadOnlyError) or "write against a read only replica" in msg:
         return RedisRefused(
-            f"Redis at {where} is a read-only replica and refused a write; nothing was enqueued. "
+            f"Redis at {where} is a read-only replica and refused a write; {outcome}. "
             "Point LMDQ_REDIS_URL at the primary"
         )
-    if isinstance(err, redis.ResponseError) and str(err).startswith("MISCONF"):
+    if "MISCONF" in msg:
         return RedisRefused(
-            f"Redis at {where} refuses writes because it cannot save its snapshot (MISCONF); nothing was "
-            "enqueued. Fix the server's disk or persistence settings, then try again"
+            f"Redis at {where} refuses writes because it cannot save its snapshot (MISCONF); {outcome}. "
+            "Fix the server's disk or persistence settings, then try again"
         )
     return None
 
@@ -203,17 +224,18 @@ class BatchLedger:
         self.store = ResultStore(client, keys=keys, ttl_s=ttl_s)
         self.jobs = JobQueue(client, keys=keys, job_ttl_s=ttl_s)
         self._commit = client.register_script(_COMMIT)
+        self._find_prefix = client.register_script(_FIND_PREFIX)
         self._remove_prefix = client.register_script(_REMOVE_PREFIX)
         self._release_key = client.register_script(_RELEASE_KEY)
         self._log = get_logger("lmdq.ledger")
 
     @contextmanager
-    def _refusals(self) -> Iterator[None]:
+    def _refusals(self, outcome: str = _ENQUEUE_OUTCOME) -> Iterator[None]:
         """Turn a refused write (OOM, READONLY, MISCONF) into one RedisRefused line."""
         try:
             yield
         except redis.RedisError as e:
-            refused = redis_refusal(e, self.client)
+            refused = redis_refusal(e, self.client, outcome)
             if refused is None:
                 raise
             raise refused from e
@@ -402,13 +424,15 @@ class BatchLedger:
 
         Queued jobs' requests get ``cancelled`` results right here, so counts are right even when no
         worker is running; in-flight requests are aborted by their workers, which watch the
-        cancelled set. A job on the queue that is not this batch's lmdq job is refused (recorded as
-        failed in RQ), never decoded further.
+        cancelled set. Results are written BEFORE the jobs leave the queue: if Redis refuses the
+        writes midway (out of memory), the jobs are still queued and a worker cancels them, instead
+        of being gone with no result. A job on the queue that is not this batch's lmdq job is
+        refused (recorded as failed in RQ), never decoded further.
         """
         batch = self.get(batch_id)
         if batch.status.terminal:
             return batch
-        with self._refusals():
+        with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
             self.store.transition(
                 batch_id,
                 [BatchStatus.validating, BatchStatus.queued, BatchStatus.in_progress],
@@ -417,27 +441,34 @@ class BatchLedger:
             )
             self.client.sadd(self.keys.cancelled(), batch_id)
             now = time.time()
+            prefix = job_id_prefix(batch_id)
             for q in queue_names(batch.model, self.keys.prefix):
-                for raw in self._remove_prefix(keys=[rq_queue_key(q)], args=[job_id_prefix(batch_id)]):
-                    self._cancel_queued_job(batch, _text(raw), now)
+                qkey = rq_queue_key(q)
+                done = {jid: self._write_cancelled(batch, jid, now)
+                        for jid in map(_text, self._find_prefix(keys=[qkey], args=[prefix]))}
+                for jid in map(_text, self._remove_prefix(keys=[qkey], args=[prefix])):
+                    job = done[jid] if jid in done else self._write_cancelled(batch, jid, now)  # re-queued since
+                    if job is not None:
+                        self.client.hset(job.key, "status", JobStatus.CANCELED.value)
             b = self.get(batch_id)
             if b.request_counts.done >= b.request_counts.total and b.status is BatchStatus.cancelling:
                 self.store.transition(batch_id, [BatchStatus.cancelling], BatchStatus.cancelled, F.cancelled_at)
         return self.get(batch_id)
 
-    def _cancel_queued_job(self, batch: Batch, job_id: str, now: float) -> None:
-        """Write ``cancelled`` results for a job taken off the queue and mark it canceled in RQ."""
+    def _write_cancelled(self, batch: Batch, job_id: str, now: float) -> Job | None:
+        """Write ``cancelled`` results for a queued job's requests; returns the job, or None when it is
+        not this batch's lmdq job (refused and recorded as failed) or has no job hash."""
         try:
             job, payload = decode_job(self.client, self.jobs, job_id)
             if payload.batch_id != batch.id:
                 raise JobRefused(f"refusing job {job_id}: it names batch {payload.batch_id!r}, not {batch.id!r}")
         except NoSuchJobError:
             self._log.warning("queued job has no job hash (expired?)", batch=batch.id, job=job_id)
-            return
+            return None
         except JobRefused as e:
             self._log.warning("refused a queued job while cancelling", batch=batch.id, job=job_id, reason=str(e))
             self.jobs.mark_refused(job_id, str(e), ttl_s=self.ttl_s)
-            return
+            return None
         self.store.write_results(
             Result(
                 batch_id=batch.id,
@@ -452,7 +483,7 @@ class BatchLedger:
             for r in payload.requests
             if 0 <= r.index < batch.request_counts.total
         )
-        self.client.hset(job.key, "status", JobStatus.CANCELED.value)
+        return job
 
     # ---- retry's sources ------------------------------------------------------------------------
     def indices_with(self, batch: Batch, statuses: set[ResultStatus]) -> list[int]:

@@ -276,3 +276,43 @@ def test_read_only_replica_is_one_refusal() -> None:
         assert c.dbsize() == 0
     finally:
         srv.cleanup()
+
+
+def test_cancel_refused_midway_leaves_the_jobs_queued_then_finishes() -> None:
+    """Out of memory while writing the cancelled results: the jobs stay on the queue (a worker, or the
+    next cancel, finishes them); taking them off first would lose those requests for good."""
+    srv = RedisServer().start()
+    try:
+        c = redis.Redis.from_url(srv.url)
+        ledger = BatchLedger(c, keys=Keys("cx"), ttl_s=TTL)
+        b = ledger.enqueue(_batch(3000, batch_size=10), _requests(3000))
+        qkey = rq_queue_key(queue_name("sim", "normal", "cx"))
+        c.config_set("maxmemory-policy", "noeviction")
+        c.config_set("maxmemory", int(c.info("memory")["used_memory"]) + 64 * 1024)  # ~3000 results won't fit
+        with pytest.raises(RedisRefused, match="out of memory .* the cancel did not finish; run it again"):
+            ledger.cancel(b.id)
+        assert c.llen(qkey) == 300  # every job still queued
+        partly = ledger.get(b.id)
+        assert partly.status is BatchStatus.cancelling and 0 < partly.request_counts.cancelled < 3000
+        c.config_set("maxmemory", 0)
+        done = ledger.cancel(b.id)
+        assert done.status is BatchStatus.cancelled and done.request_counts.cancelled == 3000
+        assert c.llen(qkey) == 0
+    finally:
+        srv.cleanup()
+
+
+def test_refusal_wording_is_matched_however_it_arrives(client: redis.Redis) -> None:
+    """redis-py raises OOM/READONLY as their own classes for plain commands but as a plain ResponseError
+    from inside a script or pipeline; MISCONF (a failed snapshot) has no class at all."""
+    from lmdq.ledger import redis_refusal
+
+    misconf = redis.ResponseError("Command # 1 (HSET x) of pipeline caused error: MISCONF Redis is configured to "
+                                  "save RDB snapshots, but it's currently unable to persist to disk.")
+    got = redis_refusal(misconf, client)
+    assert got is not None and "cannot save its snapshot (MISCONF); nothing was enqueued" in str(got)
+    in_script = redis.ResponseError("Error running script (call to f_1): @user_script:2: -READONLY You can't write "
+                                    "against a read only replica.")
+    assert "is a read-only replica" in str(redis_refusal(in_script, client))
+    assert redis_refusal(redis.ResponseError("WRONGTYPE Operation against a key"), client) is None
+    assert redis_refusal(redis.ConnectionError("gone"), client) is None
