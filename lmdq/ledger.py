@@ -6,18 +6,19 @@ own, so the rules that make submit all-or-nothing live beside the keys they touc
 
 Keys a batch owns (all built by :class:`lmdq.keys.Keys`; ``P`` is the key prefix):
 
-=============================  =====================  ========================================
-key                            written by             removed by
-=============================  =====================  ========================================
-``P:batch:<id>``               :meth:`create`          :meth:`rollback`, TTL
-``P:batches`` (member ``id``)  :meth:`create`          :meth:`rollback`
-``P:idem:<key>``               :meth:`bind_key`        :meth:`rollback` (if bound to ``id``), TTL
-``rq:job:<id>-<n>``            :meth:`stage`           :meth:`rollback`, TTL
-``P:batch:<id>:jobs``          :meth:`stage`           :meth:`rollback`, TTL (set at commit)
-``rq:queue:<queue>`` entries   :meth:`commit`          :meth:`cancel`, workers' claims
-``rq:queues`` (member)         :meth:`commit`          (shared with RQ; never removed)
-``P:cancelled`` (member)       :meth:`cancel`          (workers read it)
-=============================  =====================  ========================================
+=============================  ================  ===============================================
+key                            written by        removed by
+=============================  ================  ===============================================
+``P:batch:<id>``               :meth:`create`    :meth:`rollback`; TTL
+``P:batches`` (member ``id``)  :meth:`create`    :meth:`rollback`
+``P:idem:<key>``               :meth:`bind_key`  :meth:`rollback`, :meth:`release_key` (only while
+                                                 bound to this batch); TTL
+``rq:job:<id>-<n>``            :meth:`stage`     :meth:`rollback`; TTL
+``P:batch:<id>:jobs``          :meth:`stage`     :meth:`rollback`; TTL (set at commit)
+``rq:queue:<queue>`` entries   :meth:`commit`    :meth:`cancel`; workers' claims
+``rq:queues`` (member)         :meth:`commit`    never (RQ's registry of queues, shared)
+``P:cancelled`` (member)       :meth:`cancel`    never (workers poll it)
+=============================  ================  ===============================================
 
 Results, partials and counters (``P:batch:<id>:results`` / ``:partials``) belong to
 :class:`lmdq.store.ResultStore`; leases and attempts to :class:`lmdq.jobs.JobQueue`.
