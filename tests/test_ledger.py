@@ -316,3 +316,20 @@ def test_refusal_wording_is_matched_however_it_arrives(client: redis.Redis) -> N
     assert "is a read-only replica" in str(redis_refusal(in_script, client))
     assert redis_refusal(redis.ResponseError("WRONGTYPE Operation against a key"), client) is None
     assert redis_refusal(redis.ConnectionError("gone"), client) is None
+
+
+def test_a_commit_whose_reply_was_lost_is_kept_not_rolled_back(client: redis.Redis, prefix: str) -> None:
+    """The connection drops after the commit ran on the server: the batch is live (a worker may hold its
+    jobs), so enqueue reports it queued instead of deleting it under the worker."""
+    ledger = _ledger(client, prefix)
+    real = ledger._commit
+
+    def commit_then_lose_reply(**kw: Any) -> Any:
+        real(**kw)
+        raise redis.ConnectionError("connection reset after the command ran")
+
+    ledger._commit = commit_then_lose_reply  # type: ignore[assignment]
+    got = ledger.enqueue(_batch(6, batch_size=3), _requests(6))
+    assert got.status is BatchStatus.queued and ledger.committed(got.id)
+    assert client.llen(rq_queue_key(queue_name("sim", "normal", prefix))) == 2
+    assert client.exists(f"rq:job:{job_id_for(got.id, 1)}")
