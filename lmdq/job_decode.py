@@ -51,11 +51,14 @@ _READ_BATCH_SCRIPT = Script(None, _READ_BATCH.encode())  # type: ignore[arg-type
 
 
 def decode_job(
-    client: redis.Redis, queue: JobQueue, job_id: str, *, outputs: OutputPolicy
+    client: redis.Redis, queue: JobQueue, job_id: str, *, outputs: OutputPolicy | None
 ) -> tuple[Job, JobPayload]:
     """Fetch ``job_id`` and decode its payload (see the module doc). Raises :class:`JobRefused` for
     anything that is not a well-formed lmdq job of a live batch writing where this worker allows;
-    Redis errors propagate unchanged (the job is then re-queued, not refused)."""
+    Redis errors propagate unchanged (the job is then re-queued, not refused).
+
+    ``outputs=None`` is for callers that write nothing to the job's URLs (cancel writes its results to
+    Redis only): the URLs must still equal the batch record's, but no worker policy applies."""
     if len(job_id) > MAX_JOB_ID_CHARS:
         raise JobRefused(f"job id of {len(job_id):,} characters, over {MAX_JOB_ID_CHARS}")
     job = queue.fetch_job(job_id)  # bounded: raises JobRefused for oversized / foreign hashes
@@ -80,7 +83,7 @@ def decode_job(
         theirs, ours = getattr(payload, name), getattr(batch, name)
         if theirs != ours:
             raise JobRefused(f"{where}: its {name} is not the one in the batch record (a forged or edited job)")
-        if ours is not None:
+        if ours is not None and outputs is not None:
             try:
                 urls[name] = outputs.check(ours)
             except OutputUrlRejected as e:

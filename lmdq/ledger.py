@@ -460,7 +460,7 @@ class BatchLedger:
         """Write ``cancelled`` results for a queued job's requests; returns the job, or None when it is
         not this batch's lmdq job (refused and recorded as failed) or has no job hash."""
         try:
-            job, payload = decode_job(self.client, self.jobs, job_id)
+            job, payload = decode_job(self.client, self.jobs, job_id, outputs=None)
             if payload.batch_id != batch.id:
                 raise JobRefused(f"refusing job {job_id}: it names batch {payload.batch_id!r}, not {batch.id!r}")
         except NoSuchJobError:
