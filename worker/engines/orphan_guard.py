@@ -39,11 +39,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["GuardedTarget", "descendants", "install", "kill_tracked", "reap_main", "set_parent_death_signal"]
+__all__ = ["GuardedTarget", "descendants", "install", "kill_groups", "reap_main", "set_parent_death_signal",
+           "tracked_groups"]
 
 PR_SET_PDEATHSIG = 1
 #: how often a guarded child checks that its parent is still there (the 10 s budget has room)
@@ -243,10 +244,10 @@ class _Reaper:
                     pipe.write(f"{pgid} {self.groups[pgid]}\n".encode())
                     pipe.flush()
 
-    def kill_groups(self) -> None:
-        """SIGKILL what is left of every engine group (a teardown after LMDeploy's own close)."""
+    def kill_groups(self, pgids: Iterable[int]) -> None:
+        """SIGKILL what is left of these engine groups (a teardown after LMDeploy's own close)."""
         with self._lock:
-            groups = dict(self.groups)
+            groups = {pgid: self.groups[pgid] for pgid in pgids if pgid in self.groups}
         for pgid, start in groups.items():
             if pgid != os.getpgrp() and (not _alive(pgid) or _alive(pgid, start)):
                 _killpg(pgid)
@@ -308,7 +309,12 @@ def install(*, reaper: bool = True) -> None:
         _patch(root=True, forbidden_pgid=os.getpgrp(), reaper=reaper)
 
 
-def kill_tracked() -> None:
-    """SIGKILL whatever is left in the engine process groups this worker started (after ``close``)."""
+def tracked_groups() -> set[int]:
+    """The process groups of the guarded children this process has started so far (their pids)."""
+    return set(_the_reaper.groups) if _the_reaper is not None else set()
+
+
+def kill_groups(pgids: Iterable[int]) -> None:
+    """SIGKILL whatever is left in these groups (from :func:`tracked_groups`); never this process's own."""
     if _the_reaper is not None:
-        _the_reaper.kill_groups()
+        _the_reaper.kill_groups(pgids)
