@@ -5,9 +5,11 @@
 #   2 setup   carry gpu-bundle/2-model-a               : first model half
 #   3 suite   carry gpu-bundle/3-model-b gpu-bundle/tok : model conversion, the gpu suite
 #   4 tp      (no carry)                               : tp=1 vs tp=2 end to end + orphans, bf16 margins
-# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py.
+# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py, and `faults` (carry 1-wheels, tok)
+# for tests/gpu/test_faults_gpu.py: engine / worker SIGKILL on the random 8B shape. FAULTS_K=engine_sigkill
+# or FAULTS_K=worker_sigkill runs one half (a fresh machine builds the model first: ~2 calls of 600 s).
 set -uo pipefail
-stage=${1:?stage bench|setup|suite|tp|parity}
+stage=${1:?stage bench|setup|suite|tp|parity|faults}
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
@@ -55,6 +57,13 @@ case $stage in
     fi
     [ "${MARGIN:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/bf16_margin.py $M > "$OUT/bf16_margin.log" 2>&1
                                 tail -5 "$OUT/bf16_margin.log"; }
+    ;;
+  faults)
+    env_txt
+    timeout "${FAULTS_TIMEOUT:-570}" python3 -m pytest tests/gpu/test_faults_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
+      ${FAULTS_K:+-k "$FAULTS_K"} 2>&1 | grep -v DEBUG > "$OUT/faults_gpu.log"
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|engine SIGKILLed|restarted worker|worker_sigkill" \
+      "$OUT/faults_gpu.log" | tail -24
     ;;
   tp)
     timeout 330 python3 scripts/gpu/tp_check.py $M --double-heads > "$OUT/tp_check.log" 2>&1; tail -4 "$OUT/tp_check.log"
