@@ -13,6 +13,10 @@ stage=${1:?stage bench|setup|suite|tp|parity|faults}
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
+# pyproject installs worker/, producer/, bench/ as lmdq.worker, lmdq.producer, lmdq.bench (package-dir); nothing
+# is pip-installed here and the repo root comes first on sys.path (python -m, pytest), so the same import names
+# come from symlinks inside this copy's lmdq/ (untracked, device copy only).
+for d in worker producer bench; do [ -e "lmdq/$d" ] || ln -s "../$d" "lmdq/$d"; done
 export PYTHONPATH=/root/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 LMDQ_GPU_TOKENIZER=$PWD/gpu-bundle/tok
 M=/root/models/smollm2-135m-instruct
 env_txt() {
