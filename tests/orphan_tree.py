@@ -3,7 +3,7 @@ child (multiprocessing spawn, as LMDeploy does), which starts a "tp worker" gran
 ``sleep`` subprocess; the grandchild starts one more ``sleep``. Writes every pid, one per line, to the file
 named by argv[1] once all are running, then waits to be killed.
 
-usage: python tests/orphan_tree.py PIDS_FILE [--no-reaper] [--from-thread]
+usage: python tests/orphan_tree.py PIDS_FILE [--no-reaper] [--from-thread] [--forkserver]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
 
     out = sys.argv[1]
     orphan_guard.install(reaper="--no-reaper" not in sys.argv)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver" if "--forkserver" in sys.argv else "spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=engine, args=(q,), name="engine")
     if "--from-thread" in sys.argv:  # no parent-death signal then: the watchdog alone must do it

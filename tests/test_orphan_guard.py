@@ -85,6 +85,20 @@ def test_watchdog_alone_clears_the_tree_when_no_death_signal_was_set(tmp_path: P
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_forkserver_children_are_guarded_too(tmp_path: Path) -> None:
+    """A forkserver child's parent is the fork server, not the process that started it (Python 3.14's
+    default start method): the guard must neither kill it at once nor leave it behind."""
+    p, pids = _start_tree(tmp_path, "--forkserver")
+    try:
+        assert psutil.Process(pids["engine"]).ppid() != p.pid  # the fork server's child
+        took, left = _kill_and_wait_all_gone(p, pids)
+        assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
+    finally:
+        for pid in pids.values():
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_reaper_kills_what_the_death_signal_cannot_reach(tmp_path: Path) -> None:
     """The engine dies at once by its parent-death signal (its watchdog with it); the plain `sleep` it
     started has no guard of its own: the reaper's group kill is what takes it down."""
@@ -113,7 +127,7 @@ def test_a_guarded_target_copied_in_the_parent_stays_inert() -> None:
     copy = pickle.loads(pickle.dumps(g))
     assert copy.target is _noop and copy.spec == g.spec
     assert orphan_guard._armed is False
-    assert os.getpgrp() == g.spec[3]
+    assert g.spec[0] == os.getpid() and g.spec[4] == os.getpgrp()
 
 
 def test_descendants_walks_the_whole_tree() -> None:

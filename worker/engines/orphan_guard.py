@@ -137,10 +137,13 @@ def _watch(parent_pid: int, forbidden_pgid: int, interval_s: float) -> None:
             _die(forbidden_pgid)
 
 
-def _arm(parent_pid: int, own_group: bool, pdeathsig: bool, forbidden_pgid: int) -> None:
-    """Run in the child, once, as early as it can: group, parent-death signal, parent check, watchdog."""
+def _arm(creator_pid: int, parent_pid: int, own_group: bool, pdeathsig: bool, forbidden_pgid: int) -> None:
+    """Run in the child, once, as early as it can: group, parent-death signal, parent check, watchdog.
+
+    ``parent_pid`` 0: the parent is not the creator (forkserver children are forked by the fork server,
+    which exits when its creator does): whoever the parent is now is the one to outlive."""
     global _armed
-    if _armed or os.getpid() == parent_pid:  # already armed, or not a child at all (a copy in the parent)
+    if _armed or os.getpid() == creator_pid:  # already armed, or not a child at all (a copy in the creator)
         return
     _armed = True
     if own_group:
@@ -148,7 +151,9 @@ def _arm(parent_pid: int, own_group: bool, pdeathsig: bool, forbidden_pgid: int)
             os.setpgid(0, 0)
     if pdeathsig:
         set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before the prctl: nobody would signal us
+    if not parent_pid:
+        parent_pid = os.getppid()
+    elif os.getppid() != parent_pid:  # the parent died before the prctl: nobody would signal us
         _die(forbidden_pgid)
     threading.Thread(target=_watch, args=(parent_pid, forbidden_pgid, WATCH_INTERVAL_S), daemon=True,
                      name="lmdq-orphan-guard").start()
@@ -164,7 +169,7 @@ class GuardedTarget:
     def __init__(self, target: Callable[..., Any], parent_pid: int, own_group: bool, pdeathsig: bool,
                  forbidden_pgid: int) -> None:
         self.target = target
-        self.spec = (parent_pid, own_group, pdeathsig, forbidden_pgid)
+        self.spec = (os.getpid(), parent_pid, own_group, pdeathsig, forbidden_pgid)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, self.spec, {"target": self.target})
@@ -177,10 +182,11 @@ class GuardedTarget:
         return self.target(*args, **kwargs)
 
 
-def _rebuild(parent_pid: int, own_group: bool, pdeathsig: bool, forbidden_pgid: int) -> GuardedTarget:
-    _arm(parent_pid, own_group, pdeathsig, forbidden_pgid)
+def _rebuild(creator_pid: int, parent_pid: int, own_group: bool, pdeathsig: bool,
+             forbidden_pgid: int) -> GuardedTarget:
+    _arm(creator_pid, parent_pid, own_group, pdeathsig, forbidden_pgid)
     g = GuardedTarget.__new__(GuardedTarget)
-    g.spec = (parent_pid, own_group, pdeathsig, forbidden_pgid)
+    g.spec = (creator_pid, parent_pid, own_group, pdeathsig, forbidden_pgid)
     return g
 
 
@@ -197,7 +203,8 @@ def _patch(*, root: bool, forbidden_pgid: int, reaper: bool = False) -> None:
             target = getattr(self, "_target", None)
             if target is not None and not isinstance(target, GuardedTarget):
                 on_main = threading.current_thread() is threading.main_thread()
-                self._target = GuardedTarget(target, os.getpid(), root, on_main,  # type: ignore[attr-defined]
+                parent = 0 if getattr(self, "_start_method", None) == "forkserver" else os.getpid()
+                self._target = GuardedTarget(target, parent, root, on_main,  # type: ignore[attr-defined]
                                              forbidden_pgid)
             orig_start(self)
             if root and self.pid is not None:
