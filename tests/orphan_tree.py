@@ -3,7 +3,7 @@ child (multiprocessing spawn, as LMDeploy does), which starts a "tp worker" gran
 ``sleep`` subprocess; the grandchild starts one more ``sleep``. Writes every pid, one per line, to the file
 named by argv[1] once all are running, then waits to be killed.
 
-usage: python tests/orphan_tree.py PIDS_FILE [--no-reaper] [--from-thread] [--forkserver]
+usage: python tests/orphan_tree.py PIDS_FILE [--no-reaper] [--from-thread] [--forkserver] [--teardown]
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ def main() -> None:
     with open(out + ".tmp", "w") as f:
         f.write("".join(f"{name} {pid}\n" for name, pid in sorted(pids.items())))
     os.replace(out + ".tmp", out)
+    if "--teardown" in sys.argv:  # what LMDeployEngine.close() does after LMDeploy's own close
+        orphan_guard.kill_groups(orphan_guard.tracked_groups())
+        with open(out + ".torn", "w") as f:
+            f.write("".join(f"{pgid}\n" for pgid in sorted(orphan_guard.tracked_groups())))
     time.sleep(1000)
 
 

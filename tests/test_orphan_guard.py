@@ -116,6 +116,30 @@ def test_reaper_kills_what_the_death_signal_cannot_reach(tmp_path: Path) -> None
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_teardown_kills_the_engine_groups_and_spares_the_worker(tmp_path: Path) -> None:
+    """kill_groups (LMDeployEngine.close) takes down every process in the engine's group, the unguarded
+    helpers included, and nothing in the worker's own group: the worker lives on."""
+    p, pids = _start_tree(tmp_path, "--teardown")
+    try:
+        torn = tmp_path / "pids.torn"
+        deadline = time.monotonic() + 60
+        while not torn.exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert pids["engine"] in {int(x) for x in torn.read_text().split()}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(_gone(pid) for pid in pids.values()):
+            time.sleep(0.05)
+        assert [name for name, pid in pids.items() if not _gone(pid)] == []
+        assert p.poll() is None  # the stand-in worker itself is untouched
+    finally:
+        p.kill()
+        p.wait(30)
+        for pid in pids.values():
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _noop() -> None:
     """A picklable target."""
 
