@@ -160,12 +160,12 @@ def test_engine_sigkill_fails_nothing_and_a_new_worker_completes_the_batch(
         after = _counts(env, bid)
         rep["counts_at_kill"], rep["counts_after_worker_exit"] = before, after
         text = log1.read_text(errors="replace")
-        reason = [ln for ln in text.splitlines() if "killed by SIGKILL" in ln]
+        reason = [ln for ln in text.splitlines() if "killed by SIGKILL" in ln or "engine RPC is dead" in ln]
         rep["reason_lines"] = reason[:5]
         print(f"\nengine SIGKILLed with {before}; worker exit {code} after "
               f"{rep['worker_exit_after_engine_kill_s']} s; counts then {after}", flush=True)
         assert code != 0, text[-3000:]
-        assert reason, f"no 'killed by SIGKILL' reason in the worker's log: {text[-3000:]}"
+        assert reason, f"no engine-death reason in the worker's log: {text[-3000:]}"
         assert after["failed"] == 0, after
         assert after["completed"] < N, "the batch was done before the fault: nothing was tested"
 

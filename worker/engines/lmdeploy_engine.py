@@ -349,7 +349,19 @@ class LMDeployEngine:
         liveness = getattr(getattr(engine, "rpc_client", None), "_server_liveness", None)
         dead_msg = getattr(liveness, "dead_msg", None)
         if dead_msg:
-            return f"LMDeploy engine RPC is dead: {dead_msg}"
+            # LMDeploy's own waitpid (its loop thread) may have reaped the process a moment ago; its exit
+            # status is the more useful reason, and it lands within a moment.
+            code = None
+            for _ in range(20):
+                try:
+                    code = getattr(proc, "exitcode", None)
+                except ValueError:
+                    break
+                if code is not None or proc is None:
+                    break
+                time.sleep(0.05)
+            how = f" ({_exit_description(code)})" if code is not None else ""
+            return f"LMDeploy engine RPC is dead: {dead_msg}{how}"
         return None
 
     def _probe_health(self) -> str | None:
