@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import structlog
 from lmdq.worker.engines import orphan_guard
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.failure_burst import FailureBurst
@@ -37,6 +38,8 @@ from lmdq.guided import to_lmdeploy
 __all__ = ["LMDeployEngine", "build_backend_config", "build_gen_config", "resolve_chat_template"]
 
 log = logging.getLogger("lmdq.lmdeploy")
+#: lifecycle events (engine death) go to the worker's structured log
+slog = structlog.get_logger("lmdq.lmdeploy")
 
 #: LMDeploy error codes that can mean "the engine is gone" rather than "this request is wrong"
 #: (serve/core/exceptions.py ErrorCode: INTERNAL_ERROR, ENGINE_UNAVAILABLE); checked, never assumed.
@@ -385,7 +388,7 @@ class LMDeployEngine:
                     if fut is not None:
                         fut.cancel()
                 except Exception as e:  # noqa: BLE001 - e.g. RPCServerDeadError: re-checked below
-                    log.warning("engine health check failed: %r", e)
+                    slog.warning("engine health check failed", error=repr(e))
             reason = reason or self._death_reason()
             self._probe_at, self._probe_reason = time.monotonic(), reason
             return reason
@@ -394,7 +397,7 @@ class LMDeployEngine:
         """Record the engine as dead (``alive()`` is False from now on) and build the error to raise."""
         if not self._dead:
             self._dead = reason
-            log.error("engine dead: %s", reason)
+            slog.error("engine dead", reason=reason, engine_pid=self.engine_pid)
         return EngineDead(self._dead)
 
     def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
