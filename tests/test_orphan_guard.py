@@ -61,7 +61,7 @@ def test_sigkilled_worker_leaves_no_process_behind(tmp_path: Path) -> None:
     try:
         took, left = _kill_and_wait_all_gone(p, pids)
         assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
-        print(f"\nall {len(pids)}+ descendants gone {took:.2f} s after SIGKILL")
+        print(f"\nall descendants gone {took:.2f} s after SIGKILL")
     finally:
         for pid in pids.values():
             if not _gone(pid):
@@ -79,6 +79,7 @@ def test_watchdog_alone_clears_the_tree_when_no_death_signal_was_set(tmp_path: P
         assert os.getpgid(pids["tp_helper"]) == pids["engine"]
         took, left = _kill_and_wait_all_gone(p, pids)
         assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
+        print(f"\nall descendants gone {took:.2f} s after SIGKILL")
     finally:
         for pid in pids.values():
             if not _gone(pid):
@@ -93,6 +94,7 @@ def test_forkserver_children_are_guarded_too(tmp_path: Path) -> None:
         assert psutil.Process(pids["engine"]).ppid() != p.pid  # the fork server's child
         took, left = _kill_and_wait_all_gone(p, pids)
         assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
+        print(f"\nall descendants gone {took:.2f} s after SIGKILL")
     finally:
         for pid in pids.values():
             if not _gone(pid):
@@ -109,6 +111,7 @@ def test_reaper_kills_what_the_death_signal_cannot_reach(tmp_path: Path) -> None
         assert len(reapers) == 1 and os.getsid(reapers[0].pid) == reapers[0].pid  # its own session
         took, left = _kill_and_wait_all_gone(p, pids)
         assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
+        print(f"\nall descendants gone {took:.2f} s after SIGKILL")
         assert _gone(reapers[0].pid)
     finally:
         for pid in pids.values():
