@@ -3,7 +3,7 @@ child (multiprocessing spawn, as LMDeploy does), which starts a "tp worker" gran
 ``sleep`` subprocess; the grandchild starts one more ``sleep``. Writes every pid, one per line, to the file
 named by argv[1] once all are running, then waits to be killed.
 
-usage: python tests/orphan_tree.py PIDS_FILE [--no-reaper] [--from-thread] [--forkserver] [--teardown]
+usage: python tests/orphan_tree.py PIDS_FILE [--no-reaper] [--from-thread] [--forkserver|--fork] [--teardown]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def tp_worker(q: mp.Queue) -> None:  # type: ignore[type-arg]
     time.sleep(1000)
 
 
-def engine(q: mp.Queue) -> None:  # type: ignore[type-arg]
-    ctx = mp.get_context("spawn")
+def engine(q: mp.Queue, method: str) -> None:  # type: ignore[type-arg]
+    ctx = mp.get_context(method)  # (a queue of one context cannot go to a process of another)
     p = ctx.Process(target=tp_worker, args=(q,), name="tp-worker")
     p.start()
     helper = subprocess.Popen(["sleep", "1000"])
@@ -38,9 +38,10 @@ def main() -> None:
 
     out = sys.argv[1]
     orphan_guard.install(reaper="--no-reaper" not in sys.argv)
-    ctx = mp.get_context("forkserver" if "--forkserver" in sys.argv else "spawn")
+    method = next((m for m in ("forkserver", "fork") if f"--{m}" in sys.argv), "spawn")
+    ctx = mp.get_context(method)
     q = ctx.Queue()
-    proc = ctx.Process(target=engine, args=(q,), name="engine")
+    proc = ctx.Process(target=engine, args=(q, method), name="engine")
     if "--from-thread" in sys.argv:  # no parent-death signal then: the watchdog alone must do it
         t = threading.Thread(target=proc.start)
         t.start()

@@ -86,12 +86,15 @@ def test_watchdog_alone_clears_the_tree_when_no_death_signal_was_set(tmp_path: P
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_forkserver_children_are_guarded_too(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_other_start_methods_are_guarded_too(tmp_path: Path, method: str) -> None:
     """A forkserver child's parent is the fork server, not the process that started it (Python 3.14's
-    default start method): the guard must neither kill it at once nor leave it behind."""
-    p, pids = _start_tree(tmp_path, "--forkserver")
+    default start method): the guard must neither kill it at once nor leave it behind. A fork child
+    inherits the worker's hook: it must set its own (its children stay in its group)."""
+    p, pids = _start_tree(tmp_path, f"--{method}")
     try:
-        assert psutil.Process(pids["engine"]).ppid() != p.pid  # the fork server's child
+        assert (psutil.Process(pids["engine"]).ppid() == p.pid) is (method == "fork")
+        assert os.getpgid(pids["tp_worker"]) == os.getpgid(pids["engine"]) == pids["engine"]
         took, left = _kill_and_wait_all_gone(p, pids)
         assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
         print(f"\nall descendants gone {took:.2f} s after SIGKILL")

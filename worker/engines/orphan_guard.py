@@ -116,7 +116,9 @@ def _killpg(pgid: int) -> None:
 
 _armed = False
 _hook_lock = threading.Lock()
-_hook: dict[str, Any] = {}  # 'root': bool, 'forbidden_pgid': int, 'orig_start': the unpatched start
+#: 'orig_start': the unpatched start; 'pid': the process that set the rest ('root', 'forbidden_pgid', 'reaper':
+#: a fork child inherits them and sets its own)
+_hook: dict[str, Any] = {}
 
 
 def _die(forbidden_pgid: int) -> None:
@@ -192,27 +194,33 @@ def _rebuild(creator_pid: int, parent_pid: int, own_group: bool, pdeathsig: bool
 
 def _patch(*, root: bool, forbidden_pgid: int, reaper: bool = False) -> None:
     """Wrap the target of every ``multiprocessing`` process started from now on in this process."""
+    global _the_reaper
     with _hook_lock:
+        if _hook.get("pid") == os.getpid():
+            return
+        if "pid" in _hook:  # a fork child: the hook is inherited, its settings are the parent's
+            _the_reaper = None
+        _hook.update(pid=os.getpid(), root=root, forbidden_pgid=forbidden_pgid, reaper=reaper)
         if "orig_start" in _hook:
             return
         base = multiprocessing.process.BaseProcess
         orig_start = base.start
-        _hook.update(root=root, forbidden_pgid=forbidden_pgid, orig_start=orig_start)
+        _hook["orig_start"] = orig_start
 
         def start(self: multiprocessing.process.BaseProcess) -> None:
             target = getattr(self, "_target", None)
+            root, forbidden = bool(_hook["root"]), int(_hook["forbidden_pgid"])
             if target is not None and not isinstance(target, GuardedTarget):
                 on_main = threading.current_thread() is threading.main_thread()
                 parent = 0 if getattr(self, "_start_method", None) == "forkserver" else os.getpid()
-                self._target = GuardedTarget(target, parent, root, on_main,  # type: ignore[attr-defined]
-                                             forbidden_pgid)
+                self._target = GuardedTarget(target, parent, root, on_main, forbidden)  # type: ignore[attr-defined]
             orig_start(self)
             if root and self.pid is not None:
                 # The classic race-free pair: the parent sets the group too (EACCES once a spawn child has
                 # exec'd; it then sets it itself on unpickling).
                 with contextlib.suppress(OSError):
                     os.setpgid(self.pid, self.pid)
-                _reaper().track(self.pid, start=reaper)
+                _reaper().track(self.pid, start=bool(_hook["reaper"]))
 
         base.start = start  # type: ignore[method-assign]
 
