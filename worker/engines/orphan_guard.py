@@ -199,6 +199,8 @@ def _patch(*, root: bool, forbidden_pgid: int, reaper: bool = False) -> None:
         if _hook.get("pid") == os.getpid():
             return
         if "pid" in _hook:  # a fork child: the hook is inherited, its settings are the parent's
+            if _the_reaper is not None:  # nor keep the worker's pipe open: its EOF is the worker's death
+                _the_reaper.close()
             _the_reaper = None
         _hook.update(pid=os.getpid(), root=root, forbidden_pgid=forbidden_pgid, reaper=reaper)
         if "orig_start" in _hook:
