@@ -68,9 +68,16 @@ class StandInPipeline:
 
         self.async_engine = SimpleNamespace(engine=SimpleNamespace(proc=proc, get_health_status=get_health_status))
         self.internal_thread = SimpleNamespace(loop=loop)
+        self.closed = False
+        self.close_may_return = threading.Event()
+        self.close_may_return.set()
 
     def session(self) -> _Session:
         return _Session()
+
+    def close(self) -> None:
+        self.closed = True
+        assert self.close_may_return.wait(120)
 
     def stream_infer(self, prompts: list[Any], **_: Any) -> Iterator[Response]:
         return self.script(prompts)
@@ -279,3 +286,25 @@ def test_held_errors_wait_for_the_other_thread(engine_proc: Any, loop: asyncio.A
 def test_exit_description() -> None:
     assert lmdeploy_engine._exit_description(-signal.SIGKILL) == "killed by SIGKILL"
     assert lmdeploy_engine._exit_description(1) == "exit code 1"
+
+
+def test_closing_a_dead_engine_is_bounded(engine_proc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMDeploy's shutdown talks to the dead process (ZMQ teardown): should it never return, close() still
+    does, so the worker can exit and be restarted."""
+    monkeypatch.setattr(lmdeploy_engine, "DEAD_CLOSE_TIMEOUT_S", 0.5)
+    pipe = StandInPipeline(lambda prompts: iter(()), proc=engine_proc)
+    pipe.close_may_return.clear()  # LMDeploy's close hangs
+    eng = make_engine(pipe)
+    engine_proc.kill()
+    engine_proc.join(30)
+    assert eng.alive() is False
+    eng.close()  # returns (after DEAD_CLOSE_TIMEOUT_S), does not hang
+    assert pipe.closed and eng.alive() is False
+    pipe.close_may_return.set()
+
+
+def test_closing_a_live_engine_waits_for_lmdeploy(engine_proc: Any) -> None:
+    pipe = StandInPipeline(lambda prompts: iter(()), proc=engine_proc)
+    eng = make_engine(pipe)
+    eng.close()
+    assert pipe.closed and eng.alive() is False

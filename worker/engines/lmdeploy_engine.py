@@ -51,6 +51,9 @@ HEALTH_PROBE_REUSE_S = 2.0
 #: how long held engine-level errors wait for the verdict (trip or a request finishing well) at the end of
 #: a stream call, before they are handed up as the requests' own errors
 BURST_SETTLE_S = 30.0
+#: how long ``close()`` waits for LMDeploy's own shutdown of a DEAD engine (its RPC/ZMQ teardown talks to a
+#: process that is gone and is not known to be bounded); the worker must still exit and be restarted
+DEAD_CLOSE_TIMEOUT_S = 15.0
 
 
 def build_backend_config(
@@ -573,6 +576,14 @@ class LMDeployEngine:
         if not self._closed:
             self._closed = True
             try:
-                self.pipe.close()
+                if self._dead:
+                    t = threading.Thread(target=self.pipe.close, daemon=True, name="lmdq-engine-close")
+                    t.start()
+                    t.join(DEAD_CLOSE_TIMEOUT_S)
+                    if t.is_alive():
+                        slog.warning("LMDeploy's shutdown of the dead engine did not return; going on",
+                                     timeout_s=DEAD_CLOSE_TIMEOUT_S)
+                else:
+                    self.pipe.close()
             finally:
                 orphan_guard.kill_groups(self._groups)
