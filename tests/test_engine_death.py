@@ -288,11 +288,23 @@ def test_exit_description() -> None:
     assert lmdeploy_engine._exit_description(1) == "exit code 1"
 
 
-def test_closing_a_dead_engine_is_bounded(engine_proc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_closing_a_dead_engine_is_bounded(engine_proc: Any, loop: asyncio.AbstractEventLoop,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """LMDeploy's shutdown talks to the dead process (ZMQ teardown): should it never return, close() still
-    does, so the worker can exit and be restarted."""
+    does, so the worker can exit and be restarted; LMDeploy's atexit hook for it would block the exit: it
+    is dropped. The RPC sockets' linger goes to 0 first (a context term waits on it)."""
+    import atexit
+
     monkeypatch.setattr(lmdeploy_engine, "DEAD_CLOSE_TIMEOUT_S", 0.5)
-    pipe = StandInPipeline(lambda prompts: iter(()), proc=engine_proc)
+    pipe = StandInPipeline(lambda prompts: iter(()), proc=engine_proc, loop=loop)
+    backend = pipe.async_engine.engine
+    backend.rpc_client = SimpleNamespace(async_socket=SimpleNamespace(linger=-1),
+                                         sync_socket=SimpleNamespace(linger=-1))
+    backend.close = lambda: None
+    atexit.register(backend.close)  # what ZMQMPEngine.__init__ does
+    dropped: list[Any] = []
+    real_unregister = atexit.unregister
+    monkeypatch.setattr(atexit, "unregister", lambda f: (dropped.append(f), real_unregister(f)))
     pipe.close_may_return.clear()  # LMDeploy's close hangs
     eng = make_engine(pipe)
     engine_proc.kill()
@@ -300,6 +312,8 @@ def test_closing_a_dead_engine_is_bounded(engine_proc: Any, monkeypatch: pytest.
     assert eng.alive() is False
     eng.close()  # returns (after DEAD_CLOSE_TIMEOUT_S), does not hang
     assert pipe.closed and eng.alive() is False
+    assert backend.close in dropped
+    assert backend.rpc_client.async_socket.linger == 0 and backend.rpc_client.sync_socket.linger == 0
     pipe.close_may_return.set()
 
 

@@ -19,6 +19,7 @@ The engine's processes are guarded against outliving the worker (orphan_guard.py
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import signal
@@ -570,6 +571,37 @@ class LMDeployEngine:
             return False
         return True
 
+    def _close_dead(self) -> None:
+        """LMDeploy's shutdown, bounded. Its ZMQ client still holds sockets to the dead process: with the
+        default linger, terminating their context waits forever for messages no one will take, so linger
+        goes to 0 first (on the pipeline's loop thread, which owns the async socket). Should the shutdown
+        still not return, LMDeploy's own atexit hooks for it are dropped: they would block the exit."""
+        engine = getattr(getattr(self.pipe, "async_engine", None), "engine", None)
+        rpc = getattr(engine, "rpc_client", None)
+        internal: Any = getattr(self.pipe, "internal_thread", None)
+
+        def no_linger() -> None:
+            for name in ("async_socket", "sync_socket"):
+                try:
+                    getattr(rpc, name).linger = 0
+                except Exception:  # noqa: BLE001 - already closed, or not a zmq socket
+                    pass
+
+        if rpc is not None and getattr(internal, "loop", None) is not None:
+            try:
+                internal.loop.call_soon_threadsafe(no_linger)
+            except RuntimeError:  # the loop is closed
+                pass
+        t = threading.Thread(target=self.pipe.close, daemon=True, name="lmdq-engine-close")
+        t.start()
+        t.join(DEAD_CLOSE_TIMEOUT_S)
+        if t.is_alive():
+            slog.warning("LMDeploy's shutdown of the dead engine did not return; going on",
+                         timeout_s=DEAD_CLOSE_TIMEOUT_S)
+            for hook in (getattr(engine, "close", None), getattr(internal, "close", None)):
+                if hook is not None:
+                    atexit.unregister(hook)
+
     def close(self) -> None:
         """Close the pipeline, then SIGKILL whatever is left in the engine's process groups (a compile
         worker, a tp worker that missed the shutdown): the GPU memory is free when this returns."""
@@ -577,12 +609,7 @@ class LMDeployEngine:
             self._closed = True
             try:
                 if self._dead:
-                    t = threading.Thread(target=self.pipe.close, daemon=True, name="lmdq-engine-close")
-                    t.start()
-                    t.join(DEAD_CLOSE_TIMEOUT_S)
-                    if t.is_alive():
-                        slog.warning("LMDeploy's shutdown of the dead engine did not return; going on",
-                                     timeout_s=DEAD_CLOSE_TIMEOUT_S)
+                    self._close_dead()
                 else:
                     self.pipe.close()
             finally:
