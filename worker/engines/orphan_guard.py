@@ -251,7 +251,7 @@ class _Reaper:
         return self.proc.stdin
 
     def track(self, pgid: int, *, start: bool = True) -> None:
-        """Remember an engine group (for :func:`kill_tracked`) and hand it to the reaper."""
+        """Remember an engine group (for :func:`kill_groups`) and hand it to the reaper."""
         st = _stat(pgid)
         with self._lock:
             self.groups[pgid] = st[3] if st else 0
@@ -302,6 +302,7 @@ def reap_main(worker_pid: int, interval_s: float = WATCH_INTERVAL_S) -> int:
         eof.set()
 
     threading.Thread(target=read, daemon=True).start()
+    seen.update(descendants(worker_pid))
     while not eof.wait(interval_s) and _alive(worker_pid, worker_start):
         seen.update(descendants(worker_pid))
     if _alive(worker_pid, worker_start):
