@@ -322,3 +322,23 @@ def test_closing_a_live_engine_waits_for_lmdeploy(engine_proc: Any) -> None:
     eng = make_engine(pipe)
     eng.close()
     assert pipe.closed and eng.alive() is False
+
+
+def test_rpc_dead_error_raised_through_stream_infer_is_engine_death(loop: asyncio.AbstractEventLoop) -> None:
+    """Should stream_infer itself raise (not answer per request), LMDeploy's RPCServerDeadError anywhere in
+    the chain still means the engine is gone, not a retryable error."""
+    class RPCServerDeadError(RuntimeError):  # the name LMDeploy 0.18's zmq_rpc.py uses
+        pass
+
+    def script(prompts: list[Any]) -> Iterator[Response]:
+        yield ok(0)
+        try:
+            raise RPCServerDeadError("PyTorch ZMQ engine process is not alive.")
+        except RPCServerDeadError as e:
+            raise RuntimeError("An internal server error occurred.") from e
+
+    eng = make_engine(StandInPipeline(script, loop=loop))
+    events, exc = collect(eng, 2)
+    assert [(e.index, e.finish_reason) for e in events] == [(0, "stop")]
+    assert isinstance(exc, EngineDead) and "not alive" in str(exc)
+    assert eng.alive() is False

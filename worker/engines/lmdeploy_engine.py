@@ -234,6 +234,19 @@ def _check_tp(tp: int, model_path: str = "") -> None:
         raise EngineError(f"--tp {tp} needs {tp} GPUs but {n} are visible (CUDA_VISIBLE_DEVICES / nvidia.com/gpu)")
 
 
+def _rpc_dead_in(e: BaseException) -> str | None:
+    """LMDeploy's ``RPCServerDeadError`` (mp_engine/zmq_rpc.py: the engine process is gone) anywhere in an
+    exception's chain, matched by name: the class lives in a module that needs the PyTorch engine."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if type(cur).__name__ == "RPCServerDeadError":
+            return f"LMDeploy engine RPC is dead: {cur}"
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 def _exit_description(code: int | None) -> str:
     """multiprocessing's exitcode (negative: the signal that killed it) in words."""
     if isinstance(code, int) and code < 0:
@@ -537,7 +550,7 @@ class LMDeployEngine:
         except EngineDead:
             raise
         except Exception as e:
-            reason = self._death_reason()
+            reason = self._death_reason() or _rpc_dead_in(e)
             if reason:
                 raise self._dead_error(reason) from e
             raise EngineError(f"stream_infer failed: {e!r}") from e
