@@ -64,7 +64,8 @@ case $stage in
     ;;
   faults)
     env_txt
-    timeout "${FAULTS_TIMEOUT:-570}" python3 -m pytest tests/gpu/test_faults_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
+    # what is left of the 600 s call after the host setup above (SECONDS: since this script started)
+    timeout $(( ${FAULTS_TIMEOUT:-585} - SECONDS )) python3 -m pytest tests/gpu/test_faults_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
       ${FAULTS_K:+-k "$FAULTS_K"} 2>&1 | grep -v DEBUG > "$OUT/faults_gpu.log"
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|engine SIGKILLed|restarted worker|worker_sigkill" \
       "$OUT/faults_gpu.log" | tail -24
