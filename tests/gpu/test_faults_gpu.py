@@ -92,11 +92,16 @@ def _counts(env: dict[str, str], bid: str) -> dict[str, int]:
 
 
 def _worker(env: dict[str, str], model: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    # heartbeat TTL 30 s: should the dead worker's jobs not be re-queued at once, its leases lapse quickly
+    """heartbeat TTL 30 s: should the dead worker's jobs not be re-queued at once, their leases lapse quickly.
+    The worker gets a parent-death signal: should this test be killed (the device call's timeout), its
+    workers go too (and their engines with them, by the worker's own guard)."""
+    from lmdq.worker.engines.orphan_guard import set_parent_death_signal
+
     return subprocess.Popen(
         [sys.executable, "-m", "worker", "--engine", "lmdeploy", "--backend", "pytorch", "--model", str(model),
          "--served-model-name", NAME, "--dtype", "bfloat16", "--heartbeat-ttl", "30", *extra],
-        env=env, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        env=env, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL))
 
 
 def _wait_for_results(env: dict[str, str], bid: str, w: subprocess.Popen[bytes], log: Path) -> tuple[float, dict]:
