@@ -5,15 +5,22 @@
 #   2 setup   carry gpu-bundle/2-model-a               : first model half
 #   3 suite   carry gpu-bundle/3-model-b gpu-bundle/tok : model conversion, the gpu suite
 #   4 tp      (no carry)                               : tp=1 vs tp=2 end to end + orphans, bf16 margins
-# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py, and TurboMind (issue #16):
+# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py; TurboMind (issue #16):
 #   tm        carry gpu-bundle/tm-NN (one part a call, after turbomind_bundle.sh): collects parts; with
 #             the last one, reassembles + sha256-checks, then TM_RUN=suite|bench|none runs with TurboMind
 #   tmsuite / tmbench : the gpu suite on both backends / efficiency for both backends (TurboMind installed)
+# and `faults` (carry 1-wheels, tok)
+# for tests/gpu/test_faults_gpu.py: engine / worker SIGKILL on the random 8B shape. FAULTS_K=engine_sigkill
+# or FAULTS_K=worker_sigkill runs one half (a fresh machine builds the model first: ~2 calls of 600 s).
 set -uo pipefail
-stage=${1:?stage bench|setup|suite|tp|parity}
+stage=${1:?stage bench|setup|suite|tp|parity|faults|tm|tmsuite|tmbench}
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
+# pyproject installs worker/, producer/, bench/ as lmdq.worker, lmdq.producer, lmdq.bench (package-dir); nothing
+# is pip-installed here and the repo root comes first on sys.path (python -m, pytest), so the same import names
+# come from symlinks inside this copy's lmdq/ (untracked, device copy only).
+for d in worker producer bench; do [ -e "lmdq/$d" ] || ln -s "../$d" "lmdq/$d"; done
 export PYTHONPATH=/root/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 LMDQ_GPU_TOKENIZER=$PWD/gpu-bundle/tok
 M=/root/models/smollm2-135m-instruct
 env_txt() {
@@ -78,6 +85,14 @@ case $stage in
     fi
     [ "${MARGIN:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/bf16_margin.py $M > "$OUT/bf16_margin.log" 2>&1
                                 tail -5 "$OUT/bf16_margin.log"; }
+    ;;
+  faults)
+    env_txt
+    # what is left of the 600 s call after the host setup above (SECONDS: since this script started)
+    timeout $(( ${FAULTS_TIMEOUT:-585} - SECONDS )) python3 -m pytest tests/gpu/test_faults_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
+      ${FAULTS_K:+-k "$FAULTS_K"} 2>&1 | grep -v DEBUG > "$OUT/faults_gpu.log"
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|engine SIGKILLed|restarted worker|worker_sigkill" \
+      "$OUT/faults_gpu.log" | tail -24
     ;;
   tp)
     timeout 330 python3 scripts/gpu/tp_check.py $M --double-heads > "$OUT/tp_check.log" 2>&1; tail -4 "$OUT/tp_check.log"
