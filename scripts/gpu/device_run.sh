@@ -43,7 +43,7 @@ tm_env() {  # TurboMind's CUDA 12 libraries (kept off sys.path) + the host's NCC
 }
 case $stage in
   tm|tmsuite|tmbench)
-    tm_env 2>&1 | tee -a "$OUT/setup_tm.log" | tail -3
+    tm_env > "$OUT/tm_env.log" 2>&1; tail -2 "$OUT/tm_env.log"  # not in a pipe: it exports LD_LIBRARY_PATH
     grep -E "parts:|OK|verified" "$OUT/setup_tm.log" | tail -3
     run=${TM_RUN:-none}; [ "$stage" = tmsuite ] && run=suite; [ "$stage" = tmbench ] && run=bench
     if [ "$run" = suite ]; then
