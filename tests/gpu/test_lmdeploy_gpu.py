@@ -339,7 +339,7 @@ def test_turbomind_logits_and_hidden_states_land_as_safetensors(engine, hf_tok, 
                              params=GenerationParams(max_new_tokens=6, ignore_eos=True, output_logits=which,
                                                      output_last_hidden_state=which))
         batch, _ = submit_file(f, opts, client=client, keys=Keys(), ttl_s=3600)
-        s = WorkerSettings(redis_url=srv.url, burst=True, health_port=0)
+        s = WorkerSettings(redis_url=srv.url, burst=True, health_port=0, allowed_output_urls=str(tmp_path / "blobs"))
         Worker(engine=_NoClose(engine), client=client, settings=s, capacity=engine.capacity).run()
         raw = next(ResultStore(client).iter_results(batch.id, 1, partial=False))[1]
         r = Result.model_validate_json(raw)  # type: ignore[arg-type]
