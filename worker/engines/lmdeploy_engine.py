@@ -101,7 +101,7 @@ def build_backend_config(
         # always does), so it never waits for the GIL behind the worker's threads and their per-token work.
         return PytorchEngineConfig(**common, eager_mode=eager_mode, logprobs_mode="raw_logprobs",
                                    enable_mp_engine=mp_engine, **extra)
-    return TurbomindEngineConfig(**common)
+    return TurbomindEngineConfig(**{k: v for k, v in common.items() if v is not None})  # unset: LMDeploy decides
 
 
 def build_gen_config(p: dict[str, Any]) -> Any:
