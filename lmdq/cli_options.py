@@ -60,9 +60,13 @@ def _base_type(annotation: Any) -> Any:
 
 
 def _default_text(info: FieldInfo) -> str | None:
-    if info.default is None or info.default is ... or isinstance(info.default, BaseModel):
+    """The field's default, or (unset-by-default fields like GenerationParams') its ``engine_default``."""
+    default = info.default
+    if default is None and isinstance(info.json_schema_extra, dict):
+        default = info.json_schema_extra.get("engine_default")
+    if default is None or default is ... or isinstance(default, BaseModel):
         return None
-    return str(info.default).lower() if isinstance(info.default, bool) else str(info.default)
+    return str(default).lower() if isinstance(default, bool) else str(default)
 
 
 def _parameter(spec: FlagSpec) -> tuple[inspect.Parameter, Callable[[Any], Any]]:
@@ -111,7 +115,7 @@ def model_options(specs: Sequence[FlagSpec], *, into: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
             raw = {k: kwargs.pop(k) for k in list(kwargs) if k in built}
-            given = {k: built[k][1](v) for k, v in raw.items() if v is not None}
+            given = {k: built[k][1](v) for k, v in raw.items() if v is not None and v != [] and v != ()}
             return fn(**kwargs, **{into: given})
 
         command.__signature__ = sig.replace(  # type: ignore[attr-defined]

@@ -44,6 +44,9 @@ def build_backend_config(config: LMDeployConfig) -> Any:
         "cache_max_entry_count": config.cache_max_entry_count,
         "quant_policy": config.quant_policy,
     }
+    # Unset (None) = LMDeploy's own default, left to LMDeploy: TurbomindEngineConfig refuses an explicit
+    # max_batch_size=None although None is its default (lmdeploy 0.18), so `--backend auto` failed without one.
+    common = {k: v for k, v in common.items() if v is not None}
     if config.backend == "pytorch":
         # tp > 1 on one host: multiprocessing executor (LMDeploy's default for tp > 1 wants ray).
         extra: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
