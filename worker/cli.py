@@ -89,7 +89,8 @@ def run(
         health.set_redis_check(lambda: bool(client.ping()))
     eng = build_engine(s)
     load_s = time.monotonic() - t0
-    log.info("engine loaded", engine=eng.name, backend=eng.backend, model=eng.model_name, load_s=round(load_s, 2))
+    log.info("engine loaded", engine=eng.name, backend=eng.backend, model=eng.model_name, load_s=round(load_s, 2),
+             config=s.engine_config.model_dump(mode="json"))
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
     if health is not None:
         health.set_engine_loaded(load_s)

@@ -92,12 +92,12 @@ class _Seq:
     max_new: int
     seed: bytes
     stop_words: list[str]
+    emit_every: int  # the engine's (SimConfig.emit_every)
     words: list[str] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # chars of text already emitted
     n: int = 0
     done: bool = False
-    emit_every: int = 16
     extra: dict[str, str] = field(default_factory=dict)
     guided: str | None = None  # the minimal JSON instance the output must be
     logprobs: int | None = None
