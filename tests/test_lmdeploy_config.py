@@ -162,6 +162,33 @@ def test_every_engine_field_reaches_build_backend_config(backend: str, field: st
     assert getattr(base, attr) != value  # the default did not already produce it
 
 
+def test_engine_constructor_hands_every_field_on(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """LMDeployEngine(config): the backend fields reach the pipeline's backend_config, chat_template its
+    chat_template_config, raw the engine (LMDeploy's pipeline replaced by a recorder: no GPU here)."""
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
+
+    seen: dict = {}
+
+    def fake_pipeline(model_path, backend_config, chat_template_config, log_level):  # type: ignore[no-untyped-def]
+        seen.update(model_path=model_path, backend_config=backend_config, chat_template_config=chat_template_config)
+        pipe = _FakePipe(backend="pytorch")
+        pipe.backend_config = backend_config
+        return pipe
+
+    monkeypatch.setattr(lmdeploy, "pipeline", fake_pipeline)
+    values = {f: v for f, (v, _) in NON_DEFAULT.items() if f != "tp"}  # tp > 1 needs that many GPUs
+    eng = LMDeployEngine(LMDeployConfig(**values), model_path=str(tmp_path), served_model_name="m")
+    bc = seen["backend_config"]
+    for field, (value, attr) in NON_DEFAULT.items():
+        if attr and field != "tp":
+            got = getattr(bc, attr)
+            assert (int(got) if field == "quant_policy" else got) == value, field
+    assert isinstance(bc, PytorchEngineConfig) and eng.backend == "pytorch"  # backend
+    assert seen["chat_template_config"].model_name == NON_DEFAULT["chat_template"][0]  # chat_template
+    assert eng.raw is True and eng.capacity == NON_DEFAULT["max_batch_size"][0]  # raw
+    assert eng.config == LMDeployConfig(**values)
+
+
 SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "num_hidden_layers": 30, "tie_word_embeddings": True, "vocab_size": 49152}
 
