@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from lmdq.worker.engine_config import SimConfig, engine_flag_specs
+from lmdq.worker.engine_config import EngineName, SimConfig, engine_flag_specs
 
 from lmdq.cli_options import model_options
 from lmdq.errors import run_cli
@@ -20,7 +20,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 @model_options(engine_flag_specs(), into="engine_settings")
 def efficiency(
     engine_settings: dict[str, Any],
-    engine: Annotated[str, typer.Option(help="sim | lmdeploy | transformers")] = "sim",
+    engine: Annotated[EngineName, typer.Option(help="the engine, built as the worker builds it")] = "sim",
     model: Annotated[str | None, typer.Option(help="model folder (lmdeploy/transformers)")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
     tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,

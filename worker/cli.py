@@ -7,7 +7,7 @@ import time
 from typing import Annotated, Any
 
 import typer
-from lmdq.worker.engine_config import engine_flag_specs, unused_env
+from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
 from lmdq.worker.settings import load_worker_settings
 
 from lmdq.cli_options import model_options
@@ -25,7 +25,7 @@ def run(
     model: Annotated[str | None, typer.Option(help="model folder or hub id (default: embedded SmolLM2 on CPU)")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="name producers submit to (queue)")] = None,
     engine: Annotated[
-        str | None, typer.Option(help="lmdeploy | transformers | sim; the (engines) after a flag's help take it")
+        EngineName | None, typer.Option(help="the (engines) after an engine flag's help are those that take it")
     ] = None,
     burst: Annotated[bool | None, typer.Option("--burst/--no-burst", help="exit when the queues are empty")] = None,
     jobs_in_flight: Annotated[int | None, typer.Option(help="max jobs held at once (0 = auto)")] = None,
