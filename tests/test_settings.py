@@ -66,6 +66,27 @@ def test_nested_python_config_sits_between_env_and_flag(monkeypatch: pytest.Monk
     assert WorkerSettings(model="/m", lmdeploy={"tp": 2}, tp=3).lmdeploy.tp == 3
 
 
+def test_the_env_names_deployments_use_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/base/config.yaml and docker-compose.yml set the engine through flat LMDQ_* names (LMDQ_TP,
+    LMDQ_CACHE_MAX_ENTRY_COUNT, ...): each one must land in the LMDeploy config, none be ignored."""
+    yaml = pytest.importorskip("yaml")
+    data = next(d for d in yaml.safe_load_all((ROOT / "deploy/base/config.yaml").read_text())
+                if d and d.get("kind") == "ConfigMap")["data"]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["worker"]["environment"]
+    engine_keys = {k for k in [*data, *compose] if k.removeprefix("LMDQ_").lower() in all_flat_names()}
+    assert {"LMDQ_BACKEND", "LMDQ_TP", "LMDQ_DTYPE", "LMDQ_CACHE_MAX_ENTRY_COUNT", "LMDQ_MAX_BATCH_SIZE"} <= engine_keys
+    for k, v in data.items():
+        monkeypatch.setenv(k, str(v))
+    s = WorkerSettings()
+    assert s.engine_name == "lmdeploy" and unused_env("lmdeploy", dict(data)) == []
+    for k in data:
+        flat = k.removeprefix("LMDQ_").lower()
+        if flat in all_flat_names():
+            field = flat_names(LMDeployConfig)[flat]
+            assert getattr(s.lmdeploy, field) == LMDeployConfig.model_validate({field: data[k]}).model_dump()[field]
+            assert field in s.lmdeploy.model_fields_set, k  # set from the env, not the default
+
+
 def test_engine_choice_and_its_config() -> None:
     assert WorkerSettings().engine_name == "transformers"  # no model: the embedded default on transformers
     assert WorkerSettings(model="/m").engine_name == "lmdeploy"
