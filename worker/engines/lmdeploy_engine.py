@@ -33,20 +33,18 @@ def build_backend_config(config: LMDeployConfig) -> Any:
     when TurboMind can't serve the model; 'pytorch' pins the PyTorch engine. Values were checked
     when ``config`` was built (LMDeployConfig declares their types, bounds and defaults).
     """
+    import dataclasses
+
     from lmdeploy import PytorchEngineConfig, TurbomindEngineConfig
 
+    def same_named(cls: type) -> dict[str, Any]:
+        """The settings LMDeploy's config class takes under the same name (tp, dtype, session_len, ...).
+        Unset (None) = LMDeploy's own default, left to LMDeploy: TurbomindEngineConfig refuses an explicit
+        max_batch_size=None although None is its default (lmdeploy 0.18)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in config.model_dump().items() if k in names and v is not None}
+
     tp = config.tp
-    common: dict[str, Any] = {
-        "tp": tp,
-        "dtype": config.dtype,
-        "session_len": config.session_len,
-        "max_batch_size": config.max_batch_size,
-        "cache_max_entry_count": config.cache_max_entry_count,
-        "quant_policy": config.quant_policy,
-    }
-    # Unset (None) = LMDeploy's own default, left to LMDeploy: TurbomindEngineConfig refuses an explicit
-    # max_batch_size=None although None is its default (lmdeploy 0.18), so `--backend auto` failed without one.
-    common = {k: v for k, v in common.items() if v is not None}
     if config.backend == "pytorch":
         # tp > 1 on one host: multiprocessing executor (LMDeploy's default for tp > 1 wants ray).
         extra: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
@@ -54,9 +52,9 @@ def build_backend_config(config: LMDeployConfig) -> Any:
         # nothing for requests that don't ask (the engine computes them only when a request in the step does).
         # enable_mp_engine: the engine's scheduler runs in its own process (what LMDeploy's own api_server
         # always does), so it never waits for the GIL behind the worker's threads and their per-token work.
-        return PytorchEngineConfig(**common, eager_mode=config.eager_mode, logprobs_mode="raw_logprobs",
+        return PytorchEngineConfig(**same_named(PytorchEngineConfig), logprobs_mode="raw_logprobs",
                                    enable_mp_engine=config.mp_engine, **extra)
-    return TurbomindEngineConfig(**common)
+    return TurbomindEngineConfig(**same_named(TurbomindEngineConfig))
 
 
 def build_gen_config(p: dict[str, Any]) -> Any:
