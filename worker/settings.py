@@ -65,6 +65,10 @@ class WorkerSettings(CommonSettings):
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors when a batch names none (LMDQ_BLOB_URL)"
     )
+    allowed_output_urls: str = Field(
+        default="", description="comma-separated folders / s3:// prefixes a batch's results_url or blob_url may "
+        "name, beyond LMDQ_BLOB_URL (LMDQ_ALLOWED_OUTPUT_URLS); a job writing elsewhere is refused"
+    )
     # worker loop
     worker_name: str | None = None
     burst: bool = False

@@ -5,7 +5,10 @@
 #   2 setup   carry gpu-bundle/2-model-a               : first model half
 #   3 suite   carry gpu-bundle/3-model-b gpu-bundle/tok : model conversion, the gpu suite
 #   4 tp      (no carry)                               : tp=1 vs tp=2 end to end + orphans, bf16 margins
-# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py.
+# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py, and TurboMind (issue #16):
+#   tm        carry gpu-bundle/tm-NN (one part a call, after turbomind_bundle.sh): collects parts; with
+#             the last one, reassembles + sha256-checks, then TM_RUN=suite|bench|none runs with TurboMind
+#   tmsuite / tmbench : the gpu suite on both backends / efficiency for both backends (TurboMind installed)
 set -uo pipefail
 stage=${1:?stage bench|setup|suite|tp|parity}
 for part in 1-wheels 2-model-a 3-model-b; do
@@ -18,14 +21,34 @@ env_txt() {
     python3 -c "import sys,torch,lmdeploy,transformers,triton;print('python',sys.version.split()[0],'torch',torch.__version__,'cuda',torch.version.cuda,'lmdeploy',lmdeploy.__version__,'transformers',transformers.__version__,'triton',triton.__version__)"
   } > "$OUT/env.txt" 2>&1
 }
-eff() {  # eff NAME TP EXTRA...
+eff() {  # eff NAME TP EXTRA... (a --backend in EXTRA wins over the --backend pytorch below)
   local name=$1 tp=$2; shift 2
   timeout "${EFF_TIMEOUT:-300}" python3 -m lmdq.bench efficiency --engine lmdeploy --backend pytorch --random-llama8b /root/llama8b \
     --tokenizer-from gpu-bundle/tok --tp "$tp" --n 1024 --batch-size 32 --input-len 234 --output-len 256 "$@" \
     -o "$OUT/efficiency_gpu_$name.json" > "$OUT/efficiency_$name.log" 2>&1
   grep -E "^rep|^(raw|stream1|lmdq|naive) " "$OUT/efficiency_$name.log" | tail -12
 }
+tm_env() {  # TurboMind's CUDA 12 libraries (kept off sys.path) + the host's NCCL; see turbomind_host.sh
+  for d in gpu-bundle/tm-*; do [ -d "$d" ] && bash "$d/turbomind_host.sh" gpu-bundle >> "$OUT/setup_tm.log" 2>&1; done
+  tail -1 "$OUT/setup_tm.log" 2>/dev/null | grep -q "^export LD_LIBRARY_PATH" && tail -1 "$OUT/setup_tm.log" > /root/tm_env.sh
+  [ -f /root/tm_env.sh ] && . /root/tm_env.sh
+  python3 -c "import lmdeploy.turbomind as t; print('turbomind available:', t.is_available(), t._import_error or '')"
+}
 case $stage in
+  tm|tmsuite|tmbench)
+    tm_env 2>&1 | tee -a "$OUT/setup_tm.log" | tail -3
+    grep -E "parts:|OK|verified" "$OUT/setup_tm.log" | tail -3
+    run=${TM_RUN:-none}; [ "$stage" = tmsuite ] && run=suite; [ "$stage" = tmbench ] && run=bench
+    if [ "$run" = suite ]; then
+      env_txt
+      timeout "${SUITE_TIMEOUT:-540}" python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
+        2>&1 | grep -v DEBUG > "$OUT/gpu_suite_both.log"
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|turbomind (generation|all)|backend auto" "$OUT/gpu_suite_both.log" | tail -40
+    elif [ "$run" = bench ]; then
+      EFF_TIMEOUT=${TM_EFF_TIMEOUT:-280} eff tm_turbomind 1 --backend turbomind --repeat 2 --skip-naive
+      [ "${PT_BENCH:-1}" = 1 ] && EFF_TIMEOUT=${PT_EFF_TIMEOUT:-280} eff tm_pytorch 1 --backend pytorch --repeat 1 --skip-naive
+    fi
+    ;;
   bench)
     env_txt
     # the worker's default (PyTorch engine loop in its own process), with the naive baseline: ~300 s warm,
