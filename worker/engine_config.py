@@ -12,8 +12,10 @@ the name users see (``tp`` → ``--tp`` / ``LMDQ_TP``): the field name, prefixed
 class's ``flag_prefix`` (the sim engine's own knobs read ``--sim-step-ms`` / ``LMDQ_SIM_STEP_MS``).
 Flat names are what existing deployments, docs and scripts use; they stay valid.
 
-A flat name the chosen engine does not declare is an error (:func:`split_engine_settings`), never
-silently ignored: ``--tp 2 --engine transformers`` would otherwise run on one device without a word.
+A flag (or Python keyword) the chosen engine does not declare is an error (:func:`split_engine_settings`),
+never silently ignored: ``--tp 2 --engine transformers`` would otherwise run on one device without a
+word. Env vars are shared by whole environments (a ConfigMap serving several workers), so an engine
+env var the chosen engine does not take is left alone and logged by the worker (:func:`unused_env`).
 """
 
 from __future__ import annotations

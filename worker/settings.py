@@ -2,8 +2,8 @@
 
 Engine settings are not declared here: each engine's typed configuration (:mod:`worker.engine_config`)
 is nested as ``.lmdeploy``, ``.transformers`` and ``.sim``, and keeps its flat names (``--tp`` /
-``LMDQ_TP``). Flat values (flags, Python keywords, env vars) go to the engine this worker runs; one
-that engine does not take is an error.
+``LMDQ_TP``). Flat values (flags, Python keywords, env vars) go to the engine this worker runs; a flag
+or keyword that engine does not take is an error, an env var it does not take is left alone.
 """
 
 from __future__ import annotations
