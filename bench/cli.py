@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from lmdq.worker.engine_config import EngineName, SimConfig, engine_flag_specs
+
+from lmdq.cli_options import model_options
+from lmdq.errors import run_cli
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
 
-
-
 @app.command()
+@model_options(engine_flag_specs(), into="engine_settings")
 def efficiency(
-    engine: Annotated[str, typer.Option(help="sim | lmdeploy | transformers")] = "sim",
+    engine_settings: dict[str, Any],
+    engine: Annotated[EngineName, typer.Option(help="the engine, built as the worker builds it")] = "sim",
     model: Annotated[str | None, typer.Option(help="model folder (lmdeploy/transformers)")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
     tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
@@ -26,41 +30,26 @@ def efficiency(
     output_len: Annotated[int, typer.Option()] = 256,
     repeat: Annotated[int, typer.Option(help="repeats of raw/lmdq/naive, median reported")] = 1,
     jobs_in_flight: Annotated[int, typer.Option(help="0 = auto")] = 0,
-    sim_step_ms: Annotated[float, typer.Option()] = 5.0,
-    sim_max_batch: Annotated[int, typer.Option()] = 256,
-    sim_emit_every: Annotated[int, typer.Option(help="sim: tokens per streamed event (LMDeploy: 1)")] = 64,
-    sim_step_cpu_ms: Annotated[float, typer.Option(help="sim: GIL-holding Python work per step")] = 0.0,
-    backend: Annotated[str, typer.Option()] = "pytorch",
-    dtype: Annotated[str, typer.Option()] = "auto",
-    cache_max_entry_count: Annotated[float, typer.Option()] = 0.8,
-    tp: Annotated[int, typer.Option(help="tensor parallel GPUs (lmdeploy)")] = 1,
-    mp_engine: Annotated[bool, typer.Option("--mp-engine/--no-mp-engine", help="lmdeploy pytorch: engine loop in "
-                                            "its own process (the worker's default)")] = True,
     skip_naive: Annotated[bool, typer.Option(help="skip the one-job-at-a-time baseline")] = False,
     stream_baseline: Annotated[bool, typer.Option(help="also: all prompts in one engine.stream call (no queue)")
                                ] = False,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
-    """raw engine vs lmdq vs naive lmdq, side by side; the LAST line printed is a JSON object."""
+    """raw engine vs lmdq vs naive lmdq, side by side; the LAST line printed is a JSON object.
+
+    The engine is built exactly as the worker builds it (same settings, flags and env vars: --tp,
+    --backend, --sim-step-ms, ...); a flag the engine does not take is an error."""
     from lmdq.bench.efficiency import EfficiencyConfig, run_efficiency
     from lmdq.bench.local_redis import local_redis
+    from lmdq.worker.engine_factory import build_engine
+    from lmdq.worker.settings import load_worker_settings
 
     cfg = EfficiencyConfig(n=n, batch_size=batch_size, input_len=input_len, output_len=output_len, repeat=repeat,
                            jobs_in_flight=jobs_in_flight, naive=not skip_naive,
                            stream_baseline=stream_baseline)
-    if engine == "sim":
-        from lmdq.worker.engines.sim import SimEngine
-
-        eng = SimEngine(model_name="sim-bench", step_ms=sim_step_ms, max_batch=sim_max_batch,
-                        emit_every=sim_emit_every, step_cpu_ms=sim_step_cpu_ms)
-        knobs = f"step={sim_step_ms}ms,max_batch={sim_max_batch}"
-        if sim_emit_every != 64 or sim_step_cpu_ms:  # 64: SimEngine's default emit_every
-            knobs += f",emit_every={sim_emit_every},step_cpu={sim_step_cpu_ms}ms"
-        model_name = f"sim({knobs})"
-    elif engine == "lmdeploy":
-        from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
-
+    model_name = model or ""
+    if engine == "lmdeploy":
         if random_llama8b:
             from lmdq.bench.random_model import build_random_llama
 
@@ -68,27 +57,24 @@ def efficiency(
                 raise typer.BadParameter("needs --tokenizer-from", param_hint="--random-llama8b")
             model = str(build_random_llama(random_llama8b, tokenizer_from))
             model_name = "random-llama3-8b-shape(vocab=49152)"
-        else:
-            model_name = model or ""
         if not model:
             raise typer.BadParameter("--model or --random-llama8b is required", param_hint="--model")
-        eng = LMDeployEngine(model_path=model, served_model_name="bench", backend=backend, dtype=dtype, tp=tp,
-                             cache_max_entry_count=cache_max_entry_count,
-                             mp_engine=mp_engine)  # type: ignore[assignment]
-    else:
-        from lmdq.worker.engines.transformers_engine import TransformersEngine
-
-        if not model:
-            from lmdq.worker.default_model import ensure_default_model
-
-            model = str(ensure_default_model())
-        eng = TransformersEngine(model_path=model, served_model_name="bench")  # type: ignore[assignment]
-        model_name = model
+    s = load_worker_settings(engine=engine, model=model, served_model_name="sim-bench" if engine == "sim" else "bench",
+                             **engine_settings)
+    if engine == "sim":
+        knobs = f"step={s.sim.step_ms}ms,max_batch={s.sim.max_batch}"
+        if s.sim.emit_every != SimConfig().emit_every or s.sim.step_cpu_ms:
+            knobs += f",emit_every={s.sim.emit_every},step_cpu={s.sim.step_cpu_ms}ms"
+        model_name = f"sim({knobs})"
+    eng = build_engine(s)
+    if engine == "transformers":
+        model_name = str(getattr(eng, "model_path", model_name))
     with local_redis(redis_url) as url:
         res = run_efficiency(eng, cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
     eng.close()
-    out = {"engine": engine, "model": model_name, "tp": tp, "n": n, "batch_size": batch_size, "input_len": input_len,
-           "output_len": output_len, **({"mp_engine": mp_engine} if engine == "lmdeploy" else {}), **res}
+    out = {"engine": engine, "model": model_name, "tp": s.lmdeploy.tp, "n": n, "batch_size": batch_size,
+           "input_len": input_len, "output_len": output_len,
+           **({"mp_engine": s.lmdeploy.mp_engine} if engine == "lmdeploy" else {}), **res}
     print(f"{'path':14s} {'tok/s':>10s} {'vs raw':>7s}")
     for k in ("raw", "stream1", "lmdq", "naive"):
         if res.get(k + "_tok_s") is None:
@@ -122,7 +108,7 @@ def producer(
 
 
 def main() -> None:
-    app()
+    run_cli(app)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from enum import Enum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 __all__ = [
     "BATCH_ID_PATTERN",
@@ -122,30 +123,49 @@ class ResponseFormat(_Strict):
         return self
 
 
+def _param(description: str, engine_default: Any = None, **constraints: Any) -> Any:
+    """A generation parameter: unset (None) by default so params layer (request over batch), with the
+    value engines use when nobody sets it (LMDeploy's ``GenerationConfig`` default) declared beside it."""
+    return Field(default=None, description=description, json_schema_extra={"engine_default": engine_default},
+                 **constraints)
+
+
+def _engine_default(info: FieldInfo) -> Any:
+    extra = info.json_schema_extra
+    return extra.get("engine_default") if isinstance(extra, dict) else None
+
+
 class GenerationParams(_Strict):
     """Sampling/stopping parameters, mirroring LMDeploy's ``GenerationConfig`` field for field.
 
     Every field is optional so that per-request params can be layered over batch defaults with
-    :meth:`merged`; engines read the effective values through :meth:`resolved`.
+    :meth:`merged`; engines read the effective values through :meth:`resolved`. This is the ONE
+    declaration of the parameters: the producer's flags and the file ``params`` checks derive from it.
     """
 
-    max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    min_new_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
-    do_sample: bool | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=100_000)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    random_seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    stop_words: list[Annotated[str, Field(min_length=1, max_length=1000)]] | None = Field(default=None, max_length=64)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    output_logits: Literal["all", "generation"] | None = None
-    output_last_hidden_state: Literal["all", "generation"] | None = None
-    response_format: ResponseFormat | None = None
+    max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = _param("max tokens to generate", 512)
+    min_new_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = _param(
+        "generate at least this many tokens (stop words and eos wait)")
+    do_sample: bool | None = _param("sample (else greedy: argmax, ignoring temperature/top-k/top-p)", False)
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = _param("sampling temperature", 0.8)
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = _param("nucleus sampling mass", 1.0)
+    top_k: Annotated[int, Field(ge=0, le=100_000)] | None = _param("sample among the k likeliest tokens", 50)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = _param(
+        "drop tokens below min_p x the likeliest one's probability", 0.0)
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = _param(
+        "penalty for tokens already present (1.0 = none)", 1.0)
+    random_seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = _param("sampling seed (default: random)")
+    stop_words: list[Annotated[str, Field(min_length=1, max_length=1000)]] | None = _param(
+        "stop at this text (repeatable)", max_length=64)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = _param("stop at this token id (repeatable)",
+                                                                      max_length=64)
+    ignore_eos: bool | None = _param("do not stop at eos (generate max_new_tokens)", False)
+    skip_special_tokens: bool | None = _param("leave special tokens out of the text", True)
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = _param("top-k logprobs per generated token")
+    output_logits: Literal["all", "generation"] | None = _param("logits: all | generation (tensors go to the blob URL)")
+    output_last_hidden_state: Literal["all", "generation"] | None = _param(
+        "last hidden states: all | generation (tensors go to the blob URL)")
+    response_format: ResponseFormat | None = _param("constrain the output to a JSON schema or a regex")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> GenerationParams:
@@ -163,26 +183,9 @@ class GenerationParams(_Strict):
         return GenerationParams.model_validate(data)
 
     def resolved(self) -> dict[str, Any]:
-        """Effective values with LMDeploy's defaults filled in (what every engine must honour)."""
-        out: dict[str, Any] = {
-            "max_new_tokens": 512,
-            "min_new_tokens": None,
-            "do_sample": False,
-            "temperature": 0.8,
-            "top_p": 1.0,
-            "top_k": 50,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "random_seed": None,
-            "stop_words": None,
-            "stop_token_ids": None,
-            "ignore_eos": False,
-            "skip_special_tokens": True,
-            "logprobs": None,
-            "output_logits": None,
-            "output_last_hidden_state": None,
-            "response_format": None,
-        }
+        """Effective values with LMDeploy's defaults filled in (what every engine must honour); each field
+        declares its default beside it (``engine_default``)."""
+        out = {name: _engine_default(info) for name, info in GenerationParams.model_fields.items()}
         out.update(self.model_dump(exclude_none=True))
         return out
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 __all__ = [
     "LmdqError",
     "run_cli",
+    "BadSetting",
     "BatchNotFound",
     "RedisRefused",
     "RedisUnavailable",
@@ -70,3 +71,11 @@ class RedisRefused(LmdqError):
     replica): nothing was left behind, and retrying later or elsewhere can succeed."""
 
     exit_code = 5
+
+
+class BadSetting(LmdqError, ValueError):
+    """A worker/engine setting (flag or ``LMDQ_*`` env var) with a bad value, or one the chosen engine does
+    not take: named by its flag and env var, exit 2 like any usage error. A ValueError too, so code that
+    validates settings keeps catching it as one."""
+
+    exit_code = 2

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from lmdq.cli_options import FlagSpec, model_options
 from lmdq.connection import connect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
 from lmdq.errors import run_cli
@@ -115,8 +116,23 @@ def _print_submitted(batch: Batch, created: bool, as_json: bool) -> None:
     typer.echo(batch.id)
 
 
+#: The producer's older spellings of some generation flags, kept working beside the derived ``--<field>``.
+_GENERATION_ALIASES: dict[str, tuple[str, ...]] = {
+    "random_seed": ("--seed",),
+    "stop_words": ("--stop",),
+    "stop_token_ids": ("--stop-token-id",),
+    "do_sample": (" /--greedy",),
+    "skip_special_tokens": (" /--keep-special-tokens",),
+}
+#: One flag per GenerationParams field (name, type, help from its declaration in lmdq/contract.py).
+GENERATION_FLAGS = [FlagSpec(key=name, flat=name, info=info, aliases=_GENERATION_ALIASES.get(name, ()))
+                    for name, info in GenerationParams.model_fields.items()]
+
+
 @app.command()
+@model_options(GENERATION_FLAGS, into="generation")
 def submit(
+    generation: dict[str, Any],
     file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, or OpenAI Batch JSONL")],
     model: Annotated[
         str | None,
@@ -125,26 +141,13 @@ def submit(
     batch_size: Annotated[int | None, typer.Option(min=1, help="requests per job (default 32)")] = None,
     priority: Annotated[Priority, typer.Option(help="queue priority")] = Priority.normal,
     metadata: Annotated[list[str] | None, typer.Option(help="k=v, repeatable")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option()] = None,
-    min_new_tokens: Annotated[int | None, typer.Option()] = None,
-    temperature: Annotated[float | None, typer.Option()] = None,
-    top_p: Annotated[float | None, typer.Option()] = None,
-    top_k: Annotated[int | None, typer.Option()] = None,
-    min_p: Annotated[float | None, typer.Option()] = None,
-    repetition_penalty: Annotated[float | None, typer.Option()] = None,
-    seed: Annotated[int | None, typer.Option(help="random_seed")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="stop word, repeatable")] = None,
-    stop_token_id: Annotated[list[int] | None, typer.Option(help="repeatable")] = None,
-    do_sample: Annotated[bool | None, typer.Option("--do-sample/--greedy")] = None,
-    ignore_eos: Annotated[bool | None, typer.Option("--ignore-eos/--no-ignore-eos")] = None,
-    skip_special_tokens: Annotated[bool | None, typer.Option("--skip-special-tokens/--keep-special-tokens")] = None,
-    logprobs: Annotated[int | None, typer.Option(help="top-k logprobs per generated token")] = None,
-    output_logits: Annotated[str | None, typer.Option(help="all | generation (tensors go to --blob-url)")] = None,
-    output_last_hidden_state: Annotated[str | None, typer.Option(help="all | generation")] = None,
     json_schema: Annotated[
-        Path | None, typer.Option(help="constrain every answer to this JSON schema (a .json file)")
+        Path | None, typer.Option(help="constrain every answer to this JSON schema (a .json file); "
+                                       "shorthand for --response-format")
     ] = None,
-    regex: Annotated[str | None, typer.Option(help="constrain every answer to this regex")] = None,
+    regex: Annotated[
+        str | None, typer.Option(help="constrain every answer to this regex; shorthand for --response-format")
+    ] = None,
     idempotency_key: Annotated[str | None, typer.Option(help="same key → same batch, never enqueued twice")] = None,
     completion_window: Annotated[str | None, typer.Option(help="e.g. 24h: requests not started by then expire")] = None,
     allow_unknown_model: Annotated[bool, typer.Option(help="queue even if no worker ever served MODEL")] = False,
@@ -163,26 +166,9 @@ def submit(
     from pydantic import ValidationError
 
     s = _settings()
-    raw_params = {
-        "max_new_tokens": max_new_tokens,
-        "min_new_tokens": min_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "repetition_penalty": repetition_penalty,
-        "random_seed": seed,
-        "stop_words": stop or None,
-        "stop_token_ids": stop_token_id or None,
-        "do_sample": do_sample,
-        "ignore_eos": ignore_eos,
-        "skip_special_tokens": skip_special_tokens,
-        "logprobs": logprobs,
-        "output_logits": output_logits,
-        "output_last_hidden_state": output_last_hidden_state,
-    }
-    if json_schema is not None and regex is not None:
-        print("error: --json-schema and --regex: pass one of them", file=sys.stderr)
+    raw_params: dict[str, Any] = dict(generation)
+    if sum(x is not None for x in (json_schema, regex, raw_params.get("response_format"))) > 1:
+        print("error: --json-schema, --regex and --response-format: pass one of them", file=sys.stderr)
         raise typer.Exit(2)
     if json_schema is not None:
         try:
@@ -207,7 +193,8 @@ def submit(
         try:
             check_response_format(params.response_format)
         except ValueError as e:
-            print(f"error: {'--json-schema' if json_schema else '--regex'}: {e}", file=sys.stderr)
+            flag = "--json-schema" if json_schema else "--regex" if regex is not None else "--response-format"
+            print(f"error: {flag}: {e}", file=sys.stderr)
             raise typer.Exit(2) from e
     opts = SubmitOptions(
         model=model,

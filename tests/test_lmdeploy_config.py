@@ -11,6 +11,7 @@ import pytest
 lmdeploy = pytest.importorskip("lmdeploy")
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig  # noqa: E402
+from lmdq.worker.engine_config import LMDeployConfig  # noqa: E402
 from lmdq.worker.engines.base import EngineError  # noqa: E402
 from lmdq.worker.engines.lmdeploy_engine import (  # noqa: E402
     _check_tp,
@@ -24,31 +25,39 @@ from lmdq.contract import GenerationParams  # noqa: E402
 
 
 def test_pytorch_backend_flags_reach_pytorch_engine_config() -> None:
-    c = build_backend_config(backend="pytorch", tp=2, dtype="float16", session_len=4096, max_batch_size=256,
-                             cache_max_entry_count=0.5, quant_policy=8, eager_mode=True)
+    c = build_backend_config(LMDeployConfig(backend="pytorch", tp=2, dtype="float16", session_len=4096,
+                                            max_batch_size=256, cache_max_entry_count=0.5, quant_policy=8,
+                                            eager_mode=True))
     assert isinstance(c, PytorchEngineConfig)
     assert (c.tp, c.dtype, c.session_len, c.max_batch_size, c.cache_max_entry_count, c.eager_mode) == (
         2, "float16", 4096, 256, 0.5, True)
     assert int(c.quant_policy) == 8
     # the engine loop runs in its own process unless asked not to (as LMDeploy's own api_server does)
     assert c.enable_mp_engine is True
-    assert build_backend_config(backend="pytorch", mp_engine=False).enable_mp_engine is False
+    assert build_backend_config(LMDeployConfig(backend="pytorch", mp_engine=False)).enable_mp_engine is False
 
 
 @pytest.mark.parametrize("backend", ["turbomind", "auto"])
 def test_turbomind_and_auto_give_turbomind_config(backend: str) -> None:
-    c = build_backend_config(backend=backend, tp=4, dtype="bfloat16", session_len=8192, max_batch_size=128,
-                             cache_max_entry_count=0.9, quant_policy=4)
+    c = build_backend_config(LMDeployConfig(backend=backend, tp=4, dtype="bfloat16", session_len=8192,
+                                            max_batch_size=128, cache_max_entry_count=0.9, quant_policy=4))
     assert isinstance(c, TurbomindEngineConfig)
     assert (c.tp, c.dtype, c.session_len, c.max_batch_size, c.cache_max_entry_count, c.quant_policy) == (
         4, "bfloat16", 8192, 128, 0.9, 4)
 
 
 def test_defaults_leave_lmdeploy_defaults() -> None:
-    c = build_backend_config(backend="pytorch")
+    c = build_backend_config(LMDeployConfig(backend="pytorch"))
     ref = PytorchEngineConfig()
     assert (c.tp, c.dtype, c.session_len, c.max_batch_size, c.cache_max_entry_count) == (
         ref.tp, ref.dtype, ref.session_len, ref.max_batch_size, ref.cache_max_entry_count)
+
+
+def test_worker_defaults_build_a_turbomind_config() -> None:
+    """The worker's defaults (--backend auto, no --max-batch-size): TurboMind's config used to refuse the
+    explicit max_batch_size=None lmdq passed; unset values are now left to LMDeploy."""
+    c = build_backend_config(LMDeployConfig())
+    assert isinstance(c, TurbomindEngineConfig) and c.max_batch_size == TurbomindEngineConfig().max_batch_size
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -58,8 +67,9 @@ def test_defaults_leave_lmdeploy_defaults() -> None:
     ({"backend": "pytorch", "cache_max_entry_count": 1.5}, "--cache-max-entry-count"),
 ])
 def test_bad_flags_are_clear_errors(kw: dict, msg: str) -> None:
+    """Checked where the settings are declared (LMDeployConfig), worded with the flag's name."""
     with pytest.raises(ValueError, match=msg):
-        build_backend_config(**kw)
+        build_backend_config(LMDeployConfig.from_values(**kw))
 
 
 def test_generation_params_map_field_for_field() -> None:
@@ -106,11 +116,77 @@ def test_worker_flags_reach_engine_config(monkeypatch: pytest.MonkeyPatch) -> No
 
     s = WorkerSettings(model="/m", engine="lmdeploy", backend="pytorch", tp=1, dtype="float16", session_len=2048,
                        max_batch_size=64, eager_mode=True)
-    c = build_backend_config(backend=s.backend, tp=s.tp, dtype=s.dtype, session_len=s.session_len,
-                             max_batch_size=s.max_batch_size, cache_max_entry_count=s.cache_max_entry_count,
-                             quant_policy=s.quant_policy, eager_mode=s.eager_mode, mp_engine=s.mp_engine)
+    c = build_backend_config(s.lmdeploy)
     assert isinstance(c, PytorchEngineConfig) and int(c.quant_policy) == 8 and c.max_batch_size == 64
     assert c.enable_mp_engine is False
+
+
+# Every LMDeployConfig field, with a value that is NOT its default, and where it lands: the attribute of
+# LMDeploy's engine config it must reach, or (None) the part of LMDeployEngine that consumes it instead.
+# A new field fails test_every_config_field_is_accounted_for until it is wired and listed here.
+NON_DEFAULT = {
+    "session_len": (4096, "session_len"),
+    "dtype": ("float16", "dtype"),
+    "tp": (2, "tp"),
+    "max_batch_size": (96, "max_batch_size"),
+    "cache_max_entry_count": (0.55, "cache_max_entry_count"),
+    "quant_policy": (4, "quant_policy"),
+    "eager_mode": (True, "eager_mode"),            # pytorch only
+    "mp_engine": (False, "enable_mp_engine"),      # pytorch only
+    "backend": ("pytorch", None),                  # picks the class (checked below)
+    "chat_template": ("llama3", None),             # pipeline's chat_template_config (resolve_chat_template)
+    "raw": (True, None),                           # LMDeployEngine.raw: stream_infer's do_preprocess
+}
+PYTORCH_ONLY = {"eager_mode", "mp_engine"}
+
+
+def test_every_config_field_is_accounted_for() -> None:
+    assert set(NON_DEFAULT) == set(LMDeployConfig.model_fields)
+    for name, (value, _) in NON_DEFAULT.items():
+        assert value != LMDeployConfig.model_fields[name].default, name
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "turbomind"])
+@pytest.mark.parametrize("field", [f for f, (_, attr) in NON_DEFAULT.items() if attr])
+def test_every_engine_field_reaches_build_backend_config(backend: str, field: str) -> None:
+    """One field at a time set away from its default: the LMDeploy config object carries exactly that value
+    (and the others stay what build_backend_config gives for the defaults)."""
+    value, attr = NON_DEFAULT[field]
+    if backend == "turbomind" and field in PYTORCH_ONLY:
+        pytest.skip("a PyTorch-engine setting")
+    base = build_backend_config(LMDeployConfig(backend=backend))
+    c = build_backend_config(LMDeployConfig(backend=backend, **{field: value}))
+    assert isinstance(c, PytorchEngineConfig if backend == "pytorch" else TurbomindEngineConfig)
+    got = getattr(c, attr)
+    assert (int(got) if field == "quant_policy" else got) == value
+    assert getattr(base, attr) != value  # the default did not already produce it
+
+
+def test_engine_constructor_hands_every_field_on(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """LMDeployEngine(config): the backend fields reach the pipeline's backend_config, chat_template its
+    chat_template_config, raw the engine (LMDeploy's pipeline replaced by a recorder: no GPU here)."""
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
+
+    seen: dict = {}
+
+    def fake_pipeline(model_path, backend_config, chat_template_config, log_level):  # type: ignore[no-untyped-def]
+        seen.update(model_path=model_path, backend_config=backend_config, chat_template_config=chat_template_config)
+        pipe = _FakePipe(backend="pytorch")
+        pipe.backend_config = backend_config
+        return pipe
+
+    monkeypatch.setattr(lmdeploy, "pipeline", fake_pipeline)
+    values = {f: v for f, (v, _) in NON_DEFAULT.items() if f != "tp"}  # tp > 1 needs that many GPUs
+    eng = LMDeployEngine(LMDeployConfig(**values), model_path=str(tmp_path), served_model_name="m")
+    bc = seen["backend_config"]
+    for field, (value, attr) in NON_DEFAULT.items():
+        if attr and field != "tp":
+            got = getattr(bc, attr)
+            assert (int(got) if field == "quant_policy" else got) == value, field
+    assert isinstance(bc, PytorchEngineConfig) and eng.backend == "pytorch"  # backend
+    assert seen["chat_template_config"].model_name == NON_DEFAULT["chat_template"][0]  # chat_template
+    assert eng.raw is True and eng.capacity == NON_DEFAULT["max_batch_size"][0]  # raw
+    assert eng.config == LMDeployConfig(**values)
 
 
 SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Annotated, Any
 
 import typer
-from lmdq.worker.settings import WorkerSettings
+from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
+from lmdq.worker.settings import load_worker_settings
 
+from lmdq.cli_options import model_options
 from lmdq.connection import connect, redact_url
 from lmdq.errors import run_cli
 from lmdq.logs import configure_logging, get_logger
@@ -16,26 +19,14 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 @app.command()
+@model_options(engine_flag_specs(), into="engine_settings")
 def run(
+    engine_settings: dict[str, Any],
     model: Annotated[str | None, typer.Option(help="model folder or hub id (default: embedded SmolLM2 on CPU)")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="name producers submit to (queue)")] = None,
-    engine: Annotated[str | None, typer.Option(help="lmdeploy | transformers | sim")] = None,
-    backend: Annotated[str | None, typer.Option(help="auto | turbomind | pytorch (lmdeploy)")] = None,
-    tp: Annotated[int | None, typer.Option(help="tensor parallel GPUs")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto | float16 | bfloat16 | float32")] = None,
-    session_len: Annotated[int | None, typer.Option()] = None,
-    max_batch_size: Annotated[int | None, typer.Option()] = None,
-    cache_max_entry_count: Annotated[float | None, typer.Option()] = None,
-    quant_policy: Annotated[int | None, typer.Option(help="0 | 4 | 8 (KV cache quantization)")] = None,
-    chat_template: Annotated[str | None, typer.Option(help="LMDeploy template name, or a Jinja file")] = None,
-    eager_mode: Annotated[bool | None, typer.Option("--eager-mode/--no-eager-mode")] = None,
-    mp_engine: Annotated[
-        bool | None, typer.Option("--mp-engine/--no-mp-engine", help="pytorch: engine loop in its own process")
+    engine: Annotated[
+        EngineName | None, typer.Option(help="the (engines) after an engine flag's help are those that take it")
     ] = None,
-    raw: Annotated[bool | None, typer.Option("--raw/--no-raw", help="never apply the chat template")] = None,
-    device: Annotated[str | None, typer.Option(help="transformers engine: auto | cpu | cuda")] = None,
-    sim_step_ms: Annotated[float | None, typer.Option(help="sim engine: ms per decode step")] = None,
-    sim_max_batch: Annotated[int | None, typer.Option(help="sim engine: concurrent sequences")] = None,
     burst: Annotated[bool | None, typer.Option("--burst/--no-burst", help="exit when the queues are empty")] = None,
     jobs_in_flight: Annotated[int | None, typer.Option(help="max jobs held at once (0 = auto)")] = None,
     prefetch_requests: Annotated[
@@ -48,25 +39,14 @@ def run(
     worker_name: Annotated[str | None, typer.Option()] = None,
     redis_url: Annotated[str | None, typer.Option(help="env LMDQ_REDIS_URL, then REDIS_URL")] = None,
 ) -> None:
-    """Run a worker until stopped (or, with --burst, until its queues are empty)."""
+    """Run a worker until stopped (or, with --burst, until its queues are empty).
+
+    Engine settings (--tp, --dtype, --sim-step-ms, ...) come from the engines' one declaration
+    (lmdq.worker.engine_config); one the chosen engine does not take is an error (exit 2)."""
     flags: dict[str, Any] = {
         "model": model,
         "served_model_name": served_model_name,
         "engine": engine,
-        "backend": backend,
-        "tp": tp,
-        "dtype": dtype,
-        "session_len": session_len,
-        "max_batch_size": max_batch_size,
-        "cache_max_entry_count": cache_max_entry_count,
-        "quant_policy": quant_policy,
-        "chat_template": chat_template,
-        "eager_mode": eager_mode,
-        "mp_engine": mp_engine,
-        "raw": raw,
-        "device": device,
-        "sim_step_ms": sim_step_ms,
-        "sim_max_batch": sim_max_batch,
         "burst": burst,
         "jobs_in_flight": jobs_in_flight,
         "prefetch_requests": prefetch_requests,
@@ -77,7 +57,7 @@ def run(
         "worker_name": worker_name,
         "redis_url": redis_url,
     }
-    s = WorkerSettings(**{k: v for k, v in flags.items() if v is not None})
+    s = load_worker_settings(**{k: v for k, v in flags.items() if v is not None}, **engine_settings)
     configure_logging(s.log_format, s.log_level)
     if not s.worker_name:
         # One name for logs, Redis records and metrics labels.
@@ -85,6 +65,10 @@ def run(
 
         s.worker_name = default_worker_name()
     log = get_logger("lmdq.worker")
+    ignored = unused_env(s.engine_name, os.environ)
+    if ignored:
+        log.warning("engine settings in the environment that this engine does not take; ignored",
+                    engine=s.engine_name, env=ignored)
     client = connect(s.redis_url, retries=s.redis_retries)
     log.info("connected to redis", url=redact_url(s.redis_url))
 
@@ -95,7 +79,7 @@ def run(
     try:
         from lmdq.worker.health import WorkerHealth
     except ImportError:  # pragma: no cover - health endpoint is optional
-        WorkerHealth = None  # type: ignore[assignment,misc]  # noqa: N806
+        WorkerHealth = None  # noqa: N806
     t0 = time.monotonic()
     name_hint = s.served_model_name or s.model or "default"
     if WorkerHealth is not None and s.health_port:
@@ -105,7 +89,8 @@ def run(
         health.set_redis_check(lambda: bool(client.ping()))
     eng = build_engine(s)
     load_s = time.monotonic() - t0
-    log.info("engine loaded", engine=eng.name, backend=eng.backend, model=eng.model_name, load_s=round(load_s, 2))
+    log.info("engine loaded", engine=eng.name, backend=eng.backend, model=eng.model_name, load_s=round(load_s, 2),
+             config=s.engine_config.model_dump(mode="json"))
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
     if health is not None:
         health.set_engine_loaded(load_s)

@@ -1,33 +1,67 @@
-"""Worker settings: every flag is also an ``LMDQ_`` env var (flag > env > default)."""
+"""Worker settings: every flag is also an ``LMDQ_`` env var (flag > env > default).
+
+Engine settings are not declared here: each engine's typed configuration (:mod:`worker.engine_config`)
+is nested as ``.lmdeploy``, ``.transformers`` and ``.sim``, and keeps its flat names (``--tp`` /
+``LMDQ_TP``). Flat values (flags, Python keywords, env vars) go to the engine this worker runs; a flag
+or keyword that engine does not take is an error, an env var it does not take is left alone.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any
 
-from pydantic import Field, field_validator
+from lmdq.worker.engine_config import (
+    ENGINE_CONFIGS,
+    EngineConfig,
+    EngineName,
+    LMDeployConfig,
+    SimConfig,
+    TransformersConfig,
+    all_flat_names,
+    describe_validation_error,
+    split_engine_settings,
+)
+from pydantic import Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from lmdq.settings import CommonSettings
 
-__all__ = ["WorkerSettings"]
+__all__ = ["WorkerSettings", "load_worker_settings", "resolve_engine"]
+
+#: Where :class:`_EngineEnvSource` hands the engine env vars to the validator, apart from the flat
+#: keywords, so that a flag (or keyword) still beats its env var.
+_ENGINE_ENV = "__engine_env__"
+
+
+def resolve_engine(engine: str | None, model: str | None) -> str:
+    """No ``--engine``: the embedded default model runs on transformers, a named model on LMDeploy."""
+    return engine or ("transformers" if model is None else "lmdeploy")
+
+
+class _EngineEnvSource(PydanticBaseSettingsSource):
+    """``LMDQ_<flat name>`` for every engine setting (``LMDQ_TP``, ``LMDQ_SIM_STEP_MS``, ...): the names
+    deployments use, though the settings themselves are nested per engine."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # everything is read in __call__
+
+    def __call__(self) -> dict[str, Any]:
+        prefix = str(self.config.get("env_prefix", "")).lower()
+        env = {k.lower(): v for k, v in os.environ.items()}  # case-insensitive, like the default env source
+        found = {flat: env[prefix + flat] for flat in all_flat_names() if prefix + flat in env}
+        return {_ENGINE_ENV: found} if found else {}
 
 
 class WorkerSettings(CommonSettings):
     # model and engine
     model: str | None = Field(default=None, description="model folder or hub id; none = embedded SmolLM2 on CPU")
     served_model_name: str | None = None
-    engine: Literal["lmdeploy", "transformers", "sim"] | None = None
-    backend: Literal["auto", "turbomind", "pytorch"] = "auto"
-    tp: int = Field(default=1, ge=1, le=64)
-    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    session_len: int | None = Field(default=None, ge=16)
-    max_batch_size: int | None = Field(default=None, ge=1)
-    cache_max_entry_count: float = Field(default=0.8, gt=0.0)
-    quant_policy: int = Field(default=0, description="KV cache quantization: 0, 4 or 8")
-    chat_template: str | None = None
-    eager_mode: bool = False
-    mp_engine: bool = Field(default=True, description="PyTorch backend: engine loop in its own process")
-    raw: bool = Field(default=False, description="skip the chat template for plain prompts too")
-    device: str = "auto"
+    engine: EngineName | None = Field(default=None, description="lmdeploy | transformers | sim")
+    lmdeploy: LMDeployConfig = Field(default_factory=LMDeployConfig)
+    transformers: TransformersConfig = Field(default_factory=TransformersConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors when a batch names none (LMDQ_BLOB_URL)"
     )
@@ -35,9 +69,6 @@ class WorkerSettings(CommonSettings):
         default="", description="comma-separated folders / s3:// prefixes a batch's results_url or blob_url may "
         "name, beyond LMDQ_BLOB_URL (LMDQ_ALLOWED_OUTPUT_URLS); a job writing elsewhere is refused"
     )
-    # sim engine
-    sim_step_ms: float = Field(default=5.0, ge=0.0)
-    sim_max_batch: int = Field(default=256, ge=1)
     # worker loop
     worker_name: str | None = None
     burst: bool = False
@@ -56,11 +87,51 @@ class WorkerSettings(CommonSettings):
     health_host: str = "0.0.0.0"
     health_port: int = Field(default=8000, ge=0, le=65535, description="0 = no HTTP endpoint")
 
-    @field_validator("quant_policy")
     @classmethod
-    def _quant(cls, v: int) -> int:
-        if v not in (0, 4, 8):
-            raise ValueError(f"expected 0, 4 or 8, got {v}")
-        return v
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _EngineEnvSource(settings_cls), env_settings, dotenv_settings, file_secret_settings
 
-    model_config = {**CommonSettings.model_config, "populate_by_name": True}  # type: ignore[misc]
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_settings(cls, data: Any) -> Any:
+        """Flat engine settings → the chosen engine's nested config (flag > env > default)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        env = data.pop(_ENGINE_ENV, None) or {}
+        engine = resolve_engine(data.get("engine"), data.get("model"))
+        if engine not in ENGINE_CONFIGS:  # the engine field itself reports the bad name
+            for flat in all_flat_names():
+                data.pop(flat, None)
+            return data
+        data[engine] = split_engine_settings(data, engine, env)
+        return data
+
+    @property
+    def engine_name(self) -> str:
+        """The engine this worker runs (``engine``, or the default for ``model``)."""
+        return resolve_engine(self.engine, self.model)
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The chosen engine's configuration."""
+        config: EngineConfig = getattr(self, self.engine_name)
+        return config
+
+    model_config = {**CommonSettings.model_config, "populate_by_name": True}
+
+
+def load_worker_settings(**values: Any) -> WorkerSettings:
+    """``WorkerSettings(**values)`` for the CLIs: a bad or unsupported setting is one :class:`BadSetting`
+    line naming its flag and env var (exit 2), not a pydantic report."""
+    try:
+        return WorkerSettings(**values)
+    except ValidationError as exc:
+        raise describe_validation_error(exc, WorkerSettings) from exc

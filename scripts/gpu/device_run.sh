@@ -28,9 +28,9 @@ env_txt() {
     python3 -c "import sys,torch,lmdeploy,transformers,triton;print('python',sys.version.split()[0],'torch',torch.__version__,'cuda',torch.version.cuda,'lmdeploy',lmdeploy.__version__,'transformers',transformers.__version__,'triton',triton.__version__)"
   } > "$OUT/env.txt" 2>&1
 }
-eff() {  # eff NAME TP EXTRA...
+eff() {  # eff NAME TP EXTRA... (a --backend in EXTRA wins over the --backend pytorch below)
   local name=$1 tp=$2; shift 2
-  timeout "${EFF_TIMEOUT:-300}" python3 -m lmdq.bench efficiency --engine lmdeploy --random-llama8b /root/llama8b \
+  timeout "${EFF_TIMEOUT:-300}" python3 -m lmdq.bench efficiency --engine lmdeploy --backend pytorch --random-llama8b /root/llama8b \
     --tokenizer-from gpu-bundle/tok --tp "$tp" --n 1024 --batch-size 32 --input-len 234 --output-len 256 "$@" \
     -o "$OUT/efficiency_gpu_$name.json" > "$OUT/efficiency_$name.log" 2>&1
   grep -E "^rep|^(raw|stream1|lmdq|naive) " "$OUT/efficiency_$name.log" | tail -12

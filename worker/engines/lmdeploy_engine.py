@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from lmdq.worker.engine_config import LMDeployConfig
 from lmdq.worker.engines import orphan_guard
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.failure_burst import FailureBurst
@@ -57,77 +58,51 @@ BURST_SETTLE_S = 30.0
 DEAD_CLOSE_TIMEOUT_S = 15.0
 
 
-def build_backend_config(
-    *,
-    backend: str = "auto",
-    tp: int = 1,
-    dtype: str = "auto",
-    session_len: int | None = None,
-    max_batch_size: int | None = None,
-    cache_max_entry_count: float = 0.8,
-    quant_policy: int = 0,
-    eager_mode: bool = False,
-    mp_engine: bool = True,
-) -> Any:
-    """Translate lmdq's flags into LMDeploy's engine config (the real classes).
+def build_backend_config(config: LMDeployConfig) -> Any:
+    """The worker's LMDeploy settings → LMDeploy's engine config (the real classes).
 
     'auto' returns a TurbomindEngineConfig, which LMDeploy itself falls back from to PyTorch
-    when TurboMind can't serve the model; 'pytorch' pins the PyTorch engine.
+    when TurboMind can't serve the model; 'pytorch' pins the PyTorch engine. Values were checked
+    when ``config`` was built (LMDeployConfig declares their types, bounds and defaults).
     """
+    import dataclasses
+
     from lmdeploy import PytorchEngineConfig, TurbomindEngineConfig
 
-    if backend not in ("auto", "turbomind", "pytorch"):
-        raise ValueError(f"--backend: expected auto|turbomind|pytorch, got {backend!r}")
-    if dtype not in ("auto", "float16", "bfloat16"):
-        raise ValueError(f"--dtype: expected auto|float16|bfloat16 for lmdeploy, got {dtype!r}")
-    if quant_policy not in (0, 4, 8):
-        raise ValueError(f"--quant-policy: expected 0, 4 or 8, got {quant_policy!r}")
-    common: dict[str, Any] = {
-        "tp": tp,
-        "dtype": dtype,
-        "session_len": session_len,
-        "max_batch_size": max_batch_size,
-        "cache_max_entry_count": cache_max_entry_count,
-        "quant_policy": quant_policy,
-    }
-    if backend == "pytorch":
-        if not 0 < cache_max_entry_count < 1:
-            raise ValueError("--cache-max-entry-count: the PyTorch engine needs a fraction 0 < x < 1")
+    def same_named(cls: type) -> dict[str, Any]:
+        """The settings LMDeploy's config class takes under the same name (tp, dtype, session_len, ...).
+        Unset (None) = LMDeploy's own default, left to LMDeploy: TurbomindEngineConfig refuses an explicit
+        max_batch_size=None although None is its default (lmdeploy 0.18)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in config.model_dump().items() if k in names and v is not None}
+
+    tp = config.tp
+    if config.backend == "pytorch":
         # tp > 1 on one host: multiprocessing executor (LMDeploy's default for tp > 1 wants ray).
         extra: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
         # logprobs_mode: without it the PyTorch engine returns no logprobs at all (found on the GPU); it costs
         # nothing for requests that don't ask (the engine computes them only when a request in the step does).
         # enable_mp_engine: the engine's scheduler runs in its own process (what LMDeploy's own api_server
         # always does), so it never waits for the GIL behind the worker's threads and their per-token work.
-        return PytorchEngineConfig(**common, eager_mode=eager_mode, logprobs_mode="raw_logprobs",
-                                   enable_mp_engine=mp_engine, **extra)
-    return TurbomindEngineConfig(**{k: v for k, v in common.items() if v is not None})  # unset: LMDeploy decides
+        return PytorchEngineConfig(**same_named(PytorchEngineConfig), logprobs_mode="raw_logprobs",
+                                   enable_mp_engine=config.mp_engine, **extra)
+    return TurbomindEngineConfig(**same_named(TurbomindEngineConfig))
 
 
 def build_gen_config(p: dict[str, Any]) -> Any:
-    """lmdq's resolved params (``GenerationParams.resolved()``) → LMDeploy ``GenerationConfig``."""
+    """lmdq's resolved params (``GenerationParams.resolved()``) → LMDeploy ``GenerationConfig``.
+
+    Field for field by name (GenerationParams mirrors GenerationConfig, and is the one declaration of
+    the parameters); ``response_format`` is translated to LMDeploy's spelling."""
+    import dataclasses
+
     from lmdeploy import GenerationConfig
 
-    return GenerationConfig(
-        n=1,
-        max_new_tokens=p["max_new_tokens"],
-        min_new_tokens=p["min_new_tokens"],
-        do_sample=p["do_sample"],
-        temperature=p["temperature"],
-        top_p=p["top_p"],
-        top_k=p["top_k"],
-        min_p=p["min_p"],
-        repetition_penalty=p["repetition_penalty"],
-        random_seed=p["random_seed"],
-        stop_words=p["stop_words"],
-        stop_token_ids=p["stop_token_ids"],
-        ignore_eos=p["ignore_eos"],
-        skip_special_tokens=p["skip_special_tokens"],
-        logprobs=p["logprobs"],
-        output_logits=p.get("output_logits"),
-        output_last_hidden_state=p.get("output_last_hidden_state"),
-        response_format=to_lmdeploy(p.get("response_format")),
-    )
+    known = {f.name for f in dataclasses.fields(GenerationConfig)}
+    unknown = sorted(set(p) - known)
+    if unknown:  # a parameter LMDeploy does not have must fail loudly, never be dropped
+        raise EngineError(f"LMDeploy's GenerationConfig has no {', '.join(unknown)}")
+    return GenerationConfig(n=1, **{**p, "response_format": to_lmdeploy(p.get("response_format"))})
 
 
 def _logprob_rows(token_ids: list[int], rows: list[dict[int, float]], k: int) -> list[tuple[int, float, list[Any]]]:
@@ -265,55 +240,40 @@ class LMDeployEngine:
 
     def __init__(
         self,
+        config: LMDeployConfig | None = None,
+        /,
         *,
         model_path: str,
         served_model_name: str | None = None,
-        backend: str = "auto",
-        tp: int = 1,
-        dtype: str = "auto",
-        session_len: int | None = None,
-        max_batch_size: int | None = None,
-        cache_max_entry_count: float = 0.8,
-        quant_policy: int = 0,
-        chat_template: str | None = None,
-        eager_mode: bool = False,
-        mp_engine: bool = True,
-        raw: bool = False,
         log_level: str = "WARNING",
         emit_interval_s: float = 0.5,
+        **overrides: Any,
     ) -> None:
-        _check_tp(tp, model_path)
+        """``config`` (default: :class:`LMDeployConfig`'s defaults) with ``overrides`` over it, by name
+        (``backend="pytorch"``): the settings are declared once, in LMDeployConfig."""
+        config = LMDeployConfig.from_values(config, **overrides)
+        _check_tp(config.tp, model_path)
         from lmdeploy import pipeline
 
-        dtype, warning = resolve_dtype(model_path, dtype)
+        dtype, warning = resolve_dtype(model_path, config.dtype)
         if warning:
             log.warning(warning)
         self.dtype = dtype
-
+        self.config = config.model_copy(update={"dtype": dtype})
+        cfg = build_backend_config(self.config)
         orphan_guard.install()  # before LMDeploy starts any process: they all die with this one
         groups_before = orphan_guard.tracked_groups()
-        cfg = build_backend_config(
-            backend=backend,
-            tp=tp,
-            dtype=dtype,
-            session_len=session_len,
-            max_batch_size=max_batch_size,
-            cache_max_entry_count=cache_max_entry_count,
-            quant_policy=quant_policy,
-            eager_mode=eager_mode,
-            mp_engine=mp_engine,
-        )
         self.pipe = pipeline(
             model_path,
             backend_config=cfg,
-            chat_template_config=resolve_chat_template(chat_template),
+            chat_template_config=resolve_chat_template(config.chat_template),
             log_level=log_level,
         )
         self.model_name = served_model_name or Path(model_path.rstrip("/")).name
         bc = self.pipe.backend_config
         self.backend = "pytorch" if type(bc).__name__.startswith("Pytorch") else "turbomind"
         self.capacity = int(getattr(bc, "max_batch_size", None) or 128)
-        self.raw = raw
+        self.raw = config.raw
         self.emit_interval_s = emit_interval_s
         self._closed = False
         self._init_lifecycle(orphan_guard.tracked_groups() - groups_before)

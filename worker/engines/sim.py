@@ -32,9 +32,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmdq.worker.engine_config import SimConfig
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 
-__all__ = ["SimEngine", "minimal_instance"]
+__all__ = ["SIM_CONTEXT_LEN", "SimEngine", "minimal_instance"]
+
+#: The simulated model's own context length: its session_len when the config leaves it unset (as a real
+#: engine falls back to its model's max_position_embeddings).
+SIM_CONTEXT_LEN = 32768
 
 _WORDS = [
     "alpha",
@@ -87,12 +92,12 @@ class _Seq:
     max_new: int
     seed: bytes
     stop_words: list[str]
+    emit_every: int  # the engine's (SimConfig.emit_every)
     words: list[str] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # chars of text already emitted
     n: int = 0
     done: bool = False
-    emit_every: int = 16
     extra: dict[str, str] = field(default_factory=dict)
     guided: str | None = None  # the minimal JSON instance the output must be
     logprobs: int | None = None
@@ -104,28 +109,21 @@ class SimEngine:
     name = "sim"
     backend = "sim"
 
-    def __init__(
-        self,
-        *,
-        model_name: str = "sim",
-        step_ms: float = 5.0,
-        max_batch: int = 256,
-        session_len: int = 32768,
-        emit_every: int = 64,
-        sim_vocab: int = 1000,
-        sim_hidden: int = 64,
-        step_cpu_ms: float = 0.0,
-    ) -> None:
+    def __init__(self, config: SimConfig | None = None, /, *, model_name: str = "sim", **overrides: Any) -> None:
+        """``config`` (default: :class:`SimConfig`'s defaults) with ``overrides`` over it, by field or flag
+        name (``step_ms=1`` or ``sim_step_ms=1``): the settings are declared once, in SimConfig."""
+        cfg = SimConfig.from_values(config, **overrides)
+        self.config = cfg
         self.model_name = model_name
-        self.step_s = step_ms / 1000.0
+        self.step_s = cfg.step_ms / 1000.0
         # Python work per step that holds the GIL (LMDeploy's PyTorch engine schedules, samples and
         # detokenizes in Python in the worker's process): lets the sim show GIL contention.
-        self.step_cpu_s = step_cpu_ms / 1000.0
-        self.max_batch = max_batch
-        self.session_len = session_len
-        self.emit_every = emit_every
-        self.sim_vocab = sim_vocab
-        self.sim_hidden = sim_hidden
+        self.step_cpu_s = cfg.step_cpu_ms / 1000.0
+        self.max_batch = cfg.max_batch
+        self.session_len = cfg.session_len if cfg.session_len is not None else SIM_CONTEXT_LEN
+        self.emit_every = cfg.emit_every
+        self.sim_vocab = cfg.vocab
+        self.sim_hidden = cfg.hidden
         self._pending: deque[_Seq] = deque()
         self._active: list[_Seq] = []
         self._cv = threading.Condition()

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmdq.worker.engine_config import TransformersConfig
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.guided_decoding import GrammarCache, GuidedMatcher
 from lmdq.worker.engines.request_errors import BadRequest, error_event
@@ -63,7 +64,6 @@ log = logging.getLogger(__name__)
 
 #: Emit an (empty-delta) progress event at least this often, even while text is held back.
 _EVENT_EVERY_TOKENS = 4
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 class TransformersEngine:
@@ -74,15 +74,23 @@ class TransformersEngine:
 
     def __init__(
         self,
+        config: TransformersConfig | None = None,
+        /,
         *,
         model_path: str | Path,
         served_model_name: str | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        chat_template: str | None = None,
-        session_len: int | None = None,
+        **overrides: Any,
     ) -> None:
-        """Load tokenizer and model once. Raises EngineError when the model cannot be served at all."""
+        """Load tokenizer and model once. Raises EngineError when the model cannot be served at all.
+
+        ``config`` (default: :class:`TransformersConfig`'s defaults) with ``overrides`` over it, by name
+        (``session_len=64``): the settings are declared once, in TransformersConfig."""
+        try:
+            cfg = TransformersConfig.from_values(config, **overrides)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+        self.config = cfg
+        device, dtype, chat_template, session_len = cfg.device, cfg.dtype, cfg.chat_template, cfg.session_len
         # Workers are offline by design; a missing local file must fail, not trigger a download.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
@@ -91,8 +99,6 @@ class TransformersEngine:
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise EngineError(f"the transformers engine needs `pip install 'lmdq[cpu]'`: {exc}") from exc
         self._torch = torch
-        if dtype not in _DTYPES:
-            raise EngineError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
 
         path = Path(model_path).expanduser()
         self.model_path = path

@@ -1,0 +1,126 @@
+"""Typer options generated from pydantic fields, so a setting declared once in a model gets its flag,
+type, choices and help from that declaration instead of a hand-written copy beside it.
+
+:func:`model_options` adds one option per :class:`FlagSpec` to a typer command and hands the command
+the values the user gave as one dict (unset options are absent: the model's own defaults apply, and
+"explicitly set" stays visible). Typer reads a command's parameters from ``inspect.signature``, so the
+generated options are added to the command's signature.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+
+import typer
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+__all__ = ["FlagSpec", "model_options", "option_name"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def option_name(flat: str) -> str:
+    """``max_new_tokens`` → ``--max-new-tokens``."""
+    return "--" + flat.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One generated option: ``key`` is what the command receives it as, ``flat`` its flag's name
+    (``--`` + ``flat`` with dashes), ``info`` the field it derives from."""
+
+    key: str
+    flat: str
+    info: FieldInfo
+    #: Extra names kept for compatibility (``--seed`` for ``--random-seed``); for a bool, ``"--a/--b"`` pairs.
+    aliases: tuple[str, ...] = ()
+    #: Appended to the field's description (e.g. which engines take the setting).
+    note: str = ""
+
+
+def _base_type(annotation: Any) -> Any:
+    """``Annotated[int, ...] | None`` → ``int``; ``list[Annotated[str, ...]] | None`` → ``list[str]``."""
+    if get_origin(annotation) is Annotated:
+        return _base_type(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _base_type(args[0])
+        raise TypeError(f"cannot derive an option from {annotation!r}")
+    if get_origin(annotation) is list:
+        return list[_base_type(get_args(annotation)[0])]  # type: ignore[misc]
+    return annotation
+
+
+def _default_text(info: FieldInfo) -> str | None:
+    """The field's default, or (unset-by-default fields like GenerationParams') its ``engine_default``."""
+    default = info.default
+    if default is None and isinstance(info.json_schema_extra, dict):
+        default = info.json_schema_extra.get("engine_default")
+    if default is None or default is ... or isinstance(default, BaseModel):
+        return None
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
+def _parameter(spec: FlagSpec) -> tuple[inspect.Parameter, Callable[[Any], Any]]:
+    """The signature parameter for ``spec`` and how its raw value becomes the field's value."""
+    base = _base_type(spec.info.annotation)
+    help_ = " ".join(x for x in (spec.info.description or "", spec.note) if x) or None
+    shown = _default_text(spec.info)
+    convert: Callable[[Any], Any] = lambda v: v  # noqa: E731
+    name = option_name(spec.flat)
+    if base is bool:
+        decls: tuple[str, ...] = (f"{name}/--no-{name[2:]}", *spec.aliases)
+        annotation: Any = bool | None
+    elif isinstance(base, type) and issubclass(base, BaseModel):
+        decls, annotation = (name, *spec.aliases), str | None
+        help_ = f"{help_ or ''} (a JSON object)".strip()
+
+        def convert(v: Any) -> Any:
+            try:
+                return json.loads(v)
+            except ValueError as exc:
+                raise typer.BadParameter(f"expected a JSON object: {exc}", param_hint=name) from exc
+    elif base in (int, float, str) or get_origin(base) in (Literal, list):
+        decls, annotation = (name, *spec.aliases), base | None
+    else:
+        raise TypeError(f"{spec.flat}: no option type for {base!r}")
+    option = typer.Option(*decls, help=help_, show_default=shown if shown is not None else False)
+    param = inspect.Parameter(spec.key, inspect.Parameter.KEYWORD_ONLY, default=None,
+                              annotation=Annotated[annotation, option])
+    return param, convert
+
+
+def model_options(specs: Sequence[FlagSpec], *, into: str) -> Callable[[F], F]:
+    """Decorate a typer command: add an option per spec; the command's parameter ``into`` receives
+    ``{spec.key: value}`` for the options given on the command line."""
+    built = {s.key: _parameter(s) for s in specs}
+
+    def decorate(fn: F) -> F:
+        sig = inspect.signature(fn, eval_str=True)
+        if into not in sig.parameters:
+            raise TypeError(f"{fn.__name__} has no parameter {into!r} to receive the generated options")
+        clash = set(built) & set(sig.parameters)
+        if clash:
+            raise TypeError(f"{fn.__name__}: generated options clash with its own parameters {sorted(clash)}")
+        own = [p for p in sig.parameters.values() if p.name != into]
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            raw = {k: kwargs.pop(k) for k in list(kwargs) if k in built}
+            given = {k: built[k][1](v) for k, v in raw.items() if v is not None and v != [] and v != ()}
+            return fn(**kwargs, **{into: given})
+
+        command.__signature__ = sig.replace(  # type: ignore[attr-defined]
+            parameters=[*own, *(p for p, _ in built.values())])
+        command.__annotations__ = {}  # the signature above carries the evaluated annotations
+        return command  # type: ignore[return-value]
+
+    return decorate

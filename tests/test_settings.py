@@ -1,0 +1,328 @@
+"""Engine settings and generation parameters: each declared once, everything else derived from it.
+
+- flag > env > default for settings nested per engine (WorkerSettings.lmdeploy / .transformers / .sim),
+  through the real worker CLI too;
+- a flag the chosen engine does not take exits 2 with one line (worker and bench);
+- the producer's generation flags are exactly GenerationParams' fields;
+- a scan of the source tree (ast): each engine setting's default is declared in one place.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from lmdq.worker.engine_config import (
+    ENGINE_CONFIGS,
+    LMDeployConfig,
+    SimConfig,
+    TransformersConfig,
+    all_flat_names,
+    flat_names,
+    unused_env,
+)
+from lmdq.worker.settings import WorkerSettings, load_worker_settings
+from pydantic import BaseModel, Field
+from typer.testing import CliRunner
+
+from lmdq.cli_options import FlagSpec, model_options
+from lmdq.contract import GenerationParams
+from lmdq.errors import BadSetting
+from tests.conftest import ROOT, run_cli
+from tests.helpers import write_jsonl
+
+# ------------------------------------------------------------------ flag > env > default
+
+
+@pytest.mark.parametrize("engine, flat, field, env_value, flag_value", [
+    ("lmdeploy", "cache_max_entry_count", "cache_max_entry_count", "0.5", 0.3),
+    ("lmdeploy", "mp_engine", "mp_engine", "false", True),
+    ("transformers", "device", "device", "cuda:1", "cpu"),
+    ("sim", "sim_step_ms", "step_ms", "7", 0.0),
+    ("sim", "session_len", "session_len", "4096", 128),
+])
+def test_flag_beats_env_beats_default(monkeypatch: pytest.MonkeyPatch, engine: str, flat: str, field: str,
+                                      env_value: str, flag_value: Any) -> None:
+    cls = ENGINE_CONFIGS[engine]
+    model = "/m" if engine == "lmdeploy" else None
+    default = cls.model_fields[field].default
+    assert getattr(getattr(WorkerSettings(engine=engine, model=model), engine), field) == default
+    monkeypatch.setenv(f"LMDQ_{flat.upper()}", env_value)
+    from_env = getattr(getattr(WorkerSettings(engine=engine, model=model), engine), field)
+    assert from_env == cls.model_validate({field: env_value}).model_dump()[field] != default
+    from_flag = getattr(getattr(WorkerSettings(engine=engine, model=model, **{flat: flag_value}), engine), field)
+    assert from_flag == flag_value
+
+
+def test_nested_python_config_sits_between_env_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMDQ_TP", "4")
+    monkeypatch.setenv("LMDQ_QUANT_POLICY", "8")
+    s = WorkerSettings(model="/m", lmdeploy=LMDeployConfig(tp=2))
+    assert (s.lmdeploy.tp, s.lmdeploy.quant_policy) == (2, 8)  # the config object beats env, env fills the rest
+    assert WorkerSettings(model="/m", lmdeploy={"tp": 2}, tp=3).lmdeploy.tp == 3
+
+
+def test_the_env_names_deployments_use_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/base/config.yaml and docker-compose.yml set the engine through flat LMDQ_* names (LMDQ_TP,
+    LMDQ_CACHE_MAX_ENTRY_COUNT, ...): each one must land in the LMDeploy config, none be ignored."""
+    yaml = pytest.importorskip("yaml")
+    data = next(d for d in yaml.safe_load_all((ROOT / "deploy/base/config.yaml").read_text())
+                if d and d.get("kind") == "ConfigMap")["data"]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["worker"]["environment"]
+    engine_keys = {k for k in [*data, *compose] if k.removeprefix("LMDQ_").lower() in all_flat_names()}
+    assert {"LMDQ_BACKEND", "LMDQ_TP", "LMDQ_DTYPE", "LMDQ_CACHE_MAX_ENTRY_COUNT", "LMDQ_MAX_BATCH_SIZE"} <= engine_keys
+    for k, v in data.items():
+        monkeypatch.setenv(k, str(v))
+    s = WorkerSettings()
+    assert s.engine_name == "lmdeploy" and unused_env("lmdeploy", dict(data)) == []
+    for k in data:
+        flat = k.removeprefix("LMDQ_").lower()
+        if flat in all_flat_names():
+            field = flat_names(LMDeployConfig)[flat]
+            assert getattr(s.lmdeploy, field) == LMDeployConfig.model_validate({field: data[k]}).model_dump()[field]
+            assert field in s.lmdeploy.model_fields_set, k  # set from the env, not the default
+
+
+def test_engine_choice_and_its_config() -> None:
+    assert WorkerSettings().engine_name == "transformers"  # no model: the embedded default on transformers
+    assert WorkerSettings(model="/m").engine_name == "lmdeploy"
+    s = WorkerSettings(engine="sim", sim_max_batch=3)
+    assert s.engine_config is s.sim and s.sim.max_batch == 3
+
+
+@pytest.mark.parametrize("engine, flat", [
+    ("transformers", "tp"), ("transformers", "raw"), ("transformers", "backend"),
+    ("sim", "cache_max_entry_count"), ("sim", "dtype"), ("lmdeploy", "sim_step_ms"), ("lmdeploy", "device"),
+])
+def test_a_setting_the_engine_does_not_take_is_an_error(engine: str, flat: str) -> None:
+    cls = next(c for c in ENGINE_CONFIGS.values() if flat in flat_names(c))
+    value = cls.model_fields[flat_names(cls)[flat]].default
+    with pytest.raises(BadSetting, match=f"--{flat.replace('_', '-')} is a setting of the .* engine, "
+                                         f"not of --engine {engine}"):
+        load_worker_settings(engine=engine, model="/m", **{flat: value})  # even its default value, when given
+
+
+def test_env_for_another_engine_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An environment is shared (ConfigMap, shell): LMDQ_TP does not stop a sim worker; the CLI logs it."""
+    monkeypatch.setenv("LMDQ_TP", "2")
+    assert WorkerSettings(engine="sim").sim == SimConfig()
+    assert unused_env("sim", {"LMDQ_TP": "2", "LMDQ_SIM_STEP_MS": "1"}) == ["LMDQ_TP"]
+    assert unused_env("lmdeploy", {"lmdq_tp": "2"}) == []
+
+
+def test_bad_values_name_flag_and_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(BadSetting, match=r"--backend / LMDQ_BACKEND: expected 'auto', 'turbomind' or 'pytorch', "
+                                         r"got 'vllm'"):
+        load_worker_settings(model="/m", backend="vllm")
+    monkeypatch.setenv("LMDQ_SIM_MAX_BATCH", "0")
+    with pytest.raises(BadSetting, match="--sim-max-batch / LMDQ_SIM_MAX_BATCH: .*greater than or equal to 1"):
+        load_worker_settings(engine="sim")
+    with pytest.raises(BadSetting, match="--dtype / LMDQ_DTYPE: expected auto, float16 or bfloat16 for lmdeploy"):
+        load_worker_settings(model="/m", dtype="float32")
+    assert load_worker_settings(engine="transformers", dtype="float32").transformers.dtype == "float32"
+
+
+def test_engine_constructors_take_the_config_object() -> None:
+    from lmdq.worker.engines.sim import SIM_CONTEXT_LEN, SimEngine
+
+    e = SimEngine(SimConfig(step_ms=0.0, max_batch=3), model_name="x")
+    try:
+        assert (e.config.max_batch, e.max_batch, e.session_len) == (3, 3, SIM_CONTEXT_LEN)
+    finally:
+        e.close()
+    e = SimEngine(SimConfig(max_batch=3), step_ms=0.0, sim_hidden=8)  # keywords (field or flag names) on top
+    try:
+        assert (e.max_batch, e.step_s, e.sim_hidden) == (3, 0.0, 8)
+    finally:
+        e.close()
+    with pytest.raises(BadSetting, match="--sim-vocab"):
+        SimEngine(vocab=0)
+
+
+# ------------------------------------------------------------------ the real CLIs
+
+
+def _log_events(stderr: bytes) -> list[dict[str, Any]]:
+    out = []
+    for line in stderr.decode().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def test_worker_cli_flag_env_default(env: dict[str, str]) -> None:
+    """The worker CLI (generated engine flags) → the engine config it logs when loaded."""
+    e = {**env, "LMDQ_SIM_MAX_BATCH": "7", "LMDQ_SIM_STEP_MS": "3", "LMDQ_TP": "2"}
+    p = run_cli("worker", "--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "0", "--burst", env=e,
+                timeout=120)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    events = _log_events(p.stderr)
+    loaded = next(ev for ev in events if ev.get("event") == "engine loaded")
+    assert loaded["config"]["step_ms"] == 0.0  # flag beats env
+    assert loaded["config"]["max_batch"] == 7  # env beats default
+    assert loaded["config"]["emit_every"] == SimConfig.model_fields["emit_every"].default  # default
+    ignored = next(ev for ev in events if "does not take" in str(ev.get("event")))
+    assert ignored["env"] == ["LMDQ_TP"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (("--engine", "transformers", "--tp", "2"), "--tp"),
+    (("--engine", "transformers", "--raw"), "--raw"),
+    (("--engine", "sim", "--backend", "pytorch"), "--backend"),
+    (("--engine", "sim", "--cache-max-entry-count", "0.5"), "--cache-max-entry-count"),
+])
+def test_worker_cli_unsupported_flag_exits_2(env: dict[str, str], args: tuple[str, ...], flag: str) -> None:
+    p = run_cli("worker", *args, env=env, timeout=120)
+    err = p.stderr.decode().strip()
+    assert p.returncode == 2, err
+    assert err.splitlines() == [f"error: {flag} is a setting of the lmdeploy engine, not of --engine {args[1]}: "
+                                "remove it or choose that engine"]
+
+
+def test_bench_cli_unsupported_flag_exits_2(env: dict[str, str]) -> None:
+    p = run_cli("bench", "efficiency", "--engine", "sim", "--tp", "2", "--n", "4", env=env, timeout=120)
+    assert p.returncode == 2 and "error: --tp is a setting of the lmdeploy engine" in p.stderr.decode()
+
+
+def test_worker_help_lists_every_engine_setting_once() -> None:
+    from lmdq.worker.cli import app
+
+    cmd = typer.main.get_command(app)
+    opts = [o for p in cmd.params for o in p.opts]
+    for flat in all_flat_names():
+        assert opts.count("--" + flat.replace("_", "-")) == 1, flat
+
+
+# ------------------------------------------------------------------ generation parameters
+
+
+def _submit_command() -> Any:
+    from lmdq.producer.cli import app
+
+    return typer.main.get_command(app).commands["submit"]  # type: ignore[attr-defined]
+
+
+def test_producer_flags_are_exactly_the_generation_params() -> None:
+    params = {p.name: p for p in _submit_command().params}
+    fields = GenerationParams.model_fields
+    generated = {name for name in params if name in fields}
+    assert generated == set(fields)
+    for name, info in fields.items():
+        opt = params[name]
+        assert opt.opts[0] == "--" + name.replace("_", "-")
+        assert info.description and (opt.help or "").startswith(info.description)
+    # the producer's older spellings are aliases of those options, not options of their own
+    assert not {"seed", "stop", "stop_token_id"} & set(params)
+    assert "--seed" in params["random_seed"].opts and "--greedy" in params["do_sample"].secondary_opts
+
+
+def test_producer_generation_flags_reach_the_batch(env: dict[str, str], tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--json",
+                "--max-new-tokens", "9", "--seed", "5", "--stop", "x", "--stop", "y", "--stop-token-ids", "3",
+                "--greedy", "--keep-special-tokens", "--top-k", "4",
+                "--response-format", '{"type": "regex", "regex": "[a-z]+"}', env=env)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    params = json.loads(p.stdout)["params"]
+    assert params == {"max_new_tokens": 9, "random_seed": 5, "stop_words": ["x", "y"], "stop_token_ids": [3],
+                      "do_sample": False, "skip_special_tokens": False, "top_k": 4,
+                      "response_format": {"type": "regex", "regex": "[a-z]+", "json_schema": None}} | {
+        k: v for k, v in params.items() if v is None}
+
+
+def test_resolved_defaults_come_from_the_declaration() -> None:
+    resolved = GenerationParams().resolved()
+    assert set(resolved) == set(GenerationParams.model_fields)
+    assert resolved["max_new_tokens"] == 512 and resolved["skip_special_tokens"] is True
+
+
+# ------------------------------------------------------------------ the option generator itself
+
+
+class _Knobs(BaseModel):
+    size: int = Field(default=3, ge=1, description="how big")
+    mode: str | None = Field(default=None, description="which mode")
+    fast: bool = Field(default=False, description="go fast")
+
+
+def test_model_options_pass_only_what_was_given() -> None:
+    seen: list[dict[str, Any]] = []
+    app = typer.Typer()
+
+    @app.command()
+    @model_options([FlagSpec(key=k, flat=k, info=i) for k, i in _Knobs.model_fields.items()], into="given")
+    def cmd(given: dict[str, Any], name: str = "n") -> None:
+        seen.append({"name": name, **given})
+
+    runner = CliRunner()
+    assert runner.invoke(app, []).exit_code == 0
+    assert runner.invoke(app, ["--size", "5", "--fast", "--name", "z"]).exit_code == 0
+    assert seen == [{"name": "n"}, {"name": "z", "size": 5, "fast": True}]
+    assert "how big" in runner.invoke(app, ["--help"]).output
+
+
+# ------------------------------------------------------------------ one declaration (source scan)
+
+SOURCE_DIRS = ("lmdq", "worker", "producer", "bench")
+
+# Same name, different concept (not the engine setting): reviewed, each with its reason.
+NOT_ENGINE_SETTINGS = {
+    ("worker/engines/base.py", "raw"),  # EngineRequest.raw: this request skips the chat template
+    ("lmdq/contract.py", "backend"),  # Result.backend: which backend served the request (a record)
+    ("worker/engines/transformers_engine.py", "backend"),  # the engine's identity ("transformers")
+}
+
+
+def _default_declarations(tree: ast.AST, names: set[str]) -> list[tuple[str, int]]:
+    """(name, line) of every place that declares a default for one of ``names``: a class-body field with
+    a value (pydantic, dataclass), or a function parameter with a default other than None."""
+    out: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                        and stmt.target.id in names and stmt.value is not None):
+                    out.append((stmt.target.id, stmt.lineno))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            positional = [*a.posonlyargs, *a.args]
+            pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults),
+                     *((arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)]
+            for arg, default in pairs:
+                if arg.arg in names and not (isinstance(default, ast.Constant) and default.value is None):
+                    out.append((arg.arg, default.lineno))
+    return out
+
+
+def test_the_scan_finds_duplicated_defaults() -> None:
+    """The scan below can fail: the old layout (a settings field plus a constructor default) is caught."""
+    old = ast.parse("class S:\n    tp: int = Field(default=1)\n\n"
+                    "def build(*, tp: int = 1, dtype: str | None = None, session_len=2048):\n    pass\n")
+    assert _default_declarations(old, {"tp", "dtype", "session_len"}) == [("tp", 2), ("tp", 4), ("session_len", 4)]
+
+
+def test_each_engine_setting_default_is_declared_once() -> None:
+    names: dict[str, set[str]] = {}  # field or flat name → the flat names it may stand for
+    for cls in ENGINE_CONFIGS.values():
+        for flat, field in flat_names(cls).items():
+            names.setdefault(flat, set()).add(flat)
+            names.setdefault(field, set()).add(flat)
+    found: dict[str, list[str]] = {flat: [] for flat in all_flat_names()}
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for name, line in _default_declarations(ast.parse(path.read_text(), rel), set(names)):
+                if (rel, name) in NOT_ENGINE_SETTINGS:
+                    continue
+                for flat in names[name]:
+                    found[flat].append(f"{rel}:{line}")
+    for flat, places in found.items():
+        assert len(places) == 1 and places[0].startswith("worker/engine_config.py:"), (flat, places)
+    # ...and the settings really are declared there, as fields of the engine configs
+    assert {TransformersConfig, LMDeployConfig, SimConfig} <= set(ENGINE_CONFIGS.values())

@@ -1,0 +1,245 @@
+"""One typed configuration per engine, each setting declared ONCE (vLLM's EngineArgs habit).
+
+Every engine setting's name, type, bounds, default and help live in exactly one pydantic field below.
+Everything else derives from these declarations: the worker's ``LMDQ_*`` env vars and ``--flags``
+(:func:`flat_names`, :mod:`lmdq.cli_options`), the nested ``WorkerSettings.lmdeploy / .transformers
+/ .sim``, the engine constructors (they take the config object), ``build_backend_config`` and the
+bench. A new setting is one new field here, nothing more.
+
+A setting shared by several engines (``session_len``, ``dtype``, ``chat_template``) is declared on a
+base class they inherit, so it still has one declaration and one flag. Each setting has a *flat name*,
+the name users see (``tp`` → ``--tp`` / ``LMDQ_TP``): the field name, prefixed with the declaring
+class's ``flag_prefix`` (the sim engine's own knobs read ``--sim-step-ms`` / ``LMDQ_SIM_STEP_MS``).
+Flat names are what existing deployments, docs and scripts use; they stay valid.
+
+A flag (or Python keyword) the chosen engine does not declare is an error (:func:`split_engine_settings`),
+never silently ignored: ``--tp 2 --engine transformers`` would otherwise run on one device without a
+word. Env vars are shared by whole environments (a ConfigMap serving several workers), so an engine
+env var the chosen engine does not take is left alone and logged by the worker (:func:`unused_env`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lmdq.cli_options import FlagSpec
+from lmdq.errors import BadSetting
+
+__all__ = [
+    "ENGINE_CONFIGS",
+    "EngineConfig",
+    "EngineName",
+    "LMDeployConfig",
+    "ModelEngineConfig",
+    "SimConfig",
+    "TransformersConfig",
+    "all_flat_names",
+    "describe_validation_error",
+    "engine_flag_specs",
+    "flag_of",
+    "flat_names",
+    "split_engine_settings",
+    "unused_env",
+]
+
+EngineName = Literal["lmdeploy", "transformers", "sim"]
+
+C = TypeVar("C", bound="EngineConfig")
+
+
+class EngineConfig(BaseModel):
+    """What every engine takes. Frozen: an engine's configuration is fixed for its whole life."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Prefix of the flat (flag/env) names of the fields a class declares itself ('' = the field name).
+    flag_prefix: ClassVar[str] = ""
+
+    session_len: int | None = Field(
+        default=None, ge=16, description="max tokens per sequence (prompt + output); none = the model's own"
+    )
+
+    @classmethod
+    def from_values(cls: type[C], base: C | None = None, /, **values: Any) -> C:
+        """``base`` (or the defaults) with ``values`` over it; keys are field or flat names.
+
+        A bad value is a :class:`BadSetting` naming the flag (``--backend: expected ...``)."""
+        fields = flat_names(cls)
+        data: dict[str, Any] = base.model_dump(exclude_unset=True) if base is not None else {}
+        for key, value in values.items():
+            data[fields.get(key, key)] = value
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise describe_validation_error(exc, cls) from exc
+
+
+class ModelEngineConfig(EngineConfig):
+    """What the engines that load real weights (LMDeploy, transformers) take besides."""
+
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        default="auto",
+        description="weights and activations dtype; auto = the engine's choice (lmdeploy: no float32)",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="lmdeploy: a template name or a ChatTemplateConfig .json; transformers: a Jinja file or string",
+    )
+
+
+class LMDeployConfig(ModelEngineConfig):
+    """LMDeploy's ``pipeline``: TurboMind or PyTorch backend (``build_backend_config`` reads this)."""
+
+    backend: Literal["auto", "turbomind", "pytorch"] = Field(
+        default="auto", description="auto (TurboMind, LMDeploy falls back to PyTorch) | turbomind | pytorch"
+    )
+    tp: int = Field(default=1, ge=1, le=64, description="tensor parallel GPUs")
+    max_batch_size: int | None = Field(default=None, ge=1, description="sequences decoded at once; none = LMDeploy's")
+    cache_max_entry_count: float = Field(
+        default=0.8, gt=0.0, description="KV cache: fraction of free GPU memory (TurboMind: > 1 means blocks)"
+    )
+    quant_policy: int = Field(default=0, description="KV cache quantization: 0, 4 or 8")
+    eager_mode: bool = Field(default=False, description="pytorch: no CUDA graphs")
+    mp_engine: bool = Field(default=True, description="pytorch: engine loop in its own process")
+    raw: bool = Field(default=False, description="never apply the chat template, for plain prompts too")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v == "float32":
+            raise ValueError("expected auto, float16 or bfloat16 for lmdeploy, got 'float32'")
+        return v
+
+    @field_validator("quant_policy")
+    @classmethod
+    def _quant(cls, v: int) -> int:
+        if v not in (0, 4, 8):
+            raise ValueError(f"expected 0, 4 or 8, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _pytorch_cache_fraction(self) -> LMDeployConfig:
+        if self.backend == "pytorch" and not 0 < self.cache_max_entry_count < 1:
+            raise ValueError("--cache-max-entry-count: the PyTorch engine needs a fraction 0 < x < 1, "
+                             f"got {self.cache_max_entry_count}")
+        return self
+
+
+class TransformersConfig(ModelEngineConfig):
+    """The CPU-capable reference engine on plain transformers."""
+
+    device: str = Field(default="auto", description="auto (cuda when available) | cpu | cuda | cuda:N")
+
+
+class SimConfig(EngineConfig):
+    """The simulated continuous-batching engine (queue, fault and load tests; no model)."""
+
+    flag_prefix: ClassVar[str] = "sim_"
+
+    step_ms: float = Field(default=5.0, ge=0.0, description="ms per decode step")
+    max_batch: int = Field(default=256, ge=1, description="sequences decoded at once")
+    emit_every: int = Field(default=64, ge=1, description="tokens per streamed event (LMDeploy streams every token)")
+    step_cpu_ms: float = Field(default=0.0, ge=0.0, description="GIL-holding Python work per step, in ms")
+    vocab: int = Field(default=1000, ge=1, description="simulated vocabulary (logprobs ids, logits width)")
+    hidden: int = Field(default=64, ge=1, description="simulated hidden size (last_hidden_state width)")
+
+
+ENGINE_CONFIGS: dict[str, type[EngineConfig]] = {
+    "lmdeploy": LMDeployConfig,
+    "transformers": TransformersConfig,
+    "sim": SimConfig,
+}
+
+
+def _declaring_class(cls: type[EngineConfig], field: str) -> type[EngineConfig]:
+    for klass in cls.__mro__:
+        if field in klass.__dict__.get("__annotations__", {}):
+            return klass
+    raise KeyError(field)  # pragma: no cover - every model field is declared somewhere in the MRO
+
+
+def flat_names(cls: type[EngineConfig]) -> dict[str, str]:
+    """Flat (flag/env) name → field name, for one engine's config."""
+    return {_declaring_class(cls, f).flag_prefix + f: f for f in cls.model_fields}
+
+
+def all_flat_names() -> dict[str, list[str]]:
+    """Every engine setting's flat name → the engines that take it (declaration order)."""
+    out: dict[str, list[str]] = {}
+    for engine, cls in ENGINE_CONFIGS.items():
+        for flat in flat_names(cls):
+            out.setdefault(flat, []).append(engine)
+    return out
+
+
+def flag_of(flat: str) -> str:
+    return "--" + flat.replace("_", "-")
+
+
+def _where(flat: str) -> str:
+    return f"{flag_of(flat)} / LMDQ_{flat.upper()}"
+
+
+def split_engine_settings(data: dict[str, Any], engine: str, env: dict[str, Any]) -> dict[str, Any]:
+    """The chosen engine's config values from flat names: ``env`` (flat names from ``LMDQ_*``) under
+    ``data[engine]`` (a nested dict or config) under the flat names in ``data`` (flags, Python keywords).
+
+    Flat names are removed from ``data``. A flag (keyword) the engine does not take raises ValueError
+    naming it and the engines that do take it. An env var the engine does not take is left alone: an
+    environment (a ConfigMap, a shell, a CI job) is shared by processes running different engines; the
+    worker CLI logs the ones it leaves unused (:func:`unused_env`)."""
+    shared = all_flat_names()
+    own = flat_names(ENGINE_CONFIGS[engine])
+    given = {k: data.pop(k) for k in list(data) if k in shared}
+    for flat in given:
+        if flat not in own:
+            raise ValueError(f"{flag_of(flat)} is a setting of the {' and '.join(shared[flat])} engine, "
+                             f"not of --engine {engine}: remove it or choose that engine")
+    nested = data.get(engine)
+    base = nested.model_dump(exclude_unset=True) if isinstance(nested, BaseModel) else dict(nested or {})
+    return {**{own[k]: v for k, v in env.items() if k in own}, **base, **{own[k]: v for k, v in given.items()}}
+
+
+def unused_env(engine: str, environ: Mapping[str, str]) -> list[str]:
+    """The ``LMDQ_*`` engine settings set in ``environ`` that ``engine`` does not take (and so ignores)."""
+    own = flat_names(ENGINE_CONFIGS[engine])
+    present = {k.upper() for k in environ}
+    names = [f"LMDQ_{flat.upper()}" for flat in all_flat_names() if flat not in own]
+    return [n for n in names if n in present]
+
+
+def describe_validation_error(exc: ValidationError, cls: type[BaseModel]) -> BadSetting:
+    """The first error of ``exc`` as one line naming the flag and env var: ``--tp / LMDQ_TP: ...``.
+
+    ``cls`` is the model that was validated: an engine config, or the worker settings (a location inside
+    one of its engine configs is mapped back to that setting's flat name)."""
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    loc = [str(x) for x in err["loc"]]
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err["type"] in ("literal_error", "enum"):
+        msg = msg.replace("Input should be", "expected") + f", got {err.get('input')!r}"
+    if loc and not issubclass(cls, EngineConfig) and loc[0] in ENGINE_CONFIGS:
+        cls, loc = ENGINE_CONFIGS[loc[0]], loc[1:]
+    name: str | None = None
+    if loc and issubclass(cls, EngineConfig):
+        name = next((flat for flat, f in flat_names(cls).items() if f == loc[0]), loc[0])
+    elif loc:
+        info = cls.model_fields.get(loc[0])
+        alias = info.alias if info is not None and isinstance(info.alias, str) else None
+        name = alias.removeprefix("LMDQ_").lower() if alias else loc[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return BadSetting(f"{_where(name)}: {msg}{more}" if name else msg + more)
+
+
+def engine_flag_specs() -> list[FlagSpec]:
+    """One CLI option per engine setting (the worker's and the bench's), from its one declaration."""
+    specs = []
+    for flat, engines in all_flat_names().items():
+        cls = ENGINE_CONFIGS[engines[0]]
+        info = cls.model_fields[flat_names(cls)[flat]]
+        specs.append(FlagSpec(key=flat, flat=flat, info=info, note=f"({', '.join(engines)})"))
+    return specs
