@@ -16,7 +16,7 @@ from rich.table import Table
 
 from lmdq.connection import connect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
-from lmdq.errors import run_cli
+from lmdq.errors import EXIT_CODES_HELP, InvalidSetting, run_cli
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
 from lmdq.store import ResultStore
@@ -26,6 +26,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Submit prompt files to lmdq and read results.",
+    epilog=EXIT_CODES_HELP,
 )
 err = Console(stderr=True)
 
@@ -36,9 +37,15 @@ def _settings() -> ProducerSettings:
     return _STATE["settings"]  # type: ignore[no-any-return]
 
 
+def _say_waiting(line: str) -> None:
+    """A slow first contact with Redis (restarting, frozen, a black hole) says what it waits for."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _client() -> Any:
     if "client" not in _STATE:
-        _STATE["client"] = connect(_settings().redis_url, retries=_settings().redis_retries)
+        s = _settings()
+        _STATE["client"] = connect(s.redis_url, settings=s, on_slow=_say_waiting)
     return _STATE["client"]
 
 
@@ -51,11 +58,30 @@ def _store() -> ResultStore:
 def _main(
     redis_url: Annotated[str | None, typer.Option(help="Redis URL (env LMDQ_REDIS_URL, then REDIS_URL)")] = None,
 ) -> None:
-    s = ProducerSettings()
+    s = _load_settings()
     if redis_url:
         s.redis_url = redis_url
     _STATE["settings"] = s
     configure_logging(s.log_format, s.log_level)
+
+
+def _load_settings() -> ProducerSettings:
+    """The ``LMDQ_*`` settings; a bad one is one line naming the variable (not its value: it may be
+    a URL with a password) and exit 2."""
+    from pydantic import ValidationError
+
+    try:
+        return ProducerSettings()
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{_env_name(err['loc'])}: {err['msg']}" for err in e.errors(include_input=False, include_url=False)
+        )
+        raise InvalidSetting(f"invalid setting {problems}") from None
+
+
+def _env_name(loc: tuple[int | str, ...]) -> str:
+    name = str(loc[0]) if loc else "?"
+    return name if name.upper().startswith("LMDQ_") else f"LMDQ_{name.upper()}"
 
 
 def _parse_metadata(items: list[str]) -> dict[str, str]:

@@ -85,7 +85,7 @@ def run(
 
         s.worker_name = default_worker_name()
     log = get_logger("lmdq.worker")
-    client = connect(s.redis_url, retries=s.redis_retries)
+    client = connect(s.redis_url, settings=s)
     log.info("connected to redis", url=redact_url(s.redis_url))
 
     from lmdq.worker.engine_factory import build_engine, engine_capacity
