@@ -12,7 +12,8 @@ The rules, chosen so that a careless URL cannot leak a secret however it is malf
   (``redis://:S3cret``, the ``@`` forgotten) or any other oddity gives ``<unparseable redis URL>``.
 * A path is kept only when it is plain (``/0``, ``/run/redis.sock``); query values only for keys
   known to be harmless (``ssl_cert_reqs``, ``db``, ...); a fragment never.
-* ``scheme:/...`` without ``//`` is unparseable; so is anything without a scheme.
+* ``scheme:/...`` without ``//`` is unparseable; so is anything without a scheme. Only well-known
+  schemes are named (``S3cret:pw@host`` has a "scheme" too); others show as ``***``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ _HARMLESS_QUERY_KEYS = frozenset({
 _NAMED_QUERY_KEYS = _HARMLESS_QUERY_KEYS | frozenset({"password", "username", "client_name"})
 # For free text: a scheme and '://' (the URL parser below decides how much of the rest is URL).
 _URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]{0,15}://")
+_KNOWN_SCHEMES = frozenset({"redis", "rediss", "unix", "file", "s3", "s3a", "gs", "http", "https"})
+_ALREADY_UNPARSEABLE = re.compile(r"<unparseable (?:[A-Za-z][A-Za-z0-9+.\-]{0,15} )?URL>")
 _URL_END = re.compile(r"[\s'\"<>,;(){}]")
 
 
@@ -80,16 +83,22 @@ def redact_text(text: object) -> str:
         return "<text withheld: could not be redacted>"
 
 
-def _unparseable(scheme: str | None) -> str:
-    return f"<unparseable {scheme} URL>" if scheme else UNPARSEABLE
+def _unparseable(scheme: str) -> str:
+    return f"<unparseable {scheme} URL>" if scheme.lower() in _KNOWN_SCHEMES else UNPARSEABLE
 
 
 def _redact(url: str) -> str:
+    if _ALREADY_UNPARSEABLE.fullmatch(url):
+        return url  # idempotent: a log line may redact an already redacted URL
     colon = url.find(":")
     scheme = url[:colon] if colon > 0 else ""
     if not _SCHEME.fullmatch(scheme):
         return UNPARSEABLE
-    if not url.startswith("//", colon + 1):
+    if scheme.lower() not in _KNOWN_SCHEMES:  # 'S3cret:pw@host' has a "scheme" too
+        if not url.startswith("//", colon + 1):
+            return UNPARSEABLE
+        scheme = "***"
+    elif not url.startswith("//", colon + 1):
         return _unparseable(scheme)
     rest = url[colon + 3:]
     at = rest.rfind("@")
