@@ -223,34 +223,28 @@ def connect(
     Timeouts come from ``settings`` (``LMDQ_REDIS_CONNECT_TIMEOUT_S``, ``LMDQ_REDIS_SOCKET_TIMEOUT_S``;
     their declared defaults without it). With ``check`` the server is pinged under ``policy``
     (default: :meth:`RetryPolicy.for_startup`, i.e. up to ``LMDQ_REDIS_WAIT_S`` for a Redis that is
-    restarting or unreachable), so a missing Redis and bad credentials fail here, early and clearly,
-    as one-line :class:`RedisUnavailable` errors. If the first answer takes longer than
+    restarting or unreachable; its first answer is due within the connect timeout), so a missing or
+    frozen Redis and bad credentials fail here, early and clearly, as one-line
+    :class:`RedisUnavailable` errors. If the first answer takes longer than
     :data:`SLOW_CONNECT_NOTICE_S`, ``on_slow`` gets one line saying what we are waiting for.
     """
     check_redis_url(url)
     shown = redact_url(url)
     connect_timeout_s = settings.redis_connect_timeout_s if settings is not None else _CONNECT_TIMEOUT_S
     socket_timeout_s = settings.redis_socket_timeout_s if settings is not None else _SOCKET_TIMEOUT_S
-    try:
-        client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=socket_timeout_s,
-            retry=_ReconnectOnce(),
-            health_check_interval=30,
-            **({} if url[:5].lower() == "unix:" else {"socket_keepalive": True}),  # TCP only
-        )
-    except (ValueError, TypeError) as e:  # a bad query option: redis-py names the option, not its value
-        raise RedisUnavailable(f"invalid Redis URL {shown!r}: {_said(e)}") from None
+    client = _client(url, shown, connect_timeout_s, socket_timeout_s)
     if not check:
         return client
+    # The check is part of connecting: its first answer (after TCP, TLS and AUTH) gets the connect
+    # timeout, so a frozen Redis is given up on after ~5 s, not a full socket timeout.
+    probe = _client(url, shown, connect_timeout_s, connect_timeout_s)
     notice = None
     if on_slow is not None:
         notice = threading.Timer(SLOW_CONNECT_NOTICE_S, on_slow, args=(f"waiting for Redis at {shown} ...",))
         notice.daemon = True
         notice.start()
     try:
-        with_reconnect(client.ping, policy=policy or RetryPolicy.for_startup(settings))
+        with_reconnect(probe.ping, policy=policy or RetryPolicy.for_startup(settings))
     except redis.AuthenticationError as e:
         raise RedisUnavailable(f"Redis at {shown} refused the credentials: {_said(e)}") from e
     except redis.ResponseError as e:
@@ -264,7 +258,22 @@ def connect(
     finally:
         if notice is not None:
             notice.cancel()
+        probe.close()
     return client
+
+
+def _client(url: str, shown: str, connect_timeout_s: float, socket_timeout_s: float) -> redis.Redis:
+    try:
+        return redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=_ReconnectOnce(),
+            health_check_interval=30,
+            **({} if url[:5].lower() == "unix:" else {"socket_keepalive": True}),  # TCP only
+        )
+    except (ValueError, TypeError) as e:  # a bad query option: redis-py names the option, not its value
+        raise RedisUnavailable(f"invalid Redis URL {shown!r}: {_said(e)}") from None
 
 
 def _said(e: BaseException) -> str:
