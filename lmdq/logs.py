@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -13,7 +14,7 @@ from lmdq.redaction import redact_text
 __all__ = ["configure_logging", "get_logger"]
 
 
-def _redact(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Never let a password in a URL reach a log line (any scheme: redis, s3, http...)."""
     for k, v in event.items():
         if isinstance(v, str) and "://" in v:
