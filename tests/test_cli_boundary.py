@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
+from lmdq.keys import Keys, queue_name, rq_queue_key
 from tests.conftest import ROOT, RedisServer, free_port, run_cli
 
 PW = "QzJx7/KvW"  # no 3-character piece of it occurs in lmdq's wording, hosts or ports
@@ -190,3 +192,24 @@ def test_help_documents_the_exit_codes(env: dict[str, str]) -> None:
     assert p.returncode == 0
     for code in ("0 ok", "2 bad input", "3 Redis unreachable", "4 results shard unreadable", "5 Redis refused"):
         assert code in text, text
+
+
+def test_careless_lines_are_refused_by_submit_with_file_line_exit_2_nothing_enqueued(
+        tmp_path: Path, env: dict[str, str], client: redis.Redis, prefix: str) -> None:
+    """#14's accepted-but-wrong inputs, all in one file: each is reported with file:line, exit 2."""
+    f = tmp_path / "careless.jsonl"
+    f.write_text("\n".join([
+        '{"custom_id": "ok", "prompt": "fine"}',
+        '{"custom_id": "ws", "prompt": "   \\t  "}',
+        '{"custom_id": "nc", "messages": [{"role": "user"}]}',
+        '{"custom_id": "dup", "prompt": "a", "params": {"max_new_tokens": 5, "max_new_tokens": 50}}',
+    ]) + "\n")
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", env=env)
+    err = p.stderr.decode()
+    assert p.returncode == 2, err
+    assert f"{f}:2: field 'prompt': expected some text, got only whitespace" in err
+    assert f"{f}:3: field 'messages[0].content': expected a string or a list of text parts, got nothing" in err
+    assert f"{f}:4: duplicate key 'max_new_tokens' in one JSON object" in err
+    assert "Traceback" not in err
+    assert client.zcard(Keys(prefix).batches()) == 0 and not client.keys(f"{prefix}:*")
+    assert client.llen(rq_queue_key(queue_name("sim", "normal", prefix))) == 0
