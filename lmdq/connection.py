@@ -48,7 +48,6 @@ _DEFAULTS = CommonSettings.model_fields
 _CONNECT_TIMEOUT_S: float = _DEFAULTS["redis_connect_timeout_s"].default
 _SOCKET_TIMEOUT_S: float = _DEFAULTS["redis_socket_timeout_s"].default
 _WAIT_S: float = _DEFAULTS["redis_wait_s"].default
-_RETRIES: int = _DEFAULTS["redis_retries"].default
 
 SLOW_CONNECT_NOTICE_S = 1.0
 """After this long without an answer, :func:`connect` says what it is waiting for."""
@@ -65,15 +64,10 @@ class RetryPolicy:
     timeout, is not tried a second time past the deadline).
     """
 
-    retries: int = _RETRIES
+    retries: int = 30
     base_s: float = 0.1
     cap_s: float = 5.0
     deadline_s: float | None = None
-
-    @classmethod
-    def from_settings(cls, s: CommonSettings) -> RetryPolicy:
-        """The worker's policy: ``LMDQ_REDIS_RETRIES`` retries, no deadline."""
-        return cls(retries=s.redis_retries)
 
     @classmethod
     def for_startup(cls, s: CommonSettings | None = None) -> RetryPolicy:

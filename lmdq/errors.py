@@ -68,12 +68,13 @@ def run_cli(app: Callable[[], object]) -> None:
     Besides lmdq's own errors, a Redis that goes away after the connection was made (reset, timeout,
     still loading) exits :attr:`ExitCode.redis_unavailable`, and one that refuses a write exits
     :attr:`ExitCode.redis_refused`: both are facts about Redis, not bugs, so no traceback. Redis's
-    own error text is redacted in case it quotes a URL.
+    own error text is redacted in case it quotes a URL, and so is every message (a safety net for
+    URLs that came from a user's file or a results shard's error).
     """
     try:
         app()
     except LmdqError as e:
-        _fail(str(e), e.exit_code)
+        _fail(redact_text(e), e.exit_code)  # a safety net: messages already name URLs redacted
     except (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError) as e:
         _fail(f"Redis refused the write: {_one_line(e)}", ExitCode.redis_refused)
     except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError) as e:

@@ -74,6 +74,8 @@ def redact_text(text: object) -> str:
             end_rel = at + 1 if at >= 0 else 0
             stop = _URL_END.search(rest, end_rel)
             end = m.end() + (stop.start() if stop else len(rest))
+            while end > m.end() + end_rel and s[end - 1] in ".:!?":  # sentence punctuation, not URL
+                end -= 1
             out.append(s[pos:m.start()])
             out.append(redact_url(s[m.start():end]))
             pos = end

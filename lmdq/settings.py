@@ -25,13 +25,17 @@ class CommonSettings(BaseSettings):
     result_ttl_s: int = Field(default=7 * 24 * 3600, ge=60, description="how long batches and results are kept")
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     log_level: str = "INFO"
-    # Redis client timeouts and retries: the one policy of lmdq.connection (see RetryPolicy there).
+    # Redis client timeouts and the startup wait. Retries themselves are lmdq.connection.RetryPolicy,
+    # declared there once (30 jittered retries, 0.1 s doubling to 5 s: about 2 minutes).
     # One default for both sides: no lmdq command blocks in Redis (no BLPOP; Lua scripts work in
     # bounded chunks), so a reply slower than 10 s means Redis is frozen or the network is gone. The
     # worker rides such a spell out with its operation retries, not with a longer timeout, so a
     # frozen Redis is noticed (and logged) equally fast on both sides.
     redis_connect_timeout_s: float = Field(
-        default=5.0, gt=0, le=300, description="TCP connect (and TLS handshake) timeout for every Redis connection"
+        default=5.0,
+        gt=0,
+        le=300,
+        description="TCP connect + TLS timeout of every Redis connection; also bounds the first PING at start",
     )
     redis_socket_timeout_s: float = Field(
         default=10.0, gt=0, le=3600, description="longest wait for one Redis reply before it counts as a timeout"
@@ -41,11 +45,4 @@ class CommonSettings(BaseSettings):
         ge=0,
         le=3600,
         description="how long a command waits at start for an unreachable or (re)starting Redis before exit 3",
-    )
-    redis_retries: int = Field(
-        default=30,
-        ge=0,
-        le=10_000,
-        description="retries of one worker operation (claim bookkeeping, a result write) while Redis is away: "
-        "jittered backoff 0.1 s doubling to 5 s, about 2 minutes at the default",
     )

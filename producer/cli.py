@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmdq.connection import connect
+from lmdq.connection import connect, redact_url
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
 from lmdq.errors import EXIT_CODES_HELP, InvalidSetting, run_cli
 from lmdq.keys import Keys
@@ -113,7 +113,8 @@ def _check_url(url: str | None, flag: str) -> str | None:
     if "://" in url:
         scheme = url.split("://", 1)[0]
         if scheme not in ("file", "s3", "s3a"):
-            raise typer.BadParameter(f"expected a folder, file:// or s3:// URL, got {url!r}", param_hint=flag)
+            raise typer.BadParameter(f"expected a folder, file:// or s3:// URL, got {redact_url(url)!r}",
+                                     param_hint=flag)
         return url.rstrip("/")
     return str(Path(url).expanduser().resolve())
 

@@ -297,7 +297,6 @@ def test_deadline_never_starts_an_attempt_that_cannot_finish_in_time() -> None:
 
 def test_retryable_errors_stay_importable_for_the_worker() -> None:
     assert redis.ConnectionError in RETRYABLE_ERRORS and redis.TimeoutError in RETRYABLE_ERRORS
-    assert RetryPolicy.from_settings(CommonSettings(redis_retries=7)).retries == 7
 
 
 # ---------------------------------------------------------------------------------------------
