@@ -186,7 +186,7 @@ def check_redis_url(url: str) -> None:
     try:
         port = parts.port
     except ValueError:
-        raise bad("the port is not a number from 0 to 65535 (a password goes before the host: "
+        raise bad("the port is not a number from 1 to 65535 (a password goes before the host: "
                   "redis://:password@host:port)") from None
     if parts.fragment:
         raise bad("it has a '#fragment' (a '#' in a password must be written %23)")
@@ -240,10 +240,10 @@ def connect(
     try:
         with_reconnect(probe.ping, policy=policy or RetryPolicy.for_startup(settings))
     except redis.AuthenticationError as e:
-        raise RedisUnavailable(f"Redis at {shown} refused the credentials: {_said(e)}") from e
+        raise RedisUnavailable(f"Redis at {shown} refused the credentials: {_said(e)}{_auth_hint(url)}") from e
     except redis.ResponseError as e:
         if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
-            raise RedisUnavailable(f"Redis at {shown} needs a (correct) password: {_said(e)}") from e
+            raise RedisUnavailable(f"Redis at {shown} needs a (correct) password: {_said(e)}{_auth_hint(url)}") from e
         raise RedisUnavailable(f"Redis at {shown} refused PING: {_said(e)}") from e
     except (redis.RedisError, OSError, UnicodeError, ValueError, TypeError) as e:
         # OSError/UnicodeError/ValueError: e.g. a host name the resolver cannot even encode;
@@ -268,6 +268,14 @@ def _client(url: str, shown: str, connect_timeout_s: float, socket_timeout_s: fl
         )
     except (ValueError, TypeError) as e:  # a bad query option: redis-py names the option, not its value
         raise RedisUnavailable(f"invalid Redis URL {shown!r}: {_said(e)}") from None
+
+
+def _auth_hint(url: str) -> str:
+    """The commonest slip: ``redis://PASSWORD@host`` makes the password a user name."""
+    userinfo, at, _ = url.partition("://")[2].rpartition("@")
+    if at and ":" not in userinfo:
+        return " (the URL has a user name but no password: write redis://:PASSWORD@host)"
+    return ""
 
 
 def _said(e: BaseException) -> str:

@@ -323,3 +323,16 @@ def test_run_cli_maps_redis_errors_to_one_line_and_an_exit_code(error: Exception
     assert exc.value.code == code
     err = capsys.readouterr().err
     assert err.startswith(f"error: {text}") and err.count("\n") == 1 and "QzKx" not in err
+
+
+def test_a_password_written_as_a_user_name_gets_a_hint() -> None:
+    from tests.conftest import RedisServer
+
+    srv = RedisServer(password="Right-Pass-0").start()
+    try:
+        with pytest.raises(RedisUnavailable) as exc:
+            connect(f"redis://QzJxKvWb@127.0.0.1:{srv.port}/0")
+        msg = str(exc.value)
+        assert "user name but no password: write redis://:PASSWORD@host" in msg and "QzJ" not in msg
+    finally:
+        srv.cleanup()
