@@ -232,11 +232,7 @@ def connect(
     # The check is part of connecting: its first answer (after TCP, TLS and AUTH) gets the connect
     # timeout, so a frozen Redis is given up on after ~5 s, not a full socket timeout.
     probe = _client(url, shown, connect_timeout_s, connect_timeout_s)
-    notice = None
-    if on_slow is not None:
-        notice = threading.Timer(SLOW_CONNECT_NOTICE_S, on_slow, args=(f"waiting for Redis at {shown} ...",))
-        notice.daemon = True
-        notice.start()
+    notice = _SlowNotice(f"waiting for Redis at {shown} ...", on_slow) if on_slow is not None else None
     try:
         with_reconnect(probe.ping, policy=policy or RetryPolicy.for_startup(settings))
     except redis.AuthenticationError as e:
@@ -251,9 +247,35 @@ def connect(
         raise RedisUnavailable(f"cannot reach Redis at {shown}: {_said(e)}") from e
     finally:
         if notice is not None:
-            notice.cancel()
+            notice.stop()
         probe.close()
     return client
+
+
+class _SlowNotice:
+    """Calls ``say(message)`` once if not stopped within :data:`SLOW_CONNECT_NOTICE_S`.
+
+    The lock makes it all-or-nothing: once :meth:`stop` returns, the notice has either been said
+    in full or never will be, so it cannot land after (or inside) the error line that may follow.
+    """
+
+    def __init__(self, message: str, say: Callable[[str], None]) -> None:
+        self._message, self._say = message, say
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._timer = threading.Timer(SLOW_CONNECT_NOTICE_S, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._say(self._message)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._timer.cancel()
 
 
 def _client(url: str, shown: str, connect_timeout_s: float, socket_timeout_s: float) -> redis.Redis:

@@ -39,7 +39,8 @@ def _settings() -> ProducerSettings:
 
 def _say_waiting(line: str) -> None:
     """A slow first contact with Redis (restarting, frozen, a black hole) says what it waits for."""
-    print(line, file=sys.stderr, flush=True)
+    sys.stderr.write(line + "\n")  # one write: a line never interleaves with another thread's output
+    sys.stderr.flush()
 
 
 def _client() -> Any:

@@ -336,3 +336,31 @@ def test_a_password_written_as_a_user_name_gets_a_hint() -> None:
         assert "user name but no password: write redis://:PASSWORD@host" in msg and "QzJ" not in msg
     finally:
         srv.cleanup()
+
+
+def test_slow_connect_says_once_what_it_waits_for() -> None:
+    import socket
+    import time
+
+    said: list[str] = []
+    with socket.socket() as hole:  # accepts TCP (into the backlog), never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(4)
+        port = hole.getsockname()[1]
+        s = CommonSettings(redis_connect_timeout_s=3.0, redis_wait_s=0)
+        with pytest.raises(RedisUnavailable, match="Timeout"):
+            connect(f"redis://:QzJxKvWb@127.0.0.1:{port}/0", settings=s, on_slow=said.append)
+    assert said == [f"waiting for Redis at redis://***@127.0.0.1:{port}/0 ..."]
+    time.sleep(0.2)
+    assert len(said) == 1
+
+
+def test_a_stopped_notice_never_speaks() -> None:
+    import time
+
+    from lmdq.connection import SLOW_CONNECT_NOTICE_S, _SlowNotice
+
+    said: list[str] = []
+    _SlowNotice("x", said.append).stop()
+    time.sleep(SLOW_CONNECT_NOTICE_S + 0.5)  # past the due time: stopped means never, not "not yet"
+    assert said == []
