@@ -59,7 +59,7 @@ def redact_text(text: object) -> str:
     """``text`` with every ``scheme://...`` in it redacted (a safety net for log lines and messages).
 
     A URL in free text has no clear end, so this errs on the side of hiding: from ``://`` it takes up
-    to the last ``@`` of the text when there is one (a password may contain spaces), else up to the
+    to the last ``@`` of the line when there is one (a password may contain spaces), else up to the
     next whitespace, quote or punctuation that no host or path holds.
     """
     try:
@@ -69,7 +69,7 @@ def redact_text(text: object) -> str:
         for m in _URL_START.finditer(s):
             if m.start() < pos:
                 continue
-            rest = s[m.end():]
+            rest = s[m.end():].split("\n", 1)[0]  # one line: a message's other lines are not this URL
             at = rest.rfind("@")
             end_rel = at + 1 if at >= 0 else 0
             stop = _URL_END.search(rest, end_rel)

@@ -102,6 +102,9 @@ def test_redact_text_hides_every_url_in_free_text() -> None:
     assert "Qz7" not in out and "Kx9" not in out and "Wv8" not in out and "8Jy" not in out
     assert out.startswith("retry failed for redis://***@") and out.endswith(" done")
     assert redact_text("nothing to hide: 127.0.0.1:6379") == "nothing to hide: 127.0.0.1:6379"
+    # a multi-line message (submit's list of bad lines): a URL never reaches into the next line
+    lines = "f.jsonl:2: field 'url': got 'http://x/y'\nf.jsonl:3: field 'prompt': got 'mail a@b.c'"
+    assert redact_text(lines) == lines
 
 
 # ---------------------------------------------------------------------------------------------
