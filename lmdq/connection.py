@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,11 @@ _CREDENTIAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationE
 _SCHEMES = ("redis", "rediss", "unix")
 _URL_FORM = "expected redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix:///path/to/socket"
 _HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+")
+
+_NO_SUCH_NAME = frozenset(
+    getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA", "EAI_ADDRFAMILY") if hasattr(socket, name)
+)
+"""getaddrinfo answers that mean "no such host" (EAI_AGAIN, a DNS hiccup, is waited for like any outage)."""
 
 _DEFAULTS = CommonSettings.model_fields
 _CONNECT_TIMEOUT_S: float = _DEFAULTS["redis_connect_timeout_s"].default
@@ -234,7 +240,10 @@ def connect(
     probe = _client(url, shown, connect_timeout_s, connect_timeout_s)
     notice = _SlowNotice(f"waiting for Redis at {shown} ...", on_slow) if on_slow is not None else None
     try:
-        with_reconnect(probe.ping, policy=policy or RetryPolicy.for_startup(settings))
+        with_reconnect(lambda: _ping(probe), policy=policy or RetryPolicy.for_startup(settings))
+    except _UnknownHost as e:
+        raise RedisUnavailable(f"cannot reach Redis at {shown}: the host name does not resolve "
+                               f"({_said(e.__cause__ or e)})") from e
     except redis.AuthenticationError as e:
         raise RedisUnavailable(f"Redis at {shown} refused the credentials: {_said(e)}{_auth_hint(url)}") from e
     except redis.ResponseError as e:
@@ -250,6 +259,20 @@ def connect(
             notice.stop()
         probe.close()
     return client
+
+
+class _UnknownHost(Exception):
+    """The resolver says the name does not exist (not "try again"): a typo, not worth waiting for."""
+
+
+def _ping(client: redis.Redis) -> None:
+    try:
+        client.ping()
+    except redis.ConnectionError as e:
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, socket.gaierror) and cause.errno in _NO_SUCH_NAME:
+            raise _UnknownHost(str(e)) from e
+        raise
 
 
 class _SlowNotice:

@@ -367,3 +367,24 @@ def test_a_stopped_notice_never_speaks() -> None:
     _SlowNotice("x", said.append).stop()
     time.sleep(SLOW_CONNECT_NOTICE_S + 0.5)  # past the due time: stopped means never, not "not yet"
     assert said == []
+
+
+def test_a_host_name_that_does_not_exist_fails_at_once_a_dns_hiccup_is_waited_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resolver is replaced (no DNS here: only 127.0.0.0/8): EAI_NONAME is a typo, not an outage."""
+    import socket
+
+    answer: list[int] = [socket.EAI_NONAME]
+
+    def resolver(*_: object, **__: object) -> object:
+        raise socket.gaierror(answer[0], "resolver says no")
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    slow = RetryPolicy(retries=5, base_s=30.0)  # minutes, were the unknown name retried
+    with pytest.raises(RedisUnavailable, match="the host name does not resolve") as exc:
+        connect("redis://:QzJxKvWb@no-such-host.invalid:6379/0", policy=slow)
+    assert "QzJ" not in str(exc.value)
+    answer[0] = socket.EAI_AGAIN
+    with pytest.raises(RedisUnavailable, match="cannot reach Redis at") as exc:
+        connect("redis://no-such-host.invalid:6379/0", policy=RetryPolicy(retries=2, base_s=0.01))
+    assert "does not resolve" not in str(exc.value)
