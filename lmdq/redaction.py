@@ -94,7 +94,7 @@ def _redact(url: str) -> str:
         return url  # idempotent: a log line may redact an already redacted URL
     colon = url.find(":")
     scheme = url[:colon] if colon > 0 else ""
-    if not _SCHEME.fullmatch(scheme):
+    if not _SCHEME.fullmatch(scheme) and scheme != "***":  # '***': a scheme this module already hid
         return UNPARSEABLE
     if scheme.lower() not in _KNOWN_SCHEMES:  # 'S3cret:pw@host' has a "scheme" too
         if not url.startswith("//", colon + 1):

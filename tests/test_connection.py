@@ -44,6 +44,7 @@ from lmdq.settings import CommonSettings
          "rediss://***@redis.example:6380/2?ssl_cert_reqs=required&ssl_ca_certs=/etc/ssl/ca.pem"),
         ("s3://bucket/prefix/results-000000.jsonl", "s3://bucket/prefix/results-000000.jsonl"),
         ("localhost:6379", "<unparseable URL>"),
+        ("QzJx://u:pw@host:1/0", "***://***@host:1/0"),  # an unknown "scheme" may be a password too
         ("", "<unparseable URL>"),
     ],
 )
