@@ -389,3 +389,20 @@ def test_a_host_name_that_does_not_exist_fails_at_once_a_dns_hiccup_is_waited_fo
     with pytest.raises(RedisUnavailable, match="cannot reach Redis at") as exc:
         connect("redis://no-such-host.invalid:6379/0", policy=RetryPolicy(retries=2, base_s=0.01))
     assert "does not resolve" not in str(exc.value)
+
+
+def test_log_lines_never_carry_a_password_in_a_url(capsys: pytest.CaptureFixture[str]) -> None:
+    """The structlog processor is the net under every log call, tracebacks included."""
+    from lmdq.logs import configure_logging, get_logger
+
+    configure_logging("json", "INFO")
+    log = get_logger("t")
+    log.info("connected", url="redis://:Qz7/Kx9@127.0.0.1:1/0", note="also s3://AKQZ:WvJy@bucket/p")
+    try:
+        raise redis.ConnectionError("Error for rediss://u:Qz7Kx9@h:2/0")
+    except redis.ConnectionError:
+        log.exception("failed")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "redis://***@127.0.0.1:1/0" in err and "s3://***@bucket/p" in err
+    for piece in ("Qz7", "Kx9", "AKQ", "WvJ"):
+        assert piece not in err, err
