@@ -25,6 +25,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 
 from lmdq.contract import JOB_FUNCTION, JobPayload
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobTooLarge, read_job
 from lmdq.keys import Keys, rq_queue_key
 
 __all__ = ["Claim", "JobQueue", "generate", "job_id_for", "job_id_prefix"]
@@ -141,10 +142,18 @@ class Claim:
 class JobQueue:
     """Queue operations on a Redis client (passed in; no module-level connections)."""
 
-    def __init__(self, client: redis.Redis, *, keys: Keys | None = None, job_ttl_s: int = 7 * 24 * 3600) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        keys: Keys | None = None,
+        job_ttl_s: int = 7 * 24 * 3600,
+        max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+    ) -> None:
         self.client = client
         self.keys = keys or Keys()
         self.job_ttl_s = job_ttl_s
+        self.max_job_bytes = max_job_bytes
         self._commit = client.register_script(_COMMIT)
         self._claim = client.register_script(_CLAIM)
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -170,6 +179,8 @@ class JobQueue:
             description=f"lmdq batch {payload['batch_id']} job {job_no}",
         )
         job.enqueued_at = _utcnow()
+        if len(job.data) > self.max_job_bytes:  # workers refuse it unread: say so now, before anything is visible
+            raise JobTooLarge(job_no, len(job.data), self.max_job_bytes)
         job.save(pipeline=pipe)
         pipe.expire(job.key, self.job_ttl_s)
         pipe.rpush(self.keys.batch_jobs(payload["batch_id"]), job_id)
@@ -187,7 +198,7 @@ class JobQueue:
         ids = self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)
         with self.client.pipeline(transaction=False) as p:
             for jid in ids:
-                p.delete(f"rq:job:{jid.decode()}")
+                p.delete(Job.key_for(jid.decode() if isinstance(jid, bytes) else jid))
             p.delete(self.keys.batch_jobs(batch_id))
             p.execute()
 
@@ -214,7 +225,9 @@ class JobQueue:
                 for i in range(0, len(res), 3)]
 
     def fetch_job(self, job_id: str) -> Job:
-        return Job.fetch(job_id, connection=self.client, serializer=SERIALIZER)
+        """The job, read within ``max_job_bytes`` (never RQ's unbounded ``Job.fetch``: see
+        :mod:`lmdq.job_data`); raises ``JobRefused`` (a ValueError) for an oversized or foreign hash."""
+        return read_job(self.client, job_id, max_job_bytes=self.max_job_bytes, serializer=SERIALIZER)
 
     @staticmethod
     def payload_of(job: Job) -> JobPayload:
@@ -256,10 +269,13 @@ class JobQueue:
         not lmdq's JSON is never deserialized. Returns False when there is no job hash.
         """
         key = Job.key_for(job_id)
+        if int(self.client.hstrlen(key, "origin")) > MAX_FIELD_BYTES:
+            return False  # a forged origin of any size is never pulled out of Redis
         origin = self.client.hget(key, "origin")
         if origin is None:
             return False
-        registry = FailedJobRegistry(origin.decode(), connection=self.client, serializer=SERIALIZER)
+        registry = FailedJobRegistry(origin.decode() if isinstance(origin, bytes) else origin, connection=self.client,
+                                     serializer=SERIALIZER)
         with self.client.pipeline() as p:
             p.hset(
                 key,
