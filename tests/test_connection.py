@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -391,7 +391,18 @@ def test_a_host_name_that_does_not_exist_fails_at_once_a_dns_hiccup_is_waited_fo
     assert "does not resolve" not in str(exc.value)
 
 
-def test_log_lines_never_carry_a_password_in_a_url(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture()
+def structlog_restored() -> Iterator[None]:
+    """configure_logging binds the (captured) stderr of this test: give later tests theirs back."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+def test_log_lines_never_carry_a_password_in_a_url(capsys: pytest.CaptureFixture[str],
+                                                   structlog_restored: None) -> None:
     """The structlog processor is the net under every log call, tracebacks included."""
     from lmdq.logs import configure_logging, get_logger
 
