@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from lmdq.producer.settings import ProducerSettings
@@ -14,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmdq.connection import connect, redact_url
+from lmdq.connection import connect, redact_url, with_reconnect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
 from lmdq.errors import EXIT_CODES_HELP, InvalidSetting, run_cli
 from lmdq.keys import Keys
@@ -29,6 +30,7 @@ app = typer.Typer(
     epilog=EXIT_CODES_HELP,
 )
 err = Console(stderr=True)
+T = TypeVar("T")
 
 _STATE: dict[str, Any] = {}
 
@@ -41,6 +43,19 @@ def _say_waiting(line: str) -> None:
     """A slow first contact with Redis (restarting, frozen, a black hole) says what it waits for."""
     sys.stderr.write(line + "\n")  # one write: a line never interleaves with another thread's output
     sys.stderr.flush()
+
+
+def _patiently(poll: Callable[[], T]) -> T:
+    """One poll of a long wait (``--watch``, ``--wait``): a Redis that restarts meanwhile is waited
+    for under the one retry policy (about 2 minutes), saying so once, instead of ending the wait."""
+    said: list[bool] = []
+
+    def note(e: Exception, _delay: float) -> None:
+        if not said:
+            said.append(True)
+            _say_waiting(f"lost Redis ({type(e).__name__}); waiting for it to come back ...")
+
+    return with_reconnect(poll, on_retry=note)
 
 
 def _client() -> Any:
@@ -301,7 +316,7 @@ def status(
             t = prog.add_task(b.status.value, total=b.request_counts.total, completed=b.request_counts.done)
             while not b.status.terminal:
                 time.sleep(interval)
-                b = store.get_batch(batch_id)
+                b = _patiently(lambda: store.get_batch(batch_id))
                 prog.update(t, completed=b.request_counts.done, description=b.status.value)
     _print_batch(b, as_json)
 
@@ -331,7 +346,7 @@ def results(
                 )
                 raise typer.Exit(1)
             time.sleep(0.25)
-            b = store.get_batch(batch_id)
+            b = _patiently(lambda: store.get_batch(batch_id))
     lines = iter_openai_lines(store, b) if fmt == "openai" else iter_lmdq_lines(store, b)
     out = output.open("wb") if output else sys.stdout.buffer
     try:

@@ -213,3 +213,42 @@ def test_careless_lines_are_refused_by_submit_with_file_line_exit_2_nothing_enqu
     assert "Traceback" not in err
     assert client.zcard(Keys(prefix).batches()) == 0 and not client.keys(f"{prefix}:*")
     assert client.llen(rq_queue_key(queue_name("sim", "normal", prefix))) == 0
+
+
+def test_status_watch_outlives_a_redis_restart(env: dict[str, str]) -> None:
+    """A long wait (``status --watch``) is not ended by a Redis restart: its polls wait for Redis under
+    the one retry policy and say so once. Each step waits on a condition, never on the clock."""
+    from lmdq.contract import Batch, BatchStatus, RequestCounts
+    from lmdq.store import ResultStore
+
+    srv = RedisServer(aof=True).start()
+    w: subprocess.Popen[bytes] | None = None
+    try:
+        keys = Keys("watch")
+        ResultStore(redis.Redis.from_url(srv.url), keys=keys).create_batch(Batch(
+            id="b1", model="sim", status=BatchStatus.queued, batch_size=1, request_counts=RequestCounts(total=1),
+            created_at=time.time()))
+        w = subprocess.Popen([sys.executable, "-m", "producer", "status", "b1", "--watch", "--interval", "0.05"],
+                             env={**env, "LMDQ_REDIS_URL": srv.url, "LMDQ_KEY_PREFIX": "watch"}, cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        probe = redis.Redis.from_url(srv.url)
+        deadline = time.monotonic() + 60
+        while len(probe.client_list()) < 2:  # the watcher is connected and polling
+            assert time.monotonic() < deadline and w.poll() is None
+            time.sleep(0.05)
+        srv.stop()  # clean shutdown: the AOF keeps the batch
+        assert w.stderr is not None
+        line = w.stderr.readline().decode()
+        while "lost Redis" not in line:  # the watcher noticed (rich may draw its bar first)
+            assert line, "the watcher ended instead of waiting for Redis"
+            line = w.stderr.readline().decode()
+        srv.start()
+        ResultStore(redis.Redis.from_url(srv.url), keys=keys).transition("b1", [BatchStatus.queued],
+                                                                          BatchStatus.cancelled)
+        out, err = w.communicate(timeout=120)
+        assert w.returncode == 0, err.decode()
+        assert out.decode().startswith("b1  cancelled")
+    finally:
+        if w is not None and w.poll() is None:
+            w.kill()
+        srv.cleanup()
