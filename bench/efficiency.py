@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
 from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.worker.engines.base import Borrowed, Engine, EngineRequest
 from lmdq.worker.runner import Worker
 from lmdq.worker.settings import WorkerSettings
 
+from lmdq.connection import connect
 from lmdq.contract import Endpoint, GenerationParams
 from lmdq.keys import Keys
 from lmdq.store import ResultStore
@@ -109,7 +109,7 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
              prefix: str, timelines: list[dict[str, float]] | None = None) -> tuple[float, int]:
     """Producer submit → a worker on the same engine → results stored; first enqueue to last result.
     With ``timelines``, the run's ramp/tail timeline is appended to it."""
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)  # timeouts like every lmdq client
     keys = Keys(prefix)
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "prompts.jsonl"

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import redis
-
+from lmdq.connection import connect
 from lmdq.contract import FinishReason, Result, ResultStatus, Timings
 from lmdq.keys import Keys
 from lmdq.store import ResultStore
@@ -51,7 +50,7 @@ def _run(args: list[str], env: dict[str, str]) -> tuple[float, int, bytes]:
 
 
 def run_producer_bench(*, lines: int, batch_size: int, redis_url: str, log: Callable[[str], None]) -> dict[str, Any]:
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)  # timeouts like every lmdq client
     prefix = f"pbench{lines}"
     env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_KEY_PREFIX": prefix, "LMDQ_LOG_FORMAT": "json"}
     with tempfile.TemporaryDirectory() as d:

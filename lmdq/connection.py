@@ -1,38 +1,151 @@
-"""Redis connections from a URL, with clear errors and reconnect-with-backoff.
+"""Redis connections from a URL: checked URLs, timeouts on every client, and ONE retry policy.
 
-``redis://`` and ``rediss://`` (TLS) URLs with user/password are passed straight to redis-py.
-A wrong password or an unreachable server becomes one :class:`RedisUnavailable` line with the
-password redacted, not a traceback.
+``redis://`` and ``rediss://`` (TLS) URLs with user/password are passed to redis-py once they are
+known to mean what they say. A malformed URL, a wrong password or an unreachable server becomes one
+:class:`RedisUnavailable` line naming the redacted URL, not a traceback.
+
+Retries live in one place. The client itself only reconnects once, at once, when a pooled
+connection was dropped (a restarted Redis, an idle connection cut by a proxy): that is not a backoff
+layer, just redis-py noticing a dead socket. Timeouts are never retried by the client (a command may
+have run). Everything else, waiting for a Redis that is away, is :class:`RetryPolicy` through
+:func:`with_reconnect`, used by the producer (at start) and the worker (around each operation).
 """
 
 from __future__ import annotations
 
-import inspect
+import random
+import re
+import socket
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from lmdq.errors import RedisUnavailable
+from lmdq.redaction import redact_text, redact_url
+from lmdq.settings import CommonSettings
 
-__all__ = ["RETRYABLE_ERRORS", "connect", "redact_url", "with_reconnect"]
+__all__ = ["RETRYABLE_ERRORS", "RetryPolicy", "check_redis_url", "connect", "redact_url", "with_reconnect"]
 
 T = TypeVar("T")
 
 RETRYABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)
 """Errors that mean "Redis is (re)starting or unreachable": wait and retry, never give up work."""
-_RETRYABLE = RETRYABLE_ERRORS
 
 _CREDENTIAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 """Subclasses of ConnectionError that retrying cannot fix: the credentials were refused."""
 
+_SCHEMES = ("redis", "rediss", "unix")
+_URL_FORM = "expected redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix:///path/to/socket"
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+")
 
-class _Retry(Retry):
-    """redis-py's Retry, except refused credentials fail at once instead of after ~16 s of backoff."""
+_NO_SUCH_NAME = frozenset(
+    getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA", "EAI_ADDRFAMILY") if hasattr(socket, name)
+)
+"""getaddrinfo answers that mean "no such host" (EAI_AGAIN, a DNS hiccup, is waited for like any outage)."""
+
+_DEFAULTS = CommonSettings.model_fields
+_CONNECT_TIMEOUT_S: float = _DEFAULTS["redis_connect_timeout_s"].default
+_SOCKET_TIMEOUT_S: float = _DEFAULTS["redis_socket_timeout_s"].default
+_WAIT_S: float = _DEFAULTS["redis_wait_s"].default
+
+SLOW_CONNECT_NOTICE_S = 1.0
+"""After this long without an answer, :func:`connect` says what it is waiting for."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """lmdq's one backoff for a Redis that is away: capped, jittered, exponential.
+
+    Retry ``n`` (0-based) sleeps a random time in ``[d/2, d]`` with ``d = min(cap_s, base_s * 2**n)``
+    ("equal jitter": a fleet of workers that lost Redis together does not come back in lock step).
+    At most ``retries`` retries; with ``deadline_s``, no retry starts that could not finish in time,
+    judged by how long the last attempt took (so a frozen Redis, whose every attempt lasts a socket
+    timeout, is not tried a second time past the deadline).
+    """
+
+    retries: int = 30
+    base_s: float = 0.1
+    cap_s: float = 5.0
+    deadline_s: float | None = None
+
+    @classmethod
+    def for_startup(cls, s: CommonSettings | None = None) -> RetryPolicy:
+        """A command's first contact: wait up to ``LMDQ_REDIS_WAIT_S`` for Redis, then give up."""
+        return cls(retries=10_000, deadline_s=s.redis_wait_s if s is not None else _WAIT_S)
+
+    def delay(self, retry: int, rand: Callable[[], float] = random.random) -> float:
+        """Seconds to sleep before retry number ``retry`` (0-based)."""
+        full = min(self.cap_s, self.base_s * 2.0 ** min(retry, 62))
+        return full / 2 + float(rand()) * full / 2
+
+    @property
+    def max_sleep_s(self) -> float:
+        """The most time all retries can spend sleeping (the attempts' own time comes on top)."""
+        total = sum(min(self.cap_s, self.base_s * 2.0 ** min(n, 62)) for n in range(min(self.retries, 100_000)))
+        return total if self.deadline_s is None else min(total, self.deadline_s)
+
+
+DEFAULT_POLICY = RetryPolicy()
+
+
+def with_reconnect(
+    fn: Callable[[], T],
+    *,
+    attempts: int | None = None,
+    cap_s: float | None = None,
+    on_retry: Callable[[Exception, float], None] | None = None,
+    policy: RetryPolicy | None = None,
+    sleep: Callable[[float], object] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``fn()``, retried while Redis is away (:data:`RETRYABLE_ERRORS`) under ``policy``.
+
+    What a caller gets: ``fn``'s value; or, at once, any error that is not retryable and refused
+    credentials; or, once the policy is spent, the last retryable error. The wait is at most
+    ``policy.max_sleep_s`` of sleeping (about 2 min for the default 30 retries) plus the attempts'
+    own time, each bounded by the client's connect and socket timeouts. ``on_retry(error, delay)``
+    is called before each sleep (for logging). ``attempts``/``cap_s`` override the policy's
+    ``retries + 1``/``cap_s`` (the older signature). Use it around idempotent operations only:
+    a timed-out command may have run.
+    """
+    p = policy or DEFAULT_POLICY
+    if attempts is not None:
+        p = replace(p, retries=max(0, attempts - 1))
+    if cap_s is not None:
+        p = replace(p, cap_s=cap_s)
+    start = clock()
+    retry = 0
+    while True:
+        began = clock()
+        try:
+            return fn()
+        except RETRYABLE_ERRORS as e:
+            if isinstance(e, _CREDENTIAL_ERRORS) or retry >= p.retries:
+                raise
+            delay = p.delay(retry)
+            if p.deadline_s is not None:
+                now = clock()
+                if now - start + delay + (now - began) > p.deadline_s:
+                    raise
+            if on_retry:
+                on_retry(e, delay)
+            sleep(delay)
+            retry += 1
+
+
+class _ReconnectOnce(Retry):
+    """redis-py's Retry limited to what the client should do itself: reconnect once, at once, on a
+    dropped connection (never on a timeout: the command may have run; never on refused credentials)."""
+
+    def __init__(self) -> None:
+        super().__init__(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
 
     def call_with_retry(
         self, do: Callable[[], T], fail: Callable[..., Any], is_retryable: Any = None, *args: Any, **kwargs: Any
@@ -43,75 +156,173 @@ class _Retry(Retry):
         return super().call_with_retry(do, fail, retryable, *args, **kwargs)
 
 
-# Older redis-py has no is_retryable hook; there, credential errors are retried like any other.
-_RETRY_CLASS: type[Retry] = (
-    _Retry if "is_retryable" in inspect.signature(Retry.call_with_retry).parameters else Retry
-)
+def check_redis_url(url: str) -> None:
+    """Raise :class:`RedisUnavailable` unless ``url`` is a Redis URL that means what it says.
 
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by '***' (safe to log)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    netloc = f"{user}:***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-def connect(url: str, *, check: bool = True, retries: int = 6) -> redis.Redis:
-    """A client for ``url`` that retries transient errors with exponential backoff.
-
-    With ``check`` the server is pinged once so bad credentials fail here, early and clearly.
+    redis-py accepts URLs that silently mean something else: ``redis://:pa/ss@host`` connects to
+    localhost with password ``pa`` (the ``/`` ends the host part), ``redis:/host`` to localhost, a
+    path that is not a number to db 0. The message names the redacted URL and the problem, never a
+    part of the URL (a "port" that fails to parse may be a password).
     """
+    shown = redact_url(url)
+
+    def bad(why: str) -> RedisUnavailable:
+        return RedisUnavailable(f"invalid Redis URL {shown!r}: {why}")
+
+    if not isinstance(url, str) or not url.strip():
+        raise bad(f"empty; {_URL_FORM}")
+    if any(c <= " " or c == "\x7f" for c in url):
+        raise bad("it holds spaces or control characters (percent-encode them in a password)")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise bad(_URL_FORM)
+    if scheme.lower() not in _SCHEMES:
+        raise bad(f"the scheme is not redis, rediss or unix; {_URL_FORM}")
+    at = rest.rfind("@")
+    host_and_tail = rest[at + 1:] if at >= 0 else rest
+    end = min((i for i in (host_and_tail.find(c) for c in "/?#") if i >= 0), default=len(host_and_tail))
+    authority = (rest[: at + 1] if at >= 0 else "") + host_and_tail[:end]
     try:
-        client = redis.Redis.from_url(
-            url,
-            retry=_RETRY_CLASS(ExponentialBackoff(cap=5.0, base=0.2), retries),
-            retry_on_error=list(_RETRYABLE),
-            health_check_interval=30,
-            socket_keepalive=True,
-        )
-    except ValueError as e:
-        raise RedisUnavailable(f"invalid Redis URL {redact_url(url)!r}: {e}") from e
-    if check:
-        try:
-            client.ping()
-        except redis.AuthenticationError as e:
-            raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: {e}") from e
-        except redis.ResponseError as e:
-            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
-                raise RedisUnavailable(f"Redis at {redact_url(url)} needs a (correct) password: {e}") from e
-            raise
-        except redis.RedisError as e:
-            raise RedisUnavailable(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unbalanced '[' in the host
+        raise bad(f"no valid host; {_URL_FORM}") from None
+    if parts.netloc != authority:
+        raise bad("the user name or password holds '/', '?' or '#': percent-encode them ('/' is %2F, '?' %3F, "
+                  "'#' %23)")
+    try:
+        port = parts.port
+    except ValueError:
+        raise bad("the port is not a number from 1 to 65535 (a password goes before the host: "
+                  "redis://:password@host:port)") from None
+    if parts.fragment:
+        raise bad("it has a '#fragment' (a '#' in a password must be written %23)")
+    if scheme.lower() == "unix":
+        if not parts.path:
+            raise bad("no socket path; expected unix:///path/to/socket")
+        return
+    host = parts.netloc.rpartition("@")[2]
+    host = host[: host.rfind(":")] if port is not None and not host.endswith("]") else host
+    if not host or not _HOST.fullmatch(host):
+        raise bad(f"no valid host; {_URL_FORM}")
+    if port == 0:
+        raise bad("the port is not a number from 1 to 65535")
+    if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]{1,5}", parts.path):
+        raise bad("the path is not a database number (e.g. /0)")
+
+
+def connect(
+    url: str,
+    *,
+    settings: CommonSettings | None = None,
+    check: bool = True,
+    policy: RetryPolicy | None = None,
+    on_slow: Callable[[str], None] | None = None,
+) -> redis.Redis:
+    """A client for ``url`` with connect and socket timeouts on every connection.
+
+    Timeouts come from ``settings`` (``LMDQ_REDIS_CONNECT_TIMEOUT_S``, ``LMDQ_REDIS_SOCKET_TIMEOUT_S``;
+    their declared defaults without it). With ``check`` the server is pinged under ``policy``
+    (default: :meth:`RetryPolicy.for_startup`, i.e. up to ``LMDQ_REDIS_WAIT_S`` for a Redis that is
+    restarting or unreachable; its first answer is due within the connect timeout), so a missing or
+    frozen Redis and bad credentials fail here, early and clearly, as one-line
+    :class:`RedisUnavailable` errors. If the first answer takes longer than
+    :data:`SLOW_CONNECT_NOTICE_S`, ``on_slow`` gets one line saying what we are waiting for.
+    """
+    check_redis_url(url)
+    shown = redact_url(url)
+    connect_timeout_s = settings.redis_connect_timeout_s if settings is not None else _CONNECT_TIMEOUT_S
+    socket_timeout_s = settings.redis_socket_timeout_s if settings is not None else _SOCKET_TIMEOUT_S
+    client = _client(url, shown, connect_timeout_s, socket_timeout_s)
+    if not check:
+        return client
+    # The check is part of connecting: its first answer (after TCP, TLS and AUTH) gets the connect
+    # timeout, so a frozen Redis is given up on after ~5 s, not a full socket timeout.
+    probe = _client(url, shown, connect_timeout_s, connect_timeout_s)
+    notice = _SlowNotice(f"waiting for Redis at {shown} ...", on_slow) if on_slow is not None else None
+    try:
+        with_reconnect(lambda: _ping(probe), policy=policy or RetryPolicy.for_startup(settings))
+    except _UnknownHost as e:
+        raise RedisUnavailable(f"cannot reach Redis at {shown}: the host name does not resolve "
+                               f"({_said(e.__cause__ or e)})") from e
+    except redis.AuthenticationError as e:
+        raise RedisUnavailable(f"Redis at {shown} refused the credentials: {_said(e)}{_auth_hint(url)}") from e
+    except redis.ResponseError as e:
+        if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+            raise RedisUnavailable(f"Redis at {shown} needs a (correct) password: {_said(e)}{_auth_hint(url)}") from e
+        raise RedisUnavailable(f"Redis at {shown} refused PING: {_said(e)}") from e
+    except (redis.RedisError, OSError, UnicodeError, ValueError, TypeError) as e:
+        # OSError/UnicodeError/ValueError: e.g. a host name the resolver cannot even encode;
+        # TypeError: a URL query option this kind of connection does not take.
+        raise RedisUnavailable(f"cannot reach Redis at {shown}: {_said(e)}") from e
+    finally:
+        if notice is not None:
+            notice.stop()
+        probe.close()
     return client
 
 
-def with_reconnect(
-    fn: Callable[[], T],
-    *,
-    attempts: int = 30,
-    cap_s: float = 5.0,
-    on_retry: Callable[[Exception, float], None] | None = None,
-) -> T:
-    """Call ``fn``, retrying connection errors with capped exponential backoff.
+class _UnknownHost(Exception):
+    """The resolver says the name does not exist (not "try again"): a typo, not worth waiting for."""
 
-    Used around whole operations (a claim, a result write) so a Redis restart pauses work
-    instead of crashing it.
+
+def _ping(client: redis.Redis) -> None:
+    try:
+        client.ping()
+    except redis.ConnectionError as e:
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, socket.gaierror) and cause.errno in _NO_SUCH_NAME:
+            raise _UnknownHost(str(e)) from e
+        raise
+
+
+class _SlowNotice:
+    """Calls ``say(message)`` once if not stopped within :data:`SLOW_CONNECT_NOTICE_S`.
+
+    The lock makes it all-or-nothing: once :meth:`stop` returns, the notice has either been said
+    in full or never will be, so it cannot land after (or inside) the error line that may follow.
     """
-    delay = 0.1
-    for i in range(attempts):
-        try:
-            return fn()
-        except _RETRYABLE as e:
-            if i == attempts - 1 or isinstance(e, _CREDENTIAL_ERRORS):
-                raise
-            if on_retry:
-                on_retry(e, delay)
-            time.sleep(delay)
-            delay = min(cap_s, delay * 2)
-    raise AssertionError("unreachable")
+
+    def __init__(self, message: str, say: Callable[[str], None]) -> None:
+        self._message, self._say = message, say
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._timer = threading.Timer(SLOW_CONNECT_NOTICE_S, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._say(self._message)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._timer.cancel()
+
+
+def _client(url: str, shown: str, connect_timeout_s: float, socket_timeout_s: float) -> redis.Redis:
+    try:
+        return redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=_ReconnectOnce(),
+            health_check_interval=30,
+            **({} if url[:5].lower() == "unix:" else {"socket_keepalive": True}),  # TCP only
+        )
+    except (ValueError, TypeError) as e:  # a bad query option: redis-py names the option, not its value
+        raise RedisUnavailable(f"invalid Redis URL {shown!r}: {_said(e)}") from None
+
+
+def _auth_hint(url: str) -> str:
+    """The commonest slip: ``redis://PASSWORD@host`` makes the password a user name."""
+    userinfo, at, _ = url.partition("://")[2].rpartition("@")
+    if at and ":" not in userinfo:
+        return " (the URL has a user name but no password: write redis://:PASSWORD@host)"
+    return ""
+
+
+def _said(e: BaseException) -> str:
+    """An exception's text for a one-line message: redacted (it may quote a URL), on one line."""
+    return " ".join(redact_text(f"{type(e).__name__}: {e}").split())

@@ -1,11 +1,23 @@
-"""lmdq's boundary errors: each names the bad input and what was expected."""
+"""lmdq's boundary errors: each names the bad input and what was expected.
+
+Exit codes live here, in one place (:class:`ExitCode`); every CLI ends through :func:`run_cli`, so
+an lmdq error, a Redis that is gone mid-command, or one that refuses writes is one line on stderr and
+the documented code, never a traceback.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from enum import IntEnum
+
+import redis
+
+from lmdq.redaction import redact_text
 
 __all__ = [
+    "EXIT_CODES_HELP",
+    "ExitCode",
     "LmdqError",
     "run_cli",
     "BadSetting",
@@ -19,19 +31,64 @@ __all__ = [
 ]
 
 
+class ExitCode(IntEnum):
+    """What a CLI's exit status means; scripts branch on these, so they never change meaning."""
+
+    ok = 0
+    failed = 1
+    """A runtime error: unknown batch, nothing to retry, a --wait that timed out."""
+    bad_input = 2
+    """The input (file, flag, setting) was refused; nothing was enqueued."""
+    redis_unavailable = 3
+    """Redis unreachable, frozen (timeout), refusing the credentials, or a malformed Redis URL."""
+    results_unavailable = 4
+    """A batch's results shard could not be read."""
+    redis_refused = 5
+    """Redis is reachable but refused a write (out of memory, read-only replica); nothing left behind."""
+
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 ok; 1 runtime error (unknown batch, nothing to retry, --wait timed out); "
+    "2 bad input (file, flag or setting; nothing enqueued); "
+    "3 Redis unreachable, timed out, bad URL or credentials; 4 results shard unreadable; "
+    "5 Redis refused the write (out of memory, read-only; nothing left behind)."
+)
+"""The exit code table for CLI ``--help`` epilogs (README.md has the same table)."""
+
+
 class LmdqError(Exception):
     """Base class; CLIs print ``str(err)`` on one line and exit non-zero."""
 
-    exit_code = 1
+    exit_code: int = ExitCode.failed
 
 
 def run_cli(app: Callable[[], object]) -> None:
-    """Console entry point shared by the CLIs: an lmdq error becomes one line on stderr and its exit code."""
+    """Console entry point shared by the CLIs: an error becomes one line on stderr and its exit code.
+
+    Besides lmdq's own errors, a Redis that goes away after the connection was made (reset, timeout,
+    still loading) exits :attr:`ExitCode.redis_unavailable`, and one that refuses a write exits
+    :attr:`ExitCode.redis_refused`: both are facts about Redis, not bugs, so no traceback. Redis's
+    own error text is redacted in case it quotes a URL, and so is every message (a safety net for
+    URLs that came from a user's file or a results shard's error).
+    """
     try:
         app()
     except LmdqError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        _fail(redact_text(e), e.exit_code)  # a safety net: messages already name URLs redacted
+    except (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError) as e:
+        _fail(f"Redis refused the write: {_one_line(e)}", ExitCode.redis_refused)
+    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError) as e:
+        _fail(f"lost the connection to Redis: {_one_line(e)}", ExitCode.redis_unavailable)
+
+
+def _one_line(e: BaseException) -> str:
+    """Foreign error text: redacted, and folded onto one line (a second line reads like a traceback)."""
+    return " ".join(redact_text(e).split())
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(int(code))
 
 
 class BatchNotFound(LmdqError):
@@ -41,13 +98,13 @@ class BatchNotFound(LmdqError):
 
 
 class UnknownModel(LmdqError):
-    exit_code = 2
+    exit_code = ExitCode.bad_input
 
 
 class SubmitRejected(LmdqError):
     """The input file was not accepted; nothing was enqueued."""
 
-    exit_code = 2
+    exit_code = ExitCode.bad_input
 
 
 class RetryRejected(LmdqError):
@@ -55,22 +112,22 @@ class RetryRejected(LmdqError):
 
 
 class RedisUnavailable(LmdqError):
-    """Redis could not be reached or refused our credentials."""
+    """Redis could not be reached, timed out, refused our credentials, or its URL is malformed."""
 
-    exit_code = 3
+    exit_code = ExitCode.redis_unavailable
 
 
 class ResultsUnavailable(LmdqError):
     """A batch's results shard (its results URL) could not be read."""
 
-    exit_code = 4
+    exit_code = ExitCode.results_unavailable
 
 
 class RedisRefused(LmdqError):
     """Redis is reachable but refused a write (out of memory under ``maxmemory``, a read-only
     replica): nothing was left behind, and retrying later or elsewhere can succeed."""
 
-    exit_code = 5
+    exit_code = ExitCode.redis_refused
 
 
 class BadSetting(LmdqError, ValueError):
@@ -78,4 +135,4 @@ class BadSetting(LmdqError, ValueError):
     not take: named by its flag and env var, exit 2 like any usage error. A ValueError too, so code that
     validates settings keeps catching it as one."""
 
-    exit_code = 2
+    exit_code = ExitCode.bad_input

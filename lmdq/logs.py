@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import logging
-import re
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
 
+from lmdq.redaction import redact_text
+
 __all__ = ["configure_logging", "get_logger"]
 
-_PASSWORD_IN_URL = re.compile(r"(rediss?://[^:/@\s]*:)[^@\s]+@")
 
-
-def _redact(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
-    """Never let a Redis password reach a log line."""
+def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Never let a password in a URL reach a log line (any scheme: redis, s3, http...)."""
     for k, v in event.items():
         if isinstance(v, str) and "://" in v:
-            event[k] = _PASSWORD_IN_URL.sub(r"\1***@", v)
+            event[k] = redact_text(v)
     return event
 
 
@@ -31,8 +31,8 @@ def configure_logging(fmt: str = "auto", level: str = "INFO") -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            _redact,
             structlog.processors.format_exc_info if use_json else structlog.processors.StackInfoRenderer(),
+            _redact,  # after format_exc_info: a traceback's text may quote a URL too
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

@@ -31,6 +31,24 @@ class CommonSettings(BaseSettings):
         default=DEFAULT_MAX_JOB_BYTES, ge=1 << 20, description="cap on one job's data, compressed and decompressed "
         "(LMDQ_MAX_JOB_BYTES): a worker refuses larger jobs without inflating them; see lmdq.job_data"
     )
-    redis_retries: int = Field(
-        default=6, ge=0, le=100, description="reconnect attempts per Redis command (backoff 0.4 s doubling to 5 s)"
+    # Redis client timeouts and the startup wait. Retries themselves are lmdq.connection.RetryPolicy,
+    # declared there once (30 jittered retries, 0.1 s doubling to 5 s: about 2 minutes).
+    # One default for both sides: no lmdq command blocks in Redis (no BLPOP; Lua scripts work in
+    # bounded chunks), so a reply slower than 10 s means Redis is frozen or the network is gone. The
+    # worker rides such a spell out with its operation retries, not with a longer timeout, so a
+    # frozen Redis is noticed (and logged) equally fast on both sides.
+    redis_connect_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="TCP connect + TLS timeout of every Redis connection; also bounds the first PING at start",
+    )
+    redis_socket_timeout_s: float = Field(
+        default=10.0, gt=0, le=3600, description="longest wait for one Redis reply before it counts as a timeout"
+    )
+    redis_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=3600,
+        description="how long a command waits at start for an unreachable or (re)starting Redis before exit 3",
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from lmdq.producer.settings import ProducerSettings
@@ -15,9 +16,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lmdq.cli_options import FlagSpec, model_options
-from lmdq.connection import connect
+from lmdq.connection import connect, redact_url, with_reconnect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
-from lmdq.errors import run_cli
+from lmdq.errors import EXIT_CODES_HELP, BadSetting, run_cli
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
 from lmdq.store import ResultStore
@@ -27,8 +28,10 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Submit prompt files to lmdq and read results.",
+    epilog=EXIT_CODES_HELP,
 )
 err = Console(stderr=True)
+T = TypeVar("T")
 
 _STATE: dict[str, Any] = {}
 
@@ -37,9 +40,29 @@ def _settings() -> ProducerSettings:
     return _STATE["settings"]  # type: ignore[no-any-return]
 
 
+def _say_waiting(line: str) -> None:
+    """A slow first contact with Redis (restarting, frozen, a black hole) says what it waits for."""
+    sys.stderr.write(line + "\n")  # one write: a line never interleaves with another thread's output
+    sys.stderr.flush()
+
+
+def _patiently(poll: Callable[[], T]) -> T:
+    """One poll of a long wait (``--watch``, ``--wait``): a Redis that restarts meanwhile is waited
+    for under the one retry policy (about 2 minutes), saying so once, instead of ending the wait."""
+    said: list[bool] = []
+
+    def note(e: Exception, _delay: float) -> None:
+        if not said:
+            said.append(True)
+            _say_waiting(f"lost Redis ({type(e).__name__}); waiting for it to come back ...")
+
+    return with_reconnect(poll, on_retry=note)
+
+
 def _client() -> Any:
     if "client" not in _STATE:
-        _STATE["client"] = connect(_settings().redis_url, retries=_settings().redis_retries)
+        s = _settings()
+        _STATE["client"] = connect(s.redis_url, settings=s, on_slow=_say_waiting)
     return _STATE["client"]
 
 
@@ -52,11 +75,30 @@ def _store() -> ResultStore:
 def _main(
     redis_url: Annotated[str | None, typer.Option(help="Redis URL (env LMDQ_REDIS_URL, then REDIS_URL)")] = None,
 ) -> None:
-    s = ProducerSettings()
+    s = _load_settings()
     if redis_url:
         s.redis_url = redis_url
     _STATE["settings"] = s
     configure_logging(s.log_format, s.log_level)
+
+
+def _load_settings() -> ProducerSettings:
+    """The ``LMDQ_*`` settings; a bad one is one line naming the variable (not its value: it may be
+    a URL with a password) and exit 2."""
+    from pydantic import ValidationError
+
+    try:
+        return ProducerSettings()
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{_env_name(err['loc'])}: {err['msg']}" for err in e.errors(include_input=False, include_url=False)
+        )
+        raise BadSetting(f"invalid setting {problems}") from None
+
+
+def _env_name(loc: tuple[int | str, ...]) -> str:
+    name = str(loc[0]) if loc else "?"
+    return name if name.upper().startswith("LMDQ_") else f"LMDQ_{name.upper()}"
 
 
 def _parse_metadata(items: list[str]) -> dict[str, str]:
@@ -88,7 +130,8 @@ def _check_url(url: str | None, flag: str) -> str | None:
     if "://" in url:
         scheme = url.split("://", 1)[0]
         if scheme not in ("file", "s3", "s3a"):
-            raise typer.BadParameter(f"expected a folder, file:// or s3:// URL, got {url!r}", param_hint=flag)
+            raise typer.BadParameter(f"expected a folder, file:// or s3:// URL, got {redact_url(url)!r}",
+                                     param_hint=flag)
         return url.rstrip("/")
     return str(Path(url).expanduser().resolve())
 
@@ -260,7 +303,7 @@ def status(
             t = prog.add_task(b.status.value, total=b.request_counts.total, completed=b.request_counts.done)
             while not b.status.terminal:
                 time.sleep(interval)
-                b = store.get_batch(batch_id)
+                b = _patiently(lambda: store.get_batch(batch_id))
                 prog.update(t, completed=b.request_counts.done, description=b.status.value)
     _print_batch(b, as_json)
 
@@ -290,7 +333,7 @@ def results(
                 )
                 raise typer.Exit(1)
             time.sleep(0.25)
-            b = store.get_batch(batch_id)
+            b = _patiently(lambda: store.get_batch(batch_id))
     lines = iter_openai_lines(store, b) if fmt == "openai" else iter_lmdq_lines(store, b)
     out = output.open("wb") if output else sys.stdout.buffer
     try:

@@ -238,6 +238,11 @@ BAD_CASES = [
     ("openai_stop_wrong_type.jsonl", 2, "body.stop[1]", "expected a string, got 7"),
     ("openai_messages_on_completions.jsonl", 2, "body.messages", "belongs to url /v1/chat/completions"),
     ("openai_max_tokens_zero.jsonl", 2, "body.max_tokens", "expected an integer from 1 to"),
+    ("whitespace_prompt.jsonl", 2, "prompt", "expected some text, got only whitespace"),
+    ("message_without_content.jsonl", 2, "messages[1].content", "got nothing (the key is missing)"),
+    ("openai_tool_calls_without_content.jsonl", 2, "body.messages[1].content", "lmdq serves no tools"),
+    ("duplicate_key.jsonl", 2, None, "duplicate key 'prompt' in one JSON object; expected each key once"),
+    ("duplicate_nested_key.jsonl", 2, None, "duplicate key 'temperature'"),
 ]
 
 
@@ -394,3 +399,61 @@ def test_50mb_line_memory_stays_bounded(tmp_path: Path) -> None:
     assert isinstance(err, InputError) and err.line == 2
     assert f"line is {size + 14:,} bytes, over the limit of {10 * 1024 * 1024:,} bytes" in str(err)
     assert str(err).startswith(f"{p}:2: ")
+
+
+@pytest.mark.parametrize("line", [
+    '{"prompt": "a", "prompt": "b"}',
+    '{"prompt" : "a", "prompt"\t: "b"}',  # whitespace before the colon
+    '{"messages": [{"role": "user", "content": "x", "role": "system"}]}',  # nested in a list
+    '{"prompt": "say \\":\\" twice", "params": {"top_k": 1, "top_k": 2}}',  # an escaped quote too
+])
+def test_duplicate_keys_are_refused_by_every_loader(tmp_path: Path, line: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for loads in _loaders():
+        monkeypatch.setattr(formats, "_loads", loads)
+        [err] = parse(write(tmp_path, "d.jsonl", [line]))
+        assert isinstance(err, InputError) and err.line == 1 and "duplicate key" in err.message, (loads, err)
+
+
+@pytest.mark.parametrize("line", [
+    '{"prompt": "say \\": and \\":\\" here"}',  # '\":' in a string: the count's false alarm, accepted
+    '{"prompt": ":leading colon", "custom_id": ":x"}',
+    '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "a"}]}',  # same keys, 2 objects
+])
+def test_lines_without_duplicates_are_accepted_by_every_loader(tmp_path: Path, line: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for loads in _loaders():
+        monkeypatch.setattr(formats, "_loads", loads)
+        [item] = parse(write(tmp_path, "ok.jsonl", [line]))
+        assert isinstance(item, ParsedLine), (loads, item)
+
+
+def _loaders() -> list[object]:
+    """Every loader the reader may use: the exact stdlib one, and the fast parsers with their cheap
+    duplicate check (orjson's only where orjson is installed)."""
+    out: list[object] = [formats._stdlib_loads, formats._checked(formats._fast_json_loads)]
+    try:
+        import orjson
+    except ImportError:
+        return out
+    return [*out, formats._checked(orjson.loads)]
+
+
+def test_message_content_rules(tmp_path: Path) -> None:
+    cases = [
+        ({"role": "user", "content": None}, "got null"),
+        ({"role": "user", "content": []}, "expected at least one text part, got an empty list"),
+        ({"role": "assistant", "tool_calls": []}, "lmdq serves no tools"),
+    ]
+    for msg, message in cases:
+        [err] = parse(write(tmp_path, "m.jsonl", [{"messages": [msg]}]))
+        assert isinstance(err, InputError) and err.field == "messages[0].content" and message in err.message
+    [ok] = parse(write(tmp_path, "m.jsonl", [{"messages": [{"role": "user", "content": " "},
+                                                          {"role": "user", "content": "x"}]}]))
+    assert isinstance(ok, ParsedLine)  # a blank message inside a conversation is the user's call
+
+
+def test_whitespace_only_prompt_in_openai_completions(tmp_path: Path) -> None:
+    line = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "\n \t"}}
+    [err] = parse(write(tmp_path, "o.jsonl", [line]))
+    assert isinstance(err, InputError) and err.field == "body.prompt" and "only whitespace" in err.message

@@ -650,8 +650,9 @@ def test_rediss_url_builds_a_tls_client_without_network() -> None:
     assert (kw["username"], kw["password"]) == ("lmdq", "s3cret")
     conn = pool.make_connection()  # built, not connected
     assert conn.cert_reqs == ssl.CERT_REQUIRED and conn.ca_certs == "/etc/ssl/ca.pem"
-    assert redact_url(url) == "rediss://lmdq:***@redis.example:6380/2?ssl_cert_reqs=required&ssl_ca_certs=/etc/ssl/ca.pem"
-    with pytest.raises(RedisUnavailable, match=r"invalid Redis URL 'http://u:\*\*\*@h'"):
+    # the whole userinfo is redacted, user name included (issue #14: with a missing ':' it IS the password)
+    assert redact_url(url) == "rediss://***@redis.example:6380/2?ssl_cert_reqs=required&ssl_ca_certs=/etc/ssl/ca.pem"
+    with pytest.raises(RedisUnavailable, match=r"invalid Redis URL 'http://\*\*\*@h'"):
         connect("http://u:pw@h", check=False)
 
 
@@ -671,6 +672,6 @@ def test_worker_wrong_password_one_line_and_password_never_logged(tmp_path: Path
         w = start_worker(*SIM, "--burst", env={**env, "LMDQ_REDIS_URL": srv.url}, log=log)
         assert w.wait(60) == 0
         text = log.read_text()
-        assert "s3cret-pw" not in text and ":***@127.0.0.1" in text
+        assert "s3cret-pw" not in text and "://***@127.0.0.1" in text
     finally:
         srv.cleanup()

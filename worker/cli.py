@@ -69,7 +69,7 @@ def run(
     if ignored:
         log.warning("engine settings in the environment that this engine does not take; ignored",
                     engine=s.engine_name, env=ignored)
-    client = connect(s.redis_url, retries=s.redis_retries)
+    client = connect(s.redis_url, settings=s)
     log.info("connected to redis", url=redact_url(s.redis_url))
 
     from lmdq.worker.engine_factory import build_engine, engine_capacity

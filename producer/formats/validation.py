@@ -185,6 +185,8 @@ def _check_prompt(prompt: Any, field: str) -> str:
         raise _LineError(field, f"expected a string, got {_got(prompt)}")
     if not prompt:
         raise _LineError(field, "expected a non-empty string, got ''")
+    if prompt.isspace():
+        raise _LineError(field, f"expected some text, got only whitespace ({_got(prompt)})")
     return prompt
 
 
@@ -204,10 +206,16 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
             got = "nothing (the key is missing)" if "role" not in msg else _got(role)
             raise _LineError(f"{field}[{i}].role", f"expected one of {_join(_ROLES)}, got {got}")
         content = msg.get("content")
-        if content is None or isinstance(content, str):
+        if content is None:
+            got = "nothing (the key is missing)" if "content" not in msg else "null"
+            hint = " (lmdq serves no tools, so tool_calls cannot stand in for it)" if "tool_calls" in msg else ""
+            raise _LineError(f"{field}[{i}].content", f"expected a string or a list of text parts, got {got}{hint}")
+        if isinstance(content, str):
             continue
         if not isinstance(content, list):
             raise _LineError(f"{field}[{i}].content", f"expected a string or a list of text parts, got {_got(content)}")
+        if not content:
+            raise _LineError(f"{field}[{i}].content", "expected at least one text part, got an empty list")
         for j, part in enumerate(content):
             where = f"{field}[{i}].content[{j}]"
             if not isinstance(part, dict):
