@@ -46,8 +46,9 @@ from rq.job import Job, JobStatus
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
 from lmdq.errors import RedisRefused, RetryRejected, SubmitRejected
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.job_decode import JobRefused, decode_job
-from lmdq.jobs import SERIALIZER, JobQueue, job_id_for, job_id_prefix
+from lmdq.jobs import JobQueue, job_id_for, job_id_prefix
 from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.logs import get_logger
 from lmdq.store import ResultStore
@@ -218,12 +219,16 @@ class BatchLedger:
     per-batch state, so one instance serves any number of batches and threads.
     """
 
-    def __init__(self, client: redis.Redis, *, keys: Keys, ttl_s: int) -> None:
+    def __init__(
+        self, client: redis.Redis, *, keys: Keys, ttl_s: int, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES
+    ) -> None:
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
         self.store = ResultStore(client, keys=keys, ttl_s=ttl_s)
-        self.jobs = JobQueue(client, keys=keys, job_ttl_s=ttl_s)
+        # the same cap the workers read jobs with (LMDQ_MAX_JOB_BYTES): staging refuses a job over it, and
+        # retry reads its source jobs within it
+        self.jobs = JobQueue(client, keys=keys, job_ttl_s=ttl_s, max_job_bytes=max_job_bytes)
         self._commit = client.register_script(_COMMIT)
         self._find_prefix = client.register_script(_FIND_PREFIX)
         self._remove_prefix = client.register_script(_REMOVE_PREFIX)
@@ -518,14 +523,14 @@ class BatchLedger:
             )
         for start in range(0, len(needed), _FETCH_CHUNK):
             chunk = needed[start : start + _FETCH_CHUNK]
-            jobs = Job.fetch_many([job_ids[n] for n in chunk], connection=self.client, serializer=SERIALIZER)
-            for job_no, job in zip(chunk, jobs):
-                if job is None:
-                    raise RetryRejected(f"batch {batch.id!r}: job {job_ids[job_no]} is gone (expired?)")
-                try:
+            for job_no in chunk:
+                try:  # bounded read (LMDQ_MAX_JOB_BYTES), never RQ's unbounded Job.fetch: a job is untrusted input
+                    job = self.jobs.fetch_job(job_ids[job_no])
                     payload = JobQueue.payload_of(job)
-                except ValueError as e:
-                    raise RetryRejected(f"batch {batch.id!r}: job {job.id} is not a readable lmdq job: {e}") from e
+                except ValueError as e:  # JobRefused: gone (expired), oversized or not lmdq's
+                    raise RetryRejected(
+                        f"batch {batch.id!r}: job {job_ids[job_no]} is not a readable lmdq job: {e}"
+                    ) from e
                 want = by_job[job_no]
                 found = [r for r in payload.requests if r.index in want]
                 if len(found) != len(want):

@@ -282,6 +282,7 @@ def submit(
             ttl_s=s.result_ttl_s,
             validate_progress=vprog if show else None,
             enqueue_progress=eprog if show else None,
+            max_job_bytes=s.max_job_bytes,
         )
     _print_submitted(batch, created, as_json)
 
@@ -403,6 +404,7 @@ def retry(
         Keys(s.key_prefix),
         batch_id,
         ttl_s=s.result_ttl_s,
+        max_job_bytes=s.max_job_bytes,
         include_cancelled=include_cancelled,
         include_expired=include_expired,
         priority=priority,

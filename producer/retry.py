@@ -15,6 +15,7 @@ import redis
 
 from lmdq.contract import Batch, BatchStatus, Priority, Request, RequestCounts, ResultStatus
 from lmdq.errors import RetryRejected
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.keys import Keys
 from lmdq.ledger import BatchLedger, new_batch_id
 
@@ -37,10 +38,12 @@ def retry_batch(
     include_expired: bool = False,
     priority: Priority | None = None,
     idempotency_key: str | None = None,
+    max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
 ) -> tuple[Batch, bool]:
     """Enqueue a new batch of ``batch_id``'s failed requests. Returns (batch, created); created is
-    False when ``idempotency_key`` matched an existing batch."""
-    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s)
+    False when ``idempotency_key`` matched an existing batch. Source jobs are read within
+    ``max_job_bytes`` (LMDQ_MAX_JOB_BYTES), like a worker reads them."""
+    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s, max_job_bytes=max_job_bytes)
     if idempotency_key:
         bound = ledger.bound_batch(idempotency_key)
         if bound is not None:

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.keys import Keys
 from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
 
@@ -269,14 +270,16 @@ def submit_file(
     validate_progress: Progress | None = None,
     enqueue_progress: Progress | None = None,
     chunk_jobs: int = 256,
+    max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
 ) -> tuple[Batch, bool]:
     """Validate and enqueue ``path``. Returns (batch, created); created is False when an
-    idempotency key matched an existing batch."""
+    idempotency key matched an existing batch. ``max_job_bytes`` is LMDQ_MAX_JOB_BYTES: a job the
+    workers would refuse unread is refused here, before anything is visible."""
     if not path.is_file():
         raise SubmitRejected(f"{path}:0: no such file")
     if opts.batch_size < 1:
         raise SubmitRejected(f"--batch-size: expected >= 1, got {opts.batch_size}")
-    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s)
+    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s, max_job_bytes=max_job_bytes)
     if opts.idempotency_key:
         bound = ledger.bound_batch(opts.idempotency_key)
         if bound is not None:

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from lmdq.contract import Batch, BatchStatus, Priority, RequestCounts, ResultStatus
-from lmdq.errors import BatchNotFound, RedisRefused, SubmitRejected
+from lmdq.errors import BatchNotFound, RedisRefused, RetryRejected, SubmitRejected
 from lmdq.jobs import job_id_for
 from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
 from lmdq.ledger import BatchLedger, Staged, new_batch_id
@@ -218,6 +218,16 @@ def test_source_requests_read_back_from_job_payloads(client: redis.Redis, prefix
     b = ledger.enqueue(_batch(10, batch_size=3), _requests(10))
     got = list(ledger.source_requests(b, [1, 4, 9]))
     assert [(r.index, r.custom_id, r.prompt) for r in got] == [(1, "c1", "p1"), (4, "c4", "p4"), (9, "c9", "p9")]
+
+
+def test_source_requests_read_jobs_within_the_job_size_cap(client: redis.Redis, prefix: str) -> None:
+    """Retry reads its source jobs like a worker does: within LMDQ_MAX_JOB_BYTES, never RQ's unbounded
+    fetch (a job hash is untrusted input); a job over the cap is a clear RetryRejected, not a decompression."""
+    b = _ledger(client, prefix).enqueue(_batch(10, batch_size=5), _requests(10))
+    small = BatchLedger(client, keys=Keys(prefix), ttl_s=TTL, max_job_bytes=64)
+    with pytest.raises(RetryRejected, match=r"not a readable lmdq job: .*LMDQ_MAX_JOB_BYTES"):
+        list(small.source_requests(b, [1]))
+    assert [r.index for r in _ledger(client, prefix).source_requests(b, [1, 7])] == [1, 7]
 
 
 def test_batch_fields_are_the_batch_hash(client: redis.Redis, prefix: str) -> None:
