@@ -204,7 +204,7 @@ class JobAttempt:
             for r in todo:
                 end = self._stream(held, payload, [r], results, jlog)
                 if end.outcome is Outcome.crashed:
-                    return AttemptEnd(Outcome.crashed, killer=r.index)
+                    return AttemptEnd(Outcome.crashed, killer=r.index, error=end.error)
                 if end.outcome is not Outcome.done or held.abort.is_set():
                     return end
         return AttemptEnd(Outcome.done)
@@ -230,19 +230,21 @@ class JobAttempt:
             for i, r in enumerate(todo)
         ]
         finished: set[int] = set()
+        if held.abort.is_set() or not self.engine.alive():
+            return self._stopped(held)  # never reached the engine: no crash to count against it
         held.in_engine = True
         try:
             for ev in self.engine.stream(ereqs, held.abort):
                 self._on_event(ev, live[ev.index], results, held, finished)
         except (EngineDead, _EngineGone) as e:
             jlog.warning("engine died while running job; it runs again on a fresh engine, uncharged", error=str(e))
-            return AttemptEnd(Outcome.crashed)
+            return AttemptEnd(Outcome.crashed, error=str(e))
         except EngineError as e:
             self.watch.errored(claim.job_id, self.gate.in_engine())
             time.sleep(self.grace_s)  # did every other job in the engine fail at the same moment?
             if not self.engine.alive() or self.watch.looks_dead() or held.abort_reason is AbortReason.engine_dead:
                 jlog.warning("engine error with the engine dead; job runs again, uncharged", error=str(e))
-                return AttemptEnd(Outcome.crashed)
+                return AttemptEnd(Outcome.crashed, error=str(e))
             jlog.error("engine error; job will be retried", error=str(e))
             if claim.attempt >= self.s.max_attempts:
                 for lv in live:

@@ -66,3 +66,5 @@ class AttemptEnd:
     outcome: Outcome
     failure: str | None = None
     killer: int | None = None
+    #: for ``crashed``: what the engine said as it died
+    error: str | None = None

@@ -361,7 +361,7 @@ class Worker:
             held.abort.set()
         finally:
             if end.outcome is Outcome.crashed:  # first: the other held jobs must stop at once
-                self.engine_died(f"it failed job {claim.job_id} ({held.n_requests} requests) mid-stream")
+                self.engine_died(end.error or f"it failed job {claim.job_id} mid-stream")
             self._release(held, end, jlog)
             with self._slot:
                 # Only our own entry: a re-queued job can already be re-claimed (same id) by this
