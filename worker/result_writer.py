@@ -67,9 +67,11 @@ class ResultWriter:
         self._episode_retries = 0
         self.stats = {"results": 0, "duplicates": 0, "store_episodes": 0}
 
-    def call(self, fn: Callable[[], T], what: str) -> T:
+    def call(self, fn: Callable[[], T], what: str, *, needs_memory: bool = True) -> T:
         """``fn()``, retried through connection errors and store refusals until it succeeds (or the
-        worker gives up). ``what`` names the operation in the episode's one warning."""
+        worker gives up). ``what`` names the operation in the episode's one warning. Only a call that
+        ``needs_memory`` ends an episode by succeeding: releasing a lease frees memory and goes
+        through even while Redis refuses everything else."""
 
         def once() -> T:
             if self.give_up.is_set():
@@ -83,7 +85,8 @@ class ResultWriter:
 
         out = with_reconnect(once, attempts=1_000_000_000, cap_s=self.cap_s,
                              on_retry=lambda e, delay: self._retrying(e, delay, what))
-        self._recovered()
+        if needs_memory:
+            self._recovered()
         return out
 
     def final(self, result: Result) -> bool:
@@ -118,9 +121,11 @@ class ResultWriter:
             self._episode_retries += 1
         self.refusing.set()
         if first:
-            kind = "refuses writes" if isinstance(e, StoreRefused) else "is unreachable"
-            self.log.warning(f"redis {kind}: holding finished results in memory and retrying; claiming paused",
-                             operation=what, error=str(e))
+            # The same event name as the loop's own reconnect line for an unreachable Redis; its own
+            # for a Redis that answers and refuses (the operator's fix differs: memory, failover).
+            event = ("redis refuses writes: holding finished results in memory and retrying; claiming paused"
+                     if isinstance(e, StoreRefused) else "redis unavailable, retrying")
+            self.log.warning(event, operation=what, error=str(e), delay_s=delay)
         # Jitter: many job threads (and workers) retrying on one schedule would hit a recovering
         # Redis all at once.
         time.sleep(random.uniform(0.0, delay / 4))
