@@ -5,6 +5,8 @@ without a completion."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,11 @@ from tests.faultkit import (
     SIM,
     assert_exactly_once,
     events,
+    no_traceback,
+    owners,
+    stopped_stats,
     submit,
+    wait_for,
 )
 from tests.helpers import results_of, wait_batch, write_jsonl
 
@@ -122,3 +128,35 @@ def test_completion_window_expires_requests_not_started(tmp_path: Path, env: dic
     assert start_worker(*SIM, "--sim-step-ms", "1", "--burst", env=env).wait(60) == 0
     nb = wait_batch(client, prefix, new["id"])
     assert nb.status is BatchStatus.completed and nb.request_counts.completed == 10
+
+
+def test_four_sigterm_drains_of_a_busy_worker_fail_nothing(tmp_path: Path, env: dict[str, str], client: redis.Redis,
+                                                           prefix: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Issue 13: three SIGTERM drains used to fail requests (`max_attempts_exceeded`, attempt 4 of 3).
+    A drain charges nothing: the same jobs interrupted four times (default max_attempts 3) still
+    complete, each request exactly once, with attempt 1."""
+    n = 48
+    ids = [f"r{i}" for i in range(n)]
+    bid = submit(write_jsonl(tmp_path / "p.jsonl", [{"custom_id": c, "prompt": f"p {c}"} for c in ids]), env,
+                 "--batch-size", "8", "--max-new-tokens", "300")["id"]
+    # 300 tokens at >= 5 ms a step: no request can finish within the 0.3 s drain
+    wargs = (*SIM, "--sim-step-ms", "5", "--sim-max-batch", "64", "--drain-timeout", "0.3", "--heartbeat-ttl", "2")
+    k = Keys(prefix)
+    first_job = f"{bid}-000000"
+    for d in range(4):
+        log = tmp_path / f"d{d}.log"
+        w = start_worker(*wargs, "--worker-name", f"d{d}", env=env, log=log)
+        procs.append(w)
+        wait_for(lambda d=d: owners(client, prefix).get(first_job) == f"d{d}", 60, f"d{d} to hold the first job")
+        w.send_signal(signal.SIGTERM)
+        assert w.wait(30) == 0
+        assert stopped_stats(log)["requeued"] >= 1
+        no_traceback(log)
+    assert client.hget(k.runs(), first_job) == b"4"  # the same job, interrupted four times ...
+    assert client.hlen(k.attempts()) == 0  # ... and charged nothing
+    assert ResultStore(client, keys=k).get_batch(bid).request_counts.failed == 0
+    assert start_worker(*SIM, "--sim-step-ms", "1", "--sim-max-batch", "64", "--burst", env=env).wait(120) == 0
+    b = wait_batch(client, prefix, bid)
+    assert b.status is BatchStatus.completed and (b.request_counts.completed, b.request_counts.failed) == (n, 0)
+    res = assert_exactly_once(client, prefix, bid, ids)
+    assert all(r.status is ResultStatus.completed and r.attempt == 1 for r in res)
