@@ -30,7 +30,7 @@ from typing import Any
 import redis
 import structlog
 from lmdq.worker.admission import Admission, EngineGate
-from lmdq.worker.attempt import Held, JobAttempt
+from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_writer import ResultWriter, WriteAbandoned, is_store_refusal
@@ -157,7 +157,7 @@ class Worker:
         last_cancel_poll = 0.0
         backoff = 0.1
         while not self._stop.is_set():
-            if not self.engine.alive():
+            if not engine_alive(self.engine):
                 self.engine_died("the engine reports it is no longer alive")
                 return
             if self.health:
