@@ -46,9 +46,9 @@ class Outcome(str, Enum):
     done = "done"
     #: every request has a final result but the job failed as a whole (attempts exhausted): RQ failed
     failed = "failed"
-    #: the engine failed the job's requests: re-queue, charging one attempt
+    #: the engine failed the job's requests (or processing them crashed): re-queue, charging one attempt
     retry = "retry"
-    #: infrastructure, not the job (drain, store error, a bug in the worker): re-queue, uncharged
+    #: infrastructure, not the job (drain, store error, lost engine slot): re-queue, uncharged
     requeue = "requeue"
     #: the engine died under the job: re-queue, uncharged, one engine crash counted against the job
     crashed = "crashed"

@@ -356,8 +356,11 @@ class Worker:
             end = AttemptEnd(Outcome.requeue)
             held.abort.set()  # free the engine slots this job's requests still hold
         except Exception:  # noqa: BLE001 - a job failure must not kill the worker
-            jlog.exception("job crashed; re-queueing")
-            end = AttemptEnd(Outcome.requeue)
+            # Neither the engine's fault nor Redis' (e.g. the blob store refusing tensors, a bug): charged
+            # like an engine error, so a job that crashes every time ends after max_attempts instead of
+            # re-running in a tight loop.
+            jlog.exception("job crashed; re-queueing (charged as an attempt)")
+            end = AttemptEnd(Outcome.retry)
             held.abort.set()
         finally:
             if end.outcome is Outcome.crashed:  # first: the other held jobs must stop at once
