@@ -151,7 +151,8 @@ class Worker:
         if self._dead is not None or self.writer.refusing.is_set() or self.gate.exclusive_wanted:
             return 0
         with self._lock:
-            return self.admission.room(len(self._held))
+            room: int = self.admission.room(len(self._held))
+        return room
 
     def _loop(self) -> None:
         last_cancel_poll = 0.0
@@ -296,7 +297,9 @@ class Worker:
                 current = self._held.get(jid)
             # A job that finished between the snapshot and the script released its own lease: that
             # is not a loss. Only the same, still running attempt can have lost its lease.
-            if h is not None and current is h and not h.released and h.stop(AbortReason.lost):
+            if h is None or h.released or current is not h:
+                continue
+            if held[jid].stop(AbortReason.lost):
                 self.log.warning("lease lost (presumed dead); stopping job", job=jid)
         for jid, dead in self.jobs.reap():
             self._counts["requeued"] += 1
