@@ -171,3 +171,71 @@ def test_poison_prompt_fails_alone_with_engine_crash_neighbours_complete(
                 if e.get("event") == "request killed the engine while running alone: failing it"]
     assert [e["index"] for e in isolated] == [poison]
     print(f"\n[poison] worker exits {codes}; r{poison} failed engine_crash, {n - 1} neighbours completed")
+
+
+def test_engine_failing_every_job_at_once_without_saying_so_is_taken_for_dead(
+        tmp_path: Path, env: dict[str, str], redis_url: str, client: redis.Redis, prefix: str) -> None:
+    """Belt and braces: an engine whose channel broke may fail every stream with a plain EngineError
+    while still claiming to be alive. Every job in the engine failing within one window is a death:
+    nothing is charged (max_attempts=1 would fail the re-run), the worker exits 70."""
+    from lmdq.worker.engines.base import EngineError
+    from lmdq.worker.engines.sim import SimEngine
+    from lmdq.worker.outcomes import EXIT_ENGINE_DEAD
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
+
+    class SilentDeath(SimEngine):
+        """Its streams fail with EngineError once broken; alive() keeps saying True."""
+
+        broken = threading.Event()
+
+        def stream(self, requests, abort):  # type: ignore[no-untyped-def]
+            for ev in super().stream(requests, abort):
+                if self.broken.is_set():
+                    raise EngineError("RPC failed: connection reset by peer")
+                yield ev
+
+    n = 40
+    ids = [f"r{i}" for i in range(n)]
+    bid = submit(write_jsonl(tmp_path / "p.jsonl", [{"custom_id": c, "prompt": f"p {c}"} for c in ids]), env,
+                 "--batch-size", "5", "--max-new-tokens", "400")["id"]
+    eng = SilentDeath(model_name="sim", step_ms=5, max_batch=64)
+    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0, max_attempts=1)
+    w = Worker(engine=eng, client=client, settings=s, capacity=64)
+    codes: list[int] = []
+    th = threading.Thread(target=lambda: codes.append(w.run()), daemon=True)
+    th.start()
+    try:
+        wait_for(lambda: len(owners(client, prefix)) == 8 and eng.steps >= 70, 60, "all 8 jobs streaming")
+        eng.broken.set()
+        th.join(60)
+        assert not th.is_alive() and codes == [EXIT_ENGINE_DEAD]
+    finally:
+        w.stop()
+        th.join(30)
+    k = Keys(prefix)
+    assert client.hlen(k.attempts()) == 0, "a silent engine death charged an attempt"
+    assert ResultStore(client, keys=k).get_batch(bid).request_counts.failed == 0
+    s2 = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0, max_attempts=1,
+                        burst=True)
+    assert Worker(engine=SimEngine(model_name="sim", step_ms=0), client=client, settings=s2,
+                  capacity=64).run() == 0
+    res = assert_exactly_once(client, prefix, bid, ids)
+    assert all(r.status is ResultStatus.completed and r.attempt == 1 for r in res)
+
+
+def test_one_job_failing_while_others_stream_is_charged_not_a_death(
+        tmp_path: Path, env: dict[str, str], client: redis.Redis, prefix: str) -> None:
+    """The other side of the rule: an engine error for one job while the rest of the engine keeps
+    working is that job's (charged), and the worker keeps running (exit 0 at the end of a burst)."""
+    rows = [{"custom_id": "boom", "prompt": "[[sim:engine-error]]"}] + [
+        {"custom_id": f"ok{i}", "prompt": f"p{i}"} for i in range(7)]
+    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "1", "--max-new-tokens", "100")["id"]
+    log = tmp_path / "w.log"
+    w = start_worker(*SIM, "--sim-step-ms", "5", "--max-attempts", "2", "--burst", env=env, log=log)
+    assert w.wait(120) == 0
+    res = {r.custom_id: r for r in assert_exactly_once(client, prefix, bid, [r["custom_id"] for r in rows])}
+    assert res["boom"].status is ResultStatus.failed and res["boom"].attempt == 2
+    assert res["boom"].error is not None and res["boom"].error.code == "engine_error"
+    assert all(r.status is ResultStatus.completed for c, r in res.items() if c != "boom")
+    assert not [e for e in events(log) if str(e.get("event", "")).startswith("engine died")]

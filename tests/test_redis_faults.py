@@ -70,7 +70,7 @@ def test_redis_out_of_memory_for_60s_during_result_writes_loses_and_fails_nothin
         assert len([e for e in evs if e.get("event") == "heartbeat failed"]) <= 1
         no_traceback(log)
         print(f"\n[maxmemory] {at_oom}/{n} done when Redis filled; {during.done} after 60 s full; "
-              f"{recovered[0]['retries']} write retries, 1 warning; completed {n}, failed 0, re-queued 0")
+              f"{recovered[0]['calls_retried']} calls held, 1 warning; completed {n}, failed 0, re-queued 0")
     finally:
         srv.cleanup()
 

@@ -96,9 +96,17 @@ class DeathWatch:
                 self._burst_start, self._burst_size, self._jobs = now, in_engine, set()
             self._jobs.add(job_id)
 
-    def looks_dead(self) -> bool:
-        with self._lock:
-            return len(self._jobs) >= max(2, self._burst_size)
+    def verdict(self) -> bool:
+        """Wait (at most one window) to see whether the other jobs in the engine fail too: True
+        when they all did (the engine is dead), False once a request finishes or the window ends."""
+        end = time.monotonic() + self.window_s
+        while True:
+            with self._lock:
+                if len(self._jobs) >= max(2, self._burst_size):
+                    return True
+                if not self._jobs or time.monotonic() >= end:
+                    return False
+            time.sleep(0.02)
 
 
 class JobAttempt:
@@ -116,7 +124,6 @@ class JobAttempt:
         gate: EngineGate,
         health: Any | None = None,
         clock: Callable[[], float] = time.time,
-        grace_s: float = 0.3,
     ) -> None:
         self.engine = engine
         self.jobs = jobs
@@ -128,7 +135,6 @@ class JobAttempt:
         self.health = health
         #: the worker's clock: result timings only (leases and expiry use the Redis server's)
         self.clock = clock
-        self.grace_s = grace_s
         self.watch = DeathWatch()
         self._tensors = TensorStore()
 
@@ -248,8 +254,8 @@ class JobAttempt:
             return AttemptEnd(Outcome.crashed, error=str(e))
         except EngineError as e:
             self.watch.errored(claim.job_id, self.gate.in_engine())
-            time.sleep(self.grace_s)  # did every other job in the engine fail at the same moment?
-            if not engine_alive(self.engine) or self.watch.looks_dead() or held.abort_reason is AbortReason.engine_dead:
+            dead = self.watch.verdict()  # did every other job in the engine fail at the same moment?
+            if dead or not engine_alive(self.engine) or held.abort_reason is AbortReason.engine_dead:
                 jlog.warning("engine error with the engine dead; job runs again, uncharged", error=str(e))
                 return AttemptEnd(Outcome.crashed, error=str(e))
             jlog.error("engine error; job will be retried", error=str(e))

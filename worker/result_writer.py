@@ -64,14 +64,15 @@ class ResultWriter:
         self.refusing = threading.Event()
         self._lock = threading.Lock()
         self._episode_start: float | None = None
-        self._episode_retries = 0
+        self._episode_retries = 0  # calls that had to retry during the episode
+        self._retrying = 0  # calls retrying now
         self.stats = {"results": 0, "duplicates": 0, "store_episodes": 0}
 
-    def call(self, fn: Callable[[], T], what: str, *, needs_memory: bool = True) -> T:
+    def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn()``, retried through connection errors and store refusals until it succeeds (or the
-        worker gives up). ``what`` names the operation in the episode's one warning. Only a call that
-        ``needs_memory`` ends an episode by succeeding: releasing a lease frees memory and goes
-        through even while Redis refuses everything else."""
+        worker gives up). ``what`` names the operation in the episode's one warning. The episode
+        lasts while any call is retrying; the last one to get through ends it."""
+        retried = False
 
         def once() -> T:
             if self.give_up.is_set():
@@ -83,11 +84,23 @@ class ResultWriter:
                     raise StoreRefused(str(e)) from e
                 raise
 
-        out = with_reconnect(once, attempts=1_000_000_000, cap_s=self.cap_s,
-                             on_retry=lambda e, delay: self._retrying(e, delay, what))
-        if needs_memory:
-            self._recovered()
-        return out
+        def on_retry(e: Exception, delay: float) -> None:
+            nonlocal retried
+            if not retried:
+                retried = True
+                self._enter(e, what, delay)
+            # Jitter: many job threads (and workers) retrying on one schedule would hit a recovering
+            # Redis all at once.
+            time.sleep(random.uniform(0.0, delay / 4))
+
+        ok = False
+        try:
+            out = with_reconnect(once, attempts=1_000_000_000, cap_s=self.cap_s, on_retry=on_retry)
+            ok = True
+            return out
+        finally:
+            if retried:
+                self._leave(ok)
 
     def final(self, result: Result) -> bool:
         """Store a final result (exactly once, see :mod:`lmdq.store`). True if it was new."""
@@ -111,12 +124,12 @@ class ResultWriter:
             self.log.debug("partial result not written", error=str(e))
 
     # ---- episodes ----------------------------------------------------------------------------
-    def _retrying(self, e: Exception, delay: float, what: str) -> None:
+    def _enter(self, e: Exception, what: str, delay: float) -> None:
         with self._lock:
+            self._retrying += 1
             first = self._episode_start is None
             if first:
                 self._episode_start = time.monotonic()
-                self._episode_retries = 0
                 self.stats["store_episodes"] += 1
             self._episode_retries += 1
         self.refusing.set()
@@ -126,18 +139,15 @@ class ResultWriter:
             event = ("redis refuses writes: holding finished results in memory and retrying; claiming paused"
                      if isinstance(e, StoreRefused) else "redis unavailable, retrying")
             self.log.warning(event, operation=what, error=str(e), delay_s=delay)
-        # Jitter: many job threads (and workers) retrying on one schedule would hit a recovering
-        # Redis all at once.
-        time.sleep(random.uniform(0.0, delay / 4))
 
-    def _recovered(self) -> None:
-        if self._episode_start is None:
-            return
+    def _leave(self, ok: bool) -> None:
         with self._lock:
-            start, retries = self._episode_start, self._episode_retries
-            self._episode_start = None
-        if start is None:
-            return
-        self.refusing.clear()
-        self.log.info("redis accepts writes again: resuming", down_s=round(time.monotonic() - start, 1),
-                      retries=retries)
+            self._retrying -= 1
+            if self._retrying > 0 or self._episode_start is None:
+                return
+            start, calls = self._episode_start, self._episode_retries
+            self._episode_start, self._episode_retries = None, 0
+            self.refusing.clear()
+        if ok:
+            self.log.info("redis accepts writes again: resuming", down_s=round(time.monotonic() - start, 1),
+                          calls_retried=calls)

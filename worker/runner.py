@@ -393,7 +393,7 @@ class Worker:
                     charge = Charge.none  # it never reached the engine that died
                 owned = self.writer.call(
                     lambda: self.jobs.release(claim, worker=self.name, requeue=True, charge=charge, killer=end.killer),
-                    "re-queue job", needs_memory=False,
+                    "re-queue job",
                 )
                 if owned:
                     self._counts["requeued"] += 1
@@ -402,8 +402,7 @@ class Worker:
                     except redis.RedisError:
                         pass  # RQ's display records only
             elif claim.job is not None:
-                if self.writer.call(lambda: self.jobs.release(claim, worker=self.name), "release job",
-                                    needs_memory=False):
+                if self.writer.call(lambda: self.jobs.release(claim, worker=self.name), "release job"):
                     self.writer.call(lambda: self.jobs.record_end(claim, failed=end.failure), "record job end")
         except WriteAbandoned:
             jlog.warning("job not released (stopping while Redis refuses writes); its lease will expire")
