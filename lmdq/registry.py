@@ -14,7 +14,7 @@ from lmdq.keys import Keys
 
 __all__ = ["WorkerRegistry"]
 
-# KEYS: models, worker hash, workers set.  ARGV: model, ttl, pid
+# KEYS: models, worker hash, workers set.  ARGV: model, ttl, pid, worker name
 _REGISTER = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000

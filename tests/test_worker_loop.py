@@ -160,7 +160,7 @@ def test_workers_60s_behind_and_ahead_fail_nothing_leases_and_expiry_on_server_c
     n = 200
     ids = [f"r{i}" for i in range(n)]
     bid = submit(write_jsonl(tmp_path / "p.jsonl", [{"custom_id": c, "prompt": f"p {c}"} for c in ids]), env,
-                 "--batch-size", "10", "--max-new-tokens", "100")["id"]
+                 "--batch-size", "10", "--max-new-tokens", "200")["id"]
     wargs = (*SIM, "--sim-step-ms", "10", "--sim-max-batch", "40", "--jobs-in-flight", "4", "--heartbeat-ttl", "2")
     logs = {"behind": tmp_path / "behind.log", "ahead": tmp_path / "ahead.log"}
     workers = {name: _skewed_worker(-60 if name == "behind" else 60, *wargs, "--worker-name", name, env=env,
