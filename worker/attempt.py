@@ -215,10 +215,12 @@ class JobAttempt:
             if not entered:
                 return self._stopped(held)
             for r in todo:
+                if held.abort.is_set():
+                    return self._stopped(held)  # the rest runs again (or is cancelled) on the next claim
                 end = self._stream(held, payload, [r], results, jlog)
                 if end.outcome is Outcome.crashed:
                     return AttemptEnd(Outcome.crashed, killer=r.index, error=end.error)
-                if end.outcome is not Outcome.done or held.abort.is_set():
+                if end.outcome is not Outcome.done:
                     return end
         return AttemptEnd(Outcome.done)
 
@@ -270,10 +272,14 @@ class JobAttempt:
         if len(finished) < len(live):
             if held.abort_reason is AbortReason.engine_dead:
                 return AttemptEnd(Outcome.crashed)
-            if held.abort_reason is AbortReason.drain:
-                return AttemptEnd(Outcome.requeue)
             if held.abort_reason is AbortReason.lost:
                 return AttemptEnd(Outcome.lost)
+            if held.abort_reason is not AbortReason.drain:
+                # A stream that ended without a final event for every request (an engine bug): never
+                # release a job with requests left unanswered; run them again.
+                jlog.warning("engine stream ended with requests unanswered; re-queueing",
+                             unanswered=len(live) - len(finished))
+            return AttemptEnd(Outcome.requeue)
         return AttemptEnd(Outcome.done)
 
     def _on_event(

@@ -24,7 +24,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -99,7 +98,6 @@ class Worker:
         self._force = threading.Event()
         self._give_up = threading.Event()
         self._dead: str | None = None  # why the engine is gone, once it is
-        self._pool = ThreadPoolExecutor(max_workers=self.max_jobs, thread_name_prefix="lmdq-job")
         self.log = log.bind(worker=self.name, model=self.model)
         self.writer = ResultWriter(self.store, log=self.log, give_up=self._give_up)
         self.attempt = JobAttempt(engine=engine, jobs=self.jobs, store=self.store, writer=self.writer,
@@ -188,7 +186,10 @@ class Worker:
                     with self._lock:
                         held.reserved = self.admission.reserve()  # corrected once the payload is read
                         self._held[c.job_id] = held
-                    self._pool.submit(self._run_job, held)
+                    # One daemon thread per held job (at most jobs_in_flight): a thread stuck in a dead
+                    # engine's stream can never keep the process from exiting with its code.
+                    threading.Thread(target=self._run_job, args=(held,), name=f"lmdq-job-{c.job_id}",
+                                     daemon=True).start()
                 continue
             with self._slot:
                 if self.s.burst and not self._held and room:
@@ -249,7 +250,6 @@ class Worker:
                 while self._held and time.monotonic() < end:
                     self._slot.wait(0.2)
         self._stop.set()  # also ends the heartbeat thread (a burst exit never set it)
-        self._pool.shutdown(wait=False, cancel_futures=True)
         try:
             self.registry.deregister()
         except redis.RedisError:
