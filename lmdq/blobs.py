@@ -96,7 +96,23 @@ class BlobStore:
         return f"{self.url}/{key.lstrip('/')}"
 
     def _path(self, key: str) -> str:
-        return f"{self.root.rstrip('/')}/{key.lstrip('/')}"
+        """Where ``key`` lives. Keys are built from validated batch ids and integers; this refuses any
+        key that could still leave the store (``..``, ``.``, empty segments, NUL), whatever built it."""
+        segs = key.strip("/").split("/")
+        if any(s in ("", ".", "..") or "\x00" in s for s in segs):
+            raise ValueError(f"blob key {key[:200]!r} has an empty, '.' or '..' segment")
+        return f"{self.root.rstrip('/')}/{'/'.join(segs)}"
+
+    def _local_dir(self, path: str) -> str:
+        """Create ``path``'s folder and check it resolves inside the store root: a symlink planted
+        under the root cannot send a write elsewhere."""
+        folder = os.path.dirname(path)
+        root = os.path.realpath(self.root)
+        real = os.path.realpath(folder)
+        if real != root and not real.startswith(root.rstrip("/") + "/"):
+            raise ValueError(f"blob folder {folder!r} resolves to {real!r}, outside the store {root!r}")
+        os.makedirs(real, exist_ok=True)
+        return real
 
     def put_bytes(self, key: str, data: bytes) -> str:
         """Write ``data`` at ``key`` (replacing it whole) and return its URI.
@@ -106,7 +122,7 @@ class BlobStore:
         """
         path = self._path(key)
         if self.local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            path = os.path.join(self._local_dir(path), os.path.basename(path))
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             with open(tmp, "wb") as f:
                 f.write(data)

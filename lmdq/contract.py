@@ -13,7 +13,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "BATCH_ID_PATTERN",
     "FORMAT_VERSION",
+    "MAX_JOB_REQUESTS",
     "JOB_FUNCTION",
     "BatchStatus",
     "Batch",
@@ -39,6 +41,14 @@ FORMAT_VERSION: Literal[1] = 1
 
 JOB_FUNCTION = "lmdq.jobs.generate"
 """The only RQ function name a worker runs; anything else on a queue is refused, never imported."""
+
+BATCH_ID_PATTERN = r"^batch_[0-9a-f]{24}$"
+"""What every batch id lmdq makes looks like (``new_batch_id`` in the producer). A worker builds file
+names and Redis keys from a job's batch id, so a job carrying anything else (``../../x``, a slash, a
+NUL, 10 kB of text) is refused instead of being trusted."""
+
+MAX_JOB_REQUESTS = 100_000
+"""Most requests one job can carry: the producer's largest ``--batch-size``."""
 
 
 class _Strict(BaseModel):
@@ -202,7 +212,7 @@ class ChatMessage(BaseModel):
 class Request(_Strict):
     """One prompt of a batch, as carried inside a job payload."""
 
-    index: Annotated[int, Field(ge=0)]
+    index: Annotated[int, Field(ge=0, le=10**9)]
     custom_id: Annotated[str, Field(min_length=1, max_length=512)]
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=10_000)
@@ -222,18 +232,33 @@ class Request(_Strict):
 
 
 class JobPayload(_Strict):
-    """The single argument of an lmdq RQ job: a slice of one batch."""
+    """The single argument of an lmdq RQ job: a slice of one batch.
+
+    Untrusted on the worker side (anyone with queue access can write one): ids, indices and sizes are
+    bounded here; whether the job belongs to a real batch and may write where it says is checked
+    against the batch record by :func:`lmdq.job_decode.decode_job`.
+    """
 
     format_version: Literal[1] = FORMAT_VERSION
-    batch_id: str
-    model: str
-    job_no: Annotated[int, Field(ge=0)]
+    batch_id: Annotated[str, Field(pattern=BATCH_ID_PATTERN)]
+    model: Annotated[str, Field(min_length=1, max_length=512)]
+    job_no: Annotated[int, Field(ge=0, le=10**9)]
     params: GenerationParams = Field(default_factory=GenerationParams)
-    requests: list[Request] = Field(min_length=1)
+    requests: list[Request] = Field(min_length=1, max_length=MAX_JOB_REQUESTS)
     #: the batch's results sink: final results go to JSONL shards there, Redis keeps compact records
     results_url: str | None = None
     #: the batch's blob store for tensors (logits, hidden states); the worker's LMDQ_BLOB_URL otherwise
     blob_url: str | None = None
+
+    @model_validator(mode="after")
+    def _unique_indices(self) -> JobPayload:
+        # Results are keyed by index: a repeated index would answer one request twice and another never.
+        seen: set[int] = set()
+        for r in self.requests:
+            if r.index in seen:
+                raise ValueError(f"request index {r.index} appears twice in the job")
+            seen.add(r.index)
+        return self
 
 
 class ErrorInfo(_Strict):

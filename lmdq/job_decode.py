@@ -1,30 +1,117 @@
 """Turning a queued job into a payload a worker may run: the one door untrusted job data comes in by.
 
 Anyone who can push to the queue can hand a worker a job, so everything read here is untrusted
-input (see docs/reliability.md, security). A job that is not lmdq's is refused, never run and never
-retried.
+input (see docs/reliability.md, security). In order, each step bounded before the next one runs:
+
+1. the job hash is read within caps and its data inflated as a stream that stops at
+   ``LMDQ_MAX_JOB_BYTES`` (:mod:`lmdq.job_data`): a zlib bomb costs a few MB and milliseconds;
+2. the data must be lmdq's function with ONE JSON payload, valid as :class:`~lmdq.contract.JobPayload`
+   (batch id of the form lmdq makes, bounded ids and indices, unique indices);
+3. the batch record the producer wrote must exist (size-capped), name the same model, hold the
+   request indices, and name the SAME output URLs as the job; the worker then takes those URLs from
+   the batch record, never from the job;
+4. each output URL must fall under a prefix the worker allows (:mod:`lmdq.output_urls`) and is
+   replaced by its normalised form, which is where the worker writes.
+
+A job failing any step raises :class:`JobRefused`: it is refused, never run and never retried.
 """
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import redis
+from pydantic import ValidationError
+from redis.commands.core import Script
 from rq.job import Job
 
-from lmdq.contract import JobPayload
-from lmdq.jobs import JobQueue
+from lmdq.contract import Batch, JobPayload
+from lmdq.job_data import JobRefused
+from lmdq.jobs import JobQueue, job_id_for
+from lmdq.output_urls import OutputPolicy, OutputUrlRejected
 
-__all__ = ["JobRefused", "decode_job"]
+__all__ = ["MAX_BATCH_RECORD_BYTES", "MAX_JOB_ID_CHARS", "JobRefused", "decode_job"]
+
+MAX_JOB_ID_CHARS = 256
+"""lmdq job ids are ``<batch id>-<job no>`` (37 characters); ids come off the queue list, untrusted too."""
+
+MAX_BATCH_RECORD_BYTES = 1 << 20
+"""Cap on a batch record's ``meta`` field (a Batch with 16 metadata pairs and params is a few kB)."""
+
+# KEYS: batch hash.  ARGV: cap on 'meta'.  Returns false | {'too_large', size} | {'ok', meta, total}
+_READ_BATCH = """
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'hash' then return false end
+local n = redis.call('HSTRLEN', KEYS[1], 'meta')
+if n > tonumber(ARGV[1]) then return {'too_large', n} end
+local v = redis.call('HMGET', KEYS[1], 'meta', 'total')
+return {'ok', v[1], v[2]}
+"""
+_READ_BATCH_SCRIPT = Script(None, _READ_BATCH.encode())  # type: ignore[arg-type]  # EVALSHA, re-loaded on NOSCRIPT
 
 
-class JobRefused(ValueError):
-    """The job is not something this worker will run (foreign, malformed, oversized, unsafe)."""
+def decode_job(
+    client: redis.Redis, queue: JobQueue, job_id: str, *, outputs: OutputPolicy | None
+) -> tuple[Job, JobPayload]:
+    """Fetch ``job_id`` and decode its payload (see the module doc). Raises :class:`JobRefused` for
+    anything that is not a well-formed lmdq job of a live batch writing where this worker allows;
+    Redis errors propagate unchanged (the job is then re-queued, not refused).
 
-
-def decode_job(client: redis.Redis, queue: JobQueue, job_id: str) -> tuple[Job, JobPayload]:
-    """Fetch ``job_id`` and decode its payload. Raises :class:`JobRefused` for anything that is not
-    a well-formed lmdq job; Redis errors propagate unchanged (the job is then re-queued, not refused)."""
-    job = queue.fetch_job(job_id)
+    ``outputs=None`` is for callers that write nothing to the job's URLs (cancel writes its results to
+    Redis only): the URLs must still equal the batch record's, but no worker policy applies."""
+    if len(job_id) > MAX_JOB_ID_CHARS:
+        raise JobRefused(f"job id of {len(job_id):,} characters, over {MAX_JOB_ID_CHARS}")
+    job = queue.fetch_job(job_id)  # bounded: raises JobRefused for oversized / foreign hashes
     try:
-        return job, queue.payload_of(job)
-    except ValueError as e:  # pydantic's ValidationError is a ValueError too
+        payload = queue.payload_of(job)
+    except ValidationError as e:
+        raise JobRefused(f"job {job_id}: not a valid lmdq payload: {_first_error(e)}") from e
+    except ValueError as e:
         raise JobRefused(str(e)) from e
+    if job_id != job_id_for(payload.batch_id, payload.job_no):
+        raise JobRefused(f"job {job_id}: its id is not {job_id_for(payload.batch_id, payload.job_no)!r}, "
+                         f"the id lmdq gives job {payload.job_no} of batch {payload.batch_id}")
+    batch, total = _batch_record(client, queue, payload.batch_id)
+    where = f"job {job_id} of batch {payload.batch_id}"
+    if batch.id != payload.batch_id or batch.model != payload.model:
+        raise JobRefused(f"{where}: batch id / model differ from the batch record's")
+    top = max(r.index for r in payload.requests)
+    if top >= total:
+        raise JobRefused(f"{where}: request index {top} is outside the batch's {total} requests")
+    urls: dict[str, Any] = {}
+    for name in ("results_url", "blob_url"):
+        theirs, ours = getattr(payload, name), getattr(batch, name)
+        if theirs != ours:
+            raise JobRefused(f"{where}: its {name} is not the one in the batch record (a forged or edited job)")
+        if ours is not None and outputs is not None:
+            try:
+                urls[name] = outputs.check(ours)
+            except OutputUrlRejected as e:
+                raise JobRefused(f"{where}: {name} {e}") from e
+    return job, payload.model_copy(update=urls) if urls else payload
+
+
+def _batch_record(client: redis.Redis, queue: JobQueue, batch_id: str) -> tuple[Batch, int]:
+    """The producer's record of ``batch_id`` (size-capped, validated) and its request total."""
+    got: Any = _READ_BATCH_SCRIPT(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
+    if not got or got[1] is None:
+        raise JobRefused(f"batch {batch_id}: no batch record (deleted, expired, or the job is forged)")
+    if got[0] == b"too_large":
+        raise JobRefused(f"batch {batch_id}: record of {int(got[1]):,} bytes, over {MAX_BATCH_RECORD_BYTES:,}")
+    try:
+        data = json.loads(got[1])
+        data["status"] = "queued"  # live fields are not in 'meta'; only the identity and URLs are used here
+        batch = Batch.model_validate(data)
+        total = int(got[2])
+    except (ValueError, TypeError, RecursionError) as e:  # pydantic's ValidationError is a ValueError
+        raise JobRefused(f"batch {batch_id}: unreadable batch record: {type(e).__name__}") from e
+    return batch, total
+
+
+def _first_error(e: ValidationError) -> str:
+    """One short line: the field and what was wrong, never the (untrusted, maybe huge) input itself."""
+    errs = e.errors(include_input=False, include_url=False)
+    first = errs[0]
+    loc = ".".join(str(x) for x in first["loc"]) or "payload"
+    more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"field {loc!r}: {first['msg']}{more}"

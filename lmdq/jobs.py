@@ -26,7 +26,8 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 
 from lmdq.contract import JOB_FUNCTION, BatchStatus, JobPayload
-from lmdq.keys import Keys, rq_queue_key
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobTooLarge, read_job
+from lmdq.keys import BatchField, Keys, rq_queue_key
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
@@ -213,10 +214,18 @@ class JobStart:
 class JobQueue:
     """Queue operations on a Redis client (passed in; no module-level connections)."""
 
-    def __init__(self, client: redis.Redis, *, keys: Keys | None = None, job_ttl_s: int = 7 * 24 * 3600) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        keys: Keys | None = None,
+        job_ttl_s: int = 7 * 24 * 3600,
+        max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+    ) -> None:
         self.client = client
         self.keys = keys or Keys()
         self.job_ttl_s = job_ttl_s
+        self.max_job_bytes = max_job_bytes
         self._commit = client.register_script(_COMMIT)
         self._claim = client.register_script(_CLAIM)
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -242,6 +251,8 @@ class JobQueue:
             description=f"lmdq batch {payload['batch_id']} job {job_no}",
         )
         job.enqueued_at = _utcnow()
+        if len(job.data) > self.max_job_bytes:  # workers refuse it unread: say so now, before anything is visible
+            raise JobTooLarge(job_no, len(job.data), self.max_job_bytes)
         job.save(pipeline=pipe)
         pipe.expire(job.key, self.job_ttl_s)
         pipe.rpush(self.keys.batch_jobs(payload["batch_id"]), job_id)
@@ -259,7 +270,7 @@ class JobQueue:
         ids = self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)
         with self.client.pipeline(transaction=False) as p:
             for jid in ids:
-                p.delete(f"rq:job:{_text(jid)}")
+                p.delete(Job.key_for(jid.decode() if isinstance(jid, bytes) else jid))
             p.delete(self.keys.batch_jobs(batch_id))
             p.execute()
 
@@ -296,7 +307,7 @@ class JobQueue:
         Why one: each round trip waits for the GIL behind the engine's own Python loop."""
         with self.client.pipeline() as p:
             p.time()
-            p.hmget(self.keys.batch(batch_id), ["status", "expires_at"])
+            p.hmget(self.keys.batch(batch_id), [BatchField.status.value, BatchField.expires_at.value])
             p.hmget(self.keys.results(batch_id), list(indices))
             self.mark_started(claim, worker, ttl_s, pipe=p)
             (sec, usec), (st, exp), have, *_ = p.execute()
@@ -308,7 +319,9 @@ class JobQueue:
         )
 
     def fetch_job(self, job_id: str) -> Job:
-        return Job.fetch(job_id, connection=self.client, serializer=SERIALIZER)
+        """The job, read within ``max_job_bytes`` (never RQ's unbounded ``Job.fetch``: see
+        :mod:`lmdq.job_data`); raises ``JobRefused`` (a ValueError) for an oversized or foreign hash."""
+        return read_job(self.client, job_id, max_job_bytes=self.max_job_bytes, serializer=SERIALIZER)
 
     @staticmethod
     def payload_of(job: Job) -> JobPayload:
@@ -350,6 +363,8 @@ class JobQueue:
         not lmdq's JSON is never deserialized. Returns False when there is no job hash.
         """
         key = Job.key_for(job_id)
+        if int(self.client.hstrlen(key, "origin")) > MAX_FIELD_BYTES:
+            return False  # a forged origin of any size is never pulled out of Redis
         origin = self.client.hget(key, "origin")
         if origin is None:
             return False

@@ -8,14 +8,70 @@ RQ owns ``rq:*`` (queues, job hashes, registries): lmdq's queues are ordinary RQ
 from __future__ import annotations
 
 import re
+from enum import Enum
 
 from lmdq.contract import Priority
 
-__all__ = ["Keys", "model_slug", "queue_name", "queue_names", "rq_queue_key"]
+__all__ = [
+    "BATCH_COUNT_FIELDS",
+    "BATCH_TIME_FIELDS",
+    "BatchField",
+    "Keys",
+    "model_slug",
+    "queue_name",
+    "queue_names",
+    "rq_queue_key",
+]
 
 _SLUG_BAD = re.compile(r"[^A-Za-z0-9._-]")
 
 PRIORITY_ORDER = (Priority.high, Priority.normal, Priority.low)
+
+
+class BatchField(str, Enum):
+    """The fields of a batch hash (``Keys.batch``): declared once, so the producer, the store's Lua
+    scripts and the worker cannot drift apart on a spelling.
+
+    ``meta`` holds the immutable :class:`~lmdq.contract.Batch` JSON; everything that changes after
+    submit (status, counters, timestamps) is a field of its own, so it can be bumped atomically
+    without rewriting the JSON. ``str(field)`` is the field name, so f-strings (and Lua built
+    from them) read naturally.
+    """
+
+    meta = "meta"
+    status = "status"
+    total = "total"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+    expired = "expired"
+    queued_at = "queued_at"
+    in_progress_at = "in_progress_at"
+    finalizing_at = "finalizing_at"
+    completed_at = "completed_at"
+    cancelling_at = "cancelling_at"
+    cancelled_at = "cancelled_at"
+    expired_at = "expired_at"
+    expires_at = "expires_at"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BATCH_COUNT_FIELDS = (BatchField.completed, BatchField.failed, BatchField.cancelled, BatchField.expired)
+"""Per-outcome request counters; a batch is done when they add up to ``total``."""
+
+BATCH_TIME_FIELDS = (
+    BatchField.queued_at,
+    BatchField.in_progress_at,
+    BatchField.finalizing_at,
+    BatchField.completed_at,
+    BatchField.cancelling_at,
+    BatchField.cancelled_at,
+    BatchField.expired_at,
+    BatchField.expires_at,
+)
+"""Unix-time fields kept outside ``meta`` (set as the batch moves on)."""
 
 
 def model_slug(model: str) -> str:
@@ -46,7 +102,7 @@ class Keys:
 
     # batches
     def batch(self, batch_id: str) -> str:
-        """Hash: 'meta' (Batch JSON) plus live fields (status, counters, timestamps)."""
+        """Hash: 'meta' (Batch JSON) plus live fields (status, counters, timestamps): :class:`BatchField`."""
         return f"{self.prefix}:batch:{batch_id}"
 
     def results(self, batch_id: str) -> str:
@@ -66,6 +122,7 @@ class Keys:
         return f"{self.prefix}:batches"
 
     def idempotency(self, key: str) -> str:
+        """String: the batch id an idempotency key is bound to (with the results' TTL)."""
         return f"{self.prefix}:idem:{key}"
 
     def cancelled(self) -> str:

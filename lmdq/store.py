@@ -10,44 +10,36 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
 from lmdq.errors import BatchNotFound
-from lmdq.keys import Keys
+from lmdq.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys
 
 __all__ = ["ResultStore"]
 
-_COUNT_FIELDS = ("completed", "failed", "cancelled", "expired")
-_TIME_FIELDS = (
-    "queued_at",
-    "in_progress_at",
-    "finalizing_at",
-    "completed_at",
-    "cancelling_at",
-    "cancelled_at",
-    "expired_at",
-    "expires_at",
-)
+F = BatchField
 
 # KEYS: results, batch, partials. ARGV: index, json, counter field, now, ttl
-_WRITE_RESULT = """
+_WRITE_RESULT = f"""
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
-local b = redis.call('HMGET', KEYS[2], 'total', 'completed', 'failed', 'cancelled', 'expired', 'status')
+local b = redis.call('HMGET', KEYS[2], '{F.total}', '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}',
+                     '{F.status}')
 local done = 0
 for i = 2, 5 do done = done + tonumber(b[i] or '0') end
 if b[1] and done >= tonumber(b[1]) then
   local st = b[6]
-  local final = 'completed'
-  if st == 'cancelling' or st == 'cancelled' then final = 'cancelled'
-  elseif tonumber(b[5] or '0') > 0 then final = 'expired' end
-  redis.call('HSET', KEYS[2], 'status', final, final .. '_at', ARGV[4])
+  local final = '{BatchStatus.completed.value}'
+  if st == '{BatchStatus.cancelling.value}' or st == '{BatchStatus.cancelled.value}' then
+    final = '{BatchStatus.cancelled.value}'
+  elseif tonumber(b[5] or '0') > 0 then final = '{BatchStatus.expired.value}' end
+  redis.call('HSET', KEYS[2], '{F.status}', final, final .. '_at', ARGV[4])
 end
 return 1
 """
@@ -61,12 +53,12 @@ return 1
 """
 
 # KEYS: batch. ARGV: from-status list (comma separated), to-status, timestamp field, now
-_TRANSITION = """
-local st = redis.call('HGET', KEYS[1], 'status')
+_TRANSITION = f"""
+local st = redis.call('HGET', KEYS[1], '{F.status}')
 if not st then return nil end
 for s in string.gmatch(ARGV[1], '[^,]+') do
   if s == st then
-    redis.call('HSET', KEYS[1], 'status', ARGV[2])
+    redis.call('HSET', KEYS[1], '{F.status}', ARGV[2])
     if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
     return ARGV[2]
   end
@@ -74,11 +66,16 @@ end
 return st
 """
 
+def _text(value: bytes | str) -> str:
+    """A Redis reply as text (clients made with ``decode_responses`` already return str)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
 _STATUS_COUNTER = {
-    ResultStatus.completed: "completed",
-    ResultStatus.failed: "failed",
-    ResultStatus.cancelled: "cancelled",
-    ResultStatus.expired: "expired",
+    ResultStatus.completed: F.completed,
+    ResultStatus.failed: F.failed,
+    ResultStatus.cancelled: F.cancelled,
+    ResultStatus.expired: F.expired,
 }
 
 
@@ -94,20 +91,21 @@ class ResultStore:
         self._transition = client.register_script(_TRANSITION)
 
     # ---- batches -------------------------------------------------------------------------
-    def create_batch(self, batch: Batch, pipe: Any | None = None) -> None:
-        """Write a new batch record (status and counters as live hash fields)."""
-        p = pipe if pipe is not None else self.client.pipeline(transaction=True)
+    def create_batch(self, batch: Batch) -> None:
+        """Write a new batch record (status and counters as live hash fields), in one transaction."""
         key = self.keys.batch(batch.id)
-        meta = batch.model_dump_json(exclude={"status", "request_counts", *_TIME_FIELDS})
-        fields: dict[str, Any] = {"meta": meta, "status": batch.status.value, "total": batch.request_counts.total}
-        for f in _COUNT_FIELDS:
-            fields[f] = 0
+        meta = batch.model_dump_json(exclude={"status", "request_counts", *(f.value for f in BATCH_TIME_FIELDS)})
+        fields: dict[Any, str | int | float] = {
+            F.meta.value: meta, F.status.value: batch.status.value, F.total.value: batch.request_counts.total
+        }
+        for f in BATCH_COUNT_FIELDS:
+            fields[f.value] = 0
         if batch.expires_at is not None:
-            fields["expires_at"] = batch.expires_at
-        p.hset(key, mapping=fields)
-        p.expire(key, self.ttl_s)
-        p.zadd(self.keys.batches(), {batch.id: batch.created_at})
-        if pipe is None:
+            fields[F.expires_at.value] = batch.expires_at
+        with self.client.pipeline(transaction=True) as p:
+            p.hset(key, mapping=fields)
+            p.expire(key, self.ttl_s)
+            p.zadd(self.keys.batches(), {batch.id: batch.created_at})
             p.execute()
 
     def get_batch(self, batch_id: str) -> Batch:
@@ -125,34 +123,35 @@ class ResultStore:
         return [self._decode_batch(r) for r in raws if r]
 
     @staticmethod
-    def _decode_batch(raw: dict[bytes, bytes]) -> Batch:
-        data = json.loads(raw[b"meta"])
-        data["status"] = raw[b"status"].decode()
-        counts = {"total": int(raw.get(b"total", b"0"))}
-        for f in _COUNT_FIELDS:
-            counts[f] = int(raw.get(f.encode(), b"0"))
+    def _decode_batch(raw: Mapping[Any, Any]) -> Batch:
+        data = json.loads(raw[F.meta.value.encode()])
+        data["status"] = raw[F.status.value.encode()].decode()
+        counts = {F.total.value: int(raw.get(F.total.value.encode(), b"0"))}
+        for f in BATCH_COUNT_FIELDS:
+            counts[f.value] = int(raw.get(f.value.encode(), b"0"))
         data["request_counts"] = RequestCounts(**counts)
-        for f in _TIME_FIELDS:
-            v = raw.get(f.encode())
+        for f in BATCH_TIME_FIELDS:
+            v = raw.get(f.value.encode())
             if v is not None:
-                data[f] = float(v)
+                data[f.value] = float(v)
         return Batch.model_validate(data)
 
     def list_batches(self, limit: int = 20) -> list[Batch]:
-        ids = [b.decode() for b in self.client.zrevrange(self.keys.batches(), 0, limit - 1)]
+        newest = self.client.zrevrange(self.keys.batches(), 0, limit - 1)
+        ids = [_text(b) for b in newest if isinstance(b, (bytes, str))]
         return self.get_batches(ids)
 
-    def transition(self, batch_id: str, from_: Iterable[BatchStatus], to: BatchStatus, stamp: str = "") -> str | None:
-        """Move a batch from one of ``from_`` to ``to`` atomically; returns the status now held."""
+    def transition(
+        self, batch_id: str, from_: Iterable[BatchStatus], to: BatchStatus, stamp: BatchField | str = ""
+    ) -> str | None:
+        """Move a batch from one of ``from_`` to ``to`` atomically; returns the status now held.
+
+        ``stamp`` (a time field such as ``BatchField.cancelling_at``) is set to now with the move."""
         res = self._transition(
             keys=[self.keys.batch(batch_id)],
-            args=[",".join(s.value for s in from_), to.value, stamp, time.time()],
+            args=[",".join(s.value for s in from_), to.value, str(stamp), time.time()],
         )
         return res.decode() if isinstance(res, bytes) else res
-
-    def status(self, batch_id: str) -> BatchStatus | None:
-        raw = self.client.hget(self.keys.batch(batch_id), "status")
-        return BatchStatus(raw.decode()) if raw else None
 
     # ---- results -------------------------------------------------------------------------
     def write_result(self, result: Result, pipe: Any | None = None) -> bool:
@@ -164,7 +163,7 @@ class ResultStore:
                 self.keys.batch(result.batch_id),
                 self.keys.partials(result.batch_id),
             ],
-            args=[result.index, result.model_dump_json(), counter, time.time(), self.ttl_s],
+            args=[result.index, result.model_dump_json(), counter.value, time.time(), self.ttl_s],
             client=pipe,
         )
         return bool(out) if pipe is None else True

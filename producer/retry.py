@@ -8,65 +8,17 @@ indices 0..n-1 in the original order; the original batch and its results are lef
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import redis
-from lmdq.producer.submit import claim_idempotency_key, enqueue_batch, new_batch_id
-from rq.job import Job
 
 from lmdq.contract import Batch, BatchStatus, Priority, Request, RequestCounts, ResultStatus
 from lmdq.errors import RetryRejected
-from lmdq.jobs import SERIALIZER, JobQueue
 from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.ledger import BatchLedger, new_batch_id
 
 __all__ = ["retry_batch"]
-
-_FETCH_CHUNK = 500
-
-
-def _indices_to_retry(store: ResultStore, batch: Batch, statuses: set[ResultStatus]) -> list[int]:
-    """Indices of final results whose status is in ``statuses``, in input order."""
-    wanted = {s.value for s in statuses}
-    out = []
-    for index, raw in store.iter_results(batch.id, batch.request_counts.total, partial=False):
-        if raw is not None and json.loads(raw)["status"] in wanted:
-            out.append(index)
-    return out
-
-
-def _original_requests(client: redis.Redis, keys: Keys, batch: Batch, indices: list[int]) -> Iterator[Request]:
-    """The accepted requests at ``indices`` (sorted), read from the batch's job payloads."""
-    bs = batch.batch_size
-    by_job: dict[int, set[int]] = {}
-    for i in indices:
-        by_job.setdefault(i // bs, set()).add(i)
-    job_ids = [j.decode() for j in client.lrange(keys.batch_jobs(batch.id), 0, -1)]
-    needed = sorted(by_job)
-    if needed and needed[-1] >= len(job_ids):
-        raise RetryRejected(
-            f"batch {batch.id!r}: its job list has {len(job_ids)} jobs, request index {indices[-1]} needs "
-            f"job {needed[-1]} (jobs expire with the batch's results)"
-        )
-    for start in range(0, len(needed), _FETCH_CHUNK):
-        chunk = needed[start : start + _FETCH_CHUNK]
-        jobs = Job.fetch_many([job_ids[n] for n in chunk], connection=client, serializer=SERIALIZER)
-        for job_no, job in zip(chunk, jobs):
-            if job is None:
-                raise RetryRejected(f"batch {batch.id!r}: job {job_ids[job_no]} is gone (expired?)")
-            try:
-                payload = JobQueue.payload_of(job)
-            except ValueError as e:
-                raise RetryRejected(f"batch {batch.id!r}: job {job.id} is not a readable lmdq job: {e}") from e
-            want = by_job[job_no]
-            found = [r for r in payload.requests if r.index in want]
-            if len(found) != len(want):
-                missing = sorted(want - {r.index for r in found})
-                raise RetryRejected(f"batch {batch.id!r}: job {job.id} lacks request indices {missing[:5]}")
-            yield from found
 
 
 def _as_dict(new_index: int, r: Request) -> dict[str, Any]:
@@ -88,12 +40,12 @@ def retry_batch(
 ) -> tuple[Batch, bool]:
     """Enqueue a new batch of ``batch_id``'s failed requests. Returns (batch, created); created is
     False when ``idempotency_key`` matched an existing batch."""
-    store = ResultStore(client, keys=keys, ttl_s=ttl_s)
+    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s)
     if idempotency_key:
-        existing = client.get(keys.idempotency(idempotency_key))
-        if existing:
-            return store.get_batch(existing.decode()), False
-    orig = store.get_batch(batch_id)
+        bound = ledger.bound_batch(idempotency_key)
+        if bound is not None:
+            return bound, False
+    orig = ledger.get(batch_id)
     if not orig.status.terminal:
         raise RetryRejected(
             f"batch {batch_id!r} is {orig.status.value}; retry it once it has ended "
@@ -104,7 +56,7 @@ def retry_batch(
         statuses.add(ResultStatus.cancelled)
     if include_expired:
         statuses.add(ResultStatus.expired)
-    indices = _indices_to_retry(store, orig, statuses)
+    indices = ledger.indices_with(orig, statuses)
     if not indices:
         c = orig.request_counts
         which = "/".join(sorted(s.value for s in statuses))
@@ -117,10 +69,6 @@ def retry_batch(
         raise RetryRejected(f"batch {batch_id!r} already has 16 metadata keys; no room for 'retry_of'")
 
     new_id = new_batch_id()
-    if idempotency_key:
-        existing_id = claim_idempotency_key(client, keys, idempotency_key, new_id, ttl_s)
-        if existing_id is not None:
-            return store.get_batch(existing_id), False
     now = time.time()
     n = len(indices)
     batch = Batch(
@@ -141,6 +89,10 @@ def retry_batch(
         created_at=now,
         expires_at=(now + orig.completion_window_s) if orig.completion_window_s else None,
     )
-    requests = (_as_dict(i, r) for i, r in enumerate(_original_requests(client, keys, orig, indices)))
-    # enqueue_batch undoes everything (idempotency key included) if reading the originals fails midway
-    return enqueue_batch(batch, requests, client=client, keys=keys, ttl_s=ttl_s), True
+    if idempotency_key:  # bound only once the batch record is known to be valid
+        existing_id = ledger.bind_key(idempotency_key, new_id)
+        if existing_id is not None:
+            return ledger.get(existing_id), False
+    requests = (_as_dict(i, r) for i, r in enumerate(ledger.source_requests(orig, indices)))
+    # enqueue undoes everything (idempotency key included) if reading the originals fails midway
+    return ledger.enqueue(batch, requests), True

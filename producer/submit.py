@@ -2,17 +2,24 @@
 
 Two streaming passes keep memory flat however large the file is: pass 1 validates every line
 and keeps only an 8-byte hash per custom_id (duplicates are confirmed by a targeted re-scan);
-pass 2 re-reads the file, stages job hashes in pipelined chunks, and one Lua script makes all
-of them visible on the queue at once. A failure before that commit deletes what was staged, so
-a batch is either fully enqueued or not at all.
+pass 2 re-reads the file and the batch ledger (:mod:`lmdq.ledger`) stages its jobs and makes them
+all visible at once. A failure before that commit deletes what was staged, so a batch is either
+fully enqueued or not at all.
+
+Reading the file twice is only safe if it is the same file both times: pass 1 fingerprints it
+(size, mtime_ns, and a running hash of every request it accepted, line numbers included) and
+pass 2 must see exactly that again. Lines appended, cut or edited in between make the submit fail
+with exit 2 and nothing visible, instead of enqueueing requests that were never validated (or a
+batch that can never complete because some of its counted requests never arrive).
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import json
+import os
 import time
-import uuid
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,16 +32,13 @@ from pydantic import ValidationError
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
-from lmdq.jobs import JobQueue
-from lmdq.keys import Keys, queue_name
-from lmdq.store import ResultStore
+from lmdq.keys import Keys
+from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
 
 __all__ = [
     "SubmitOptions",
-    "claim_idempotency_key",
     "enqueue_batch",
     "job_payloads",
-    "known_models",
     "new_batch_id",
     "submit_file",
 ]
@@ -58,57 +62,102 @@ class SubmitOptions:
     fmt: InputFormat | None = None
     results_url: str | None = None
     blob_url: str | None = None
+    #: called once after the file validated and the idempotency key is bound, before the staging
+    #: pass reads the file again: the moment a concurrent edit is most harmful, so tests edit the
+    #: file here (deterministically, not by racing a sleeping process)
+    after_validation: Callable[[], None] | None = None
 
 
-def new_batch_id() -> str:
-    return f"batch_{uuid.uuid4().hex[:24]}"
+@dataclass(frozen=True)
+class _Fingerprint:
+    """What pass 1 saw: pass 2 must see the same, or the submit is refused."""
+
+    size: int
+    mtime_ns: int
+    requests: int
+    digest: bytes
 
 
 def _h64(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
 
 
-def known_models(client: redis.Redis, keys: Keys, extra: tuple[str, ...] = ()) -> set[str]:
-    """Model names some worker has served (workers register at start) plus configured ones."""
-    return {m.decode() for m in client.hkeys(keys.models())} | set(extra)
+def _new_hash() -> Any:
+    return hashlib.blake2b(digest_size=16)
 
 
-def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tuple[int, str]:
-    """Pass 1: returns (request count, model) or raises SubmitRejected listing file:line errors."""
+_MESSAGES_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
+
+
+def _feed(h: Any, item: ParsedLine) -> None:
+    """Add one accepted request to the running hash: everything that goes into its job (prompt or
+    messages, params, endpoint, custom_id, model) and its line number. Free-text fields are
+    length-prefixed so no two different requests feed the same bytes; one encode and one update
+    a line keep it near a quarter of the parse cost (``repr(item)`` cost about as much as parsing)."""
+    text = item.prompt if item.prompt is not None else _MESSAGES_JSON.encode(item.messages)
+    params = item.params.model_dump_json() if item.params is not None else ""
+    model = "\x00" if item.model is None else item.model  # a name is never a NUL: None stays distinct
+    cid = item.custom_id
+    line = (f"{item.line_no}|{item.endpoint.value}|{len(cid)}:{cid}|{len(model)}:{model}|{len(text)}:{text}|"
+            f"{params}\n")
+    h.update(line.encode("utf-8", "surrogatepass"))  # json.loads can yield lone surrogates
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _changed(path: Path, detail: str) -> SubmitRejected:
+    return SubmitRejected(
+        f"{path}: the file changed during submit ({detail}); nothing was enqueued. "
+        "Submit it again once nothing is writing to it"
+    )
+
+
+def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tuple[_Fingerprint, str]:
+    """Pass 1: returns (the file's fingerprint, model) or raises SubmitRejected listing file:line errors."""
     errors: list[str] = []
     hashes = array("Q")
     n = 0
     model = opts.model
     model_line = 0
-    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
-        if isinstance(item, InputError):
-            errors.append(str(item))
-            if len(errors) >= opts.max_errors:
-                errors.append(f"{path}: stopping after {opts.max_errors} errors")
-                break
-            continue
-        if progress:
-            progress(item.line_no)
-        if item.model is not None:
-            if model is None:
-                model, model_line = item.model, item.line_no
-            elif item.model != model:
-                where = f"--model {opts.model!r}" if opts.model else f"line {model_line}"
-                errors.append(
-                    f"{path}:{item.line_no}: field 'body.model': expected {model!r} (from {where}), "
-                    f"got {item.model!r}"
-                )
+    running = _new_hash()
+    try:
+        size, mtime_ns = _stat(path)
+        for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+            if isinstance(item, InputError):
+                errors.append(str(item))
+                if len(errors) >= opts.max_errors:
+                    errors.append(f"{path}: stopping after {opts.max_errors} errors")
+                    break
                 continue
-        hashes.append(_h64(item.custom_id))
-        n += 1
+            if progress:
+                progress(item.line_no)
+            if item.model is not None:
+                if model is None:
+                    model, model_line = item.model, item.line_no
+                elif item.model != model:
+                    where = f"--model {opts.model!r}" if opts.model else f"line {model_line}"
+                    errors.append(
+                        f"{path}:{item.line_no}: field 'body.model': expected {model!r} (from {where}), "
+                        f"got {item.model!r}"
+                    )
+                    continue
+            hashes.append(_h64(item.custom_id))
+            _feed(running, item)
+            n += 1
+    except OSError as e:
+        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
     if not errors:
         errors.extend(_duplicates(path, opts, hashes))
     if model is None and not errors:
         errors.append(f"{path}:0: no model given: pass --model NAME")
     if errors:
         raise SubmitRejected("\n".join(errors))
-    assert model is not None
-    return n, model
+    if model is None:  # unreachable: a missing model is one of the errors above
+        raise SubmitRejected(f"{path}:0: no model given: pass --model NAME")
+    return _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest()), model
 
 
 def _duplicate_hashes(hashes: array, run: int = 1 << 16) -> set[int]:
@@ -164,53 +213,34 @@ def _request_dict(index: int, item: ParsedLine) -> dict[str, Any]:
     return d
 
 
-def _file_requests(path: Path, opts: SubmitOptions) -> Iterator[dict[str, Any]]:
-    """Pass 2: the file's request dicts, in input order."""
-    for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
-        if isinstance(item, InputError):  # the file changed since pass 1
-            raise SubmitRejected(f"{item} (the file changed during submit)")
-        yield _request_dict(index, item)
+def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Iterator[dict[str, Any]]:
+    """Pass 2: the file's request dicts, in input order, exactly as pass 1 validated them.
 
-
-def job_payloads(
-    requests: Iterable[dict[str, Any]],
-    *,
-    batch_id: str,
-    model: str,
-    params: GenerationParams,
-    batch_size: int,
-    results_url: str | None = None,
-    blob_url: str | None = None,
-) -> Iterator[dict[str, Any]]:
-    """Job payload dicts of ``batch_size`` requests each, in request order."""
-    p = params.model_dump(exclude_none=True)
-    urls = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
-    def job(job_no: int, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"format_version": 1, "batch_id": batch_id, "model": model, "job_no": job_no, "params": p,
-                "requests": reqs, **urls}
-
-    reqs: list[dict[str, Any]] = []
-    job_no = 0
-    for req in requests:
-        reqs.append(req)
-        if len(reqs) == batch_size:
-            yield job(job_no, reqs)
-            job_no += 1
-            reqs = []
-    if reqs:
-        yield job(job_no, reqs)
-
-
-def claim_idempotency_key(client: redis.Redis, keys: Keys, key: str, batch_id: str, ttl_s: int) -> str | None:
-    """Bind ``key`` to ``batch_id`` unless it is bound already; returns the existing batch id then.
-
-    SET NX first, so two concurrent submits with one key cannot both enqueue.
+    Raises SubmitRejected (the caller rolls back) as soon as the file differs from ``seen``: more
+    requests than validated stop the pass at once; fewer, different content, or a size/mtime
+    change are caught when the pass ends, before anything is committed.
     """
-    if client.set(keys.idempotency(key), batch_id, nx=True, ex=ttl_s):
-        return None
-    existing = client.get(keys.idempotency(key))
-    assert existing is not None
-    return existing.decode()
+    try:
+        if _stat(path) != (seen.size, seen.mtime_ns):
+            raise _changed(path, "its size or modification time is not what was validated")
+        running = _new_hash()
+        n = 0
+        for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
+            if isinstance(item, InputError):
+                raise _changed(path, f"now {item}")
+            if index >= seen.requests:
+                raise _changed(path, f"it now has more than the {seen.requests} requests validated")
+            _feed(running, item)
+            n += 1
+            yield _request_dict(index, item)
+        if n != seen.requests:
+            raise _changed(path, f"it now has {n} requests, {seen.requests} were validated")
+        if running.digest() != seen.digest:
+            raise _changed(path, "its requests are not the ones validated")
+        if _stat(path) != (seen.size, seen.mtime_ns):
+            raise _changed(path, "its size or modification time changed while it was read")
+    except OSError as e:
+        raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
 
 
 def enqueue_batch(
@@ -223,48 +253,10 @@ def enqueue_batch(
     enqueue_progress: Progress | None = None,
     chunk_jobs: int = 256,
 ) -> Batch:
-    """Create ``batch`` (status validating), stage its jobs, and make them all visible at once.
-
-    On any failure before the commit, everything staged is deleted (idempotency key included),
-    so a batch is either fully enqueued or not at all.
-    """
-    store = ResultStore(client, keys=keys, ttl_s=ttl_s)
-    jq = JobQueue(client, keys=keys, job_ttl_s=ttl_s)
-    queue = queue_name(batch.model, batch.priority, keys.prefix)
-    store.create_batch(batch)
-    try:
-        pipe = client.pipeline(transaction=False)
-        staged = 0
-        for payload in job_payloads(
-            requests,
-            batch_id=batch.id,
-            model=batch.model,
-            params=batch.params,
-            batch_size=batch.batch_size,
-            results_url=batch.results_url,
-            blob_url=batch.blob_url,
-        ):
-            jq.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
-            staged += 1
-            if staged % chunk_jobs == 0:
-                pipe.execute()
-                if enqueue_progress:
-                    enqueue_progress(staged)
-        pipe.execute()
-        if enqueue_progress:
-            enqueue_progress(staged)
-        # The moment jobs become visible: what "enqueued" means for timings and benchmarks.
-        client.hset(keys.batch(batch.id), "queued_at", time.time())
-        jq.commit(batch.id, queue)
-    except BaseException:
-        jq.discard_staged(batch.id)
-        client.delete(keys.batch(batch.id))
-        client.zrem(keys.batches(), batch.id)
-        if batch.idempotency_key:
-            client.delete(keys.idempotency(batch.idempotency_key))
-        raise
-    store.transition(batch.id, [BatchStatus.validating], BatchStatus.queued)
-    return store.get_batch(batch.id)
+    """Create ``batch`` (status validating), stage its jobs, and make them all visible at once:
+    :meth:`lmdq.ledger.BatchLedger.enqueue`, which rolls everything back on any failure."""
+    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s)
+    return ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs)
 
 
 def submit_file(
@@ -284,19 +276,23 @@ def submit_file(
         raise SubmitRejected(f"{path}:0: no such file")
     if opts.batch_size < 1:
         raise SubmitRejected(f"--batch-size: expected >= 1, got {opts.batch_size}")
-    store = ResultStore(client, keys=keys, ttl_s=ttl_s)
+    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s)
     if opts.idempotency_key:
-        existing = client.get(keys.idempotency(opts.idempotency_key))
-        if existing:
-            return store.get_batch(existing.decode()), False
+        bound = ledger.bound_batch(opts.idempotency_key)
+        if bound is not None:
+            return bound, False
 
-    fmt = opts.fmt or detect_format(path)
+    try:
+        fmt = opts.fmt or detect_format(path)
+    except OSError as e:
+        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
-    total, model = _validate(path, opts, validate_progress)
+    seen, model = _validate(path, opts, validate_progress)
+    total = seen.requests
     if total > opts.limits.max_requests:
         raise SubmitRejected(f"{path}: {total} requests, limit is {opts.limits.max_requests}")
     if not opts.allow_unknown_model:
-        known = known_models(client, keys, opts.known_models)
+        known = ledger.known_models(opts.known_models)
         if model not in known:
             raise UnknownModel(
                 f"{path}:0: field 'model': unknown model {model!r}; known: "
@@ -331,16 +327,18 @@ def submit_file(
         field_ = ".".join(str(x) for x in first["loc"]) or "batch"
         raise SubmitRejected(f"--{field_}: {first['msg'].removeprefix('Value error, ')}") from e
     if opts.idempotency_key:
-        existing_id = claim_idempotency_key(client, keys, opts.idempotency_key, batch_id, ttl_s)
+        existing_id = ledger.bind_key(opts.idempotency_key, batch_id)
         if existing_id is not None:
-            return store.get_batch(existing_id), False
-    batch = enqueue_batch(
-        batch,
-        _file_requests(path, opts),
-        client=client,
-        keys=keys,
-        ttl_s=ttl_s,
-        enqueue_progress=enqueue_progress,
-        chunk_jobs=chunk_jobs,
-    )
+            return ledger.get(existing_id), False
+    requests = _file_requests(path, opts, seen)
+    try:
+        if opts.after_validation is not None:
+            opts.after_validation()
+        batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs)
+    except BaseException:
+        if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
+            ledger.release_key(opts.idempotency_key, batch_id)
+        raise
+    finally:
+        requests.close()
     return batch, True

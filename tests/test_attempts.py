@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import Keys, queue_name
+from lmdq.keys import BatchField, Keys, queue_name
 from lmdq.store import ResultStore
 from tests.conftest import run_cli, start_worker
 from tests.faultkit import (
@@ -113,7 +113,7 @@ def test_completion_window_expires_requests_not_started(tmp_path: Path, env: dic
     # The window passes with no worker: its deadline is put one second behind the Redis server's clock,
     # which is the clock the worker judges expiry by (no sleeping, no race with the wall clock; issue 13).
     sec, usec = client.time()
-    client.hset(Keys(prefix).batch(sub["id"]), "expires_at", sec + usec / 1e6 - 1.0)
+    client.hset(Keys(prefix).batch(sub["id"]), BatchField.expires_at.value, sec + usec / 1e6 - 1.0)
     assert start_worker(*SIM, "--sim-step-ms", "1", "--burst", env=env).wait(60) == 0
     b = wait_batch(client, prefix, sub["id"])
     assert b.status is BatchStatus.expired and b.expired_at is not None

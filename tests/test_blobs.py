@@ -186,7 +186,8 @@ def test_worker_writes_tensors_and_logprobs(tmp_path: Path, client: redis.Redis,
     rows: list[dict[str, Any]] = [{"params": {"output_logits": "generation"}}, {}, {"params": {"logprobs": 2}},
                                   {"params": {"output_last_hidden_state": "all"}}]
     bid = _enqueue(client, prefix, rows, blob_url=str(tmp_path / "blobs"))
-    _run_worker(client, redis_url, prefix)
+    # a batch's blob_url must fall under a prefix the worker allows (issue 14: LMDQ_ALLOWED_OUTPUT_URLS)
+    _run_worker(client, redis_url, prefix, allowed_output_urls=str(tmp_path))
     res = _results(client, prefix, bid)
     assert [r.status for r in res] == [ResultStatus.completed] * 4
     assert res[0].text == "a b c" and res[0].logprobs is not None
@@ -231,23 +232,24 @@ def test_flush_job_rerun_writes_every_request_exactly_once(tmp_path: Path, clien
     keys = Keys(prefix)
     store = ResultStore(client, keys=keys)
     url = str(tmp_path / "sink")
-    store.create_batch(Batch(id="b", model="m", status=BatchStatus.queued, batch_size=3,
+    b = "batch_" + "0" * 24  # a job's batch id has the form lmdq makes (issue 14)
+    store.create_batch(Batch(id=b, model="m", status=BatchStatus.queued, batch_size=3,
                              request_counts=RequestCounts(total=6), created_at=time.time(), results_url=url))
-    payload = JobPayload(batch_id="b", model="m", job_no=1, results_url=url,
+    payload = JobPayload(batch_id=b, model="m", job_no=1, results_url=url,
                          requests=[{"index": i, "custom_id": f"c{i}", "prompt": "p"} for i in (3, 4, 5)])
     for i in (3, 4):
-        store.write_result(Result(batch_id="b", custom_id=f"c{i}", index=i, status=ResultStatus.completed,
+        store.write_result(Result(batch_id=b, custom_id=f"c{i}", index=i, status=ResultStatus.completed,
                                   text=f"answer {i}", model="m"))
     assert flush_job(client, keys, payload) is None  # request 5 not final yet: nothing written
     assert not (tmp_path / "sink").exists()
-    store.write_result(Result(batch_id="b", custom_id="c5", index=5, status=ResultStatus.failed, model="m",
+    store.write_result(Result(batch_id=b, custom_id="c5", index=5, status=ResultStatus.failed, model="m",
                               error={"code": "x", "message": "y"}))
     uri = flush_job(client, keys, payload)
-    shard = tmp_path / "sink" / shard_key("b", 1)
-    assert uri == f"{url}/b/results-000001.jsonl" and shard.is_file()
+    shard = tmp_path / "sink" / shard_key(b, 1)
+    assert uri == f"{url}/{b}/results-000001.jsonl" and shard.is_file()
     lines = [json.loads(x) for x in shard.read_text().splitlines()]
     assert [x["index"] for x in lines] == [3, 4, 5] and lines[0]["text"] == "answer 3"
-    compact = json.loads(client.hget(keys.results("b"), "3"))  # type: ignore[arg-type]
+    compact = json.loads(client.hget(keys.results(b), "3"))  # type: ignore[arg-type]
     assert compact["stored_at"] == "results-000001.jsonl" and "text" not in compact and compact["status"] == "completed"
     # a late/re-run flush finds compact records: the shard is not rewritten from them
     before = shard.read_bytes()
@@ -256,13 +258,13 @@ def test_flush_job_rerun_writes_every_request_exactly_once(tmp_path: Path, clien
     assert flush_job(client, keys, payload) == uri
     assert shard.stat().st_mtime_ns == mtime and shard.read_bytes() == before
     # a duplicate final (late worker) is still a no-op through the same Lua path: counts unchanged
-    assert not store.write_result(Result(batch_id="b", custom_id="c3", index=3, status=ResultStatus.completed,
+    assert not store.write_result(Result(batch_id=b, custom_id="c3", index=3, status=ResultStatus.completed,
                                          text="dup", model="m"))
-    assert store.get_batch("b").request_counts.completed == 2
+    assert store.get_batch(b).request_counts.completed == 2
     # the reader resolves compact records back to the full ones, in order
     from lmdq.producer.export import iter_lmdq_lines
 
-    out = [json.loads(x) for x in iter_lmdq_lines(store, store.get_batch("b"))]
+    out = [json.loads(x) for x in iter_lmdq_lines(store, store.get_batch(b))]
     assert [(x["index"], x["text"]) for x in out] == [(3, "answer 3"), (4, "answer 4"), (5, "")]
     assert all(x["stored_at"] is None for x in out)
 
@@ -281,7 +283,7 @@ def test_results_sink_on_s3_end_to_end(tmp_path: Path, env: dict[str, str], clie
                                        s3: dict[str, str]) -> None:
     import boto3
 
-    env = {**env, **s3}
+    env = {**env, **s3, "LMDQ_ALLOWED_OUTPUT_URLS": f"s3://{BUCKET}/sink"}  # issue 14: workers write where allowed
     n = 500
     rows = [{"custom_id": f"r{i}", "prompt": f"question number {i} about the sink"} for i in range(n)]
     f = write_jsonl(tmp_path / "p.jsonl", rows)

@@ -1,241 +1,344 @@
-"""Engine death (issue 13): a dead engine ends the worker process, never its requests.
+"""Engine death detection in the LMDeploy engine (issue 13), on CPU.
 
-The worker stops claiming at once, re-queues what it holds WITHOUT charging an attempt, fails
-``/healthz`` and ``/readyz``, and exits with EXIT_ENGINE_DEAD (70) so its supervisor starts a fresh
-one. A poison prompt (one that kills every engine it reaches) is isolated: after a job has been in
-the engine at two deaths it runs alone, one request at a time, and the request that kills the
-engine then ends ``failed`` with ``engine_crash`` while its neighbours complete.
+LMDeploy needs a GPU, so its Pipeline is stood in for by a scripted one that replays what 0.18 does (read
+from its source: pipeline.py ``_infer``, mp_engine/zmq_rpc.py; seen on the H200 in issue 13, 614 of 1,024
+requests failed): when the engine process dies, every request in flight ends with ``finish_reason='error'``,
+``error_code='internal_error'``. The engine process
+here is a real child process, really SIGKILLed; the Responses are LMDeploy's own class. What is tested is
+lmdq's side: such a request is never handed up as a failure, ``stream`` raises EngineDead, ``alive()``
+turns False, and per-request errors stay per-request. The real engine: tests/gpu/test_faults_gpu.py.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import asyncio
+import multiprocessing as mp
+import signal
 import threading
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
-import redis
 
-from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import Keys, queue_name, rq_queue_key
-from lmdq.store import ResultStore
-from tests.conftest import start_worker
-from tests.faultkit import SIM, assert_exactly_once, events, no_traceback, owners, submit, wait_for
-from tests.helpers import wait_batch, write_jsonl
+pytest.importorskip("lmdeploy")
+from lmdeploy.messages import Response  # noqa: E402
+from lmdq.worker.engines import lmdeploy_engine  # noqa: E402
+from lmdq.worker.engines.base import EngineDead, EngineEvent, EngineRequest  # noqa: E402
+from lmdq.worker.engines.failure_burst import FailureBurst  # noqa: E402
+from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine  # noqa: E402
+
+from lmdq.contract import Endpoint  # noqa: E402
+
+Script = Callable[[list[Any]], Iterator[Response]]
 
 
-def _get(url: str) -> tuple[int, dict[str, object]]:
+def ok(i: int, text: str = "fine") -> Response:
+    return Response(text=text, generate_token_len=3, input_token_len=5, finish_reason="stop", index=i)
+
+
+def err(i: int, code: str = "internal_error", message: str = "An internal server error occurred.") -> Response:
+    return Response(text="", generate_token_len=0, input_token_len=0, finish_reason="error", index=i,
+                    error_code=code, error_message=message)
+
+
+class _Session:
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class StandInPipeline:
+    """The part of ``lmdeploy.Pipeline`` the engine uses: ``stream_infer`` replays ``script``; the backend
+    engine has a ``proc`` (the mp engine process) and ``get_health_status`` like LMDeploy's."""
+
+    def __init__(self, script: Script, proc: Any = None, healthy: bool = True,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.script = script
+        self.backend_config = SimpleNamespace(max_batch_size=64)
+        self.health_calls = 0
+
+        async def get_health_status() -> dict[str, Any]:
+            self.health_calls += 1
+            return {"alive": healthy, "message": "PyTorch engine is healthy." if healthy
+                    else "PyTorch engine loop task has stopped: ['MainLoop']."}
+
+        self.async_engine = SimpleNamespace(engine=SimpleNamespace(proc=proc, get_health_status=get_health_status))
+        self.internal_thread = SimpleNamespace(loop=loop)
+        self.closed = False
+        self.close_may_return = threading.Event()
+        self.close_may_return.set()
+
+    def session(self) -> _Session:
+        return _Session()
+
+    def close(self) -> None:
+        self.closed = True
+        assert self.close_may_return.wait(120)
+
+    def stream_infer(self, prompts: list[Any], **_: Any) -> Iterator[Response]:
+        return self.script(prompts)
+
+
+def make_engine(pipe: StandInPipeline) -> LMDeployEngine:
+    eng = LMDeployEngine.__new__(LMDeployEngine)  # LMDeploy's pipeline() needs a GPU: the stand-in instead
+    eng.pipe = pipe
+    eng.raw, eng.emit_interval_s, eng._closed = False, 0.0, False
+    eng.model_name, eng.backend, eng.capacity = "m", "pytorch", 64
+    eng._init_lifecycle(set())
+    return eng
+
+
+def reqs(n: int) -> list[EngineRequest]:
+    return [EngineRequest(index=i, prompt=f"p{i}", endpoint=Endpoint.completion) for i in range(n)]
+
+
+def collect(eng: LMDeployEngine, n: int) -> tuple[list[EngineEvent], BaseException | None]:
+    events: list[EngineEvent] = []
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        for ev in eng.stream(reqs(n), threading.Event()):
+            events.append(ev)
+    except Exception as e:  # noqa: BLE001 - returned for the assertions
+        return events, e
+    return events, None
 
 
-def test_sim_engine_kill_fails_every_stream_with_engine_dead() -> None:
-    from lmdq.worker.engines.base import EngineDead, EngineRequest
-    from lmdq.worker.engines.sim import SimEngine
-
-    eng = SimEngine(model_name="sim", step_ms=5)
-    try:
-        abort = threading.Event()
-        reqs = [EngineRequest(index=i, prompt=f"p{i}") for i in range(3)]
-        first = eng.stream(reqs, abort)
-        next(first)  # running
-        assert eng.alive()
-        eng.kill()
-        with pytest.raises(EngineDead, match="killed from outside"):
-            list(first)
-        assert not eng.alive()
-        with pytest.raises(EngineDead):
-            list(eng.stream(reqs, abort))
-        poisoned = SimEngine(model_name="sim", step_ms=5)
-        with pytest.raises(EngineDead, match="poison prompt"):
-            list(poisoned.stream([EngineRequest(index=0, prompt="fine"),
-                                  EngineRequest(index=1, prompt=f"x {SimEngine.poison_marker}")], abort))
-        assert not poisoned.alive()
-        poisoned.close()
-    finally:
-        eng.close()
+@pytest.fixture
+def engine_proc() -> Iterator[Any]:
+    """A real child process standing for LMDeploy's engine process."""
+    p = mp.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=True)
+    p.start()
+    yield p
+    if p.is_alive():
+        p.kill()
+    p.join(30)
 
 
-def test_engine_killed_mid_batch_worker_exits_70_requeues_uncharged_health_fails(
-        tmp_path: Path, env: dict[str, str], redis_url: str, client: redis.Redis, prefix: str) -> None:
-    """In-process worker with its health endpoint; the sim engine is killed while jobs stream. With
-    max_attempts=1, one charged attempt would fail the re-run: every request must still complete."""
-    from lmdq.worker.engines.sim import SimEngine
-    from lmdq.worker.health import WorkerHealth
-    from lmdq.worker.outcomes import EXIT_ENGINE_DEAD
-    from lmdq.worker.runner import Worker
-    from lmdq.worker.settings import WorkerSettings
-
-    n = 60
-    ids = [f"r{i}" for i in range(n)]
-    bid = submit(write_jsonl(tmp_path / "p.jsonl", [{"custom_id": c, "prompt": f"p {c}"} for c in ids]), env,
-                 "--batch-size", "6", "--max-new-tokens", "40")["id"]
-    eng = SimEngine(model_name="sim", step_ms=10, max_batch=16)
-    health = WorkerHealth(worker_name="dying", model="sim")
-    port = health.serve("127.0.0.1", 0)
-    health.set_redis_check(lambda: True)
-    health.set_engine_loaded(0.1)
-    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0, max_attempts=1,
-                       worker_name="dying")
-    w = Worker(engine=eng, client=client, settings=s, health=health, capacity=16)
-    codes: list[int] = []
-    th = threading.Thread(target=lambda: codes.append(w.run()), daemon=True)
-    th.start()
-    store = ResultStore(client, keys=Keys(prefix))
-    try:
-        wait_for(lambda: store.get_batch(bid).request_counts.done >= 6 and owners(client, prefix), 60,
-                 "results and held jobs")
-        assert _get(f"http://127.0.0.1:{port}/healthz")[0] == 200
-        assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200
-        held = len(owners(client, prefix))
-        done_before = store.get_batch(bid).request_counts.done
-        t = time.monotonic()
-        eng.kill()
-        th.join(60)
-        assert not th.is_alive(), "the worker did not exit after its engine died"
-        elapsed = time.monotonic() - t
-        assert codes == [EXIT_ENGINE_DEAD] and elapsed < 45
-        code, body = _get(f"http://127.0.0.1:{port}/healthz")
-        assert code == 503 and body["status"] == "engine dead", body
-        code, body = _get(f"http://127.0.0.1:{port}/readyz")
-        assert code == 503 and any("engine dead" in str(r) for r in body["reasons"]), body  # type: ignore[union-attr]
-    finally:
-        w.stop()
-        th.join(30)
-        health.shutdown()
-    k = Keys(prefix)
-    assert client.zcard(k.leases()) == 0 and w.stats["requeued"] >= 1  # the held jobs were given back ...
-    queued = client.llen(rq_queue_key(queue_name("sim", "normal", prefix)))
-    assert queued >= w.stats["requeued"]  # ... to the queue (nothing ran them since)
-    assert client.hlen(k.attempts()) == 0, "an engine death charged an attempt"
-    assert client.hlen(k.crashes()) > 0  # the jobs in the engine have the death on record
-    assert store.get_batch(bid).request_counts.failed == 0
-    # the supervisor's fresh worker (fresh engine) completes everything exactly once
-    s2 = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0, max_attempts=1,
-                        burst=True)
-    assert Worker(engine=SimEngine(model_name="sim", step_ms=1), client=client, settings=s2).run() == 0
-    b = wait_batch(client, prefix, bid, timeout=30)
-    assert b.status is BatchStatus.completed and b.request_counts.completed == n
-    res = assert_exactly_once(client, prefix, bid, ids)
-    assert all(r.status is ResultStatus.completed and r.attempt == 1 for r in res)
-    assert client.hlen(k.crashes()) == 0 and client.hlen(k.runs()) == 0  # counters go with the done jobs
-    print(f"\n[engine-death] {done_before}/{n} done at the kill; held {held} jobs; exit 70 after "
-          f"{elapsed:.1f}s; fresh worker completed the rest, all attempt 1")
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """The pipeline's own event-loop thread (LMDeploy runs the health check there)."""
+    lp = asyncio.new_event_loop()
+    t = threading.Thread(target=lp.run_forever, daemon=True)
+    t.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    t.join(30)
+    lp.close()
 
 
-def test_poison_prompt_fails_alone_with_engine_crash_neighbours_complete(
-        tmp_path: Path, env: dict[str, str], client: redis.Redis, prefix: str,
-        procs: list[subprocess.Popen[bytes]]) -> None:
-    """A prompt that kills every engine it reaches, in a batch of 24 (jobs of 4). The test plays the
-    supervisor: it restarts the worker after each exit. Two deaths with the job in a full engine, a
-    third with the poison request alone in it; then that request fails and the batch completes."""
-    n, poison = 24, 9
-    rows = [{"custom_id": f"r{i}", "prompt": f"p{i}" + (" [[sim:poison]]" if i == poison else "")} for i in range(n)]
-    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "4", "--max-new-tokens", "20")["id"]
-    wargs = (*SIM, "--sim-step-ms", "5", "--sim-max-batch", "64", "--heartbeat-ttl", "2", "--max-attempts", "1",
-             "--burst")
-    store = ResultStore(client, keys=Keys(prefix))
-    codes: list[int] = []
-    logs: list[Path] = []
-    for i in range(6):  # the bound: a crash-looping fleet would need more
-        logs.append(tmp_path / f"w{i}.log")
-        w = start_worker(*wargs, "--worker-name", f"w{i}", env=env, log=logs[-1])
-        procs.append(w)
-        codes.append(w.wait(120))
-        if store.get_batch(bid).status.terminal:
-            break
-    assert codes == [70, 70, 70, 0], codes
-    b = wait_batch(client, prefix, bid, timeout=10)
-    assert b.status is BatchStatus.completed
-    assert (b.request_counts.completed, b.request_counts.failed) == (n - 1, 1)
-    res = {r.custom_id: r for r in assert_exactly_once(client, prefix, bid, [f"r{i}" for i in range(n)])}
-    bad = res[f"r{poison}"]
-    assert bad.status is ResultStatus.failed and bad.error is not None and bad.error.code == "engine_crash"
-    assert all(r.status is ResultStatus.completed for c, r in res.items() if c != f"r{poison}")
-    assert all(r.attempt == 1 for r in res.values())  # three engine deaths charged nothing
-    for lg, code in zip(logs, codes):
-        died = [e for e in events(lg) if str(e.get("event", "")).startswith("engine died:")]
-        if code == 70:
-            assert len(died) == 1 and died[0]["event"].endswith("exiting so the supervisor restarts the worker")
-        else:
-            assert not died
-        no_traceback(lg)
-    isolated = [e for lg in logs for e in events(lg)
-                if e.get("event") == "request killed the engine while running alone: failing it"]
-    assert [e["index"] for e in isolated] == [poison]
-    print(f"\n[poison] worker exits {codes}; r{poison} failed engine_crash, {n - 1} neighbours completed")
+def test_killed_engine_process_raises_engine_dead_and_fails_no_request(engine_proc: Any) -> None:
+    def script(prompts: list[Any]) -> Iterator[Response]:
+        yield from (ok(i) for i in range(3))
+        engine_proc.kill()  # what an OOM kill does; LMDeploy notices (sentinel) before failing requests
+        engine_proc.join(30)
+        yield from (err(i) for i in range(3, len(prompts)))
+
+    eng = make_engine(StandInPipeline(script, proc=engine_proc))
+    assert eng.alive() and eng.engine_pid == engine_proc.pid
+    events, exc = collect(eng, 8)
+    assert [(e.index, e.finish_reason) for e in events] == [(0, "stop"), (1, "stop"), (2, "stop")]
+    assert isinstance(exc, EngineDead), exc
+    assert f"process {engine_proc.pid} died (killed by SIGKILL)" in str(exc)
+    assert eng.alive() is False
+    with pytest.raises(EngineDead):  # and every later call, at once
+        next(iter(eng.stream(reqs(1), threading.Event())))
 
 
-def test_engine_failing_every_job_at_once_without_saying_so_is_taken_for_dead(
-        tmp_path: Path, env: dict[str, str], redis_url: str, client: redis.Redis, prefix: str) -> None:
-    """Belt and braces: an engine whose channel broke may fail every stream with a plain EngineError
-    while still claiming to be alive. Every job in the engine failing within one window is a death:
-    nothing is charged (max_attempts=1 would fail the re-run), the worker exits 70."""
-    from lmdq.worker.engines.base import EngineError
-    from lmdq.worker.engines.sim import SimEngine
-    from lmdq.worker.outcomes import EXIT_ENGINE_DEAD
-    from lmdq.worker.runner import Worker
-    from lmdq.worker.settings import WorkerSettings
-
-    class SilentDeath(SimEngine):
-        """Its streams fail with EngineError once broken; alive() keeps saying True."""
-
-        broken = threading.Event()
-
-        def stream(self, requests, abort):  # type: ignore[no-untyped-def]
-            for ev in super().stream(requests, abort):
-                if self.broken.is_set():
-                    raise EngineError("RPC failed: connection reset by peer")
-                yield ev
-
-    n = 40
-    ids = [f"r{i}" for i in range(n)]
-    bid = submit(write_jsonl(tmp_path / "p.jsonl", [{"custom_id": c, "prompt": f"p {c}"} for c in ids]), env,
-                 "--batch-size", "5", "--max-new-tokens", "400")["id"]
-    eng = SilentDeath(model_name="sim", step_ms=5, max_batch=64)
-    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0, max_attempts=1)
-    w = Worker(engine=eng, client=client, settings=s, capacity=64)
-    codes: list[int] = []
-    th = threading.Thread(target=lambda: codes.append(w.run()), daemon=True)
-    th.start()
-    try:
-        wait_for(lambda: len(owners(client, prefix)) == 8 and eng.steps >= 70, 60, "all 8 jobs streaming")
-        eng.broken.set()
-        th.join(60)
-        assert not th.is_alive() and codes == [EXIT_ENGINE_DEAD]
-    finally:
-        w.stop()
-        th.join(30)
-    k = Keys(prefix)
-    assert client.hlen(k.attempts()) == 0, "a silent engine death charged an attempt"
-    assert ResultStore(client, keys=k).get_batch(bid).request_counts.failed == 0
-    s2 = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0, max_attempts=1,
-                        burst=True)
-    assert Worker(engine=SimEngine(model_name="sim", step_ms=0), client=client, settings=s2,
-                  capacity=64).run() == 0
-    res = assert_exactly_once(client, prefix, bid, ids)
-    assert all(r.status is ResultStatus.completed and r.attempt == 1 for r in res)
+def test_alive_turns_false_as_soon_as_the_engine_process_is_gone(engine_proc: Any) -> None:
+    eng = make_engine(StandInPipeline(lambda prompts: iter(())))
+    eng.pipe.async_engine.engine.proc = engine_proc
+    assert eng.alive()
+    engine_proc.kill()
+    engine_proc.join(30)
+    assert eng.alive() is False
+    assert eng._dead is not None and "killed by SIGKILL" in eng._dead
 
 
-def test_one_job_failing_while_others_stream_is_charged_not_a_death(
-        tmp_path: Path, env: dict[str, str], client: redis.Redis, prefix: str) -> None:
-    """The other side of the rule: an engine error for one job while the rest of the engine keeps
-    working is that job's (charged), and the worker keeps running (exit 0 at the end of a burst)."""
-    rows = [{"custom_id": "boom", "prompt": "[[sim:engine-error]]"}] + [
-        {"custom_id": f"ok{i}", "prompt": f"p{i}"} for i in range(7)]
-    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "1", "--max-new-tokens", "100")["id"]
-    log = tmp_path / "w.log"
-    w = start_worker(*SIM, "--sim-step-ms", "5", "--max-attempts", "2", "--burst", env=env, log=log)
-    assert w.wait(120) == 0
-    res = {r.custom_id: r for r in assert_exactly_once(client, prefix, bid, [r["custom_id"] for r in rows])}
-    assert res["boom"].status is ResultStatus.failed and res["boom"].attempt == 2
-    assert res["boom"].error is not None and res["boom"].error.code == "engine_error"
-    assert all(r.status is ResultStatus.completed for c, r in res.items() if c != "boom")
-    assert not [e for e in events(log) if str(e.get("event", "")).startswith("engine died")]
+def test_rpc_marked_dead_is_engine_death(engine_proc: Any) -> None:
+    """LMDeploy's ZMQ client records the first death reason (``_RPCServerLiveness.dead_msg``)."""
+    eng = make_engine(StandInPipeline(lambda prompts: iter(()), proc=engine_proc))
+    assert eng.alive()
+    eng.pipe.async_engine.engine.rpc_client = SimpleNamespace(
+        _server_liveness=SimpleNamespace(dead_msg="PyTorch ZMQ engine process is not alive."))
+    assert eng.alive() is False
+    assert "engine RPC is dead: PyTorch ZMQ engine process is not alive." in (eng._dead or "")
+
+
+def test_per_request_errors_stay_per_request(engine_proc: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def script(prompts: list[Any]) -> Iterator[Response]:
+        yield err(0, "context_length_exceeded", "The request exceeds the model context length.")
+        yield ok(1)
+
+    eng = make_engine(StandInPipeline(script, proc=engine_proc, loop=loop))
+    events, exc = collect(eng, 2)
+    assert exc is None
+    assert [(e.index, e.finish_reason, e.error_code) for e in events] == [
+        (0, "error", "context_length_exceeded"), (1, "stop", None)]
+    assert eng.alive()
+    assert eng.pipe.health_calls == 0  # not an engine-level code: not even checked
+
+
+def test_one_internal_error_among_good_requests_is_that_requests_own(
+        engine_proc: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def script(prompts: list[Any]) -> Iterator[Response]:
+        yield err(0)
+        yield from (ok(i) for i in range(1, len(prompts)))
+
+    eng = make_engine(StandInPipeline(script, proc=engine_proc, loop=loop))
+    events, exc = collect(eng, 5)
+    assert exc is None
+    assert sorted((e.index, e.finish_reason, e.error_code) for e in events) == [
+        (0, "error", "internal_error"), *((i, "stop", None) for i in range(1, 5))]
+    assert eng.alive() and eng.pipe.health_calls == 1
+
+
+def test_every_request_in_flight_failing_at_once_is_engine_death(loop: asyncio.AbstractEventLoop) -> None:
+    """An in-process engine (no process to look at) whose health check still says alive, but whose every
+    request fails: a broken CUDA context. No request is handed up as failed."""
+    eng = make_engine(StandInPipeline(lambda prompts: (err(i) for i in range(len(prompts))), loop=loop))
+    events, exc = collect(eng, 6)
+    assert events == []
+    assert isinstance(exc, EngineDead) and "every request in flight failed" in str(exc)
+    assert eng.alive() is False
+
+
+def test_few_requests_failing_together_stay_per_request(loop: asyncio.AbstractEventLoop) -> None:
+    """Below FailureBurst.min_requests (e.g. a suspected poison job run one request at a time)."""
+    eng = make_engine(StandInPipeline(lambda prompts: (err(i) for i in range(len(prompts))), loop=loop))
+    events, exc = collect(eng, 2)
+    assert exc is None and [(e.index, e.error_code) for e in events] == [(0, "internal_error"),
+                                                                         (1, "internal_error")]
+    assert eng.alive()
+
+
+def test_health_check_saying_dead_is_engine_death(loop: asyncio.AbstractEventLoop) -> None:
+    def script(prompts: list[Any]) -> Iterator[Response]:
+        yield ok(0)
+        yield err(1)
+        yield ok(2)  # never reached: the first engine-level error already found the engine dead
+
+    eng = make_engine(StandInPipeline(script, healthy=False, loop=loop))
+    events, exc = collect(eng, 3)
+    assert [(e.index, e.finish_reason) for e in events] == [(0, "stop")]
+    assert isinstance(exc, EngineDead) and "engine loop task has stopped" in str(exc)
+
+
+def test_burst_across_concurrent_calls() -> None:
+    """The streak counts requests of every stream call on the engine (one per job, each in its thread)."""
+    b = FailureBurst(min_requests=4)
+    b.begin(3)  # job A
+    b.begin(3)  # job B
+    ep = b.end_engine_error()  # A's first: a streak over 6 requests in flight
+    for _ in range(4):
+        b.end_engine_error()
+    assert not b.tripped and not b.settled(ep)
+    b.end_engine_error()
+    assert b.tripped and b.wait_verdict(ep, 0)
+
+
+def test_a_good_finish_ends_the_streak() -> None:
+    b = FailureBurst(min_requests=2)
+    b.begin(4)
+    ep = b.end_engine_error()
+    b.end_ok()
+    assert b.settled(ep) and not b.wait_verdict(ep, 0)
+    ep2 = b.end_engine_error()  # a new streak, over what is in flight now (2)
+    assert ep2 != ep and not b.tripped
+    b.end_engine_error()
+    assert b.tripped
+
+
+def test_held_errors_wait_for_the_other_thread(engine_proc: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Job A's request fails while job B's 4 are still running: A's error is held back (not handed up),
+    then handed up as A's own once B's requests finish well."""
+    b_running, b_may_finish = threading.Event(), threading.Event()
+    a_events: list[EngineEvent] = []
+    seen_when_a_resumed: list[int] = []
+
+    def script(prompts: list[Any]) -> Iterator[Response]:
+        if len(prompts) == 1:  # job A
+            yield err(0)
+            seen_when_a_resumed.append(len(a_events))  # the engine asked for more without handing it up
+            b_may_finish.set()
+        else:  # job B
+            b_running.set()
+            assert b_may_finish.wait(60)
+            yield from (ok(i) for i in range(len(prompts)))
+
+    eng = make_engine(StandInPipeline(script, proc=engine_proc, loop=loop))
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", collect(eng, 4)))
+    t.start()
+    assert b_running.wait(60)  # B's requests are in flight
+    for ev in eng.stream(reqs(1), threading.Event()):
+        a_events.append(ev)
+    t.join(60)
+    b_events, b_exc = out["b"]
+    assert seen_when_a_resumed == [0]
+    assert [(e.index, e.error_code) for e in a_events] == [(0, "internal_error")]
+    assert b_exc is None and [e.finish_reason for e in b_events] == ["stop"] * 4
+    assert eng.alive()
+
+
+def test_exit_description() -> None:
+    assert lmdeploy_engine._exit_description(-signal.SIGKILL) == "killed by SIGKILL"
+    assert lmdeploy_engine._exit_description(1) == "exit code 1"
+
+
+def test_closing_a_dead_engine_is_bounded(engine_proc: Any, loop: asyncio.AbstractEventLoop,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMDeploy's shutdown talks to the dead process (ZMQ teardown): should it never return, close() still
+    does, so the worker can exit and be restarted; LMDeploy's atexit hook for it would block the exit: it
+    is dropped. The RPC sockets' linger goes to 0 first (a context term waits on it)."""
+    import atexit
+
+    monkeypatch.setattr(lmdeploy_engine, "DEAD_CLOSE_TIMEOUT_S", 0.5)
+    pipe = StandInPipeline(lambda prompts: iter(()), proc=engine_proc, loop=loop)
+    backend = pipe.async_engine.engine
+    backend.rpc_client = SimpleNamespace(async_socket=SimpleNamespace(linger=-1),
+                                         sync_socket=SimpleNamespace(linger=-1))
+    backend.close = lambda: None
+    atexit.register(backend.close)  # what ZMQMPEngine.__init__ does
+    dropped: list[Any] = []
+    real_unregister = atexit.unregister
+    monkeypatch.setattr(atexit, "unregister", lambda f: (dropped.append(f), real_unregister(f)))
+    pipe.close_may_return.clear()  # LMDeploy's close hangs
+    eng = make_engine(pipe)
+    engine_proc.kill()
+    engine_proc.join(30)
+    assert eng.alive() is False
+    eng.close()  # returns (after DEAD_CLOSE_TIMEOUT_S), does not hang
+    assert pipe.closed and eng.alive() is False
+    assert backend.close in dropped
+    assert backend.rpc_client.async_socket.linger == 0 and backend.rpc_client.sync_socket.linger == 0
+    pipe.close_may_return.set()
+
+
+def test_closing_a_live_engine_waits_for_lmdeploy(engine_proc: Any) -> None:
+    pipe = StandInPipeline(lambda prompts: iter(()), proc=engine_proc)
+    eng = make_engine(pipe)
+    eng.close()
+    assert pipe.closed and eng.alive() is False
+
+
+def test_rpc_dead_error_raised_through_stream_infer_is_engine_death(loop: asyncio.AbstractEventLoop) -> None:
+    """Should stream_infer itself raise (not answer per request), LMDeploy's RPCServerDeadError anywhere in
+    the chain still means the engine is gone, not a retryable error."""
+    class RPCServerDeadError(RuntimeError):  # the name LMDeploy 0.18's zmq_rpc.py uses
+        pass
+
+    def script(prompts: list[Any]) -> Iterator[Response]:
+        yield ok(0)
+        try:
+            raise RPCServerDeadError("PyTorch ZMQ engine process is not alive.")
+        except RPCServerDeadError as e:
+            raise RuntimeError("An internal server error occurred.") from e
+
+    eng = make_engine(StandInPipeline(script, loop=loop))
+    events, exc = collect(eng, 2)
+    assert [(e.index, e.finish_reason) for e in events] == [(0, "stop")]
+    assert isinstance(exc, EngineDead) and "not alive" in str(exc)
+    assert eng.alive() is False

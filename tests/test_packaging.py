@@ -676,15 +676,21 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     """worker/, producer/ and bench/ ship as lmdq.worker, lmdq.producer, lmdq.bench: a wheel built
     from this tree has no other top-level package, so `import worker` fails after `pip install`
     while the console scripts (which name lmdq.* modules) work."""
+    import zipfile
+
+    src = tmp_path / "src"  # a copy, so the build leaves no build/ folder in the checkout
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for folder in ("lmdq", "worker", "producer", "bench"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, src / f)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
+         "-w", str(tmp_path / "dist"), str(src)],
         check=True,
         capture_output=True,
     )
-    import zipfile
-
-    (wheel,) = tmp_path.glob("lmdq-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("lmdq-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"lmdq", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops

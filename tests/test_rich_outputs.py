@@ -312,7 +312,8 @@ def test_hidden_state_generation_lands_in_a_safetensors_file(tf_engine: Any, tmp
                          params=GenerationParams(max_new_tokens=6, ignore_eos=True,
                                                  output_last_hidden_state="generation"))
     batch, _ = submit_file(f, opts, client=client, keys=Keys(prefix), ttl_s=3600)
-    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, burst=True, health_port=0)
+    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, burst=True, health_port=0,
+                       allowed_output_urls=str(tmp_path))  # issue 14: the batch's blob_url must be allowed
     Worker(engine=Borrowed(tf_engine), client=client, settings=s).run()
     raw = next(ResultStore(client, keys=Keys(prefix)).iter_results(batch.id, 1, partial=False))[1]
     r = Result.model_validate_json(raw)  # type: ignore[arg-type]

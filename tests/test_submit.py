@@ -139,3 +139,128 @@ def test_json_schema_and_regex_flags(tmp_path: Path, env: dict[str, str]) -> Non
     p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--output-logits", "some",
                 env=env)
     assert p.returncode == 2 and "--output-logits" in p.stderr.decode()
+
+
+# ---- the file changes between validation and staging (#14) ----------------------------------------
+
+# Runs the real CLI (lmdq.producer.cli.main) with SubmitOptions.after_validation set to edit the file:
+# the edit lands exactly between the two passes, every run, with no sleeping process to race.
+_EDIT_DURING_SUBMIT = """
+import os
+import sys
+import lmdq.producer.submit as submit
+from lmdq.producer.cli import main
+
+mode = sys.argv.pop(1)
+real = submit.submit_file
+
+
+def edit(path):
+    data = path.read_bytes()
+    if mode == "append":  # lines with custom_ids already used: the duplicates validation would refuse
+        path.write_bytes(data + data.splitlines(keepends=True)[0] * 3)
+    elif mode == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif mode == "same-size":  # one prompt changed in place, size AND mtime kept: only the content hash sees it
+        st = os.stat(path)
+        path.write_bytes(data.replace(b"prompt number 7", b"PROMPT NUMBER 7", 1))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    elif mode == "delete":
+        path.unlink()
+
+
+def patched(path, opts, **kw):
+    opts.after_validation = lambda: edit(path)
+    return real(path, opts, **kw)
+
+
+submit.submit_file = patched
+sys.argv[0] = "lmdq-producer"
+main()
+"""
+
+
+def _all_keys(client: redis.Redis) -> set[bytes]:
+    return set(client.keys("*"))
+
+
+@pytest.mark.parametrize("mode", ["append", "truncate", "same-size", "delete"])
+def test_file_edited_during_submit_exits_2_and_leaves_nothing(mode: str, tmp_path: Path, env: dict[str, str],
+                                                              client: redis.Redis, prefix: str) -> None:
+    import subprocess
+    import sys
+
+    rows = [{"custom_id": f"r{i}", "prompt": f"prompt number {i}"} for i in range(600)]
+    f = write_jsonl(tmp_path / "edited.jsonl", rows)
+    before = _all_keys(client)
+    p = subprocess.run([sys.executable, "-c", _EDIT_DURING_SUBMIT, mode, "submit", str(f), "--model", "sim",
+                        "--allow-unknown-model", "--batch-size", "7", "--idempotency-key", "edit-once"],
+                       env=env, capture_output=True, timeout=120)
+    err = p.stderr.decode()
+    assert p.returncode == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{f}: the file changed during submit" in err and "nothing was enqueued" in err
+    _nothing_enqueued(client, prefix)
+    assert _all_keys(client) == before  # no job hashes, no job list, no idempotency key, no batch
+    assert client.get(Keys(prefix).idempotency("edit-once")) is None
+
+
+def test_unchanged_file_still_submits_with_the_hook(tmp_path: Path, env: dict[str, str], client: redis.Redis,
+                                                    prefix: str) -> None:
+    """The driver above changes nothing in lmdq but the file: with no edit, submit succeeds."""
+    import subprocess
+    import sys
+
+    f = write_jsonl(tmp_path / "same.jsonl", [{"prompt": f"prompt number {i}"} for i in range(20)])
+    p = subprocess.run([sys.executable, "-c", _EDIT_DURING_SUBMIT, "none", "submit", str(f), "--model", "sim",
+                        "--allow-unknown-model", "--json", "--batch-size", "7"], env=env, capture_output=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr.decode()
+    b = json.loads(p.stdout)
+    assert b["status"] == "queued" and b["request_counts"]["total"] == 20
+    assert client.llen(rq_queue_key(queue_name("sim", "normal", prefix))) == 3
+
+
+# ---- Redis refuses the writes (#14) ------------------------------------------------------------------
+
+
+def test_redis_out_of_memory_at_submit_is_one_line_exit_5(tmp_path: Path, env: dict[str, str]) -> None:
+    import os
+
+    from tests.conftest import RedisServer
+
+    srv = RedisServer().start()
+    try:
+        c = redis.Redis.from_url(srv.url)
+        c.config_set("maxmemory-policy", "noeviction")
+        c.config_set("maxmemory", int(c.info("memory")["used_memory"]) + 256 * 1024)
+        before = _all_keys(c)
+        f = write_jsonl(tmp_path / "big.jsonl", [{"prompt": os.urandom(400).hex()} for _ in range(2000)])
+        p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--batch-size", "2",
+                    "--idempotency-key", "oom-once", env={**env, "LMDQ_REDIS_URL": srv.url})
+        err = p.stderr.decode()
+        assert p.returncode == 5, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "out of memory (maxmemory)" in err and f"127.0.0.1:{srv.port}" in err
+        assert _all_keys(c) == before
+    finally:
+        srv.cleanup()
+
+
+def test_redis_read_only_replica_at_submit_is_one_line_exit_5(tmp_path: Path, env: dict[str, str]) -> None:
+    from tests.conftest import RedisServer, free_port
+
+    srv = RedisServer().start()
+    try:
+        c = redis.Redis.from_url(srv.url)
+        c.replicaof("127.0.0.1", free_port())  # a replica (its primary is not up): refuses every write
+        f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+        p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model",
+                    env={**env, "LMDQ_REDIS_URL": srv.url})
+        err = p.stderr.decode()
+        assert p.returncode == 5, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert f"Redis at 127.0.0.1:{srv.port} is a read-only replica" in err
+        assert c.dbsize() == 0
+    finally:
+        srv.cleanup()

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import Keys, queue_name, rq_queue_key
+from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
 from tests.conftest import ROOT, start_worker
 from tests.faultkit import (
     SIM,
@@ -149,7 +149,7 @@ def test_workers_60s_behind_and_ahead_fail_nothing_leases_and_expiry_on_server_c
     late = submit(write_jsonl(tmp_path / "late.jsonl", [{"custom_id": f"l{i}", "prompt": "x"} for i in range(4)]),
                   env, "--completion-window", "1h")["id"]
     sec, usec = client.time()
-    client.hset(k.batch(late), "expires_at", sec + usec / 1e6 - 1.0)
+    client.hset(k.batch(late), BatchField.expires_at.value, sec + usec / 1e6 - 1.0)
     behind_log = tmp_path / "behind-burst.log"
     w = _skewed_worker(-60, *SIM, "--sim-step-ms", "1", "--burst", env=env, log=behind_log)
     procs.append(w)

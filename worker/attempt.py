@@ -28,6 +28,7 @@ from lmdq.worker.tensor_store import TensorStore
 
 from lmdq.contract import BatchStatus, ErrorInfo, FinishReason, JobPayload, Request, ResultStatus
 from lmdq.jobs import Claim, JobQueue
+from lmdq.keys import BatchField
 from lmdq.store import ResultStore
 
 __all__ = ["DeathWatch", "Held", "JobAttempt", "engine_alive"]
@@ -151,7 +152,7 @@ class JobAttempt:
         if start.status in (BatchStatus.validating, BatchStatus.queued):
             self.writer.call(
                 lambda: self.store.transition(payload.batch_id, [BatchStatus.validating, BatchStatus.queued],
-                                              BatchStatus.in_progress, "in_progress_at"),
+                                              BatchStatus.in_progress, BatchField.in_progress_at),
                 "mark batch in progress",
             )
         todo = [r for r in payload.requests if r.index not in start.finished]

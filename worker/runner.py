@@ -40,6 +40,7 @@ from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.job_decode import decode_job
 from lmdq.jobs import Charge, Claim, JobQueue
 from lmdq.keys import Keys, queue_names
+from lmdq.output_urls import OutputPolicy
 from lmdq.registry import WorkerRegistry
 from lmdq.store import ResultStore
 
@@ -79,7 +80,9 @@ class Worker:
         self.s = settings
         self.keys = Keys(settings.key_prefix)
         self.store = ResultStore(client, keys=self.keys, ttl_s=settings.result_ttl_s)
-        self.jobs = JobQueue(client, keys=self.keys, job_ttl_s=settings.result_ttl_s)
+        self.jobs = JobQueue(client, keys=self.keys, job_ttl_s=settings.result_ttl_s,
+                             max_job_bytes=settings.max_job_bytes)
+        self.outputs = OutputPolicy.for_worker(settings.allowed_output_urls, settings.blob_url)
         self.model = engine.model_name
         self.queues = queue_names(self.model, self.keys.prefix)
         self.name = settings.worker_name or default_worker_name()
@@ -327,7 +330,8 @@ class Worker:
         try:
             try:
                 job, payload = with_reconnect(
-                    lambda: decode_job(self.client, self.jobs, claim.job_id), on_retry=self._redis_retry
+                    lambda: decode_job(self.client, self.jobs, claim.job_id, outputs=self.outputs),
+                    on_retry=self._redis_retry,
                 )
             except RETRYABLE_ERRORS:
                 raise  # Redis is down, the job is not foreign: re-queued below, never refused

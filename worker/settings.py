@@ -31,6 +31,10 @@ class WorkerSettings(CommonSettings):
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors when a batch names none (LMDQ_BLOB_URL)"
     )
+    allowed_output_urls: str = Field(
+        default="", description="comma-separated folders / s3:// prefixes a batch's results_url or blob_url may "
+        "name, beyond LMDQ_BLOB_URL (LMDQ_ALLOWED_OUTPUT_URLS); a job writing elsewhere is refused"
+    )
     # sim engine
     sim_step_ms: float = Field(default=5.0, ge=0.0)
     sim_max_batch: int = Field(default=256, ge=1)

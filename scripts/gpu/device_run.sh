@@ -5,12 +5,22 @@
 #   2 setup   carry gpu-bundle/2-model-a               : first model half
 #   3 suite   carry gpu-bundle/3-model-b gpu-bundle/tok : model conversion, the gpu suite
 #   4 tp      (no carry)                               : tp=1 vs tp=2 end to end + orphans, bf16 margins
-# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py.
+# plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py; TurboMind (issue #16):
+#   tm        carry gpu-bundle/tm-NN (one part a call, after turbomind_bundle.sh): collects parts; with
+#             the last one, reassembles + sha256-checks, then TM_RUN=suite|bench|none runs with TurboMind
+#   tmsuite / tmbench : the gpu suite on both backends / efficiency for both backends (TurboMind installed)
+# and `faults` (carry 1-wheels, tok)
+# for tests/gpu/test_faults_gpu.py: engine / worker SIGKILL on the random 8B shape. FAULTS_K=engine_sigkill
+# or FAULTS_K=worker_sigkill runs one half (a fresh machine builds the model first: ~2 calls of 600 s).
 set -uo pipefail
-stage=${1:?stage bench|setup|suite|tp|parity}
+stage=${1:?stage bench|setup|suite|tp|parity|faults|tm|tmsuite|tmbench}
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
+# pyproject installs worker/, producer/, bench/ as lmdq.worker, lmdq.producer, lmdq.bench (package-dir); nothing
+# is pip-installed here and the repo root comes first on sys.path (python -m, pytest), so the same import names
+# come from symlinks inside this copy's lmdq/ (untracked, device copy only).
+for d in worker producer bench; do [ -e "lmdq/$d" ] || ln -s "../$d" "lmdq/$d"; done
 export PYTHONPATH=/root/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 LMDQ_GPU_TOKENIZER=$PWD/gpu-bundle/tok
 M=/root/models/smollm2-135m-instruct
 env_txt() {
@@ -25,7 +35,27 @@ eff() {  # eff NAME TP EXTRA...
     -o "$OUT/efficiency_gpu_$name.json" > "$OUT/efficiency_$name.log" 2>&1
   grep -E "^rep|^(raw|stream1|lmdq|naive) " "$OUT/efficiency_$name.log" | tail -12
 }
+tm_env() {  # TurboMind's CUDA 12 libraries (kept off sys.path) + the host's NCCL; see turbomind_host.sh
+  for d in gpu-bundle/tm-*; do [ -d "$d" ] && bash "$d/turbomind_host.sh" gpu-bundle >> "$OUT/setup_tm.log" 2>&1; done
+  tail -1 "$OUT/setup_tm.log" 2>/dev/null | grep -q "^export LD_LIBRARY_PATH" && tail -1 "$OUT/setup_tm.log" > /root/tm_env.sh
+  [ -f /root/tm_env.sh ] && . /root/tm_env.sh
+  python3 -c "import lmdeploy.turbomind as t; print('turbomind available:', t.is_available(), t._import_error or '')"
+}
 case $stage in
+  tm|tmsuite|tmbench)
+    tm_env > "$OUT/tm_env.log" 2>&1; tail -2 "$OUT/tm_env.log"  # not in a pipe: it exports LD_LIBRARY_PATH
+    grep -E "parts:|OK|verified" "$OUT/setup_tm.log" | tail -3
+    run=${TM_RUN:-none}; [ "$stage" = tmsuite ] && run=suite; [ "$stage" = tmbench ] && run=bench
+    if [ "$run" = suite ]; then
+      env_txt
+      timeout "${SUITE_TIMEOUT:-540}" python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
+        2>&1 | grep -v DEBUG > "$OUT/gpu_suite_both.log"
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|turbomind (generation|all)|backend auto" "$OUT/gpu_suite_both.log" | tail -40
+    elif [ "$run" = bench ]; then
+      EFF_TIMEOUT=${TM_EFF_TIMEOUT:-280} eff tm_turbomind 1 --backend turbomind --repeat 2 --skip-naive
+      [ "${PT_BENCH:-1}" = 1 ] && EFF_TIMEOUT=${PT_EFF_TIMEOUT:-280} eff tm_pytorch 1 --backend pytorch --repeat 1 --skip-naive
+    fi
+    ;;
   bench)
     env_txt
     # the worker's default (PyTorch engine loop in its own process), with the naive baseline: ~300 s warm,
@@ -55,6 +85,14 @@ case $stage in
     fi
     [ "${MARGIN:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/bf16_margin.py $M > "$OUT/bf16_margin.log" 2>&1
                                 tail -5 "$OUT/bf16_margin.log"; }
+    ;;
+  faults)
+    env_txt
+    # what is left of the 600 s call after the host setup above (SECONDS: since this script started)
+    timeout $(( ${FAULTS_TIMEOUT:-585} - SECONDS )) python3 -m pytest tests/gpu/test_faults_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
+      ${FAULTS_K:+-k "$FAULTS_K"} 2>&1 | grep -v DEBUG > "$OUT/faults_gpu.log"
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|engine SIGKILLed|restarted worker|worker_sigkill" \
+      "$OUT/faults_gpu.log" | tail -24
     ;;
   tp)
     timeout 330 python3 scripts/gpu/tp_check.py $M --double-heads > "$OUT/tp_check.log" 2>&1; tail -4 "$OUT/tp_check.log"

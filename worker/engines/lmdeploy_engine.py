@@ -5,24 +5,56 @@ pipeline's ``max_batch_size`` slots, so while one job's last sequences decode th
 prefills already run (measured on an H200: 8-32 concurrent stream_infer callers fill the engine
 as well as one big call). Abort goes through LMDeploy sessions: breaking out of a stream_infer
 loop would NOT cancel its requests.
+
+Engine death (issue 13). LMDeploy reports a dead engine as a per-request error: when the engine process
+(``enable_mp_engine``) is killed, every request in flight and every later one ends with
+``finish_reason='error'``, ``error_code='internal_error'`` (a ``RequestError`` wrapping the ZMQ client's
+``RPCServerDeadError``), and the pipeline looks usable. Failing those requests would drain a whole queue
+into failures, so an engine-level error is checked against the engine before it is handed up: a dead
+engine process, LMDeploy's RPC marked dead, the backend's own health check, or every request in flight
+failing at once (failure_burst.py) → ``stream`` raises ``EngineDead`` and ``alive()`` is False from then on.
+The engine's processes are guarded against outliving the worker (orphan_guard.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
 import logging
+import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
+import structlog
+from lmdq.worker.engines import orphan_guard
+from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.failure_burst import FailureBurst
 
 from lmdq.guided import to_lmdeploy
 
 __all__ = ["LMDeployEngine", "build_backend_config", "build_gen_config", "resolve_chat_template"]
 
 log = logging.getLogger("lmdq.lmdeploy")
+#: lifecycle events (engine death) go to the worker's structured log
+slog = structlog.get_logger("lmdq.lmdeploy")
+
+#: LMDeploy error codes that can mean "the engine is gone" rather than "this request is wrong"
+#: (serve/core/exceptions.py ErrorCode: INTERNAL_ERROR, ENGINE_UNAVAILABLE); checked, never assumed.
+ENGINE_LEVEL_ERRORS = frozenset({"internal_error", "engine_unavailable"})
+#: how long the backend's health check may take before it counts as no answer (not as dead)
+HEALTH_PROBE_TIMEOUT_S = 5.0
+#: one health check answers for every engine-level error within this window (an error wave, one probe)
+HEALTH_PROBE_REUSE_S = 2.0
+#: how long held engine-level errors wait for the verdict (trip or a request finishing well) at the end of
+#: a stream call, before they are handed up as the requests' own errors
+BURST_SETTLE_S = 30.0
+#: how long ``close()`` waits for LMDeploy's own shutdown of a DEAD engine (its RPC/ZMQ teardown talks to a
+#: process that is gone and is not known to be bounded); the worker must still exit and be restarted
+DEAD_CLOSE_TIMEOUT_S = 15.0
 
 
 def build_backend_config(
@@ -202,8 +234,34 @@ def _check_tp(tp: int, model_path: str = "") -> None:
         raise EngineError(f"--tp {tp} needs {tp} GPUs but {n} are visible (CUDA_VISIBLE_DEVICES / nvidia.com/gpu)")
 
 
+def _rpc_dead_in(e: BaseException) -> str | None:
+    """LMDeploy's ``RPCServerDeadError`` (mp_engine/zmq_rpc.py: the engine process is gone) anywhere in an
+    exception's chain, matched by name: the class lives in a module that needs the PyTorch engine."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if type(cur).__name__ == "RPCServerDeadError":
+            return f"LMDeploy engine RPC is dead: {cur}"
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _exit_description(code: int | None) -> str:
+    """multiprocessing's exitcode (negative: the signal that killed it) in words."""
+    if isinstance(code, int) and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 class LMDeployEngine:
     name = "lmdeploy"
+    _dead: str | None = None
+    _groups: frozenset[int] = frozenset()
+    engine_pid: int | None = None
 
     def __init__(
         self,
@@ -232,6 +290,8 @@ class LMDeployEngine:
             log.warning(warning)
         self.dtype = dtype
 
+        orphan_guard.install()  # before LMDeploy starts any process: they all die with this one
+        groups_before = orphan_guard.tracked_groups()
         cfg = build_backend_config(
             backend=backend,
             tp=tp,
@@ -256,6 +316,20 @@ class LMDeployEngine:
         self.raw = raw
         self.emit_interval_s = emit_interval_s
         self._closed = False
+        self._init_lifecycle(orphan_guard.tracked_groups() - groups_before)
+
+    def _init_lifecycle(self, groups: set[int]) -> None:
+        """Death-detection state (split out so tests can drive it on a stand-in pipeline)."""
+        #: the process groups LMDeploy started for this engine (killed at close, whatever is left of them)
+        self._groups = frozenset(groups)
+        self._dead: str | None = None
+        self._burst = FailureBurst()
+        self._probe_lock = threading.Lock()
+        self._probe_at = float("-inf")
+        self._probe_reason: str | None = None
+        proc = self._engine_process()
+        #: the engine process (``enable_mp_engine``), None when the engine runs in this process
+        self.engine_pid: int | None = proc.pid if proc is not None else None
 
     def count_tokens(self, text: str) -> int:
         return len(self.pipe.async_engine.tokenizer.encode(text, add_bos=False))
@@ -271,7 +345,83 @@ class LMDeployEngine:
             return [{"role": "user", "content": r.prompt}]
         return r.prompt
 
+    # --- engine death ---------------------------------------------------------------------------------
+
+    def _engine_process(self) -> Any:
+        """LMDeploy's engine process (``ZMQMPEngine.proc``, a multiprocessing Process), or None."""
+        return getattr(getattr(getattr(self.pipe, "async_engine", None), "engine", None), "proc", None)
+
+    def _death_reason(self) -> str | None:
+        """Why the engine is gone, from cheap checks (no I/O): its process has exited, or LMDeploy's RPC
+        client has marked the engine dead. None when neither says so."""
+        if self._dead:
+            return self._dead
+        engine = getattr(getattr(self.pipe, "async_engine", None), "engine", None)
+        proc = getattr(engine, "proc", None)
+        if proc is not None:
+            try:
+                alive = proc.is_alive()
+            except ValueError:  # Process.close()d: LMDeploy has shut the engine down
+                alive = False
+            if not alive:
+                how = _exit_description(getattr(proc, "exitcode", None))
+                return f"LMDeploy engine process {getattr(proc, 'pid', '?')} died ({how})"
+        liveness = getattr(getattr(engine, "rpc_client", None), "_server_liveness", None)
+        dead_msg = getattr(liveness, "dead_msg", None)
+        if dead_msg:
+            # LMDeploy's own waitpid (its loop thread) may have reaped the process a moment ago; its exit
+            # status is the more useful reason, and it lands within a moment.
+            code = None
+            for _ in range(20):
+                try:
+                    code = getattr(proc, "exitcode", None)
+                except ValueError:
+                    break
+                if code is not None or proc is None:
+                    break
+                time.sleep(0.05)
+            how = f" ({_exit_description(code)})" if code is not None else ""
+            return f"LMDeploy engine RPC is dead: {dead_msg}{how}"
+        return None
+
+    def _probe_health(self) -> str | None:
+        """The backend's own health check (PyTorch: engine loop tasks alive; mp engine: process alive and
+        answering over RPC; TurboMind: its engine created). One probe per error wave; no answer within
+        ``HEALTH_PROBE_TIMEOUT_S`` is no verdict (a busy engine is not a dead one)."""
+        with self._probe_lock:
+            if time.monotonic() - self._probe_at < HEALTH_PROBE_REUSE_S:
+                return self._probe_reason
+            reason = None
+            engine = getattr(getattr(self.pipe, "async_engine", None), "engine", None)
+            loop = getattr(getattr(self.pipe, "internal_thread", None), "loop", None)
+            if engine is not None and loop is not None and hasattr(engine, "get_health_status"):
+                fut = None
+                try:
+                    fut = asyncio.run_coroutine_threadsafe(engine.get_health_status(), loop)
+                    status = fut.result(HEALTH_PROBE_TIMEOUT_S)
+                    if isinstance(status, dict) and status.get("alive") is False:
+                        reason = f"LMDeploy engine unhealthy: {status.get('message')}"
+                except concurrent.futures.TimeoutError:
+                    if fut is not None:
+                        fut.cancel()
+                except Exception as e:  # noqa: BLE001 - e.g. RPCServerDeadError: re-checked below
+                    slog.warning("engine health check failed", error=repr(e))
+            reason = reason or self._death_reason()
+            self._probe_at, self._probe_reason = time.monotonic(), reason
+            return reason
+
+    def _dead_error(self, reason: str) -> EngineDead:
+        """Record the engine as dead (``alive()`` is False from now on) and build the error to raise."""
+        if not self._dead:
+            self._dead = reason
+            slog.error("engine dead", reason=reason, engine_pid=self.engine_pid)
+        return EngineDead(self._dead)
+
     def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
+        if "_burst" not in self.__dict__:  # built without __init__ (tests drive a stand-in pipeline)
+            self._init_lifecycle(set())
+        if self._dead:
+            raise EngineDead(self._dead)
         if self._closed:
             raise EngineError("engine is closed")
         # stream_infer takes one do_preprocess for the whole call: raw and chat prompts go in
@@ -305,6 +455,8 @@ class LMDeployEngine:
         sessions = [self.pipe.session() for _ in group]
         open_ = set(range(len(group)))
         done = threading.Event()
+        burst = self._burst
+        held: list[tuple[int, EngineEvent]] = []  # engine-level errors waiting for the verdict
 
         def watch_abort() -> None:
             # Requests still waiting for a slot have no handle yet: keep aborting until all end.
@@ -318,6 +470,7 @@ class LMDeployEngine:
 
         watcher = threading.Thread(target=watch_abort, daemon=True, name="lmdq-abort-watch")
         watcher.start()
+        burst.begin(len(group))
         try:
             # LMDeploy yields one chunk per token per request. Handing each one up costs GIL time
             # the engine's own loop needs, so deltas are coalesced here: an event goes up for the
@@ -336,6 +489,12 @@ class LMDeployEngine:
             interval = self.emit_interval_s
             for out in self.pipe.stream_infer(prompts, sessions=sessions, gen_config=gens,
                                               do_preprocess=preprocess, stream_response=True):
+                if held:  # errors whose streak is over: the requests' own, unless the engine died
+                    if burst.tripped:
+                        raise self._dead_error("every request in flight failed with an engine-level error")
+                    ready = [ev for ep, ev in held if burst.settled(ep)]
+                    held = [(ep, ev) for ep, ev in held if not burst.settled(ep)]
+                    yield from ready
                 i = out.index
                 if out.text:
                     pending.setdefault(i, []).append(out.text)
@@ -356,6 +515,23 @@ class LMDeployEngine:
                     last_emit[i] = now
                 else:
                     open_.discard(i)
+                    if out.finish_reason == "error" and getattr(out, "error_code", None) in ENGINE_LEVEL_ERRORS:
+                        reason = self._death_reason() or self._probe_health()
+                        if reason:
+                            raise self._dead_error(reason)
+                        epoch = burst.end_engine_error()
+                        if burst.tripped:
+                            raise self._dead_error("every request in flight failed with an engine-level error")
+                        held.append((epoch, EngineEvent(
+                            index=group[i].index, text="".join(pending.pop(i, ())),
+                            input_token_len=out.input_token_len or 0, generate_token_len=out.generate_token_len or 0,
+                            finish_reason="error", error_code=out.error_code,
+                            error_message=getattr(out, "error_message", None))))
+                        continue
+                    if out.finish_reason in ("stop", "length"):
+                        burst.end_ok()
+                    else:
+                        burst.end_neutral()
                 final = out.finish_reason is not None
                 rich_lp = (_logprob_rows(gen_ids.pop(i, []), lp_rows.pop(i, []), int(want_lp[i]))
                            if final and want_lp[i] is not None and out.finish_reason != "error" else None)
@@ -367,11 +543,23 @@ class LMDeployEngine:
                                   error_code=getattr(out, "error_code", None),
                                   error_message=getattr(out, "error_message", None),
                                   logprobs=rich_lp, tensors=rich_t or None)
+            for epoch, ev in held:  # the call is over: wait for the verdict on its held errors
+                if burst.wait_verdict(epoch, BURST_SETTLE_S):
+                    raise self._dead_error("every request in flight failed with an engine-level error")
+                yield ev
+        except EngineDead:
+            raise
         except Exception as e:
+            reason = self._death_reason() or _rpc_dead_in(e)
+            if reason:
+                raise self._dead_error(reason) from e
             raise EngineError(f"stream_infer failed: {e!r}") from e
         finally:
+            burst.end_neutral(len(open_))
             done.set()
-            for s in sessions:
+            # A session still in flight closes through an abort sent to the engine, which waits for an answer:
+            # from a dead engine none comes (an in-process engine's loop may never answer), so skip it then.
+            for s in sessions if not self._dead else ():
                 try:
                     s.close()
                 except Exception:  # noqa: BLE001
@@ -385,10 +573,57 @@ class LMDeployEngine:
                               do_preprocess=not raw))
 
     def alive(self) -> bool:
-        """In-process engine: alive until closed."""
-        return not self._closed
+        """False once closed or dead: the engine process has exited, LMDeploy's RPC to it is dead, or
+        ``stream`` found the engine dead. Cheap (a ``waitpid(WNOHANG)`` and attribute reads): the worker
+        asks before every claim."""
+        if self._closed or self._dead:
+            return False
+        reason = self._death_reason()
+        if reason:
+            self._dead_error(reason)
+            return False
+        return True
+
+    def _close_dead(self) -> None:
+        """LMDeploy's shutdown, bounded. Its ZMQ client still holds sockets to the dead process: with the
+        default linger, terminating their context waits forever for messages no one will take, so linger
+        goes to 0 first (on the pipeline's loop thread, which owns the async socket). Should the shutdown
+        still not return, LMDeploy's own atexit hooks for it are dropped: they would block the exit."""
+        engine = getattr(getattr(self.pipe, "async_engine", None), "engine", None)
+        rpc = getattr(engine, "rpc_client", None)
+        internal: Any = getattr(self.pipe, "internal_thread", None)
+
+        def no_linger() -> None:
+            for name in ("async_socket", "sync_socket"):
+                try:
+                    getattr(rpc, name).linger = 0
+                except Exception:  # noqa: BLE001 - already closed, or not a zmq socket
+                    pass
+
+        if rpc is not None and getattr(internal, "loop", None) is not None:
+            try:
+                internal.loop.call_soon_threadsafe(no_linger)
+            except RuntimeError:  # the loop is closed
+                pass
+        t = threading.Thread(target=self.pipe.close, daemon=True, name="lmdq-engine-close")
+        t.start()
+        t.join(DEAD_CLOSE_TIMEOUT_S)
+        if t.is_alive():
+            slog.warning("LMDeploy's shutdown of the dead engine did not return; going on",
+                         timeout_s=DEAD_CLOSE_TIMEOUT_S)
+            for hook in (getattr(engine, "close", None), getattr(internal, "close", None)):
+                if hook is not None:
+                    atexit.unregister(hook)
 
     def close(self) -> None:
+        """Close the pipeline, then SIGKILL whatever is left in the engine's process groups (a compile
+        worker, a tp worker that missed the shutdown): the GPU memory is free when this returns."""
         if not self._closed:
             self._closed = True
-            self.pipe.close()
+            try:
+                if self._dead:
+                    self._close_dead()
+                else:
+                    self.pipe.close()
+            finally:
+                orphan_guard.kill_groups(self._groups)

@@ -1,0 +1,169 @@
+"""Reading an RQ job hash without trusting it: every field size-capped BEFORE it leaves Redis, the
+job data decompressed as a stream that stops at the cap.
+
+Why not ``rq.job.Job.fetch``: it pulls the whole hash (HGETALL, any size) and inflates ``data`` and
+``exc_info`` with ``zlib.decompress`` in one call, however large the result. A 2 MB zlib bomb pushed
+to a queue took a worker to 8.5 GB RSS and ~67 s, starved its heartbeat (so the worker reaped its own
+lease and decompressed it again) and made SIGTERM wait minutes. Here one Lua call returns the fields
+RQ's bookkeeping needs only if each is within its cap, the data is inflated with
+``zlib.decompressobj().decompress(buf, max_length)``, and the RQ ``Job`` is rebuilt from what passed.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from lmdq.errors import SubmitRejected
+
+__all__ = [
+    "DEFAULT_MAX_JOB_BYTES",
+    "MAX_FIELD_BYTES",
+    "JobRefused",
+    "JobTooLarge",
+    "inflate",
+    "read_job",
+]
+
+DEFAULT_MAX_JOB_BYTES = 64 * 1024 * 1024
+"""Default cap on one job's data (``LMDQ_MAX_JOB_BYTES``), compressed AND decompressed.
+
+What the producer makes with its defaults: 32 requests a job, each a prompt line of the file, serialised
+as JSON. 64 MiB is 2 MiB a request at the default batch size (a 128k-token prompt is ~0.5 MB), and
+leaves room for JSON's ``\\uXXXX`` escapes of non-ASCII text; batches of larger prompts should use a
+smaller ``--batch-size`` or raise the cap on producer and workers alike. The bound matters for memory:
+a decompressed job is parsed into Python objects (worst case ~20 bytes of objects per byte of JSON)."""
+
+MAX_FIELD_BYTES = 4096
+"""Cap on every other job hash field read (origin, status, dates, description...): lmdq's are < 200 B."""
+
+# The fields Job.restore reads that RQ's bookkeeping needs. Left out on purpose: 'exc_info' (zlib, so
+# another bomb), 'result', 'meta', 'webhooks' and the retry/repeat lists (parsed by RQ, unused by lmdq).
+_FIELDS = (
+    "data",
+    "origin",
+    "status",
+    "created_at",
+    "enqueued_at",
+    "started_at",
+    "ended_at",
+    "last_heartbeat",
+    "worker_name",
+    "description",
+    "timeout",
+    "result_ttl",
+    "failure_ttl",
+    "ttl",
+    "group_id",
+)
+
+# KEYS: job hash.  ARGV: cap for the first field, cap for the others, field names...
+# Returns {'missing'} | {'not_hash', type} | {'too_large', field, size} | {'ok', value1, value2, ...}
+_READ = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return {'missing'} end
+if t ~= 'hash' then return {'not_hash', t} end
+local fields = {}
+for i = 3, #ARGV do
+  local cap = tonumber(ARGV[2])
+  if i == 3 then cap = tonumber(ARGV[1]) end
+  local n = redis.call('HSTRLEN', KEYS[1], ARGV[i])
+  if n > cap then return {'too_large', ARGV[i], n} end
+  table.insert(fields, ARGV[i])
+end
+local vals = redis.call('HMGET', KEYS[1], unpack(fields))
+local out = {'ok'}
+for i = 1, #fields do out[i + 1] = vals[i] end
+return out
+"""
+_READ_SCRIPT = Script(None, _READ.encode())  # type: ignore[arg-type]  # EVALSHA, re-loaded on NOSCRIPT
+
+
+class JobRefused(ValueError):
+    """The job is not something this worker will run (foreign, malformed, oversized, unsafe).
+
+    The message is cut to about 1,000 characters (its start and end): it may quote job data (a function
+    name, say), which can be megabytes, and it is logged and stored in the job's ``exc_info``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message if len(message) <= 1000 else f"{message[:600]} ...(cut)... {message[-300:]}")
+
+
+class JobTooLarge(SubmitRejected):
+    """The producer would stage a job over ``LMDQ_MAX_JOB_BYTES``: workers would refuse it, so the submit
+    is refused instead (exit 2, nothing enqueued)."""
+
+    def __init__(self, job_no: int, size: int, cap: int) -> None:
+        super().__init__(
+            f"job {job_no} of this batch would be {size:,} bytes of JSON, over LMDQ_MAX_JOB_BYTES={cap:,} "
+            "(workers refuse larger jobs unread): submit with a smaller --batch-size, or raise "
+            "LMDQ_MAX_JOB_BYTES on the producer and every worker alike"
+        )
+
+
+def inflate(raw: bytes, max_bytes: int) -> bytes:
+    """``raw`` decompressed, never holding more than ``max_bytes + 1`` bytes of output.
+
+    Data that is not a zlib stream is returned as is (RQ stores uncompressed data that way too).
+    Raises :class:`JobRefused` when the output would exceed ``max_bytes``, or on a truncated stream.
+    """
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(raw, max_bytes + 1)
+    except zlib.error:
+        if len(raw) > max_bytes:
+            raise JobRefused(f"job data is {len(raw):,} bytes, over LMDQ_MAX_JOB_BYTES={max_bytes:,}") from None
+        return raw
+    if len(out) > max_bytes or d.unconsumed_tail:
+        raise JobRefused(
+            f"job data inflates to more than LMDQ_MAX_JOB_BYTES={max_bytes:,} bytes "
+            f"({len(raw):,} bytes compressed); stopped decompressing there"
+        )
+    if not d.eof:
+        raise JobRefused("job data is a truncated zlib stream")
+    return out
+
+
+def read_job(
+    client: redis.Redis, job_id: str, *, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES, serializer: Any = None
+) -> Job:
+    """The RQ job ``job_id``, read within the caps; its data is decompressed but NOT parsed yet.
+
+    Raises :class:`JobRefused` for a missing, foreign-typed or oversized job hash, or fields RQ cannot
+    read; Redis errors propagate (the caller re-queues, never refuses, on those).
+    """
+    key = Job.key_for(job_id)
+    got: list[Any] = _READ_SCRIPT(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
+    tag = _text(got[0])
+    if tag == "missing":
+        raise JobRefused(f"No such job {job_id}: no job hash (deleted, expired, or never created)")
+    if tag == "not_hash":
+        raise JobRefused(f"job {job_id}: its key is a Redis {_text(got[1])}, not an RQ job hash")
+    if tag == "too_large":
+        cap = max_job_bytes if _text(got[1]) == "data" else MAX_FIELD_BYTES
+        what = "LMDQ_MAX_JOB_BYTES" if _text(got[1]) == "data" else "the field cap"
+        raise JobRefused(f"job {job_id}: field {_text(got[1])!r} is {int(got[2]):,} bytes, over {what}={cap:,}")
+    fields = {name.encode(): v for name, v in zip(_FIELDS, got[1:]) if v is not None}
+    if b"data" not in fields:
+        raise JobRefused(f"job {job_id}: no 'data' field (not an RQ job)")
+    data = inflate(fields[b"data"], max_job_bytes)
+    if data.lstrip()[:1] not in (b"[", b"{"):
+        # lmdq's JSON serializer writes a JSON array; anything else (pickle, a nested zlib stream RQ
+        # would inflate again, unbounded) is refused before RQ sees it.
+        raise JobRefused(f"job {job_id}: its data is not JSON (lmdq jobs are JSON only)")
+    fields[b"data"] = data
+    try:
+        job = Job(job_id, connection=client, serializer=serializer or JSONSerializer())  # RQ checks the id
+        job.restore(fields)
+    except Exception as e:  # noqa: BLE001 - RQ's parsers raise anything (AssertionError on a bad timeout)
+        raise JobRefused(f"job {job_id}: unreadable RQ fields: {type(e).__name__}: {e}") from e
+    return job
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)

@@ -1,0 +1,534 @@
+"""The batch ledger: every batch-level rule lmdq keeps in Redis, in one place.
+
+A batch is created, staged, committed or rolled back, cancelled, and read back for ``retry`` here,
+and nowhere else: the producer commands call these methods and hold no Redis client calls of their
+own, so the rules that make submit all-or-nothing live beside the keys they touch.
+
+Keys a batch owns (all built by :class:`lmdq.keys.Keys`; ``P`` is the key prefix):
+
+=============================  ================  ===============================================
+key                            written by        removed by
+=============================  ================  ===============================================
+``P:batch:<id>``               :meth:`create`    :meth:`rollback`; TTL
+``P:batches`` (member ``id``)  :meth:`create`    :meth:`rollback`
+``P:idem:<key>``               :meth:`bind_key`  :meth:`rollback`, :meth:`release_key` (only while
+                                                 bound to this batch); TTL
+``rq:job:<id>-<n>``            :meth:`stage`     :meth:`rollback`; TTL
+``P:batch:<id>:jobs``          :meth:`stage`     :meth:`rollback`; TTL (set at commit)
+``rq:queue:<queue>`` entries   :meth:`commit`    :meth:`cancel`; workers' claims
+``rq:queues`` (member)         :meth:`commit`    never (RQ's registry of queues, shared)
+``P:cancelled`` (member)       :meth:`cancel`    never (workers poll it)
+=============================  ================  ===============================================
+
+Results, partials and counters (``P:batch:<id>:results`` / ``:partials``) belong to
+:class:`lmdq.store.ResultStore`; leases and attempts to :class:`lmdq.jobs.JobQueue`.
+
+Why a commit is one Lua script that also flips the status: jobs become visible and the batch
+becomes ``queued`` in the same step, and the script is fenced on ``queued_at`` so a retried call
+(redis-py re-sends after a dropped connection) cannot push the jobs twice. After a failed commit
+call the ledger asks Redis whether the commit happened before rolling anything back, so a batch
+whose jobs a worker may already hold is never deleted under it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+
+from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
+from lmdq.errors import RedisRefused, RetryRejected, SubmitRejected
+from lmdq.job_decode import JobRefused, decode_job
+from lmdq.jobs import SERIALIZER, JobQueue, job_id_for, job_id_prefix
+from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
+from lmdq.logs import get_logger
+from lmdq.store import ResultStore
+
+__all__ = ["BatchLedger", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
+
+F = BatchField
+
+Progress = Callable[[int], None]
+
+_RQ_QUEUES = "rq:queues"
+"""RQ's set of known queue keys (what ``rq info`` lists); RQ owns the name."""
+
+_FETCH_CHUNK = 500
+"""Jobs fetched per round trip when reading a batch's requests back for ``retry``."""
+
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash.  ARGV: queue key, chunk, now, ttl.
+# Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
+_COMMIT = f"""
+if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
+local n = redis.call('LLEN', KEYS[1])
+local chunk = tonumber(ARGV[2])
+for s = 0, n - 1, chunk do
+  local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
+  redis.call('RPUSH', KEYS[2], unpack(ids))
+end
+redis.call('SADD', KEYS[3], ARGV[1])
+if redis.call('HGET', KEYS[4], '{F.status}') == '{BatchStatus.validating.value}' then
+  redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
+end
+redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return n
+"""
+
+# KEYS: queue list.  ARGV: id prefix.  Returns the removed ids. One pass that rebuilds the list
+# without the batch's ids: O(queue length), not O(jobs x queue) as one LREM per job would be.
+_REMOVE_PREFIX = """
+local ids = redis.call('LRANGE', KEYS[1], 0, -1)
+local keep, gone = {}, {}
+local p = ARGV[1]
+for _, id in ipairs(ids) do
+  if string.sub(id, 1, string.len(p)) == p then table.insert(gone, id) else table.insert(keep, id) end
+end
+if #gone > 0 then
+  redis.call('DEL', KEYS[1])
+  for s = 1, #keep, 4000 do
+    redis.call('RPUSH', KEYS[1], unpack(keep, s, math.min(s + 3999, #keep)))
+  end
+end
+return gone
+"""
+
+# KEYS: queue list.  ARGV: id prefix.  Returns the ids on the queue that start with the prefix (read only).
+_FIND_PREFIX = """
+local out = {}
+local p = ARGV[1]
+for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  if string.sub(id, 1, string.len(p)) == p then table.insert(out, id) end
+end
+return out
+"""
+
+# KEYS: idempotency key.  ARGV: batch id.  Deletes the key only while it still names this batch.
+_RELEASE_KEY = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def new_batch_id() -> str:
+    """A fresh batch id: ``batch_`` and 24 hex digits."""
+    return f"batch_{uuid.uuid4().hex[:24]}"
+
+
+def job_payloads(
+    requests: Iterable[dict[str, Any]],
+    *,
+    batch_id: str,
+    model: str,
+    params: GenerationParams,
+    batch_size: int,
+    results_url: str | None = None,
+    blob_url: str | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Job payload dicts of ``batch_size`` requests each, in request order."""
+    p = params.model_dump(exclude_none=True)
+    urls = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
+
+    def job(job_no: int, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"format_version": 1, "batch_id": batch_id, "model": model, "job_no": job_no, "params": p,
+                "requests": reqs, **urls}
+
+    reqs: list[dict[str, Any]] = []
+    job_no = 0
+    for req in requests:
+        reqs.append(req)
+        if len(reqs) == batch_size:
+            yield job(job_no, reqs)
+            job_no += 1
+            reqs = []
+    if reqs:
+        yield job(job_no, reqs)
+
+
+def _text(value: bytes | str) -> str:
+    """A Redis reply as text; replies are untrusted, so bad UTF-8 is replaced, never raised."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _where(client: redis.Redis) -> str:
+    """host:port (or socket path) of the client's server: never the URL, so never a password."""
+    kw = client.connection_pool.connection_kwargs
+    if kw.get("path"):
+        return str(kw["path"])
+    return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
+
+
+_ENQUEUE_OUTCOME = "nothing was enqueued"
+
+
+def redis_refusal(
+    err: redis.RedisError, client: redis.Redis, outcome: str = _ENQUEUE_OUTCOME
+) -> RedisRefused | None:
+    """The one-line :class:`RedisRefused` for a write Redis refused on purpose, or None.
+
+    Out of memory under ``maxmemory``, a read-only replica and a failed RDB save (MISCONF) are
+    refusals: the server is fine, retrying later or against the primary can work, so the user
+    gets the cause in one line instead of a traceback. ``outcome`` says what that means for the
+    operation ("nothing was enqueued").
+    """
+    if not isinstance(err, redis.ResponseError):
+        return None
+    # Inside a Lua script (or a pipeline) the refusal arrives wrapped in a plain ResponseError, so the
+    # server's own wording is matched as well as redis-py's classes.
+    msg = str(err)
+    where = _where(client)
+    if isinstance(err, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in msg:
+        return RedisRefused(
+            f"Redis at {where} is out of memory (maxmemory) and refused a write; {outcome}. "
+            "Free memory (finished batches, results) or raise maxmemory, then try again"
+        )
+    if isinstance(err, redis.exceptions.ReadOnlyError) or "write against a read only replica" in msg:
+        return RedisRefused(
+            f"Redis at {where} is a read-only replica and refused a write; {outcome}. "
+            "Point LMDQ_REDIS_URL at the primary"
+        )
+    if "MISCONF" in msg:
+        return RedisRefused(
+            f"Redis at {where} refuses writes because it cannot save its snapshot (MISCONF); {outcome}. "
+            "Fix the server's disk or persistence settings, then try again"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What :meth:`BatchLedger.stage` wrote: the commit checks it against the batch record."""
+
+    jobs: int
+    requests: int
+
+
+class BatchLedger:
+    """Batch-level Redis rules: create, stage, commit, rollback, cancel, retry's sources, idempotency.
+
+    The client, key layout and TTL are passed in (no module-level connections); a ledger holds no
+    per-batch state, so one instance serves any number of batches and threads.
+    """
+
+    def __init__(self, client: redis.Redis, *, keys: Keys, ttl_s: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self.store = ResultStore(client, keys=keys, ttl_s=ttl_s)
+        self.jobs = JobQueue(client, keys=keys, job_ttl_s=ttl_s)
+        self._commit = client.register_script(_COMMIT)
+        self._find_prefix = client.register_script(_FIND_PREFIX)
+        self._remove_prefix = client.register_script(_REMOVE_PREFIX)
+        self._release_key = client.register_script(_RELEASE_KEY)
+        self._log = get_logger("lmdq.ledger")
+
+    @contextmanager
+    def _refusals(self, outcome: str = _ENQUEUE_OUTCOME) -> Iterator[None]:
+        """Turn a refused write (OOM, READONLY, MISCONF) into one RedisRefused line."""
+        try:
+            yield
+        except redis.RedisError as e:
+            refused = redis_refusal(e, self.client, outcome)
+            if refused is None:
+                raise
+            raise refused from e
+
+    # ---- lookups --------------------------------------------------------------------------
+    def get(self, batch_id: str) -> Batch:
+        """The batch record; raises BatchNotFound."""
+        return self.store.get_batch(batch_id)
+
+    def known_models(self, extra: Iterable[str] = ()) -> set[str]:
+        """Model names some worker has served (workers register at start) plus configured ones."""
+        return {_text(m) for m in self.client.hkeys(self.keys.models())} | set(extra)
+
+    # ---- idempotency ------------------------------------------------------------------------
+    def bound_batch(self, idempotency_key: str) -> Batch | None:
+        """The batch ``idempotency_key`` is bound to, or None when it is free."""
+        existing = self.client.get(self.keys.idempotency(idempotency_key))
+        return self.get(_text(existing)) if existing else None
+
+    def bind_key(self, idempotency_key: str, batch_id: str) -> str | None:
+        """Bind ``idempotency_key`` to ``batch_id`` unless it is bound already; returns the bound
+        batch id then. SET NX, so two concurrent submits with one key cannot both enqueue."""
+        key = self.keys.idempotency(idempotency_key)
+        with self._refusals():
+            if self.client.set(key, batch_id, nx=True, ex=self.ttl_s):
+                return None
+        existing = self.client.get(key)
+        if existing is None:  # it expired between the two calls: bind again
+            return self.bind_key(idempotency_key, batch_id)
+        return _text(existing)
+
+    def release_key(self, idempotency_key: str, batch_id: str) -> None:
+        """Free ``idempotency_key`` if it is still bound to ``batch_id`` (never another batch's).
+
+        Called on failure paths, so a Redis error is logged, not raised over the original failure:
+        the key would then expire with its TTL."""
+        key = self.keys.idempotency(idempotency_key)
+        try:
+            bound = self.client.get(key)
+            if bound is not None and _text(bound) == batch_id:  # read first: nothing to write on a replica
+                self._release_key(keys=[key], args=[batch_id])
+        except redis.RedisError as e:
+            self._log.error("idempotency key not released", batch=batch_id, error=str(e))
+
+    # ---- create, stage, commit, rollback ------------------------------------------------------
+    def create(self, batch: Batch) -> None:
+        """Write the batch record (status ``validating``: invisible to workers until commit)."""
+        with self._refusals():
+            self.store.create_batch(batch)
+
+    def stage(
+        self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
+        chunk_jobs: int = 256,
+    ) -> Staged:
+        """Save the batch's job hashes, pipelined ``chunk_jobs`` at a time, without queueing them.
+
+        Raises SubmitRejected (and stops reading ``requests``) once they exceed the batch's
+        recorded total: a batch must never run more requests than it counts.
+        """
+        queue = queue_name(batch.model, batch.priority, self.keys.prefix)
+        total = batch.request_counts.total
+        jobs = reqs = 0
+        with self._refusals(), self.client.pipeline(transaction=False) as pipe:
+            for payload in job_payloads(
+                requests,
+                batch_id=batch.id,
+                model=batch.model,
+                params=batch.params,
+                batch_size=batch.batch_size,
+                results_url=batch.results_url,
+                blob_url=batch.blob_url,
+            ):
+                reqs += len(payload["requests"])
+                if reqs > total or jobs >= batch.num_jobs:
+                    raise SubmitRejected(
+                        f"batch {batch.id}: more requests than the {total} its record counts; nothing was enqueued"
+                    )
+                self.jobs.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
+                jobs += 1
+                if jobs % chunk_jobs == 0:
+                    pipe.execute()
+                    if progress:
+                        progress(jobs)
+            pipe.execute()
+        if progress:
+            progress(jobs)
+        return Staged(jobs=jobs, requests=reqs)
+
+    def commit(self, batch: Batch, staged: Staged) -> int:
+        """Make every staged job visible on the batch's queue and mark it ``queued``, in one step.
+
+        Refuses (SubmitRejected) a batch whose staged jobs do not add up to its record: a batch
+        with fewer requests than its total would never complete. Returns the jobs made visible
+        (0 when this batch had been committed already).
+        """
+        if staged.requests != batch.request_counts.total or staged.jobs != batch.num_jobs:
+            raise SubmitRejected(
+                f"batch {batch.id}: staged {staged.requests} requests in {staged.jobs} jobs, its record counts "
+                f"{batch.request_counts.total} in {batch.num_jobs}; nothing was enqueued"
+            )
+        qkey = rq_queue_key(queue_name(batch.model, batch.priority, self.keys.prefix))
+        with self._refusals():
+            n = self._commit(
+                keys=[self.keys.batch_jobs(batch.id), qkey, _RQ_QUEUES, self.keys.batch(batch.id)],
+                args=[qkey, 4000, time.time(), self.ttl_s],
+            )
+        return max(0, int(n))
+
+    def committed(self, batch_id: str) -> bool:
+        """Whether the batch's jobs were made visible (its commit ran)."""
+        return bool(self.client.hexists(self.keys.batch(batch_id), F.queued_at.value))
+
+    def rollback(self, batch: Batch) -> None:
+        """Delete everything :meth:`create`, :meth:`bind_key` and :meth:`stage` wrote for an
+        uncommitted batch: record, listing entry, job hashes, job list, idempotency key.
+
+        Job ids are derived from the batch id, so a job hash whose id never reached the job list
+        (a pipeline cut short by OOM) is deleted too. A committed batch is left alone: workers
+        may hold its jobs.
+        """
+        if self.committed(batch.id):
+            self._log.warning("not rolling back a committed batch", batch=batch.id)
+            return
+        listed = {_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)}
+        derived = {job_id_for(batch.id, n) for n in range(batch.num_jobs)}
+        prefix = job_id_prefix(batch.id)
+        candidates = [Job.key_for(j) for j in sorted(derived | {j for j in listed if j.startswith(prefix)})]
+        candidates += [self.keys.batch_jobs(batch.id), self.keys.batch(batch.id)]
+        # Read first, delete only what exists: when the refusal was a read-only replica nothing was
+        # written, and a rollback that writes nothing cannot be refused in turn.
+        with self.client.pipeline(transaction=False) as p:
+            for key in candidates:
+                p.exists(key)
+            p.zscore(self.keys.batches(), batch.id)
+            *exists, listed_at = p.execute()
+        present = [key for key, n in zip(candidates, exists) if n]
+        if present or listed_at is not None:
+            with self.client.pipeline(transaction=False) as p:
+                for start in range(0, len(present), 1000):
+                    p.delete(*present[start : start + 1000])
+                p.zrem(self.keys.batches(), batch.id)
+                p.execute()
+        if batch.idempotency_key:
+            self.release_key(batch.idempotency_key, batch.id)
+
+    def enqueue(
+        self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
+        chunk_jobs: int = 256,
+    ) -> Batch:
+        """Create ``batch``, stage its jobs and commit them: all or nothing.
+
+        Any failure before the commit (a bad request source, Redis out of memory, Ctrl-C) rolls
+        everything back, idempotency key included, and re-raises; a refused write is raised as one
+        :class:`RedisRefused` line.
+        """
+        try:
+            self.create(batch)
+            staged = self.stage(batch, requests, progress=progress, chunk_jobs=chunk_jobs)
+            self.commit(batch, staged)
+        except BaseException as e:
+            if not self._commit_landed(batch, e):
+                self._rollback_quietly(batch)
+                raise
+        return self.get(batch.id)
+
+    def _commit_landed(self, batch: Batch, err: BaseException) -> bool:
+        """After a failure: did the commit run anyway (a connection dropped after it executed)?"""
+        if not isinstance(err, (redis.ConnectionError, redis.TimeoutError)):
+            return False
+        try:
+            return self.committed(batch.id)
+        except redis.RedisError:
+            return False
+
+    def _rollback_quietly(self, batch: Batch) -> None:
+        """Roll back without masking the error that caused it (a failed rollback is logged)."""
+        try:
+            self.rollback(batch)
+        except redis.RedisError as e:
+            self._log.error("rollback incomplete: staged keys may remain until their TTL", batch=batch.id,
+                            error=str(e))
+
+    # ---- cancel -----------------------------------------------------------------------------
+    def cancel(self, batch_id: str) -> Batch:
+        """Cancel a batch: pull its queued jobs off the queues, abort what workers hold.
+
+        Queued jobs' requests get ``cancelled`` results right here, so counts are right even when no
+        worker is running; in-flight requests are aborted by their workers, which watch the
+        cancelled set. Results are written BEFORE the jobs leave the queue: if Redis refuses the
+        writes midway (out of memory), the jobs are still queued and a worker cancels them, instead
+        of being gone with no result. A job on the queue that is not this batch's lmdq job is
+        refused (recorded as failed in RQ), never decoded further.
+        """
+        batch = self.get(batch_id)
+        if batch.status.terminal:
+            return batch
+        with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
+            self.store.transition(
+                batch_id,
+                [BatchStatus.validating, BatchStatus.queued, BatchStatus.in_progress],
+                BatchStatus.cancelling,
+                F.cancelling_at,
+            )
+            self.client.sadd(self.keys.cancelled(), batch_id)
+            now = time.time()
+            prefix = job_id_prefix(batch_id)
+            for q in queue_names(batch.model, self.keys.prefix):
+                qkey = rq_queue_key(q)
+                done = {jid: self._write_cancelled(batch, jid, now)
+                        for jid in map(_text, self._find_prefix(keys=[qkey], args=[prefix]))}
+                for jid in map(_text, self._remove_prefix(keys=[qkey], args=[prefix])):
+                    job = done[jid] if jid in done else self._write_cancelled(batch, jid, now)  # re-queued since
+                    if job is not None:
+                        self.client.hset(job.key, "status", JobStatus.CANCELED.value)
+            b = self.get(batch_id)
+            if b.request_counts.done >= b.request_counts.total and b.status is BatchStatus.cancelling:
+                self.store.transition(batch_id, [BatchStatus.cancelling], BatchStatus.cancelled, F.cancelled_at)
+        return self.get(batch_id)
+
+    def _write_cancelled(self, batch: Batch, job_id: str, now: float) -> Job | None:
+        """Write ``cancelled`` results for a queued job's requests; returns the job, or None when it is
+        not this batch's lmdq job (refused and recorded as failed) or has no job hash."""
+        try:
+            job, payload = decode_job(self.client, self.jobs, job_id, outputs=None)
+            if payload.batch_id != batch.id:
+                raise JobRefused(f"refusing job {job_id}: it names batch {payload.batch_id!r}, not {batch.id!r}")
+        except NoSuchJobError:
+            self._log.warning("queued job has no job hash (expired?)", batch=batch.id, job=job_id)
+            return None
+        except JobRefused as e:
+            self._log.warning("refused a queued job while cancelling", batch=batch.id, job=job_id, reason=str(e))
+            self.jobs.mark_refused(job_id, str(e), ttl_s=self.ttl_s)
+            return None
+        self.store.write_results(
+            Result(
+                batch_id=batch.id,
+                custom_id=r.custom_id,
+                index=r.index,
+                status=ResultStatus.cancelled,
+                model=batch.model,
+                endpoint=r.endpoint,
+                error=None,
+                timings=Timings(enqueued_at=batch.created_at, finished_at=now),
+            )
+            for r in payload.requests
+            if 0 <= r.index < batch.request_counts.total
+        )
+        return job
+
+    # ---- retry's sources ------------------------------------------------------------------------
+    def indices_with(self, batch: Batch, statuses: set[ResultStatus]) -> list[int]:
+        """Indices of the batch's final results whose status is in ``statuses``, in input order."""
+        wanted = {s.value for s in statuses}
+        out = []
+        for index, raw in self.store.iter_results(batch.id, batch.request_counts.total, partial=False):
+            if raw is None:
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:  # not a result record: nothing to retry from it
+                continue
+            if isinstance(record, dict) and record.get("status") in wanted:
+                out.append(index)
+        return out
+
+    def source_requests(self, batch: Batch, indices: list[int]) -> Iterator[Request]:
+        """The accepted requests at ``indices`` (sorted), read back from the batch's own job
+        payloads (the job list, in job order), so a retry needs no input file."""
+        bs = batch.batch_size
+        by_job: dict[int, set[int]] = {}
+        for i in indices:
+            by_job.setdefault(i // bs, set()).add(i)
+        job_ids = [_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        needed = sorted(by_job)
+        if needed and needed[-1] >= len(job_ids):
+            raise RetryRejected(
+                f"batch {batch.id!r}: its job list has {len(job_ids)} jobs, request index {indices[-1]} needs "
+                f"job {needed[-1]} (jobs expire with the batch's results)"
+            )
+        for start in range(0, len(needed), _FETCH_CHUNK):
+            chunk = needed[start : start + _FETCH_CHUNK]
+            jobs = Job.fetch_many([job_ids[n] for n in chunk], connection=self.client, serializer=SERIALIZER)
+            for job_no, job in zip(chunk, jobs):
+                if job is None:
+                    raise RetryRejected(f"batch {batch.id!r}: job {job_ids[job_no]} is gone (expired?)")
+                try:
+                    payload = JobQueue.payload_of(job)
+                except ValueError as e:
+                    raise RetryRejected(f"batch {batch.id!r}: job {job.id} is not a readable lmdq job: {e}") from e
+                want = by_job[job_no]
+                found = [r for r in payload.requests if r.index in want]
+                if len(found) != len(want):
+                    missing = sorted(want - {r.index for r in found})
+                    raise RetryRejected(f"batch {batch.id!r}: job {job.id} lacks request indices {missing[:5]}")
+                yield from found
