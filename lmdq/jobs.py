@@ -28,6 +28,7 @@ from rq.serializers import JSONSerializer
 from lmdq.contract import JOB_FUNCTION, BatchStatus, JobPayload
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobTooLarge, read_job
 from lmdq.keys import BatchField, Keys, rq_queue_key
+from lmdq.lease_scripts import CLAIM, HEARTBEAT, REAP, RELEASE
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
@@ -44,102 +45,6 @@ end
 redis.call('SADD', KEYS[3], ARGV[1])
 return n
 """
-
-# Lease times are the Redis server's clock (TIME), never a worker's: a worker whose clock runs behind
-# or ahead must not lease for too short a time nor reap live leases. (TIME before writes needs
-# script effects replication, the default since Redis 5.)
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-"""
-
-# KEYS: leases, owners, runs, charges, crashes, inflight list, queue1..n.  ARGV: ttl, worker, max jobs
-# Returns per job: id, queue, run number, charged attempts so far, engine crashes so far, killer index.
-_CLAIM = _NOW + """
-local out = {}
-local want = tonumber(ARGV[3])
-for i = 7, #KEYS do
-  while #out < 6 * want do
-    local id = redis.call('LPOP', KEYS[i])
-    if not id then break end
-    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
-    redis.call('HSET', KEYS[2], id, ARGV[2] .. '\\t' .. KEYS[i] .. '\\t' .. KEYS[6])
-    local run = redis.call('HINCRBY', KEYS[3], id, 1)
-    redis.call('RPUSH', KEYS[6], id)
-    table.insert(out, id); table.insert(out, KEYS[i]); table.insert(out, run)
-    table.insert(out, redis.call('HGET', KEYS[4], id) or '0')
-    table.insert(out, redis.call('HGET', KEYS[5], id) or '0')
-    table.insert(out, redis.call('HGET', KEYS[5], id .. ':killer') or '')
-  end
-end
-if #out == 0 then return false end
-return out
-"""
-
-# KEYS: leases, owners.  ARGV: ttl, worker, ids...
-# Under maxmemory + noeviction Redis refuses a script's FIRST write when that command may grow memory
-# (ZADD); a ZREM of a member that never exists is a write that cannot, after which the lease
-# extensions go through: a worker holding finished results through an out-of-memory episode keeps
-# its leases instead of having its jobs reaped and re-run.
-_HEARTBEAT = _NOW + """
-redis.call('ZREM', KEYS[1], '\\0lmdq-oom-guard')
-local lost = {}
-for i = 3, #ARGV do
-  local o = redis.call('HGET', KEYS[2], ARGV[i])
-  if o and string.sub(o, 1, string.len(ARGV[2]) + 1) == ARGV[2] .. '\\t' then
-    redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[i])
-  else
-    table.insert(lost, ARGV[i])
-  end
-end
-return lost
-"""
-
-# KEYS: leases, owners, runs, charges, crashes.
-# ARGV: job id, worker, mode ('done' | 'requeue'), charge ('' | 'charge' | 'crash'), killer index or ''.
-# 'done' also drops the job's counters (they are only needed while it can still run again).
-_RELEASE = """
-local o = redis.call('HGET', KEYS[2], ARGV[1])
-if not o then return 0 end
-local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
-if w ~= ARGV[2] then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('LREM', inflight, 1, ARGV[1])
-if ARGV[3] == 'requeue' then
-  if ARGV[4] == 'charge' then redis.call('HINCRBY', KEYS[4], ARGV[1], 1) end
-  if ARGV[4] == 'crash' then
-    redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
-    if ARGV[5] ~= '' then redis.call('HSET', KEYS[5], ARGV[1] .. ':killer', ARGV[5]) end
-  end
-  redis.call('LPUSH', q, ARGV[1])
-else
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('HDEL', KEYS[4], ARGV[1])
-  redis.call('HDEL', KEYS[5], ARGV[1], ARGV[1] .. ':killer')
-end
-return 1
-"""
-
-# KEYS: leases, owners.  ARGV: limit
-_REAP = _NOW + """
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
-local out = {}
-for _, id in ipairs(ids) do
-  local o = redis.call('HGET', KEYS[2], id)
-  redis.call('ZREM', KEYS[1], id)
-  redis.call('HDEL', KEYS[2], id)
-  if o then
-    local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
-    redis.call('LREM', inflight, 1, id)
-    redis.call('LPUSH', q, id)
-    table.insert(out, id)
-    table.insert(out, w)
-  end
-end
-return out
-"""
-
 
 def generate(payload: dict[str, Any]) -> None:
     """The RQ function name every lmdq job carries (``lmdq.jobs.generate``).
@@ -227,10 +132,10 @@ class JobQueue:
         self.job_ttl_s = job_ttl_s
         self.max_job_bytes = max_job_bytes
         self._commit = client.register_script(_COMMIT)
-        self._claim = client.register_script(_CLAIM)
-        self._heartbeat = client.register_script(_HEARTBEAT)
-        self._release = client.register_script(_RELEASE)
-        self._reap = client.register_script(_REAP)
+        self._claim = client.register_script(CLAIM)
+        self._heartbeat = client.register_script(HEARTBEAT)
+        self._release = client.register_script(RELEASE)
+        self._reap = client.register_script(REAP)
 
     # ---- producer side -----------------------------------------------------------------
     def stage(self, payload: dict[str, Any], *, queue: str, job_no: int, pipe: Any) -> str:
