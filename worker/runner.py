@@ -53,6 +53,9 @@ _Held = Held  # the name tests and older callers use
 _REQUEUED = {Outcome.retry: Charge.attempt, Outcome.requeue: Charge.none, Outcome.crashed: Charge.crash}
 """Outcomes that put the job back on its queue, and what that costs it."""
 
+_REDIS_WARN_EVERY_S = 30.0
+"""Warnings about an unreachable Redis are repeated at most this often while it stays away."""
+
 _AFTER_DEATH_S = 30.0
 """How long a worker whose engine died waits for its job threads to re-queue their jobs."""
 
@@ -107,6 +110,8 @@ class Worker:
                                   settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock)
         self._counts = {"jobs": 0, "requeued": 0, "refused": 0}
         self._heartbeat_failing = False
+        self._last_redis_warning = -_REDIS_WARN_EVERY_S
+        self._warn_lock = threading.Lock()
 
     @property
     def stats(self) -> dict[str, int]:
@@ -264,7 +269,17 @@ class Worker:
         self.log.info("worker stopped", **self.stats)
 
     def _redis_retry(self, e: Exception, delay: float) -> None:
-        self.log.warning("redis unavailable, retrying", error=str(e), delay_s=delay)
+        """One warning per outage (at most one per ``_REDIS_WARN_EVERY_S``), not one per retry: the
+        loop, the job threads and the sink all retry through the same outage."""
+        now = time.monotonic()
+        with self._warn_lock:  # not self._lock: the loop calls this while holding it
+            warn = now - self._last_redis_warning >= _REDIS_WARN_EVERY_S
+            if warn:
+                self._last_redis_warning = now
+        if warn:
+            self.log.warning("redis unavailable, retrying", error=str(e), delay_s=delay)
+        else:
+            self.log.debug("redis unavailable, retrying", error=str(e), delay_s=delay)
 
     # ---- background: heartbeat, reaping, cancellation -----------------------------------
     def _heartbeat_loop(self) -> None:
