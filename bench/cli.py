@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from lmdq.worker.engine_config import EngineName, SimConfig, engine_flag_specs
 
 from lmdq.cli_options import model_options
 from lmdq.errors import run_cli
+from lmdq.worker.engine_config import EngineName, SimConfig, engine_flag_specs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 

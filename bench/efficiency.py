@@ -16,15 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.producer.submit import SubmitOptions, submit_file
-from lmdq.worker.engines.base import Borrowed, Engine, EngineRequest
-from lmdq.worker.runner import Worker
-from lmdq.worker.settings import WorkerSettings
-
 from lmdq.connection import connect
 from lmdq.contract import Endpoint, GenerationParams
 from lmdq.keys import Keys
+from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.store import ResultStore
+from lmdq.worker.engines.base import Borrowed, Engine, EngineRequest
+from lmdq.worker.runner import Worker
+from lmdq.worker.settings import WorkerSettings
 
 __all__ = ["EfficiencyConfig", "run_efficiency"]
 

@@ -38,7 +38,7 @@ def _run(args: list[str], env: dict[str, str]) -> tuple[float, int, bytes]:
     """(seconds, peak RSS bytes of THIS child, stdout) of one CLI subprocess, via wait4."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        p = subprocess.Popen([sys.executable, "-m", "producer", *args], env=env, cwd=ROOT, stdout=out, stderr=err)
+        p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", *args], env=env, cwd=ROOT, stdout=out, stderr=err)
         _, status, usage = os.wait4(p.pid, 0)
         secs = time.perf_counter() - t0
         p.returncode = os.waitstatus_to_exitcode(status)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import redis
@@ -24,11 +25,12 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from lmdq.contract import JOB_FUNCTION, JobPayload
+from lmdq.contract import JOB_FUNCTION, BatchStatus, JobPayload
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobTooLarge, read_job
-from lmdq.keys import Keys, rq_queue_key
+from lmdq.keys import BatchField, Keys, rq_queue_key
+from lmdq.lease_scripts import CLAIM, HEARTBEAT, REAP, RELEASE
 
-__all__ = ["Claim", "JobQueue", "generate", "job_id_for", "job_id_prefix"]
+__all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
 SERIALIZER = JSONSerializer()
 
@@ -43,72 +45,6 @@ end
 redis.call('SADD', KEYS[3], ARGV[1])
 return n
 """
-
-# KEYS: leases, owners, attempts, inflight list, queue1..n.  ARGV: now, ttl, worker, max jobs
-_CLAIM = """
-local out = {}
-local want = tonumber(ARGV[4])
-for i = 5, #KEYS do
-  while #out < 3 * want do
-    local id = redis.call('LPOP', KEYS[i])
-    if not id then break end
-    redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[2]), id)
-    redis.call('HSET', KEYS[2], id, ARGV[3] .. '\\t' .. KEYS[i] .. '\\t' .. KEYS[4])
-    local n = redis.call('HINCRBY', KEYS[3], id, 1)
-    redis.call('RPUSH', KEYS[4], id)
-    table.insert(out, id); table.insert(out, KEYS[i]); table.insert(out, n)
-  end
-end
-if #out == 0 then return false end
-return out
-"""
-
-# KEYS: leases, owners.  ARGV: now, ttl, worker, ids...
-_HEARTBEAT = """
-local lost = {}
-for i = 4, #ARGV do
-  local o = redis.call('HGET', KEYS[2], ARGV[i])
-  if o and string.sub(o, 1, string.len(ARGV[3]) + 1) == ARGV[3] .. '\\t' then
-    redis.call('ZADD', KEYS[1], 'XX', tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[i])
-  else
-    table.insert(lost, ARGV[i])
-  end
-end
-return lost
-"""
-
-# KEYS: leases, owners.  ARGV: job id, worker, mode ('done' | 'requeue')
-_RELEASE = """
-local o = redis.call('HGET', KEYS[2], ARGV[1])
-if not o then return 0 end
-local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
-if w ~= ARGV[2] then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('LREM', inflight, 1, ARGV[1])
-if ARGV[3] == 'requeue' then redis.call('LPUSH', q, ARGV[1]) end
-return 1
-"""
-
-# KEYS: leases, owners.  ARGV: now, limit
-_REAP = """
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
-local out = {}
-for _, id in ipairs(ids) do
-  local o = redis.call('HGET', KEYS[2], id)
-  redis.call('ZREM', KEYS[1], id)
-  redis.call('HDEL', KEYS[2], id)
-  if o then
-    local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
-    redis.call('LREM', inflight, 1, id)
-    redis.call('LPUSH', q, id)
-    table.insert(out, id)
-    table.insert(out, w)
-  end
-end
-return out
-"""
-
 
 def generate(payload: dict[str, Any]) -> None:
     """The RQ function name every lmdq job carries (``lmdq.jobs.generate``).
@@ -128,15 +64,56 @@ def job_id_for(batch_id: str, job_no: int) -> str:
     return f"{job_id_prefix(batch_id)}{job_no:06d}"
 
 
+class Charge(str, Enum):
+    """What a re-queue costs the job (docs/reliability.md, "What counts as an attempt")."""
+
+    #: nothing: a drain, a lost lease, a store error, a crash in the worker's own code
+    none = ""
+    #: one of ``max_attempts``: the engine failed this job's requests
+    attempt = "charge"
+    #: an engine death while the job ran (not an attempt; poison-prompt isolation counts it)
+    crash = "crash"
+
+
 @dataclass
 class Claim:
-    """A job this worker holds a lease on."""
+    """A job this worker holds a lease on, with its counters as they were when it was claimed."""
 
     job_id: str
     queue_key: str
-    attempt: int
+    #: 1 for the first claim, +1 for every claim after it, whatever ended the run before
+    run: int = 1
+    #: runs the engine failed so far (each one charged an attempt)
+    charges: int = 0
+    #: engine deaths while this job ran
+    crashes: int = 0
+    #: the request index that was alone in the engine when it last died (poison prompt), if any
+    killer: int | None = None
     job: Job | None = None
     execution: Execution | None = None
+
+    @property
+    def attempt(self) -> int:
+        """The charged attempt this run is: 1 + engine failures so far (what results report)."""
+        return self.charges + 1
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """What a worker reads before handing a job to its engine (one round trip)."""
+
+    #: the batch's status, None when missing or not a known status
+    status: BatchStatus | None
+    #: the batch's completion deadline (unix s), None without one
+    expires_at: float | None
+    #: request indices that already have a final result (skipped on a re-run)
+    finished: set[int] = field(default_factory=set)
+    #: the Redis server's clock at that moment: expiry is judged on it, never on a worker's clock
+    server_now: float = 0.0
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at < self.server_now
 
 
 class JobQueue:
@@ -155,10 +132,10 @@ class JobQueue:
         self.job_ttl_s = job_ttl_s
         self.max_job_bytes = max_job_bytes
         self._commit = client.register_script(_COMMIT)
-        self._claim = client.register_script(_CLAIM)
-        self._heartbeat = client.register_script(_HEARTBEAT)
-        self._release = client.register_script(_RELEASE)
-        self._reap = client.register_script(_REAP)
+        self._claim = client.register_script(CLAIM)
+        self._heartbeat = client.register_script(HEARTBEAT)
+        self._release = client.register_script(RELEASE)
+        self._reap = client.register_script(REAP)
 
     # ---- producer side -----------------------------------------------------------------
     def stage(self, payload: dict[str, Any], *, queue: str, job_no: int, pipe: Any) -> str:
@@ -216,13 +193,35 @@ class JobQueue:
         spread a 32-job ramp over ~0.4 s of engine time."""
         k = self.keys
         res = self._claim(
-            keys=[k.leases(), k.lease_owner(), k.attempts(), k.inflight(model), *(rq_queue_key(q) for q in queues)],
-            args=[time.time(), lease_s, worker, max(1, n)],
+            keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes(), k.inflight(model),
+                  *(rq_queue_key(q) for q in queues)],
+            args=[lease_s, worker, max(1, n)],
         )
         if not res:
             return []
-        return [Claim(job_id=res[i].decode(), queue_key=res[i + 1].decode(), attempt=int(res[i + 2]))
-                for i in range(0, len(res), 3)]
+        return [
+            Claim(job_id=res[i].decode(), queue_key=res[i + 1].decode(), run=int(res[i + 2]),
+                  charges=_count(res[i + 3]), crashes=_count(res[i + 4]), killer=_index(res[i + 5]))
+            for i in range(0, len(res), 6)
+        ]
+
+    def begin(self, claim: Claim, *, batch_id: str, indices: Sequence[int], worker: str, ttl_s: int) -> JobStart:
+        """Everything a worker reads before running a job, in ONE round trip: the server's clock, the
+        batch's status and deadline, which requests already have results; and RQ's started records.
+
+        Why one: each round trip waits for the GIL behind the engine's own Python loop."""
+        with self.client.pipeline() as p:
+            p.time()
+            p.hmget(self.keys.batch(batch_id), [BatchField.status.value, BatchField.expires_at.value])
+            p.hmget(self.keys.results(batch_id), list(indices))
+            self.mark_started(claim, worker, ttl_s, pipe=p)
+            (sec, usec), (st, exp), have, *_ = p.execute()
+        return JobStart(
+            status=_batch_status(st),
+            expires_at=_float(exp),
+            finished={i for i, v in zip(indices, have) if v is not None},
+            server_now=int(sec) + int(usec) / 1e6,
+        )
 
     def fetch_job(self, job_id: str) -> Job:
         """The job, read within ``max_job_bytes`` (never RQ's unbounded ``Job.fetch``: see
@@ -274,8 +273,7 @@ class JobQueue:
         origin = self.client.hget(key, "origin")
         if origin is None:
             return False
-        registry = FailedJobRegistry(origin.decode() if isinstance(origin, bytes) else origin, connection=self.client,
-                                     serializer=SERIALIZER)
+        registry = FailedJobRegistry(_text(origin), connection=self.client, serializer=SERIALIZER)
         with self.client.pipeline() as p:
             p.hset(
                 key,
@@ -297,57 +295,90 @@ class JobQueue:
             return []
         lost = self._heartbeat(
             keys=[self.keys.leases(), self.keys.lease_owner()],
-            args=[time.time(), lease_s, worker, *(c.job_id for c in cl)],
+            args=[lease_s, worker, *(c.job_id for c in cl)],
         )
-        with self.client.pipeline() as p:
-            for c in cl:
-                if c.execution is not None and c.job is not None:
-                    c.execution.heartbeat(c.job.started_job_registry, int(lease_s) + 60, p)
-            p.execute()
+        try:
+            with self.client.pipeline() as p:
+                for c in cl:
+                    if c.execution is not None and c.job is not None:
+                        c.execution.heartbeat(c.job.started_job_registry, int(lease_s) + 60, p)
+                p.execute()
+        except redis.ResponseError:
+            pass  # RQ's display records only (e.g. refused under maxmemory): the lease above is what counts
         return [x.decode() for x in lost]
 
     def finish(self, claim: Claim, *, worker: str, failed: str | None = None) -> bool:
-        """Release the lease of a job whose requests all have final results."""
-        owned = bool(
-            self._release(keys=[self.keys.leases(), self.keys.lease_owner()], args=[claim.job_id, worker, "done"])
-        )
-        job = claim.job
-        if job is not None and owned:
-            with self.client.pipeline() as p:
-                if claim.execution is not None:
-                    claim.execution.delete(job, p)
-                if failed:
-                    job.set_status(JobStatus.FAILED, pipeline=p)
-                    FailedJobRegistry(job.origin, connection=self.client, serializer=SERIALIZER).add(
-                        job, ttl=self.job_ttl_s, exc_string=failed, pipeline=p
-                    )
-                else:
-                    job.set_status(JobStatus.FINISHED, pipeline=p)
-                    FinishedJobRegistry(job.origin, connection=self.client, serializer=SERIALIZER).add(
-                        job, self.job_ttl_s, p
-                    )
-                p.hset(job.key, "ended_at", _utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
-                p.execute()
+        """Release the lease of a job whose requests all have final results, and record it in RQ."""
+        owned = self.release(claim, worker=worker)
+        if owned:
+            self.record_end(claim, failed=failed)
         return owned
 
-    def requeue(self, claim: Claim, *, worker: str) -> bool:
-        """Give a held job back to the front of its queue (drain, engine error)."""
-        owned = bool(
-            self._release(keys=[self.keys.leases(), self.keys.lease_owner()], args=[claim.job_id, worker, "requeue"])
-        )
+    def requeue(self, claim: Claim, *, worker: str, charge: Charge = Charge.none, killer: int | None = None) -> bool:
+        """Give a held job back to the front of its queue (see :meth:`release`) and reset RQ's view."""
+        owned = self.release(claim, worker=worker, requeue=True, charge=charge, killer=killer)
         if owned and claim.job is not None:
-            self._reset_rq_state([claim.job_id])
+            self.record_requeued([claim.job_id])
         return owned
+
+    def release(
+        self,
+        claim: Claim,
+        *,
+        worker: str,
+        requeue: bool = False,
+        charge: Charge = Charge.none,
+        killer: int | None = None,
+    ) -> bool:
+        """Drop ``worker``'s lease on the job, atomically and fenced (False: it owns it no more).
+
+        With ``requeue`` the job goes back to the FRONT of its queue and ``charge`` is counted against
+        it in the same step (``killer``: with ``Charge.crash``, the request that was alone in the
+        engine when it died). Without, the job is done and its counters are dropped. RQ's records are
+        separate calls (:meth:`record_end`, :meth:`record_requeued`), so a caller retrying through a
+        store fault retries each step on its own: the fenced release cannot run twice."""
+        k = self.keys
+        mode = "requeue" if requeue else "done"
+        return bool(
+            self._release(
+                keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes()],
+                args=[claim.job_id, worker, mode, charge.value, "" if killer is None else killer],
+            )
+        )
+
+    def record_end(self, claim: Claim, *, failed: str | None = None) -> None:
+        """RQ's records of a job that ended (status, Finished/FailedJobRegistry), for rq info/dashboard."""
+        job = claim.job
+        if job is None:
+            return
+        with self.client.pipeline() as p:
+            if claim.execution is not None:
+                claim.execution.delete(job, p)
+            if failed:
+                job.set_status(JobStatus.FAILED, pipeline=p)
+                FailedJobRegistry(job.origin, connection=self.client, serializer=SERIALIZER).add(
+                    job, ttl=self.job_ttl_s, exc_string=failed, pipeline=p
+                )
+            else:
+                job.set_status(JobStatus.FINISHED, pipeline=p)
+                FinishedJobRegistry(job.origin, connection=self.client, serializer=SERIALIZER).add(
+                    job, self.job_ttl_s, p
+                )
+            p.hset(job.key, "ended_at", _utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+            p.execute()
 
     def reap(self, *, limit: int = 200) -> list[tuple[str, str]]:
         """Re-queue jobs whose lease expired (their worker died). Returns (job_id, dead worker)."""
-        raw = self._reap(keys=[self.keys.leases(), self.keys.lease_owner()], args=[time.time(), limit])
+        raw = self._reap(keys=[self.keys.leases(), self.keys.lease_owner()], args=[limit])
         pairs = [(raw[i].decode(), raw[i + 1].decode()) for i in range(0, len(raw), 2)]
         if pairs:
-            self._reset_rq_state([j for j, _ in pairs])
+            try:
+                self.record_requeued([j for j, _ in pairs])
+            except redis.ResponseError:
+                pass  # RQ's display records only (e.g. refused under maxmemory): the jobs are back on their queues
         return pairs
 
-    def _reset_rq_state(self, job_ids: list[str]) -> None:
+    def record_requeued(self, job_ids: list[str]) -> None:
         """Put RQ's view back to 'queued' and drop stale StartedJobRegistry entries."""
         for jid in job_ids:
             try:
@@ -359,14 +390,52 @@ class JobQueue:
                 StartedJobRegistry(job.origin, connection=self.client).remove_executions(job, pipeline=p)
                 p.execute()
 
-    def attempts(self, job_id: str) -> int:
-        return int(self.client.hget(self.keys.attempts(), job_id) or 0)
-
     def queue_depth(self, queues: Sequence[str]) -> int:
         with self.client.pipeline(transaction=False) as p:
             for q in queues:
                 p.llen(rq_queue_key(q))
             return int(sum(p.execute()))
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _count(raw: Any) -> int:
+    """A counter read back from Redis (untrusted): anything not a small non-negative int is 0."""
+    try:
+        n = int(raw)
+    except (TypeError, ValueError):
+        return 0
+    return n if 0 <= n < 1_000_000 else 0
+
+
+def _index(raw: Any) -> int | None:
+    if raw in (None, b"", ""):
+        return None
+    try:
+        n = int(raw)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 0 else None
+
+
+def _float(raw: Any) -> float | None:
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+def _batch_status(raw: Any) -> BatchStatus | None:
+    if raw is None:
+        return None
+    try:
+        return BatchStatus(raw.decode() if isinstance(raw, bytes) else str(raw))
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def _utcnow() -> Any:

@@ -139,8 +139,18 @@ class Keys:
         return f"{self.prefix}:lease-owner"
 
     def attempts(self) -> str:
-        """Hash job_id -> number of times a worker has claimed the job."""
+        """Hash job_id -> CHARGED attempts: runs the engine failed (what ``max_attempts`` limits)."""
         return f"{self.prefix}:attempts"
+
+    def runs(self) -> str:
+        """Hash job_id -> times a worker has claimed the job, whatever ended the run (observability,
+        and a safety cap so a job that can never finish still ends)."""
+        return f"{self.prefix}:runs"
+
+    def crashes(self) -> str:
+        """Hash job_id -> engine deaths while the job ran; ``<job_id>:killer`` -> the request index
+        that was alone in the engine when it died (poison-prompt isolation)."""
+        return f"{self.prefix}:crashes"
 
     def inflight(self, model: str) -> str:
         """List of job ids claimed by workers of ``model``: KEDA adds it to queue depth so a busy

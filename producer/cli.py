@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from lmdq.producer.settings import ProducerSettings
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -21,6 +20,7 @@ from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
 from lmdq.errors import EXIT_CODES_HELP, BadSetting, run_cli
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
+from lmdq.producer.settings import ProducerSettings
 from lmdq.store import ResultStore
 
 app = typer.Typer(
@@ -204,9 +204,10 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
 ) -> None:
     """Validate FILE completely, then enqueue it as one batch; prints the batch id."""
+    from pydantic import ValidationError
+
     from lmdq.producer.formats import InputLimits
     from lmdq.producer.submit import SubmitOptions, submit_file
-    from pydantic import ValidationError
 
     s = _settings()
     raw_params: dict[str, Any] = dict(generation)

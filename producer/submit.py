@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from lmdq.producer.formats import InputError, InputFormat, InputLimits, ParsedLine, detect_format, iter_lines
 from pydantic import ValidationError
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
@@ -35,6 +34,7 @@ from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.keys import Keys
 from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
+from lmdq.producer.formats import InputError, InputFormat, InputLimits, ParsedLine, detect_format, iter_lines
 
 __all__ = [
     "SubmitOptions",

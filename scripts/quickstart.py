@@ -49,15 +49,15 @@ def main() -> int:
     try:
         # Submit first (the model is known to be served by the worker started next), then a
         # --burst worker drains the queue and exits when it is empty.
-        sub = subprocess.run([py, "-m", "producer", "submit", args.file, "--model", "smollm2-135m-instruct",
+        sub = subprocess.run([py, "-m", "lmdq.producer", "submit", args.file, "--model", "smollm2-135m-instruct",
                               "--allow-unknown-model"], env=env, cwd=ROOT, capture_output=True, text=True)
         if sub.returncode != 0:
             sys.stderr.write(sub.stderr)
             return sub.returncode
         batch_id = sub.stdout.strip()
-        worker = subprocess.Popen([py, "-m", "worker", "--burst"], env=env, cwd=ROOT)
+        worker = subprocess.Popen([py, "-m", "lmdq.worker", "--burst"], env=env, cwd=ROOT)
         print(f"submitted {batch_id}; waiting for results...", file=sys.stderr)
-        out = subprocess.run([py, "-m", "producer", "results", batch_id, "--wait", "--timeout", str(args.timeout)],
+        out = subprocess.run([py, "-m", "lmdq.producer", "results", batch_id, "--wait", "--timeout", str(args.timeout)],
                              env=env, cwd=ROOT, capture_output=True, text=True)
         if out.returncode != 0:
             sys.stderr.write(out.stderr)
@@ -66,7 +66,7 @@ def main() -> int:
             r_ = json.loads(line)
             print(json.dumps({k: r_[k] for k in ("custom_id", "status", "finish_reason", "input_token_len",
                                                  "generate_token_len", "text")}, ensure_ascii=False))
-        subprocess.run([py, "-m", "producer", "status", batch_id], env=env, cwd=ROOT)
+        subprocess.run([py, "-m", "lmdq.producer", "status", batch_id], env=env, cwd=ROOT)
         worker.wait(60)
         return 0
     finally:

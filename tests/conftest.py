@@ -126,4 +126,17 @@ def run_cli(module: str, *args: str, env: dict[str, str], input_: bytes | None =
 
 def start_worker(*args: str, env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", "worker", *args], env=env, stdout=out, stderr=out, cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "lmdq.worker", *args], env=env, stdout=out, stderr=out, cwd=ROOT)
+
+
+@pytest.fixture()
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Long-running processes a test starts; any still alive at the end are killed, so a failing
+    test leaks no worker."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)  # a SIGSTOPped process must run to die
+            p.kill()
+            p.wait(10)

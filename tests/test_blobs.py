@@ -150,6 +150,9 @@ class SimulatedTensorEngine:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
+    def alive(self) -> bool:
+        return True
+
     def close(self) -> None:
         pass
 

@@ -80,7 +80,7 @@ def test_malformed_url_corpus_never_prints_the_password_nor_a_traceback(locked_r
         # LMDQ_REDIS_WAIT_S=0: no waiting for the closed ports, one attempt each; a short connect timeout
         # for the TLS handshake that a plain-text server never completes
         e = {**env, "LMDQ_REDIS_URL": url, "LMDQ_REDIS_WAIT_S": "0", "LMDQ_REDIS_CONNECT_TIMEOUT_S": "2"}
-        return subprocess.Popen([sys.executable, "-m", "producer", "status", "x"], env=e, cwd=ROOT,
+        return subprocess.Popen([sys.executable, "-m", "lmdq.producer", "status", "x"], env=e, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     for i in range(0, len(corpus), 4):  # four at a time: the CLI's start-up dominates
@@ -125,9 +125,9 @@ def test_frozen_redis_status_and_results_exit_3_within_15_s(env: dict[str, str])
     try:
         e = {**env, "LMDQ_REDIS_URL": srv.url}
         started = time.monotonic()
-        status = subprocess.Popen([sys.executable, "-m", "producer", "status", "x"], env=e, cwd=ROOT,
+        status = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "status", "x"], env=e, cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        results = subprocess.Popen([sys.executable, "-m", "producer", "results", "x"], env=e, cwd=ROOT,
+        results = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "results", "x"], env=e, cwd=ROOT,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for name, p in (("status", status), ("results", results)):
             err = _assert_one_line_exit_3_in_time(p, started, name)
@@ -152,7 +152,7 @@ def black_hole() -> Iterator[int]:
 def test_black_holed_redis_is_one_line_exit_3_within_15_s(black_hole: int, env: dict[str, str]) -> None:
     e = {**env, "LMDQ_REDIS_URL": f"redis://127.0.0.1:{black_hole}/0"}
     started = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "producer", "list"], env=e, cwd=ROOT, stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "list"], env=e, cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
     err = _assert_one_line_exit_3_in_time(p, started, "black hole")
     assert f"waiting for Redis at redis://127.0.0.1:{black_hole}/0 ..." in err
@@ -163,7 +163,7 @@ def test_a_redis_that_comes_back_within_the_wait_is_used(env: dict[str, str], tm
     only once the CLI has said it is waiting, so the CLI has certainly met a closed port first."""
     port = free_port()
     srv = RedisServer(port=port)
-    p = subprocess.Popen([sys.executable, "-m", "producer", "list", "--json"], cwd=ROOT,
+    p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "list", "--json"], cwd=ROOT,
                          env={**env, "LMDQ_REDIS_URL": f"redis://127.0.0.1:{port}/0", "LMDQ_REDIS_WAIT_S": "60"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -228,7 +228,7 @@ def test_status_watch_outlives_a_redis_restart(env: dict[str, str]) -> None:
         ResultStore(redis.Redis.from_url(srv.url), keys=keys).create_batch(Batch(
             id="b1", model="sim", status=BatchStatus.queued, batch_size=1, request_counts=RequestCounts(total=1),
             created_at=time.time()))
-        w = subprocess.Popen([sys.executable, "-m", "producer", "status", "b1", "--watch", "--interval", "0.05"],
+        w = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "status", "b1", "--watch", "--interval", "0.05"],
                              env={**env, "LMDQ_REDIS_URL": srv.url, "LMDQ_KEY_PREFIX": "watch"}, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         probe = redis.Redis.from_url(srv.url)

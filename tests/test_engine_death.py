@@ -24,12 +24,12 @@ import pytest
 
 pytest.importorskip("lmdeploy")
 from lmdeploy.messages import Response  # noqa: E402
+
+from lmdq.contract import Endpoint  # noqa: E402
 from lmdq.worker.engines import lmdeploy_engine  # noqa: E402
 from lmdq.worker.engines.base import EngineDead, EngineEvent, EngineRequest  # noqa: E402
 from lmdq.worker.engines.failure_burst import FailureBurst  # noqa: E402
 from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine  # noqa: E402
-
-from lmdq.contract import Endpoint  # noqa: E402
 
 Script = Callable[[list[Any]], Iterator[Response]]
 

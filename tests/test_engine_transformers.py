@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from lmdq.contract import Endpoint, GenerationParams
 from lmdq.worker import default_model
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.transformers_engine import _BadRequest, _normalise_messages, find_stop, safe_text_end
-
-from lmdq.contract import Endpoint, GenerationParams
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 RAW_PROMPT = "The three primary colors are"

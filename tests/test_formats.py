@@ -7,6 +7,8 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+
+from lmdq.contract import Endpoint, GenerationParams, Request
 from lmdq.producer import formats
 from lmdq.producer.formats import (
     InputError,
@@ -16,8 +18,6 @@ from lmdq.producer.formats import (
     detect_format,
     iter_lines,
 )
-
-from lmdq.contract import Endpoint, GenerationParams, Request
 
 DATA = Path(__file__).parent / "data"
 GOOD = DATA / "good"

@@ -11,9 +11,10 @@ pytestmark = pytest.mark.model
 
 def test_doubled_heads_compute_the_same_function(tmp_path: Path) -> None:
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from lmdq.bench.head_doubled import double_heads
     from lmdq.worker.default_model import ensure_default_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = ensure_default_model()
     dst = double_heads(src, tmp_path / "doubled")

@@ -11,9 +11,10 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from lmdq.worker import health as health_mod
 from lmdq.worker.health import WorkerHealth
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WORKER = "worker-test-1"

@@ -112,7 +112,9 @@ def _assert_refused(client: redis.Redis, prefix: str, job_id: str) -> None:
     assert client.llen(rq_queue_key(qname)) == 0
     keys = Keys(prefix)
     assert client.zscore(keys.leases(), job_id) is None and not client.hexists(keys.lease_owner(), job_id)
-    assert int(client.hget(keys.attempts(), job_id) or 0) == 1  # claimed (and decoded) exactly once
+    # released as done, never re-queued: a finished job's run/attempt counters are dropped (issue 13),
+    # while a re-queued one keeps them (the callers check it was refused and logged exactly once)
+    assert not client.hexists(keys.runs(), job_id) and not client.hexists(keys.attempts(), job_id)
 
 
 def _refusal_lines(out: str, job_id: str) -> list[str]:
@@ -328,9 +330,8 @@ def test_decode_job_checks_the_job_against_its_batch_record(tmp_path: Path, clie
 
 def test_producer_refuses_to_stage_a_job_workers_would_refuse(client: redis.Redis, prefix: str) -> None:
     """The cap is one setting for both sides: a job over it never reaches a queue (exit 2, nothing left)."""
-    from lmdq.producer.submit import enqueue_batch, new_batch_id
-
     from lmdq.errors import SubmitRejected
+    from lmdq.producer.submit import enqueue_batch, new_batch_id
 
     bid = new_batch_id()
     b = Batch(id=bid, model=MODEL, status=BatchStatus.validating, batch_size=2, num_jobs=2,
@@ -475,7 +476,7 @@ def test_zlib_bomb_refused_in_bounded_memory_and_never_decoded_twice(tmp_path: P
 def _spawn(env: dict[str, str], out: Any) -> int:
     import subprocess
 
-    p = subprocess.Popen([sys.executable, "-m", "worker", "--engine", "sim", "--served-model-name", MODEL,
+    p = subprocess.Popen([sys.executable, "-m", "lmdq.worker", "--engine", "sim", "--served-model-name", MODEL,
                           "--sim-step-ms", "0", "--burst", "--heartbeat-ttl", "10"],
                          env=env, stdout=out, stderr=out, cwd=ROOT)
     p.returncode = 0  # reaped by _wait_peak_rss with os.wait4, not by Popen

@@ -11,6 +11,8 @@ import pytest
 lmdeploy = pytest.importorskip("lmdeploy")
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig  # noqa: E402
+
+from lmdq.contract import GenerationParams  # noqa: E402
 from lmdq.worker.engine_config import LMDeployConfig  # noqa: E402
 from lmdq.worker.engines.base import EngineError  # noqa: E402
 from lmdq.worker.engines.lmdeploy_engine import (  # noqa: E402
@@ -20,8 +22,6 @@ from lmdq.worker.engines.lmdeploy_engine import (  # noqa: E402
     resolve_chat_template,
     resolve_dtype,
 )
-
-from lmdq.contract import GenerationParams  # noqa: E402
 
 
 def test_pytorch_backend_flags_reach_pytorch_engine_config() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from lmdq.worker.engines import orphan_guard
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import redis
-from lmdq.producer.formats import InputError, InputFormat, iter_lines
-from lmdq.worker.engines.base import EngineEvent, EngineRequest
-from lmdq.worker.engines.sim import SimEngine, minimal_instance
 
 from lmdq.contract import GenerationParams, ResponseFormat, Result, ResultStatus
 from lmdq.guided import check, schema_of, to_lmdeploy
+from lmdq.producer.formats import InputError, InputFormat, iter_lines
+from lmdq.worker.engines.base import EngineEvent, EngineRequest
+from lmdq.worker.engines.sim import SimEngine, minimal_instance
 from tests.conftest import run_cli, start_worker
 from tests.helpers import PERSON_SCHEMA, write_jsonl
 
@@ -297,15 +297,15 @@ def test_hidden_state_generation_lands_in_a_safetensors_file(tf_engine: Any, tmp
                                                              redis_url: str, prefix: str) -> None:
     """The real transformers engine through the worker: output_last_hidden_state='generation' ends as a
     safetensors file of shape [generated tokens, hidden size], read back from the URI the result carries."""
-    from lmdq.producer.submit import SubmitOptions, submit_file
-    from lmdq.worker.engines.base import Borrowed
-    from lmdq.worker.runner import Worker
-    from lmdq.worker.settings import WorkerSettings
     from safetensors.numpy import load_file
 
     from lmdq.blobs import read_tensor
     from lmdq.keys import Keys
+    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.store import ResultStore
+    from lmdq.worker.engines.base import Borrowed
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
 
     f = write_jsonl(tmp_path / "p.jsonl", [{"custom_id": "h", "prompt": "Name a colour."}])
     opts = SubmitOptions(model=tf_engine.model_name, allow_unknown_model=True, blob_url=str(tmp_path / "blobs"),

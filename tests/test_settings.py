@@ -16,6 +16,12 @@ from typing import Any
 
 import pytest
 import typer
+from pydantic import BaseModel, Field
+from typer.testing import CliRunner
+
+from lmdq.cli_options import FlagSpec, model_options
+from lmdq.contract import GenerationParams
+from lmdq.errors import BadSetting
 from lmdq.worker.engine_config import (
     ENGINE_CONFIGS,
     LMDeployConfig,
@@ -26,12 +32,6 @@ from lmdq.worker.engine_config import (
     unused_env,
 )
 from lmdq.worker.settings import WorkerSettings, load_worker_settings
-from pydantic import BaseModel, Field
-from typer.testing import CliRunner
-
-from lmdq.cli_options import FlagSpec, model_options
-from lmdq.contract import GenerationParams
-from lmdq.errors import BadSetting
 from tests.conftest import ROOT, run_cli
 from tests.helpers import write_jsonl
 

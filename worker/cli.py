@@ -7,13 +7,14 @@ import time
 from typing import Annotated, Any
 
 import typer
-from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
-from lmdq.worker.settings import load_worker_settings
 
 from lmdq.cli_options import model_options
 from lmdq.connection import connect, redact_url
 from lmdq.errors import run_cli
 from lmdq.logs import configure_logging, get_logger
+from lmdq.registry import redis_answers
+from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
+from lmdq.worker.settings import load_worker_settings
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -86,7 +87,7 @@ def run(
         health = WorkerHealth(worker_name=s.worker_name, model=name_hint)
         port = health.serve(s.health_host, s.health_port)
         log.info("health endpoint", port=port)
-        health.set_redis_check(lambda: bool(client.ping()))
+        health.set_redis_check(lambda: redis_answers(client))
     eng = build_engine(s)
     load_s = time.monotonic() - t0
     log.info("engine loaded", engine=eng.name, backend=eng.backend, model=eng.model_name, load_s=round(load_s, 2),

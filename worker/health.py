@@ -2,8 +2,9 @@
 
 ``/healthz``  200 while the main loop beats (Kubernetes liveness, Docker HEALTHCHECK). Before the
               first beat the worker is still starting (loading its model) and counts as alive:
-              start-up is bounded by the startup probe, which waits on ``/readyz``.
-``/readyz``   200 only if the engine is loaded, Redis answers and the worker is not draining; the
+              start-up is bounded by the startup probe, which waits on ``/readyz``. 503 once the
+              engine died (the worker is about to exit; a supervisor may restart it sooner).
+``/readyz``   200 only if the engine is loaded and alive, Redis answers and the worker is not draining; the
               503 body lists why not.
 ``/metrics``  Prometheus text format, from a registry of this instance only (several instances can
               live in one process, e.g. in tests).
@@ -76,6 +77,7 @@ class WorkerHealth:
         self._redis_lock = threading.Lock()
         self._engine_loaded = False
         self._draining = False
+        self._engine_dead: str | None = None
         self._last_beat: float | None = None
         self._redis_check_fn: Callable[[], bool] | None = None
         self._redis_cached: _RedisCheck | None = None
@@ -183,6 +185,13 @@ class WorkerHealth:
             self._draining = True
         self._draining_gauge.set(1)
 
+    def mark_engine_dead(self, why: str) -> None:
+        """The engine is gone for good: ``/healthz`` and ``/readyz`` answer 503 from now on, so a
+        supervisor that probes restarts the worker even before it exits by itself."""
+        with self._lock:
+            self._engine_dead = why or "engine dead"
+        self._draining_gauge.set(1)
+
     def beat(self) -> None:
         """The main loop is alive; call it every iteration."""
         now = time.monotonic()
@@ -194,7 +203,9 @@ class WorkerHealth:
     def liveness(self) -> tuple[bool, dict[str, Any]]:
         """(alive, details). Alive until the loop has not beaten for ``liveness_timeout_s``."""
         with self._lock:
-            last = self._last_beat
+            last, dead = self._last_beat, self._engine_dead
+        if dead is not None:
+            return False, {"status": "engine dead", "detail": dead}
         if last is None:
             return True, {"status": "starting", "detail": "no heartbeat yet (engine loading)"}
         age = time.monotonic() - last
@@ -206,8 +217,10 @@ class WorkerHealth:
     def readiness(self) -> tuple[bool, list[str]]:
         """(ready, reasons it is not)."""
         with self._lock:
-            loaded, draining = self._engine_loaded, self._draining
+            loaded, draining, dead = self._engine_loaded, self._draining, self._engine_dead
         reasons: list[str] = []
+        if dead is not None:
+            reasons.append(f"engine dead: {dead}")
         if not loaded:
             reasons.append("engine not loaded")
         if draining:

@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdq.worker.engines.base import EngineEvent
-
 from lmdq.contract import (
     ErrorInfo,
     FinishReason,
@@ -22,6 +20,7 @@ from lmdq.contract import (
     Timings,
     TokenLogprob,
 )
+from lmdq.worker.engines.base import EngineEvent
 
 __all__ = ["LiveRequest", "ResultBuilder", "final_status", "token_logprobs"]
 

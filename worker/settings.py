@@ -11,6 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pydantic import Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+from lmdq.settings import CommonSettings
 from lmdq.worker.engine_config import (
     ENGINE_CONFIGS,
     EngineConfig,
@@ -22,11 +27,6 @@ from lmdq.worker.engine_config import (
     describe_validation_error,
     split_engine_settings,
 )
-from pydantic import Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
-
-from lmdq.settings import CommonSettings
 
 __all__ = ["WorkerSettings", "load_worker_settings", "resolve_engine"]
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmdq.worker.engines.base import EngineEvent
-
 from lmdq.contract import ErrorInfo, JobPayload, Request
+from lmdq.worker.engines.base import EngineEvent
 
 __all__ = ["TensorStore"]
 

@@ -57,11 +57,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from lmdq.contract import Endpoint
 from lmdq.producer.formats.jsonl import _parse_jsonl
 from lmdq.producer.formats.openai_batch import _parse_openai
 from lmdq.producer.formats.records import InputError, InputFormat, InputLimits, ParsedLine, _got, _LineError
-
-from lmdq.contract import Endpoint
 
 __all__ = ["InputError", "InputFormat", "InputLimits", "ParsedLine", "detect_format", "iter_lines"]
 

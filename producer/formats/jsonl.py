@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmdq.contract import Endpoint
 from lmdq.producer.formats.records import ParsedLine, _got, _join, _LineError
 from lmdq.producer.formats.validation import _check_messages, _check_prompt, _custom_id, _validate_params
-
-from lmdq.contract import Endpoint
 
 _JSONL_KEYS = ("custom_id", "prompt", "messages", "params", "endpoint")
 _JSONL_KEY_SET = frozenset(_JSONL_KEYS)

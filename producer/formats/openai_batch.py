@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmdq.contract import Endpoint
 from lmdq.producer.formats.records import ParsedLine, _got, _join, _LineError
 from lmdq.producer.formats.validation import _check_messages, _check_prompt, _custom_id, _validate_params
-
-from lmdq.contract import Endpoint
 
 _OPENAI_LINE_KEYS = ("custom_id", "method", "url", "body")
 _OPENAI_LINE_KEY_SET = frozenset(_OPENAI_LINE_KEYS)

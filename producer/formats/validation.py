@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, get_args, get_origin
 
-from lmdq.producer.formats.records import _got, _join, _LineError
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from lmdq.contract import ChatMessage, GenerationParams, Request
 from lmdq.guided import check as check_response_format
+from lmdq.producer.formats.records import _got, _join, _LineError
 
 # --------------------------------------------------------------------------------------------
 # Limits and vocabularies taken from the contract, so the parser cannot drift from the wire format.

@@ -67,7 +67,7 @@ def main() -> None:
             name = f"smollm2-tp{tp}"
             log = open(out_dir / f"worker_tp{tp}.log", "wb")  # noqa: SIM115
             t0 = time.time()
-            w = subprocess.Popen([sys.executable, "-m", "worker", "--engine", "lmdeploy", "--backend", "pytorch",
+            w = subprocess.Popen([sys.executable, "-m", "lmdq.worker", "--engine", "lmdeploy", "--backend", "pytorch",
                                   "--tp", str(tp), "--model", model, "--served-model-name", name, "--dtype", "float16",
                                   "--cache-max-entry-count", "0.2", "--drain-timeout", "20"],
                                  env=env, cwd=ROOT, stdout=log, stderr=log)
@@ -79,10 +79,10 @@ def main() -> None:
                     raise SystemExit(f"tp={tp} worker died: see worker_tp{tp}.log")
                 time.sleep(0.5)
             time.sleep(2)  # registration happens before engine load: wait for it to claim
-            sub = subprocess.run([sys.executable, "-m", "producer", "submit", str(ROOT / "examples/prompts.jsonl"),
+            sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(ROOT / "examples/prompts.jsonl"),
                                   "--model", name, "--greedy"], env=env, cwd=ROOT, capture_output=True, text=True)
             bid = sub.stdout.strip()
-            res = subprocess.run([sys.executable, "-m", "producer", "results", bid, "--wait", "--timeout", "600"],
+            res = subprocess.run([sys.executable, "-m", "lmdq.producer", "results", bid, "--wait", "--timeout", "600"],
                                  env=env, cwd=ROOT, capture_output=True, text=True)
             rows = [json.loads(x) for x in res.stdout.splitlines()]
             kids = descendants(w.pid)

@@ -70,7 +70,7 @@ def redis_env() -> Iterator[dict[str, str]]:
 
 
 def _cli(env: dict[str, str], *args: str, timeout: float = 600) -> str:
-    p = subprocess.run([sys.executable, "-m", "producer", *args], env=env, cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "lmdq.producer", *args], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == 0, f"producer {' '.join(args)}: {p.stderr[-2000:]}"
     return p.stdout
@@ -98,7 +98,7 @@ def _worker(env: dict[str, str], model: Path, log: Path, *extra: str) -> subproc
     from lmdq.worker.engines.orphan_guard import set_parent_death_signal
 
     return subprocess.Popen(
-        [sys.executable, "-m", "worker", "--engine", "lmdeploy", "--backend", "pytorch", "--model", str(model),
+        [sys.executable, "-m", "lmdq.worker", "--engine", "lmdeploy", "--backend", "pytorch", "--model", str(model),
          "--served-model-name", NAME, "--dtype", "bfloat16", "--heartbeat-ttl", "30", *extra],
         env=env, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
         preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL))

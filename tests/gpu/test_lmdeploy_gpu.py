@@ -152,12 +152,11 @@ def test_streams_several_deltas(engine) -> None:  # type: ignore[no-untyped-def]
 
 def test_worker_writes_partials_before_finish(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """In-process worker on the real engine: a long request's partial text is in Redis before it ends."""
+    from lmdq.keys import Keys
     from lmdq.producer.submit import SubmitOptions, submit_file
+    from lmdq.store import ResultStore
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings
-
-    from lmdq.keys import Keys
-    from lmdq.store import ResultStore
 
     srv = RedisServer().start()
     try:
@@ -272,13 +271,12 @@ def test_pytorch_engine_drops_hidden_states_so_lmdq_refuses_them(engine) -> None
 def test_100_json_schema_requests_through_the_worker(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """100 guided-JSON requests (greedy and sampled) through submit + the in-process worker on the real
     engine: every stored result parses and validates against the schema."""
-    from lmdq.producer.submit import SubmitOptions, submit_file
-    from lmdq.worker.runner import Worker
-    from lmdq.worker.settings import WorkerSettings
-
     from lmdq.contract import ResponseFormat
     from lmdq.keys import Keys
+    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.store import ResultStore
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
 
     names = ["Ann", "Bob", "Carla", "Dmitri", "Eve", "Farid", "Gao", "Hana", "Ivo", "Jun"]
     srv = RedisServer().start()
@@ -319,14 +317,14 @@ def test_turbomind_logits_and_hidden_states_land_as_safetensors(engine, hf_tok, 
     submit + the in-process worker end as safetensors blobs of the right shapes, read back from their URIs."""
     if engine.backend != "turbomind":
         pytest.skip("TurboMind only (the PyTorch engine refuses these: test above)")
-    from lmdq.producer.submit import SubmitOptions, submit_file
-    from lmdq.worker.runner import Worker
-    from lmdq.worker.settings import WorkerSettings
     from safetensors.numpy import load_file
 
     from lmdq.blobs import read_tensor
     from lmdq.keys import Keys
+    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.store import ResultStore
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
 
     cfg = json.loads((model_path / "config.json").read_text())
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from lmdq.guided import to_lmdeploy
 from lmdq.worker.engine_config import LMDeployConfig
 from lmdq.worker.engines import orphan_guard
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.failure_burst import FailureBurst
-
-from lmdq.guided import to_lmdeploy
 
 __all__ = ["LMDeployEngine", "build_backend_config", "build_gen_config", "resolve_chat_template"]
 

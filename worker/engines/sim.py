@@ -6,7 +6,10 @@ thread advances every running sequence by one token per ``step_ms`` "decode step
 across job boundaries is exactly as hard as keeping a GPU busy. Text is deterministic from the
 prompt; a request produces exactly ``max_new_tokens`` tokens unless a stop word applies.
 A prompt containing ``[[sim:error]]`` ends with an internal error, ``[[sim:engine-error]]``
-raises :class:`EngineError` for the whole call (fault tests).
+raises :class:`EngineError` for the whole call (fault tests). A prompt containing ``[[sim:poison]]``
+(:attr:`SimEngine.poison_marker`) KILLS the engine when it is admitted, as a prompt that crashes a
+real engine's process would: every in-flight stream raises :class:`EngineDead`, ``alive()`` turns
+False and every later ``stream`` call raises too. :meth:`SimEngine.kill` does the same from outside.
 
 Rich outputs are SIMULATED too, with the real engines' shapes (see docs/outputs.md): ``logprobs=k``
 gives per generated token a deterministic fake chosen id in ``[0, sim_vocab)`` with a fake logprob
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdq.worker.engine_config import SimConfig
-from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 
 __all__ = ["SIM_CONTEXT_LEN", "SimEngine", "minimal_instance"]
 
@@ -108,6 +111,8 @@ class _Seq:
 class SimEngine:
     name = "sim"
     backend = "sim"
+    #: a request whose prompt contains this kills the engine when admitted (fault tests)
+    poison_marker = "[[sim:poison]]"
 
     def __init__(self, config: SimConfig | None = None, /, *, model_name: str = "sim", **overrides: Any) -> None:
         """``config`` (default: :class:`SimConfig`'s defaults) with ``overrides`` over it, by field or flag
@@ -128,6 +133,7 @@ class SimEngine:
         self._active: list[_Seq] = []
         self._cv = threading.Condition()
         self._closed = False
+        self._dead: str | None = None  # why the simulated engine died, once it has
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
         self._thread.start()
@@ -164,6 +170,8 @@ class SimEngine:
                 )
             )
         with self._cv:
+            if self._dead is not None:
+                raise EngineDead(self._dead)
             self._pending.extend(seqs)
             self._cv.notify()
         remaining = len(seqs)
@@ -176,8 +184,15 @@ class SimEngine:
             yield ev
 
     def alive(self) -> bool:
-        """In-process engine: alive until closed."""
-        return not self._closed
+        """Alive until closed or killed."""
+        return not self._closed and self._dead is None
+
+    def kill(self, why: str = "simulated engine death (killed from outside)") -> None:
+        """Fault-test hook: the engine dies now, as if its process had been SIGKILLed."""
+        with self._cv:
+            if self._dead is None:
+                self._dead = why
+            self._cv.notify()
 
     def close(self) -> None:
         with self._cv:
@@ -250,6 +265,9 @@ class SimEngine:
                 f"prompt has {s.input_len} tokens, session_len is {self.session_len}",
             )
             return False
+        if self.poison_marker in (s.req.prompt or str(s.req.messages)):
+            self._dead = f"simulated engine death: poison prompt (request {s.req.index} of its call)"
+            return False
         if "[[sim:error]]" in (s.req.prompt or str(s.req.messages)):
             self._finish(s, "error", "internal_error", "simulated per-request failure")
             return False
@@ -299,17 +317,24 @@ class SimEngine:
         next_tick = time.monotonic()
         while True:
             with self._cv:
-                while not self._closed and not self._pending and not self._active:
+                while not self._closed and self._dead is None and not self._pending and not self._active:
                     self._cv.wait()
                     next_tick = time.monotonic()
-                if self._closed:
+                if self._closed or self._dead is not None:
+                    err = EngineDead(self._dead) if self._dead is not None else EngineError("sim engine closed")
                     for s in [*self._active, *self._pending]:
-                        s.out.put(EngineError("sim engine closed"))
+                        s.out.put(err)
+                    self._active, self._pending = [], deque()
                     return
                 while self._pending and len(self._active) < self.max_batch:
                     s = self._pending.popleft()
                     if self._admit(s):
                         self._active.append(s)
+                    elif self._dead is not None:  # a poison prompt: it and everything in flight fail
+                        s.out.put(EngineDead(self._dead))
+                        break
+                if self._dead is not None:
+                    continue
                 active = list(self._active)
             # One decode step for every running sequence, then wait out the rest of the step.
             next_tick += self.step_s

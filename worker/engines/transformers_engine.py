@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmdq.contract import ChatMessage
 from lmdq.worker.engine_config import TransformersConfig
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.guided_decoding import GrammarCache, GuidedMatcher
@@ -52,8 +53,6 @@ from lmdq.worker.engines.request_errors import BadRequest, error_event
 from lmdq.worker.engines.rich_outputs import RichOutputs
 from lmdq.worker.engines.sampling import Sampling, next_token
 from lmdq.worker.engines.stop_words import REPLACEMENT_CHAR, find_stop, safe_text_end
-
-from lmdq.contract import ChatMessage
 
 __all__ = ["TransformersEngine", "find_stop", "safe_text_end"]
 

@@ -1,0 +1,331 @@
+"""One attempt at one job: read where it stands, apply the batch's policy, stream it through the engine.
+
+Policy first, from ONE store round trip (:meth:`lmdq.jobs.JobQueue.begin`): requests that already
+have results are skipped (a resumed job), a cancelled batch's requests end ``cancelled``, a batch
+past its completion window (by the Redis server's clock) ends them ``expired``, a job out of attempts
+or runs ends them ``failed``. Then the engine: every event of a request goes to the result writer,
+the final one as the request's answer.
+
+How the attempt ends is an :class:`~lmdq.worker.outcomes.Outcome`. Faults are not failures: an engine
+error for the job's requests is charged (``retry``), an engine death, a drain or a lost lease is not.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmdq.contract import BatchStatus, ErrorInfo, FinishReason, JobPayload, Request, ResultStatus
+from lmdq.jobs import Claim, JobQueue
+from lmdq.keys import BatchField
+from lmdq.store import ResultStore
+from lmdq.worker.admission import EngineGate
+from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent, EngineRequest
+from lmdq.worker.outcomes import MAX_RUNS, SUSPECT_AFTER_CRASHES, AbortReason, AttemptEnd, Outcome
+from lmdq.worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
+from lmdq.worker.result_writer import ResultWriter
+from lmdq.worker.settings import WorkerSettings
+from lmdq.worker.tensor_store import TensorStore
+
+__all__ = ["DeathWatch", "Held", "JobAttempt", "engine_alive"]
+
+_STOPPED = (AbortReason.drain, AbortReason.lost, AbortReason.engine_dead)
+"""Abort reasons after which an aborted request is not an answer: the job runs again."""
+
+
+def engine_alive(engine: Engine) -> bool:
+    """``engine.alive()``; a wrapper that predates it (a test double lending an engine) counts as
+    alive, so death is then detected from its errors alone."""
+    alive = getattr(engine, "alive", None)
+    return True if alive is None else bool(alive())
+
+
+@dataclass
+class Held:
+    """A job this worker holds, as the loop, the heartbeat and the job's thread all see it."""
+
+    claim: Claim
+    batch_id: str = ""
+    n_requests: int = 0
+    abort: threading.Event = field(default_factory=threading.Event)
+    abort_reason: AbortReason | None = None
+    #: requests counted against engine capacity for this job
+    reserved: int = 0
+    #: its requests were handed to the engine (an engine death counts against it only then)
+    in_engine: bool = False
+    #: its lease is being released: a heartbeat that finds the lease gone is not news
+    released: bool = False
+
+    def stop(self, reason: AbortReason) -> bool:
+        """Abort the job's in-flight requests for ``reason`` (the first reason wins). True if new."""
+        if self.abort.is_set():
+            return False
+        self.abort_reason = reason
+        self.abort.set()
+        return True
+
+
+class _EngineGone(Exception):
+    """A request ended with an error while the engine reports itself dead: not the request's fault."""
+
+
+class DeathWatch:
+    """Belt and braces for an engine that dies without saying so: when every job in the engine fails
+    with an engine-level error at once (at least two jobs within ``window_s``, no request finishing in
+    between), the engine is taken for dead, and none of those jobs is charged an attempt."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._burst_start = 0.0
+        self._burst_size = 0
+        self._jobs: set[str] = set()
+
+    def request_ok(self) -> None:
+        with self._lock:
+            self._jobs.clear()
+
+    def errored(self, job_id: str, in_engine: int) -> None:
+        """Job ``job_id`` failed with an engine error while ``in_engine`` jobs were in the engine."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._jobs or now - self._burst_start > self.window_s:
+                self._burst_start, self._burst_size, self._jobs = now, in_engine, set()
+            self._jobs.add(job_id)
+
+    def verdict(self) -> bool:
+        """Wait (at most one window) to see whether the other jobs in the engine fail too: True
+        when they all did (the engine is dead), False once a request finishes or the window ends."""
+        end = time.monotonic() + self.window_s
+        while True:
+            with self._lock:
+                if len(self._jobs) >= max(2, self._burst_size):
+                    return True
+                if not self._jobs or time.monotonic() >= end:
+                    return False
+            time.sleep(0.02)
+
+
+class JobAttempt:
+    """Runs held jobs on one engine (one instance per worker, called from many job threads)."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        jobs: JobQueue,
+        store: ResultStore,
+        writer: ResultWriter,
+        settings: WorkerSettings,
+        worker: str,
+        gate: EngineGate,
+        health: Any | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        self.store = store
+        self.writer = writer
+        self.s = settings
+        self.worker = worker
+        self.gate = gate
+        self.health = health
+        #: the worker's clock: result timings only (leases and expiry use the Redis server's)
+        self.clock = clock
+        self.watch = DeathWatch()
+        self._tensors = TensorStore()
+
+    def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any) -> AttemptEnd:
+        claim = held.claim
+        enq = job.enqueued_at.timestamp() if job.enqueued_at else None
+        started = self.clock()
+        indices = [r.index for r in payload.requests]  # never empty: JobPayload.requests has min_length 1
+        start = self.writer.call(
+            lambda: self.jobs.begin(claim, batch_id=payload.batch_id, indices=indices, worker=self.worker,
+                                    ttl_s=int(self.s.heartbeat_ttl_s) + 60),
+            "start job",
+        )
+        if start.status in (BatchStatus.validating, BatchStatus.queued):
+            self.writer.call(
+                lambda: self.store.transition(payload.batch_id, [BatchStatus.validating, BatchStatus.queued],
+                                              BatchStatus.in_progress, BatchField.in_progress_at),
+                "mark batch in progress",
+            )
+        todo = [r for r in payload.requests if r.index not in start.finished]
+        if len(todo) < len(payload.requests):
+            jlog.info("resuming job: skipping requests that already have results", skipped=len(start.finished))
+        if not todo:
+            return AttemptEnd(Outcome.done)
+        results = ResultBuilder(
+            payload=payload,
+            model=self.engine.model_name,
+            backend=self.engine.backend,
+            worker=self.worker,
+            attempt=min(claim.attempt, self.s.max_attempts),
+            enqueued_at=enq,
+            started_at=started,
+        )
+
+        def close_all(reqs: list[Request], status: ResultStatus, code: str | None, msg: str | None) -> None:
+            for r in reqs:
+                error = ErrorInfo(code=code, message=msg or code) if code else None
+                self.writer.final(results.build(r, status=status, error=error, finished_at=self.clock()))
+
+        if start.status in (BatchStatus.cancelling, BatchStatus.cancelled):
+            close_all(todo, ResultStatus.cancelled, None, None)
+            return AttemptEnd(Outcome.done)
+        if start.expired:
+            close_all(todo, ResultStatus.expired, "expired", "not started within the batch's completion window")
+            return AttemptEnd(Outcome.done)
+        if claim.attempt > self.s.max_attempts:
+            close_all(todo, ResultStatus.failed, "max_attempts_exceeded",
+                      f"the engine failed this job {claim.charges} times (max_attempts={self.s.max_attempts})")
+            return AttemptEnd(Outcome.failed, f"max attempts ({self.s.max_attempts}) exceeded")
+        if claim.run > MAX_RUNS:
+            close_all(todo, ResultStatus.failed, "max_runs_exceeded",
+                      f"the job was started {claim.run - 1} times without finishing (limit {MAX_RUNS})")
+            return AttemptEnd(Outcome.failed, f"max runs ({MAX_RUNS}) exceeded")
+        if claim.killer is not None:
+            killer = [r for r in todo if r.index == claim.killer]
+            if killer:
+                jlog.error("request killed the engine while running alone: failing it", index=claim.killer,
+                           crashes=claim.crashes)
+                close_all(killer, ResultStatus.failed, "engine_crash",
+                          "the engine died while running this request alone (after this job was in the engine "
+                          f"for {claim.crashes} engine deaths)")
+                todo = [r for r in todo if r.index != claim.killer]
+                if not todo:
+                    return AttemptEnd(Outcome.done)
+        if claim.crashes >= SUSPECT_AFTER_CRASHES:
+            return self._run_alone(held, payload, todo, results, jlog)
+        with self.gate.shared(held.abort) as entered:
+            if not entered:
+                return self._stopped(held)
+            return self._stream(held, payload, todo, results, jlog)
+
+    def _run_alone(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
+                   jlog: Any) -> AttemptEnd:
+        """A suspect job: alone in the engine, one request at a time, so a death names its request."""
+        jlog.warning("job was in the engine at repeated engine deaths: running it alone, one request at a time",
+                     crashes=held.claim.crashes, requests=len(todo))
+        with self.gate.exclusive(held.abort) as entered:
+            if not entered:
+                return self._stopped(held)
+            for r in todo:
+                if held.abort.is_set():
+                    return self._stopped(held)  # the rest runs again (or is cancelled) on the next claim
+                end = self._stream(held, payload, [r], results, jlog)
+                if end.outcome is Outcome.crashed:
+                    return AttemptEnd(Outcome.crashed, killer=r.index, error=end.error)
+                if end.outcome is not Outcome.done:
+                    return end
+        return AttemptEnd(Outcome.done)
+
+    def _stopped(self, held: Held) -> AttemptEnd:
+        """Stopped before its requests reached the engine: runs again, uncharged."""
+        if held.abort_reason is AbortReason.lost:
+            return AttemptEnd(Outcome.lost)
+        return AttemptEnd(Outcome.requeue)
+
+    def _stream(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
+                jlog: Any) -> AttemptEnd:
+        claim = held.claim
+        live = [LiveRequest(req=r) for r in todo]
+        ereqs = [
+            EngineRequest(
+                index=i,
+                prompt=r.prompt,
+                messages=[m.model_dump(exclude_none=True) for m in r.messages] if r.messages else None,
+                endpoint=r.endpoint,
+                params=payload.params.merged(r.params),
+            )
+            for i, r in enumerate(todo)
+        ]
+        finished: set[int] = set()
+        if held.abort.is_set() or not engine_alive(self.engine):
+            return self._stopped(held)  # never reached the engine: no crash to count against it
+        held.in_engine = True
+        try:
+            for ev in self.engine.stream(ereqs, held.abort):
+                self._on_event(ev, live[ev.index], results, held, finished)
+        except (EngineDead, _EngineGone) as e:
+            jlog.warning("engine died while running job; it runs again on a fresh engine, uncharged", error=str(e))
+            return AttemptEnd(Outcome.crashed, error=str(e))
+        except EngineError as e:
+            self.watch.errored(claim.job_id, self.gate.in_engine())
+            dead = self.watch.verdict()  # did every other job in the engine fail at the same moment?
+            if dead or not engine_alive(self.engine) or held.abort_reason is AbortReason.engine_dead:
+                jlog.warning("engine error with the engine dead; job runs again, uncharged", error=str(e))
+                return AttemptEnd(Outcome.crashed, error=str(e))
+            jlog.error("engine error; job will be retried", error=str(e))
+            if claim.attempt >= self.s.max_attempts:
+                for lv in live:
+                    if lv.req.index not in finished:
+                        self.writer.final(results.build(
+                            lv.req, status=ResultStatus.failed, finish_reason=FinishReason.error,
+                            error=ErrorInfo(code="engine_error", message=str(e)), finished_at=self.clock()))
+                return AttemptEnd(Outcome.failed, f"engine error after {claim.attempt} attempts: {e}")
+            return AttemptEnd(Outcome.retry)
+        if len(finished) < len(live):
+            if held.abort_reason is AbortReason.engine_dead:
+                return AttemptEnd(Outcome.crashed)
+            if held.abort_reason is AbortReason.lost:
+                return AttemptEnd(Outcome.lost)
+            if held.abort_reason is not AbortReason.drain:
+                # A stream that ended without a final event for every request (an engine bug): never
+                # release a job with requests left unanswered; run them again.
+                jlog.warning("engine stream ended with requests unanswered; re-queueing",
+                             unanswered=len(live) - len(finished))
+            return AttemptEnd(Outcome.requeue)
+        return AttemptEnd(Outcome.done)
+
+    def _on_event(
+        self, ev: EngineEvent, lv: LiveRequest, results: ResultBuilder, held: Held, finished: set[int]
+    ) -> None:
+        now = self.clock()
+        if ev.text:
+            lv.text.append(ev.text)
+            lv.dirty = True
+        if lv.first_token_at is None and (ev.generate_token_len > 0 or ev.text):
+            # The first partial comes one interval after the first token, not with it: a one-token
+            # partial tells a reader little, and writing 1024 of them while the engine fills up (one
+            # Lua call each, behind the engine's GIL) delayed the last requests' start (sim, measured).
+            lv.first_token_at = lv.last_partial = now
+        lv.input_len = ev.input_token_len or lv.input_len
+        lv.gen_len = ev.generate_token_len
+        if ev.finish_reason is None:
+            if lv.dirty and now - lv.last_partial >= self.s.partial_interval_s:
+                lv.last_partial, lv.dirty = now, False
+                self.writer.partial(results.partial(lv))
+            return
+        reason = FinishReason(ev.finish_reason)
+        if reason is FinishReason.abort and held.abort_reason in _STOPPED:
+            return  # not an answer: the job is re-queued and this request runs again
+        if reason is FinishReason.error and not engine_alive(self.engine):
+            # An engine that died may fail its in-flight requests one by one before it says so (as
+            # LMDeploy's RPC errors did): those errors are the engine's, not the requests'.
+            raise _EngineGone(ev.error_message or ev.error_code or "request failed as the engine died")
+        finished.add(ev.index)
+        status, error = final_status(ev, reason)
+        logprobs = token_logprobs(ev)
+        tensors = None
+        if status is ResultStatus.completed:
+            self.watch.request_ok()
+            tensors, terr = self._tensors.put(ev, lv.req, results.payload, self.s.blob_url)
+            if terr is not None:
+                status, error, reason = ResultStatus.failed, terr, FinishReason.error
+        result = results.final(
+            lv, status=status, reason=reason, error=error, finished_at=now, logprobs=logprobs, tensors=tensors
+        )
+        self.writer.final(result)
+        if self.health:
+            self.health.request_finished(
+                status=status.value,
+                input_tokens=lv.input_len,
+                output_tokens=lv.gen_len,
+                ttft_s=(lv.first_token_at - results.started_at) if lv.first_token_at else None,
+                latency_s=now - results.started_at,
+            )

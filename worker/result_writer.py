@@ -1,0 +1,153 @@
+"""Writing results, and every other store call of a job, through store faults without losing work.
+
+Redis can be unreachable (restart, failover), or reachable and refusing writes: out of memory under
+``maxmemory`` + ``noeviction``, a read-only replica after a failover, a failed RDB save (MISCONF).
+None of that is a request's fault. A finished result stays in memory and its write is retried, with
+capped backoff, for as long as it takes: a job whose requests already finished is never re-queued
+(that would run them again only to find the store still full). One warning opens an episode, one
+info line closes it; the attempts in between are not logged one by one (a full Redis used to print
+a traceback per attempt, ~2,000 per worker in 30 s). While an episode lasts, :attr:`refusing` is set
+and the worker claims nothing: there is no point running more work that cannot be stored.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+
+from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
+from lmdq.contract import Result
+from lmdq.store import ResultStore
+
+__all__ = ["ResultWriter", "StoreRefused", "WriteAbandoned", "is_store_refusal"]
+
+T = TypeVar("T")
+
+_REFUSALS = ("OOM command not allowed", "READONLY", "MISCONF")
+"""Error texts of a reachable Redis that refuses writes. Scripts report them inside a generic
+ResponseError ('Error running script ...: -OOM command not allowed ...'), hence the texts, not
+only redis-py's OutOfMemoryError / ReadOnlyError classes."""
+
+
+def is_store_refusal(e: BaseException) -> bool:
+    """Redis answered but refused the write for a reason of its own (memory, role, disk)."""
+    if isinstance(e, (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)):
+        return True
+    return isinstance(e, redis.ResponseError) and any(t in str(e) for t in _REFUSALS)
+
+
+class StoreRefused(redis.exceptions.ConnectionError):
+    """A refusal (see :func:`is_store_refusal`) re-raised as a connection-class error, so that the one
+    reconnect policy (:func:`lmdq.connection.with_reconnect`) retries it like an unreachable Redis."""
+
+
+class WriteAbandoned(Exception):
+    """The worker is being stopped hard while the store still refuses: the write is given up. The job's
+    lease then expires and another worker runs its unfinished requests (nothing is written twice)."""
+
+
+class ResultWriter:
+    """Final and partial results, and the retry policy for every store call of a job."""
+
+    def __init__(self, store: ResultStore, *, log: Any, give_up: threading.Event, cap_s: float = 5.0) -> None:
+        self.store = store
+        self.log = log
+        #: set when the worker must end now (second signal, drain deadline passed)
+        self.give_up = give_up
+        self.cap_s = cap_s
+        #: set while the store refuses or is unreachable: the worker claims nothing meanwhile
+        self.refusing = threading.Event()
+        self._lock = threading.Lock()
+        self._episode_start: float | None = None
+        self._episode_retries = 0  # calls that had to retry during the episode
+        self._retrying = 0  # calls retrying now
+        self.stats = {"results": 0, "duplicates": 0, "store_episodes": 0}
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()``, retried through connection errors and store refusals until it succeeds (or the
+        worker gives up). ``what`` names the operation in the episode's one warning. The episode
+        lasts while any call is retrying; the last one to get through ends it."""
+        retried = False
+
+        def once() -> T:
+            if self.give_up.is_set():
+                raise WriteAbandoned(f"{what}: given up (the worker is stopping and Redis still refuses)")
+            try:
+                return fn()
+            except redis.ResponseError as e:
+                if is_store_refusal(e):
+                    raise StoreRefused(str(e)) from e
+                raise
+
+        def on_retry(e: Exception, delay: float) -> None:
+            nonlocal retried
+            if not retried:
+                retried = True
+                self._enter(e, what, delay)
+            # Jitter: many job threads (and workers) retrying on one schedule would hit a recovering
+            # Redis all at once.
+            time.sleep(random.uniform(0.0, delay / 4))
+
+        ok = False
+        try:
+            out = with_reconnect(once, attempts=1_000_000_000, cap_s=self.cap_s, on_retry=on_retry)
+            ok = True
+            return out
+        finally:
+            if retried:
+                self._leave(ok)
+
+    def final(self, result: Result) -> bool:
+        """Store a final result (exactly once, see :mod:`lmdq.store`). True if it was new."""
+        new = self.call(lambda: self.store.write_result(result), "write result")
+        with self._lock:
+            self.stats["results" if new else "duplicates"] += 1
+        return new
+
+    def partial(self, result: Result) -> None:
+        """Best effort: partial text is a progress hint, so a store fault skips it instead of
+        waiting (the final result, written by :meth:`final`, is what must not be lost)."""
+        if self.refusing.is_set():
+            return
+        try:
+            self.store.write_partial(result)
+        except RETRYABLE_ERRORS as e:
+            self.log.debug("partial result not written", error=str(e))
+        except redis.ResponseError as e:
+            if not is_store_refusal(e):
+                raise
+            self.log.debug("partial result not written", error=str(e))
+
+    # ---- episodes ----------------------------------------------------------------------------
+    def _enter(self, e: Exception, what: str, delay: float) -> None:
+        with self._lock:
+            self._retrying += 1
+            first = self._episode_start is None
+            if first:
+                self._episode_start = time.monotonic()
+                self.stats["store_episodes"] += 1
+            self._episode_retries += 1
+        self.refusing.set()
+        if first:
+            # The same event name as the loop's own reconnect line for an unreachable Redis; its own
+            # for a Redis that answers and refuses (the operator's fix differs: memory, failover).
+            event = ("redis refuses writes: holding finished results in memory and retrying; claiming paused"
+                     if isinstance(e, StoreRefused) else "redis unavailable, retrying")
+            self.log.warning(event, operation=what, error=str(e), delay_s=delay)
+
+    def _leave(self, ok: bool) -> None:
+        with self._lock:
+            self._retrying -= 1
+            if self._retrying > 0 or self._episode_start is None:
+                return
+            start, calls = self._episode_start, self._episode_retries
+            self._episode_start, self._episode_retries = None, 0
+            self.refusing.clear()
+        if ok:
+            self.log.info("redis accepts writes again: resuming", down_s=round(time.monotonic() - start, 1),
+                          calls_retried=calls)
