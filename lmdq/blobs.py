@@ -131,13 +131,6 @@ class BlobStore:
             self.fs.pipe_file(path, data)
         return self.uri(key)
 
-    def get_bytes(self, key: str) -> bytes:
-        data: bytes = self.fs.cat_file(self._path(key))
-        return data
-
-    def exists(self, key: str) -> bool:
-        return bool(self.fs.exists(self._path(key)))
-
     def put_tensors(self, key_prefix: str, tensors: dict[str, Any]) -> dict[str, TensorRef]:
         """Write one request's tensors as ONE safetensors file ``<key_prefix>.safetensors``.
 
