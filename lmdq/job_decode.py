@@ -31,7 +31,19 @@ from lmdq.job_data import JobRefused
 from lmdq.jobs import JobQueue, job_id_for
 from lmdq.output_urls import OutputPolicy, OutputUrlRejected
 
-__all__ = ["MAX_BATCH_RECORD_BYTES", "MAX_JOB_ID_CHARS", "JobRefused", "decode_job"]
+__all__ = ["MAX_BATCH_RECORD_BYTES", "MAX_JOB_ID_CHARS", "JobRefused", "OutputNotAllowed", "decode_job"]
+
+
+class OutputNotAllowed(JobRefused):
+    """A well-formed job of a live batch whose results/blob URL (the batch record's own) is outside what
+    this worker may write to (LMDQ_BLOB_URL, LMDQ_ALLOWED_OUTPUT_URLS). Unlike a forged job, its requests
+    deserve an answer: the worker fails them (``output_url_not_allowed``) and writes nothing there, and
+    the job ends failed in RQ, never retried. ``payload`` is the job's, with its URLs removed."""
+
+    def __init__(self, message: str, *, job: Job, payload: JobPayload) -> None:
+        super().__init__(message)
+        self.job = job
+        self.payload = payload
 
 MAX_JOB_ID_CHARS = 256
 """lmdq job ids are ``<batch id>-<job no>`` (37 characters); ids come off the queue list, untrusted too."""
@@ -87,7 +99,11 @@ def decode_job(
             try:
                 urls[name] = outputs.check(ours)
             except OutputUrlRejected as e:
-                raise JobRefused(f"{where}: {name} {e}") from e
+                # a genuine job of a live batch, which names a place this worker may not write: its
+                # requests are answered (failed), not left without a result; nothing is written there
+                raise OutputNotAllowed(f"{where}: {name} {e}", job=job,
+                                       payload=payload.model_copy(update={"results_url": None,
+                                                                          "blob_url": None})) from e
     return job, payload.model_copy(update=urls) if urls else payload
 
 

@@ -420,12 +420,28 @@ def test_job_urls_must_equal_the_batch_record_and_be_allowed(case: str, tmp_path
 
     stats = _run_worker(client, redis_url, prefix, allowed_output_urls=str(allowed))
 
-    assert stats["refused"] == 1
-    _assert_refused(client, prefix, hostile)
-    lines = _refusal_lines(capsys.readouterr().out, hostile)
+    out = capsys.readouterr().out
+    why = ("not the one in the batch record" if case == "forged-url" else
+           "not supported" if case == "scheme" else "outside the worker's allowed output prefixes")
+    if case == "forged-url":  # a forged job: refused unread, never run, never retried
+        assert stats["refused"] == 1
+        _assert_refused(client, prefix, hostile)
+        lines = _refusal_lines(out, hostile)
+    else:
+        # the batch record itself names the place: a genuine job whose requests deserve an answer. They end
+        # failed (output_url_not_allowed), nothing is written there, the job ends failed in RQ, never retried
+        assert stats["refused"] == 0
+        lines = [ln for ln in out.splitlines() if "output URL is not allowed" in ln and hostile in ln]
+        b = wait_batch(client, prefix, target, timeout=30)
+        assert b.request_counts.failed == b.request_counts.total == 1, b.request_counts
+        (r,) = results_of(client, prefix, target)
+        assert r.status is ResultStatus.failed and r.error is not None and r.error.code == "output_url_not_allowed"
+        assert why in r.error.message and "LMDQ_ALLOWED_OUTPUT_URLS" in r.error.message
+        qname = queue_name(MODEL, "normal", prefix)
+        assert hostile in FailedJobRegistry(qname, connection=client).get_job_ids()
+        assert client.llen(rq_queue_key(qname)) == 0
     assert len(lines) == 1, lines
-    assert ("not the one in the batch record" if case == "forged-url" else
-            "not supported" if case == "scheme" else "outside the worker's allowed output prefixes") in lines[0]
+    assert why in lines[0]
     assert _files(outside) == [] and not Path(f"{allowed}-evil").exists()
     assert wait_batch(client, prefix, good, timeout=30).request_counts.completed == 2
     if case == "forged-url":  # the real jobs of the targeted batch still ran, to the batch's own folder

@@ -138,7 +138,11 @@ class JobAttempt:
         self.watch = DeathWatch()
         self._tensors = TensorStore()
 
-    def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any) -> AttemptEnd:
+    def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
+            output_refusal: str | None = None) -> AttemptEnd:
+        """One attempt. ``output_refusal``: the batch names an output URL this worker may not write to
+        (:class:`lmdq.job_decode.OutputNotAllowed`): its unfinished requests end ``failed`` with
+        ``output_url_not_allowed`` instead of running, and the job ends failed (never retried)."""
         claim = held.claim
         enq = job.enqueued_at.timestamp() if job.enqueued_at else None
         started = self.clock()
@@ -180,6 +184,10 @@ class JobAttempt:
         if start.expired:
             close_all(todo, ResultStatus.expired, "expired", "not started within the batch's completion window")
             return AttemptEnd(Outcome.done)
+        if output_refusal is not None:
+            close_all(todo, ResultStatus.failed, "output_url_not_allowed",
+                      f"{output_refusal} (the operator allows workers to write there with LMDQ_ALLOWED_OUTPUT_URLS)")
+            return AttemptEnd(Outcome.failed, f"output URL not allowed: {output_refusal}")
         if claim.attempt > self.s.max_attempts:
             close_all(todo, ResultStatus.failed, "max_attempts_exceeded",
                       f"the engine failed this job {claim.charges} times (max_attempts={self.s.max_attempts})")

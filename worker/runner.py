@@ -30,7 +30,7 @@ import redis
 import structlog
 
 from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
-from lmdq.job_decode import decode_job
+from lmdq.job_decode import OutputNotAllowed, decode_job
 from lmdq.jobs import Charge, Claim, JobQueue
 from lmdq.keys import Keys, queue_names
 from lmdq.output_urls import OutputPolicy
@@ -342,6 +342,7 @@ class Worker:
         claim = held.claim
         jlog = self.log.bind(job=claim.job_id, attempt=claim.attempt, run=claim.run)
         end = AttemptEnd(Outcome.requeue)
+        output_refusal: str | None = None
         try:
             try:
                 job, payload = with_reconnect(
@@ -350,6 +351,9 @@ class Worker:
                 )
             except RETRYABLE_ERRORS:
                 raise  # Redis is down, the job is not foreign: re-queued below, never refused
+            except OutputNotAllowed as e:  # genuine, but writes where this worker may not: answer, don't run
+                jlog.error("batch's output URL is not allowed on this worker: failing its requests", error=str(e))
+                job, payload, output_refusal = e.job, e.payload, str(e)
             except Exception as e:  # noqa: BLE001 - anything not an lmdq payload is refused, never run
                 jlog.error("refused job: not an lmdq job", error=str(e))
                 self._counts["refused"] += 1
@@ -363,7 +367,7 @@ class Worker:
             with self._lock:
                 held.reserved = self.admission.resize(held.reserved, held.n_requests)
             jlog = jlog.bind(batch=payload.batch_id)
-            end = self.attempt.run(held, payload, job, jlog)
+            end = self.attempt.run(held, payload, job, jlog, output_refusal=output_refusal)
             if end.outcome in (Outcome.done, Outcome.failed) and payload.results_url \
                     and held.abort_reason is not AbortReason.lost:
                 flush_results(self.client, self.keys, payload, jlog, on_retry=self._redis_retry)
