@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -700,6 +701,21 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     for target in pyproject()["project"]["scripts"].values():
         assert target.startswith("lmdq."), target
         assert target.split(":")[0].replace(".", "/") + ".py" in names
+    # a fresh install of that wheel, used from outside the checkout: `import worker` fails, the commands work
+    site, cwd = tmp_path / "site", tmp_path / "elsewhere"
+    cwd.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    for top in ("worker", "producer", "bench"):
+        p = subprocess.run([sys.executable, "-c", f"import {top}"], cwd=cwd, env=env, capture_output=True, text=True)
+        assert p.returncode != 0 and "ModuleNotFoundError" in p.stderr, (top, p.stderr)
+    p = subprocess.run([sys.executable, "-c", "import lmdq.producer.cli as m, lmdq.worker.runner as w; "
+                        "print(m.__file__); print(w.__file__)"], cwd=cwd, env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and all(ln.startswith(str(site)) for ln in p.stdout.split()), p.stdout + p.stderr
+    for script in pyproject()["project"]["scripts"]:
+        p = subprocess.run([str(site / "bin" / script), "--help"], cwd=cwd, env=env, capture_output=True, text=True)
+        assert p.returncode == 0 and "Usage" in p.stdout, (script, p.stderr[-2000:])
     # every .py under the mapped folders made it into the wheel (a new subpackage must be listed)
     for folder, pkg in (("worker", "lmdq/worker"), ("producer", "lmdq/producer"), ("bench", "lmdq/bench")):
         for py in (ROOT / folder).rglob("*.py"):
