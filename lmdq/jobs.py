@@ -1,4 +1,4 @@
-"""lmdq jobs on RQ: staging and atomic commit (producer), claim / lease / reap (worker).
+"""lmdq jobs on RQ: staging job hashes (the batch ledger commits them), claim / lease / reap (worker).
 
 RQ owns the job hashes, queues and registries, so ``rq info`` and rq-dashboard see lmdq's work.
 lmdq owns delivery: RQ's SimpleWorker sends no heartbeat while a job runs and would fail or
@@ -34,17 +34,6 @@ __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", 
 
 SERIALIZER = JSONSerializer()
 
-# KEYS: batch jobs list, rq queue list, rq queues set.  ARGV: queue key (for rq:queues), chunk
-_COMMIT = """
-local n = redis.call('LLEN', KEYS[1])
-local chunk = tonumber(ARGV[2])
-for s = 0, n - 1, chunk do
-  local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
-  redis.call('RPUSH', KEYS[2], unpack(ids))
-end
-redis.call('SADD', KEYS[3], ARGV[1])
-return n
-"""
 
 def generate(payload: dict[str, Any]) -> None:
     """The RQ function name every lmdq job carries (``lmdq.jobs.generate``).
@@ -131,7 +120,6 @@ class JobQueue:
         self.keys = keys or Keys()
         self.job_ttl_s = job_ttl_s
         self.max_job_bytes = max_job_bytes
-        self._commit = client.register_script(_COMMIT)
         self._claim = client.register_script(CLAIM)
         self._heartbeat = client.register_script(HEARTBEAT)
         self._release = client.register_script(RELEASE)
@@ -162,22 +150,6 @@ class JobQueue:
         pipe.expire(job.key, self.job_ttl_s)
         pipe.rpush(self.keys.batch_jobs(payload["batch_id"]), job_id)
         return job_id
-
-    def commit(self, batch_id: str, queue: str) -> int:
-        """Make every staged job of the batch visible on ``queue`` in one atomic step."""
-        qkey = rq_queue_key(queue)
-        n = self._commit(keys=[self.keys.batch_jobs(batch_id), qkey, "rq:queues"], args=[qkey, 4000])
-        self.client.expire(self.keys.batch_jobs(batch_id), self.job_ttl_s)
-        return int(n)
-
-    def discard_staged(self, batch_id: str) -> None:
-        """Delete the job hashes of a batch that was never committed."""
-        ids = self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)
-        with self.client.pipeline(transaction=False) as p:
-            for jid in ids:
-                p.delete(Job.key_for(jid.decode() if isinstance(jid, bytes) else jid))
-            p.delete(self.keys.batch_jobs(batch_id))
-            p.execute()
 
     # ---- worker side -------------------------------------------------------------------
     def claim(self, queues: Sequence[str], *, model: str, worker: str, lease_s: float) -> Claim | None:

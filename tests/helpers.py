@@ -47,3 +47,15 @@ PERSON_SCHEMA: dict[str, Any] = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+
+
+def commit_staged(client: Any, keys: Any, batch_id: str, model: str, n_jobs: int, n_requests: int) -> int:
+    """Make jobs staged with ``JobQueue.stage`` visible through the ledger's commit (the production one,
+    one Lua call); the batch record must exist (``ResultStore.create_batch``). Returns the jobs queued."""
+    from lmdq.contract import Batch, BatchStatus, Priority, RequestCounts
+    from lmdq.ledger import BatchLedger, Staged
+
+    batch = Batch(id=batch_id, model=model, status=BatchStatus.validating, priority=Priority.normal,
+                  batch_size=max(1, n_requests // max(1, n_jobs)), num_jobs=n_jobs,
+                  request_counts=RequestCounts(total=n_requests), created_at=0.0)
+    return BatchLedger(client, keys=keys, ttl_s=3600).commit(batch, Staged(jobs=n_jobs, requests=n_requests))

@@ -14,6 +14,7 @@ from lmdq.jobs import Charge, JobQueue
 from lmdq.keys import Keys, queue_name
 from lmdq.registry import WorkerRegistry
 from lmdq.store import ResultStore
+from tests.helpers import commit_staged
 
 
 def _queue(client: redis.Redis, prefix: str, bid: str = "b", n_jobs: int = 1) -> tuple[JobQueue, list[str]]:
@@ -27,7 +28,7 @@ def _queue(client: redis.Redis, prefix: str, bid: str = "b", n_jobs: int = 1) ->
             jq.stage({"format_version": 1, "batch_id": bid, "model": "sim", "job_no": j, "params": {},
                       "requests": [{"index": j, "custom_id": str(j), "prompt": "hi"}]}, queue=q, job_no=j, pipe=p)
         p.execute()
-    jq.commit(bid, q)
+    commit_staged(client, Keys(prefix), bid, "sim", n_jobs, n_jobs)
     return jq, [q]
 
 

@@ -10,6 +10,7 @@ from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatu
 from lmdq.jobs import JobQueue
 from lmdq.keys import Keys, queue_name, rq_queue_key
 from lmdq.store import ResultStore
+from tests.helpers import commit_staged
 
 
 def _batch(store: ResultStore, bid: str, total: int) -> None:
@@ -56,7 +57,7 @@ def _stage(client: redis.Redis, prefix: str, bid: str, n_jobs: int) -> JobQueue:
                       "requests": [{"index": j, "custom_id": str(j), "prompt": "hi"}]}, queue=q, job_no=j, pipe=p)
         p.execute()
     assert client.llen(rq_queue_key(q)) == 0  # staged jobs are invisible until commit
-    assert jq.commit(bid, q) == n_jobs
+    assert commit_staged(client, Keys(prefix), bid, "sim", n_jobs, n_jobs) == n_jobs
     return jq
 
 

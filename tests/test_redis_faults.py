@@ -20,7 +20,7 @@ from lmdq.keys import Keys, queue_name
 from lmdq.store import ResultStore
 from tests.conftest import ROOT, RedisServer, start_worker
 from tests.faultkit import SIM, assert_exactly_once, events, no_traceback, stopped_stats, submit, wait_for
-from tests.helpers import wait_batch, write_jsonl
+from tests.helpers import commit_staged, wait_batch, write_jsonl
 
 
 def test_redis_out_of_memory_for_60s_during_result_writes_loses_and_fails_nothing(
@@ -157,7 +157,7 @@ def test_lua_scripts_reload_after_the_script_cache_is_lost() -> None:
             c.script_flush()  # every call below starts with an empty script cache
             return fn()
 
-        assert fresh(lambda: jq.commit("b", q)) == 3
+        assert fresh(lambda: commit_staged(c, keys, "b", "sim", 3, 3)) == 3
         assert fresh(lambda: store.transition("b", [BatchStatus.queued], BatchStatus.in_progress)) == "in_progress"
         first = fresh(lambda: jq.claim([q], model="sim", worker="w", lease_s=30))
         second = fresh(lambda: jq.claim([q], model="sim", worker="w", lease_s=0.05))
