@@ -37,7 +37,7 @@ _STATE: dict[str, Any] = {}
 
 
 def _settings() -> ProducerSettings:
-    return _STATE["settings"]  # type: ignore[no-any-return]
+    return _STATE["settings"]
 
 
 def _say_waiting(line: str) -> None:

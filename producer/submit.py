@@ -21,7 +21,7 @@ import json
 import os
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,7 +161,7 @@ def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tup
     return _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest()), model
 
 
-def _duplicate_hashes(hashes: array, run: int = 1 << 16) -> set[int]:
+def _duplicate_hashes(hashes: array[int], run: int = 1 << 16) -> set[int]:
     """Hashes seen more than once, in flat memory: sort the array in runs in place, then merge.
 
     ``sorted(hashes)`` would build a Python int per line (~40 MB per million lines); sorting
@@ -180,7 +180,7 @@ def _duplicate_hashes(hashes: array, run: int = 1 << 16) -> set[int]:
     return dup
 
 
-def _duplicates(path: Path, opts: SubmitOptions, hashes: array) -> list[str]:
+def _duplicates(path: Path, opts: SubmitOptions, hashes: array[int]) -> list[str]:
     """Find duplicate custom_ids from their hashes; re-scan only to name the lines."""
     dup = _duplicate_hashes(hashes)
     if not dup:
@@ -214,7 +214,7 @@ def _request_dict(index: int, item: ParsedLine) -> dict[str, Any]:
     return d
 
 
-def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Iterator[dict[str, Any]]:
+def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Generator[dict[str, Any], None, None]:
     """Pass 2: the file's request dicts, in input order, exactly as pass 1 validated them.
 
     Raises SubmitRejected (the caller rolls back) as soon as the file differs from ``seen``: more

@@ -52,7 +52,7 @@ class ParsedLine:
     line_no: int
     custom_id: str
     prompt: str | None
-    messages: list[dict] | None
+    messages: list[dict[str, Any]] | None
     endpoint: Endpoint
     params: GenerationParams | None
     model: str | None

@@ -190,7 +190,7 @@ def _check_prompt(prompt: Any, field: str) -> str:
     return prompt
 
 
-def _check_messages(messages: Any, field: str) -> list[dict]:
+def _check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
     """Check an OpenAI chat list against ChatMessage's rules with precise field paths."""
     if not isinstance(messages, list):
         raise _LineError(field, f"expected a list of chat messages, got {_got(messages)}")
