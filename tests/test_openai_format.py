@@ -214,3 +214,24 @@ def test_model_rule_without_model_flag_lines_must_agree(tmp_path: Path, env: dic
     # and agreeing lines without --model name the batch's model
     same = _submit(write_jsonl(tmp_path / "same.jsonl", [_chat("a", "x"), _chat("b", "y")]), env)
     assert same["model"] == "gpt-4o-mini"
+
+
+def test_logprobs_come_from_the_results_shard(tmp_path: Path, env: dict[str, str], client: redis.Redis,
+                                              prefix: str) -> None:
+    """With --results-url Redis keeps compact records (no logprobs): the OpenAI export reads the full
+    ones from the batch's shard, so logprobs are not silently null there."""
+    env = {**env, "LMDQ_ALLOWED_OUTPUT_URLS": str(tmp_path)}
+    rows = [_chat(f"c{i}", f"question {i}", max_tokens=4, logprobs=True, top_logprobs=2) for i in range(3)]
+    f = write_jsonl(tmp_path / "in.jsonl", rows)
+    bid = _submit(f, env, "--model", "sim", "--results-url", str(tmp_path / "sink"))["id"]
+    assert start_worker(*SIM, env=env).wait(60) == 0
+    assert wait_batch(client, prefix, bid).status is BatchStatus.completed
+    compact = results_of(client, prefix, bid)
+    assert all(r.stored_at and r.logprobs is None for r in compact)  # the premise: Redis has no logprobs
+    p = run_cli("lmdq.producer", "results", bid, "--format", "openai", env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    for line in p.stdout.splitlines():
+        body = ChatCompletion.model_validate(json.loads(line)["response"]["body"])
+        lp = body.choices[0].logprobs
+        assert lp is not None and lp.content is not None and len(lp.content) == 4
+        assert all(TOKEN.match(e.token) and len(e.top_logprobs) == 2 for e in lp.content)

@@ -140,7 +140,7 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
         raise _LineError("body.model", f"expected a string, got {_got(model)}")
 
     prompt: str | None = None
-    messages: list[dict] | None = None
+    messages: list[dict[str, Any]] | None = None
     if endpoint is Endpoint.chat:
         if body.get("messages") is None:
             raise _LineError("body.messages", "required field is missing; expected a list of chat messages")
