@@ -179,7 +179,7 @@ def submit(
     file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, or OpenAI Batch JSONL")],
     model: Annotated[
         str | None,
-        typer.Option(envvar="LMDQ_MODEL", help="served model name (queue); OpenAI files may carry it"),
+        typer.Option(envvar="LMDQ_MODEL", help="served model name (queue); wins over an OpenAI file's body.model"),
     ] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="requests per job (default 32)")] = None,
     priority: Annotated[Priority, typer.Option(help="queue priority")] = Priority.normal,
@@ -317,12 +317,22 @@ def results(
     fmt: Annotated[str, typer.Option("--format", help="lmdq | openai")] = "lmdq",
     wait: Annotated[bool, typer.Option(help="wait until the batch ends")] = False,
     timeout: Annotated[float | None, typer.Option(help="give up waiting after S seconds (exit 1)")] = None,
+    errors_file: Annotated[
+        Path | None,
+        typer.Option(help="with --format openai: failed/cancelled/expired lines go here, successes to -o/stdout"),
+    ] = None,
 ) -> None:
     """One JSON line per request, in input order."""
-    from lmdq.producer.export import iter_lmdq_lines, iter_openai_lines
+    from lmdq.producer.export import iter_lmdq_lines, iter_openai
 
     if fmt not in ("lmdq", "openai"):
         raise typer.BadParameter("expected lmdq or openai", param_hint="--format")
+    if errors_file is not None and fmt != "openai":
+        print("error: --errors-file: expected --format openai (lmdq records carry their status)", file=sys.stderr)
+        raise typer.Exit(2)
+    if errors_file is not None and output is not None and errors_file.resolve() == output.resolve():
+        print(f"error: --errors-file: expected a file other than --output ({output})", file=sys.stderr)
+        raise typer.Exit(2)
     store = _store()
     b = store.get_batch(batch_id)
     if wait:
@@ -336,12 +346,15 @@ def results(
                 raise typer.Exit(1)
             time.sleep(0.25)
             b = _patiently(lambda: store.get_batch(batch_id))
-    lines = iter_openai_lines(store, b) if fmt == "openai" else iter_lmdq_lines(store, b)
+    lines = iter_openai(store, b) if fmt == "openai" else ((False, x) for x in iter_lmdq_lines(store, b))
     out = output.open("wb") if output else sys.stdout.buffer
+    errs = errors_file.open("wb") if errors_file else out
     try:
-        for line in lines:
-            out.write(line)
+        for is_error, line in lines:
+            (errs if is_error else out).write(line)
     finally:
+        if errors_file:
+            errs.close()
         if output:
             out.close()
         else:

@@ -6,10 +6,10 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from lmdq.contract import Batch, Endpoint, Result, ResultStatus
+from lmdq.contract import Batch, Endpoint, Result, ResultStatus, TokenLogprob
 from lmdq.store import ResultStore
 
-__all__ = ["iter_lmdq_lines", "iter_openai_lines", "to_openai"]
+__all__ = ["is_openai_error", "iter_lmdq_lines", "iter_openai", "iter_openai_lines", "openai_token", "to_openai"]
 
 
 def _records(store: ResultStore, batch: Batch, *, partial: bool) -> Iterator[tuple[int, bytes | None]]:
@@ -30,6 +30,59 @@ def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -
             yield raw + b"\n"
 
 
+#: OpenAI's Batch API codes for requests that never ran; lmdq's ``failed`` results keep lmdq's own code
+#: (``engine_error``, ``unsupported_feature``, ...) since they say what went wrong with that request.
+_OPENAI_CODES = {
+    ResultStatus.cancelled: ("batch_cancelled", "This request was cancelled before it ran."),
+    ResultStatus.expired: ("batch_expired", "This request could not be executed before the completion window expired."),
+}
+
+
+def openai_token(token_id: int) -> str:
+    """OpenAI's ``token`` string for a token lmdq knows only by id.
+
+    lmdq results carry token ids, not token text (the producer has no tokenizer, and the engines
+    return ids), so ``token`` is vLLM's ``--return-tokens-as-token-ids`` spelling ``token_id:<id>``
+    and ``bytes`` is null (OpenAI's "no bytes representation"); a client decodes ids with the model's
+    tokenizer. Never a guessed text.
+    """
+    return f"token_id:{token_id}"
+
+
+def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    """``choices[0].logprobs`` of a chat.completion: one ``content`` entry per generated token."""
+    return {
+        "content": [
+            {
+                "token": openai_token(t.token_id),
+                "logprob": t.logprob,
+                "bytes": None,
+                "top_logprobs": [{"token": openai_token(i), "logprob": lp, "bytes": None} for i, lp in t.top],
+            }
+            for t in lps
+        ],
+        "refusal": None,
+    }
+
+
+def _completion_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    """``choices[0].logprobs`` of a text_completion: parallel lists, ``top_logprobs`` as token -> logprob.
+
+    ``text_offset`` is null: offsets into ``text`` need each token's text, which lmdq does not have.
+    """
+    return {
+        "tokens": [openai_token(t.token_id) for t in lps],
+        "token_logprobs": [t.logprob for t in lps],
+        "top_logprobs": [{openai_token(i): lp for i, lp in t.top} for t in lps],
+        "text_offset": None,
+    }
+
+
+def is_openai_error(r: Result) -> bool:
+    """Whether the request's OpenAI line belongs in the error file (OpenAI's ``error_file_id``)."""
+    return r.status is not ResultStatus.completed
+
+
 def to_openai(r: Result) -> dict[str, Any]:
     """Map an lmdq result to an OpenAI Batch output line (chat.completion / text_completion)."""
     created = int(r.timings.finished_at or r.timings.started_at or 0)
@@ -40,16 +93,21 @@ def to_openai(r: Result) -> dict[str, Any]:
     }
     rid = f"{r.batch_id}-{r.index}"
     finish = r.finish_reason.value if r.finish_reason else None
-    if r.status is not ResultStatus.completed:
-        err = r.error.model_dump() if r.error else {"code": r.status.value, "message": f"request {r.status.value}"}
+    if is_openai_error(r):
+        if r.status in _OPENAI_CODES:
+            code, default = _OPENAI_CODES[r.status]
+            err = {"code": code, "message": r.error.message if r.error else default}
+        else:
+            err = r.error.model_dump() if r.error else {"code": r.status.value, "message": f"request {r.status.value}"}
         return {"id": rid, "custom_id": r.custom_id, "response": None, "error": err}
     if r.endpoint is Endpoint.completion:
+        lp = _completion_logprobs(r.logprobs) if r.logprobs is not None else None
         body: dict[str, Any] = {
             "id": f"cmpl-{rid}",
             "object": "text_completion",
             "created": created,
             "model": r.model,
-            "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": r.text, "logprobs": lp, "finish_reason": finish}],
             "usage": usage,
         }
     else:
@@ -62,7 +120,7 @@ def to_openai(r: Result) -> dict[str, Any]:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": r.text},
-                    "logprobs": None,
+                    "logprobs": _chat_logprobs(r.logprobs) if r.logprobs is not None else None,
                     "finish_reason": finish,
                 }
             ],
@@ -76,8 +134,16 @@ def to_openai(r: Result) -> dict[str, Any]:
     }
 
 
-def iter_openai_lines(store: ResultStore, batch: Batch) -> Iterator[bytes]:
-    """OpenAI Batch output: final results only (partials are not answers yet)."""
+def iter_openai(store: ResultStore, batch: Batch) -> Iterator[tuple[bool, bytes]]:
+    """OpenAI Batch output lines as ``(is_error, line)``: final results only (partials are not answers
+    yet), so a caller can send errors to their own file as OpenAI's Batch API does."""
     for _, raw in _records(store, batch, partial=False):
         if raw is not None:
-            yield json.dumps(to_openai(Result.model_validate_json(raw)), ensure_ascii=False).encode() + b"\n"
+            r = Result.model_validate_json(raw)
+            yield is_openai_error(r), json.dumps(to_openai(r), ensure_ascii=False).encode() + b"\n"
+
+
+def iter_openai_lines(store: ResultStore, batch: Batch) -> Iterator[bytes]:
+    """OpenAI Batch output, successes and errors in one stream, in input order."""
+    for _, line in iter_openai(store, batch):
+        yield line

@@ -135,14 +135,15 @@ def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tup
                 continue
             if progress:
                 progress(item.line_no)
-            if item.model is not None:
+            # --model wins for every line (an OpenAI file written for gpt-4o-mini runs on the served
+            # model); without it, the lines' body.model must agree and name the batch's model.
+            if item.model is not None and opts.model is None:
                 if model is None:
                     model, model_line = item.model, item.line_no
                 elif item.model != model:
-                    where = f"--model {opts.model!r}" if opts.model else f"line {model_line}"
                     errors.append(
-                        f"{path}:{item.line_no}: field 'body.model': expected {model!r} (from {where}), "
-                        f"got {item.model!r}"
+                        f"{path}:{item.line_no}: field 'body.model': expected {model!r} (from line {model_line}), "
+                        f"got {item.model!r}; pass --model NAME to run every line on NAME"
                     )
                     continue
             hashes.append(_h64(item.custom_id))

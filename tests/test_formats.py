@@ -60,7 +60,7 @@ def test_detect_format(name: str, fmt: InputFormat) -> None:
 
 def test_detect_skips_blank_lines_and_bom(tmp_path: Path) -> None:
     p = tmp_path / "batch.json"
-    body = {"url": "/v1/completions", "body": {"prompt": "x"}}
+    body = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x"}}
     p.write_bytes(b"\xef\xbb\xbf\n  \n" + json.dumps(body).encode() + b"\n")
     assert detect_format(p) is InputFormat.openai
     [item] = parse(p)
@@ -133,7 +133,7 @@ def test_jsonl_format() -> None:
 def test_openai_format_field_mapping() -> None:
     items = parse(GOOD / "openai_batch.jsonl")
     assert not only_errors(items)
-    chat1, chat2, comp, default_id = items
+    chat1, chat2, comp, chat3 = items
     assert isinstance(chat1, ParsedLine)
     assert chat1.custom_id == "chat-1" and chat1.model == "smollm2-135m" and chat1.endpoint is Endpoint.chat
     assert chat1.messages == [
@@ -159,8 +159,8 @@ def test_openai_format_field_mapping() -> None:
     assert isinstance(comp, ParsedLine)
     assert comp.endpoint is Endpoint.completion and comp.prompt == "The capital of France is" and comp.messages is None
     assert comp.params == GenerationParams(max_new_tokens=5, logprobs=1)
-    assert isinstance(default_id, ParsedLine)
-    assert default_id.custom_id == "4" and default_id.model is None and default_id.params is None
+    assert isinstance(chat3, ParsedLine)  # no model, no params; custom_id is required in this format (#19)
+    assert chat3.custom_id == "chat-3" and chat3.model is None and chat3.params is None
 
 
 @pytest.mark.parametrize("name", ["good/prompts.txt", "good/prompts.jsonl", "good/openai_batch.jsonl"])
@@ -197,11 +197,13 @@ def test_bom_and_crlf(tmp_path: Path) -> None:
 
 def test_openai_line_without_optional_method_and_null_values(tmp_path: Path) -> None:
     line = {
+        "custom_id": "a",
         "url": "/v1/chat/completions",
-        "body": {"messages": [{"role": "user", "content": "x"}], "temperature": None, "stop": None, "n": None},
+        "body": {"messages": [{"role": "user", "content": "x"}], "temperature": None, "stop": None, "n": None,
+                 "stream": None},
     }
     [item] = parse(write(tmp_path, "o.jsonl", [line]))
-    assert isinstance(item, ParsedLine) and item.params is None and item.custom_id == "1"
+    assert isinstance(item, ParsedLine) and item.params is None and item.custom_id == "a"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +229,8 @@ BAD_CASES = [
     ("empty_prompt.jsonl", 2, "prompt", "expected a non-empty string"),
     ("openai_unknown_url.jsonl", 2, "url", "expected one of /v1/chat/completions|/v1/completions"),
     ("openai_n_gt_1.jsonl", 2, "body.n", "expected 1, got 3"),
+    ("openai_missing_custom_id.jsonl", 2, "custom_id", "required field is missing"),
+    ("openai_stream_true.jsonl", 2, "body.stream", "expected false or null, got true: a batch request cannot stream"),
     ("openai_temperature_out_of_range.jsonl", 2, "body.temperature", "expected a number from 0.0 to 2.0, got 5"),
     ("openai_wrong_method.jsonl", 2, "method", "expected 'POST', got 'GET'"),
     ("openai_list_prompt.jsonl", 2, "body.prompt", "list prompts are not supported"),
@@ -454,6 +458,6 @@ def test_message_content_rules(tmp_path: Path) -> None:
 
 
 def test_whitespace_only_prompt_in_openai_completions(tmp_path: Path) -> None:
-    line = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "\n \t"}}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "\n \t"}}
     [err] = parse(write(tmp_path, "o.jsonl", [line]))
     assert isinstance(err, InputError) and err.field == "body.prompt" and "only whitespace" in err.message

@@ -14,7 +14,8 @@ Formats (see :func:`detect_format`):
 
 Decisions worth knowing:
 
-* ``custom_id`` defaults to the 1-based line number; JSON integers are accepted and turned into
+* ``custom_id`` defaults to the 1-based line number (not in OpenAI files: there it is required, as
+  OpenAI's Batch API does); JSON integers are accepted and turned into
   strings (``7`` -> ``"7"``); booleans, floats and empty strings are refused.
 * ``null`` means "absent" for every optional key.
 * Values are checked strictly: ``"temperature": "0.7"`` is an error, not silently coerced.

@@ -3,6 +3,10 @@
 The body's OpenAI/vLLM keys are translated to GenerationParams names (``max_tokens`` ->
 ``max_new_tokens``, ``temperature`` > 0 turns sampling on, ``logprobs``/``top_logprobs`` and
 ``response_format`` are reshaped), so files written for OpenAI's batch API run unchanged.
+
+What OpenAI itself refuses is refused here too, naming file:line: a line without ``custom_id`` (output
+lines are joined to requests by it) and ``"stream": true`` (a batch has nobody to stream to).
+``body.model`` is kept per line; ``submit`` decides which model the batch runs (``--model`` wins).
 """
 
 from __future__ import annotations
@@ -90,7 +94,13 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
         raise _LineError(
             missing, "required field is missing; every line of an OpenAI batch file needs 'url' and 'body'"
         )
-    custom_id = _custom_id(obj.get("custom_id"), line_no)
+    if obj.get("custom_id") is None:
+        # OpenAI's Batch API requires it: output lines are matched to requests by custom_id alone
+        # (their order is not guaranteed), so a line-number default would silently break that join.
+        raise _LineError(
+            "custom_id", "required field is missing; every line of an OpenAI batch file needs a unique 'custom_id'"
+        )
+    custom_id = _custom_id(obj["custom_id"], line_no)
     method = obj.get("method")
     if method is not None and method != "POST":
         raise _LineError("method", f"expected 'POST', got {_got(method)}")
@@ -146,6 +156,11 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
                 "put one prompt per line",
             )
         prompt = _check_prompt(raw_prompt, "body.prompt")
+
+    stream = body.get("stream")
+    if stream is not None and stream is not False:
+        # a batch has no connection to stream to: OpenAI refuses it, and accepting it would promise SSE chunks
+        raise _LineError("body.stream", f"expected false or null, got {_got(stream)}: a batch request cannot stream")
 
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
