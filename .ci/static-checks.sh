@@ -42,7 +42,7 @@ step "yamllint"
 # The deployment YAML only: test fixtures may be malformed on purpose.
 yamllint --strict docker-compose.yml deploy .hadolint.yaml .yamllint && echo "ok" || fail "yamllint"
 
-# Splits `kubectl kustomize` output: KEDA objects into one file each (check-jsonschema validates
+# Splits `kubectl kustomize` output: KEDA and Prometheus Operator objects into one file each
 # single documents), and every ScaledJob's jobTargetRef into a batch/v1 Job so its pod template
 # gets the same strict validation as the Deployment's (the vendored ScaledJob schema stubs it).
 split_rendered() {
@@ -58,8 +58,8 @@ for doc in yaml.safe_load_all(rendered.read_text()):
     if not doc:
         continue
     api, kind, name = doc.get("apiVersion", ""), doc.get("kind", ""), doc["metadata"]["name"]
-    if api.startswith("keda.sh/"):
-        (out / f"keda-{kind}-{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    if api.startswith(("keda.sh/", "monitoring.coreos.com/")):
+        (out / f"crd-{kind}-{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     if kind == "ScaledJob":
         jobs.append({
             "apiVersion": "batch/v1",
@@ -75,6 +75,7 @@ declare -A keda_schema=(
     [ScaledObject]=deploy/schemas/keda-scaledobject-v1alpha1.json
     [ScaledJob]=deploy/schemas/keda-scaledjob-v1alpha1.json
     [TriggerAuthentication]=deploy/schemas/keda-triggerauthentication-v1alpha1.json
+    [PodMonitor]=deploy/schemas/prometheus-podmonitor-v1.json  # hand-written subset, see its $comment
 )
 
 overlays=(deploy/overlays/*/)
@@ -88,7 +89,7 @@ for overlay in "${overlays[@]}"; do
         fail "kubectl kustomize $overlay"
         continue
     fi
-    # Built-in kinds, strictly (unknown fields rejected). KEDA kinds only warn here ("couldn't
+    # Built-in kinds, strictly (unknown fields rejected). Custom kinds only warn here ("couldn't
     # find schema"): they are checked against the vendored CRD schemas below.
     kubernetes-validate --strict --quiet "$out/rendered.yaml" && echo "ok -- kubernetes-validate --strict" \
         || fail "kubernetes-validate $overlay"
@@ -99,7 +100,7 @@ for overlay in "${overlays[@]}"; do
     fi
     for kind in "${!keda_schema[@]}"; do
         shopt -s nullglob
-        files=("$out"/keda-"$kind"-*.yaml)
+        files=("$out"/crd-"$kind"-*.yaml)
         shopt -u nullglob
         ((${#files[@]})) || continue
         printf '%s: ' "$kind"
