@@ -166,7 +166,7 @@ def shutdown_bound_s(drain_s: float) -> float:
     from lmdq.worker.engines.lmdeploy_engine import DEAD_CLOSE_TIMEOUT_S
     from lmdq.worker.runner import _AFTER_DEATH_S
 
-    return drain_s + _AFTER_DEATH_S + GIVE_UP_WAIT_S + DEAD_CLOSE_TIMEOUT_S
+    return float(drain_s + _AFTER_DEATH_S + GIVE_UP_WAIT_S + DEAD_CLOSE_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("overlay", overlays())
