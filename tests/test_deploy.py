@@ -182,6 +182,14 @@ def test_grace_period_exceeds_drain_abort_and_close(overlay: str) -> None:
             pod["terminationGracePeriodSeconds"], shutdown_bound_s(drain))
 
 
+def test_compose_stop_grace_period_exceeds_drain_abort_and_close() -> None:
+    worker = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["worker"]
+    drain = float(worker["environment"]["LMDQ_DRAIN_TIMEOUT"])
+    grace = worker["stop_grace_period"]
+    assert grace.endswith("s") and grace[:-1].isdigit(), grace
+    assert int(grace[:-1]) >= shutdown_bound_s(drain) + GRACE_MARGIN_S
+
+
 def test_shutdown_bound_uses_the_worker_defaults() -> None:
     """The ConfigMap pins the drain the worker would default to, and the bound is drain + 30 + 10 + 15."""
     from lmdq.worker.settings import WorkerSettings
