@@ -28,8 +28,6 @@ DEPLOY = ROOT / "deploy"
 GPU = "nvidia.com/gpu"
 GFD_LABEL = "nvidia.com/gpu.present"
 PLACEHOLDER = "SERVED-MODEL-NAME"
-# worker/runner.py `_teardown`: after the abort wait, job threads stuck on Redis writes get this long more
-GIVE_UP_WAIT_S = 10.0
 # SIGKILL must not land in the middle of the shutdown path's slowest case
 GRACE_MARGIN_S = 15.0
 
@@ -164,7 +162,7 @@ def shutdown_bound_s(drain_s: float) -> float:
     """Worst case from SIGTERM to exit, from the worker's own constants: drain, the abort wait for
     job threads, the give-up wait for stuck Redis writes, LMDeploy's bounded close."""
     from lmdq.worker.engines.lmdeploy_engine import DEAD_CLOSE_TIMEOUT_S
-    from lmdq.worker.runner import _AFTER_DEATH_S
+    from lmdq.worker.runner import _AFTER_DEATH_S, GIVE_UP_WAIT_S
 
     return float(drain_s + _AFTER_DEATH_S + GIVE_UP_WAIT_S + DEAD_CLOSE_TIMEOUT_S)
 

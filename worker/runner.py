@@ -57,6 +57,9 @@ _REDIS_WARN_EVERY_S = 30.0
 """Warnings about an unreachable Redis are repeated at most this often while it stays away."""
 
 _AFTER_DEATH_S = 30.0
+#: after that, how long job threads get to notice they must give up writes Redis keeps refusing (the
+#: Kubernetes grace period covers drain + _AFTER_DEATH_S + this + the engine's close: tests/test_deploy.py)
+GIVE_UP_WAIT_S = 10.0
 """How long a worker whose engine died waits for its job threads to re-queue their jobs."""
 
 
@@ -254,7 +257,7 @@ class Worker:
                 # Job threads stuck writing to a Redis that still refuses: give their writes up. Their
                 # leases expire and another worker runs what they had not stored.
                 self._give_up.set()
-                end = time.monotonic() + 10
+                end = time.monotonic() + GIVE_UP_WAIT_S
                 while self._held and time.monotonic() < end:
                     self._slot.wait(0.2)
         self._stop.set()  # also ends the heartbeat thread (a burst exit never set it)
