@@ -120,3 +120,23 @@ def test_a_bad_level_is_a_setting_error() -> None:
 
     with pytest.raises(BadSetting, match="LMDQ_LOG_LEVEL"):
         configure_logging("json", "LOUD")
+
+
+def test_a_worker_writes_only_json_lines(env: dict[str, str], tmp_path: Path) -> None:
+    """The real worker (sim engine, burst, nothing queued): every line it writes, stdout and stderr together,
+    is one JSON object naming its logger, its own warnings and INFO lines included."""
+    from conftest import start_worker
+
+    log = tmp_path / "worker.log"
+    w = start_worker("--engine", "sim", "--served-model-name", "sim", "--burst", log=log,
+                     env={**env, "LMDQ_LOG_FORMAT": "auto", "LMDQ_TP": "2"})  # tp: a setting sim does not take
+    assert w.wait(120) == 0, log.read_text()
+    docs = []
+    for ln in log.read_text().splitlines():
+        try:
+            docs.append(json.loads(ln))
+        except ValueError:
+            pytest.fail(f"not a JSON line: {ln!r}")
+    assert docs and all({"level", "event", "logger", "timestamp"} <= d.keys() for d in docs), docs
+    levels = {d["level"] for d in docs}
+    assert {"info", "warning"} <= levels, docs
