@@ -1,17 +1,38 @@
-"""structlog set-up: JSON lines in containers (no TTY), pretty console on a terminal."""
+"""Logging set-up: every line a process writes through structlog *or* stdlib ``logging`` is one JSON
+object (``level``, ``event``, ``logger``, ``timestamp``) in containers, a pretty console line on a
+terminal.
+
+Why one root handler: LMDeploy, transformers and lmdq's own engine modules log through stdlib
+``logging``. Left alone their records came out as plain text beside structlog's JSON (log pipelines
+cannot parse them) or were dropped below WARNING. So structlog's own calls are handed to stdlib too
+(``structlog.stdlib.LoggerFactory``) and a single root handler renders both kinds with structlog's
+``ProcessorFormatter``: one formatter, one stream, one level.
+
+Why the logger takeover: LMDeploy's ``lmdeploy.utils.get_logger`` attaches its own stdout
+``StreamHandler`` (colour text format) to the ``lmdeploy`` logger and sets ``propagate = False``; it
+does so whenever first called, which is typically inside pipeline creation, long after
+:func:`configure_logging` ran. transformers does the same for ``transformers``. Re-doing the clean-up
+"after engine load" would leave a window and needs every caller to remember it, so those loggers are
+switched to :class:`_AdoptedLogger`, which refuses console handlers and never stops propagating,
+whenever they are configured.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
+from lmdq.errors import BadSetting
 from lmdq.redaction import redact_text
 
-__all__ = ["configure_logging", "get_logger"]
+__all__ = ["ADOPTED_LOGGERS", "adopt_foreign_loggers", "configure_logging", "get_logger"]
+
+#: Libraries known to attach their own console handler (and stop propagation) when they first log.
+ADOPTED_LOGGERS = ("lmdeploy", "transformers", "torch", "triton")
 
 
 def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -22,21 +43,109 @@ def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[
     return event
 
 
+def _is_console(handler: logging.Handler) -> bool:
+    """A handler that prints to the process's stdout/stderr (a library's own), not a file a user asked for
+    (``LMDEPLOY_LOG_FILE`` keeps working) and not ours."""
+    if isinstance(handler, (_RootHandler, logging.FileHandler)):
+        return False
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (
+        sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+
+
+class _AdoptedLogger(logging.Logger):
+    """A library's logger that stays routed through the root handler whatever the library does later:
+    console handlers it adds are dropped, ``propagate = False`` is ignored. Its records are not lost, they
+    reach the root handler (JSON) instead of the library's text handler."""
+
+    def addHandler(self, hdlr: logging.Handler) -> None:  # noqa: N802 (stdlib's name)
+        if not _is_console(hdlr):
+            super().addHandler(hdlr)
+
+    @property
+    def propagate(self) -> bool:
+        return True
+
+    @propagate.setter
+    def propagate(self, _value: bool) -> None:
+        """Ignored: the root handler is where this logger's records are rendered."""
+
+
+class _RootHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The one handler: writes to whatever ``sys.stderr`` is *now* (a test's capture, a redirected stream),
+    never a stream closed since configuration.
+
+    A subclass on purpose: ``lmdeploy.utils.get_logger`` lowers every root handler whose type *is*
+    ``logging.StreamHandler`` to ERROR ("handle duplicate logs"), which would drop INFO and WARNING."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:
+        """The stream is always the current ``sys.stderr``."""
+
+
+def adopt_foreign_loggers(names: tuple[str, ...] = ADOPTED_LOGGERS) -> None:
+    """Route every stdlib logger through the root handler: drop libraries' console handlers, re-enable
+    propagation, and keep ``names`` that way even when their library configures them later.
+
+    Idempotent; :func:`configure_logging` calls it. ``logger.__class__`` is switched in place because
+    modules hold references to the logger objects they got at import time."""
+    for name in names:
+        lg = logging.getLogger(name)
+        if type(lg) is logging.Logger:
+            lg.__class__ = _AdoptedLogger
+    for lg in [logging.getLogger(n) for n in list(logging.Logger.manager.loggerDict)]:
+        for h in [h for h in lg.handlers if _is_console(h)]:
+            lg.removeHandler(h)
+        lg.propagate = True
+
+
 def configure_logging(fmt: str = "auto", level: str = "INFO") -> None:
-    """Configure structlog once per process. ``fmt``: auto | json | console."""
+    """Configure structlog and stdlib logging once per process. ``fmt``: auto | json | console
+    (auto: JSON unless stderr is a terminal). Calling it again replaces the previous set-up."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    lvl = logging.getLevelName(level.upper())
+    if not isinstance(lvl, int):
+        raise BadSetting(f"LMDQ_LOG_LEVEL: expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
     renderer: Any = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
-    structlog.configure(
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    # Both kinds of records get the same fields; structlog's own calls get them before wrap_for_formatter,
+    # stdlib records (from the root handler) in foreign_pre_chain.
+    common: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        timestamper,
+    ]
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=common,
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            # A stdlib traceback becomes the "exception" field of the same JSON line.
             structlog.processors.format_exc_info if use_json else structlog.processors.StackInfoRenderer(),
             _redact,  # after format_exc_info: a traceback's text may quote a URL too
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, _RootHandler) or _is_console(h)]:
+        root.removeHandler(h)
+    handler = _RootHandler()
+    handler.setFormatter(formatter)
+    handler.setLevel(lvl)  # records propagated from a library's logger skip root's level, not the handler's
+    root.addHandler(handler)
+    root.setLevel(lvl)
+    logging.captureWarnings(True)  # warnings.warn() from libraries: a JSON line too, logger "py.warnings"
+    adopt_foreign_loggers()
+    structlog.configure(
+        processors=[*common, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False,
     )
 

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -29,6 +31,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Submit prompt files to lmdq and read results.",
     epilog=EXIT_CODES_HELP,
+    # click's plain help, not rich's panels: rich's option table cuts long option names
+    # ("--repetition-pen…", "--no-skip-special-tokens,--k…") at 80 columns and even at 140; click's
+    # puts a long name on its own line and wraps only the help text.
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 120},
 )
 err = Console(stderr=True)
 T = TypeVar("T")
@@ -298,7 +305,7 @@ def status(
     """Show a batch's status and request counts."""
     store = _store()
     b = store.get_batch(batch_id)
-    if watch:
+    if watch and err.is_terminal:
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
         ) as prog:
@@ -307,7 +314,28 @@ def status(
                 time.sleep(interval)
                 b = _patiently(lambda: store.get_batch(batch_id))
                 prog.update(t, completed=b.request_counts.done, description=b.status.value)
+    elif watch:
+        # Not a terminal (a log file, CI): rich draws no live bar there, so without this nothing would
+        # show until the end. One plain line per poll on stderr; stdout keeps only the final line.
+        started = time.monotonic()
+        _say_progress(b, started)
+        while not b.status.terminal:
+            time.sleep(interval)
+            b = _patiently(lambda: store.get_batch(batch_id))
+            _say_progress(b, started)
     _print_batch(b, as_json)
+
+
+def _say_progress(b: Batch, started: float) -> None:
+    """One ``status --watch`` line for a log: plain text, no control codes, flushed at once."""
+    c = b.request_counts
+    pct = f"{100 * c.done / c.total:.1f}%" if c.total else "-"
+    sys.stderr.write(
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {b.id} {b.status.value} {c.done}/{c.total} done "
+        f"({pct}) completed={c.completed} failed={c.failed} cancelled={c.cancelled} expired={c.expired} "
+        f"elapsed={time.monotonic() - started:.0f}s\n"
+    )
+    sys.stderr.flush()
 
 
 @app.command()
@@ -372,19 +400,53 @@ def list_(
         for b in batches:
             typer.echo(b.model_dump_json())
         return
-    table = Table("batch", "status", "model", "total", "completed", "failed", "created")
+    out = Console()
+    table = _batches_table(batches)
+    # measured without the terminal's limit: Measurement.get clamps to it, which would hide a table too wide
+    if Measurement.get(out, out.options.update_width(10_000), table).minimum <= out.width:
+        out.print(table)
+        return
+    # Too narrow for the table (lmdq ids are 30 characters: an 80-column terminal is): rich would cut
+    # the ids ("batch_a1…"), which then cannot be copied. Each id on its own line instead, whole.
     for b in batches:
         c = b.request_counts
-        table.add_row(
-            b.id,
-            b.status.value,
-            b.model,
-            str(c.total),
-            str(c.completed),
-            str(c.failed + c.cancelled + c.expired),
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.created_at)),
-        )
-    Console().print(table)
+        typer.echo(b.id)
+        typer.echo(_fill([b.status.value, f"model={b.model}",
+                          f"total={c.total} completed={c.completed} failed={c.failed + c.cancelled + c.expired}",
+                          f"created={_created(b)}"], width=out.width))
+
+
+def _fill(fields: list[str], width: int) -> str:
+    """Fields two spaces apart, indented, a new line where the next would pass ``width``: a line breaks
+    between fields, never inside one (a model name, a date and its time stay whole)."""
+    lines = ["  " + fields[0]]
+    for f in fields[1:]:
+        if len(lines[-1]) + 2 + len(f) <= width:
+            lines[-1] += "  " + f
+        else:
+            lines.append("    " + f)
+    return "\n".join(lines)
+
+
+def _created(b: Batch) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.created_at))
+
+
+def _batches_table(batches: list[Batch]) -> Table:
+    """``list``'s table. Only model and created may wrap: ids, statuses and counts are never cut or folded
+    (a table that cannot fit them is not printed at all, see :func:`list_`)."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column("batch", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("model", overflow="fold", min_width=12, max_width=24)
+    for head in ("total", "completed", "failed"):
+        table.add_column(head, justify="right", no_wrap=True)
+    table.add_column("created", min_width=10, max_width=10)
+    for b in batches:
+        c = b.request_counts
+        table.add_row(b.id, b.status.value, b.model, str(c.total), str(c.completed),
+                      str(c.failed + c.cancelled + c.expired), _created(b))
+    return table
 
 
 @app.command()

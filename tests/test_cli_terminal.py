@@ -1,0 +1,143 @@
+"""``lmdq-producer`` at an 80-column terminal and with stdout/stderr captured (issue #19): ids and option
+names are never cut, and ``status --watch`` writes a plain line per poll where no live bar can be drawn.
+
+Every test runs the real CLI in a subprocess (stdout and stderr are pipes, not terminals)."""
+
+from __future__ import annotations
+
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import IO
+
+import pytest
+import redis
+import typer
+from conftest import ROOT, run_cli
+
+from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
+from lmdq.keys import Keys
+from lmdq.store import ResultStore
+
+CONTROL = re.compile(r"\x1b|\r")  # escape sequences or carriage returns: a live display, unreadable in a log
+
+
+def _cols(env: dict[str, str], n: int) -> dict[str, str]:
+    return {**env, "COLUMNS": str(n), "LINES": "25", "TERM": "xterm-256color"}
+
+
+def _option_names(command: str) -> list[str]:
+    from lmdq.producer.cli import app
+
+    group = typer.main.get_command(app)
+    assert isinstance(group, typer.core.TyperGroup)
+    cmd = group.commands[command]
+    params = cmd.get_params(typer.Context(cmd))  # with --help
+    return [name for p in params for name in (*p.opts, *p.secondary_opts) if name.startswith("-")]
+
+
+@pytest.mark.parametrize("command", ["submit", "status", "results", "list", "retry"])
+def test_help_names_every_option_whole_at_80_columns(env: dict[str, str], command: str) -> None:
+    names = _option_names(command)
+    assert "--help" in names and len(names) > (30 if command == "submit" else 2)  # submit: generation flags too
+    p = run_cli("lmdq.producer", command, "--help", env=_cols(env, 80))
+    assert p.returncode == 0, p.stderr.decode()
+    text = p.stdout.decode()
+    missing = [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+    assert not missing, f"cut or missing at 80 columns: {missing}\n{text}"
+    assert "…" not in text and not CONTROL.search(text), text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+
+
+def _batch(store: ResultStore, status: BatchStatus, model: str, counts: RequestCounts) -> str:
+    bid = f"batch_{uuid.uuid4().hex[:24]}"  # the shape lmdq's ids have (lmdq.contract.BATCH_ID_PATTERN)
+    store.create_batch(Batch(id=bid, model=model, status=status, batch_size=8, request_counts=counts,
+                             created_at=time.time()))
+    return bid
+
+
+@pytest.mark.parametrize("columns", [40, 80, 160])
+def test_list_prints_batch_ids_whole(client: redis.Redis, prefix: str, env: dict[str, str], columns: int) -> None:
+    """Wide: a table (only model and created wrap). 80 columns cannot hold it with 30-character ids: each id
+    on its own line, the details wrapped between fields below it. Never an id cut or folded."""
+    store = ResultStore(client, keys=Keys(prefix))
+    long_model = "Qwen/Qwen2.5-72B-Instruct-AWQ-with-a-long-name"
+    ids = [
+        _batch(store, BatchStatus.in_progress, long_model, RequestCounts(total=1_000_000)),
+        _batch(store, BatchStatus.queued, "sim", RequestCounts(total=3)),
+        _batch(store, BatchStatus.cancelled, "meta-llama/Llama-3.1-8B-Instruct", RequestCounts(total=10)),
+    ]
+    p = run_cli("lmdq.producer", "list", env=_cols(env, columns))
+    assert p.returncode == 0, p.stderr.decode()
+    text = p.stdout.decode()
+    lines = text.splitlines()
+    for bid in ids:
+        assert re.search(rf"(?<!\w){bid}(?!\w)", text), f"{bid} not whole in:\n{text}"
+    assert "…" not in text and not CONTROL.search(text), text
+    assert max(len(line) for line in lines) <= max(columns, len(long_model) + 10), text
+    assert re.search(r"(?<!\d)1000000(?!\d)", text) and "in_progress" in text and "cancelled" in text, text
+    if columns == 160:
+        assert lines[0].split() == ["batch", "status", "model", "total", "completed", "failed", "created"], text
+    else:
+        assert [ln for ln in lines if ln.startswith("batch_")] == ids[::-1], text  # newest first, alone
+        assert f"model={long_model}" in text, text
+
+
+class _Lines:
+    """A pipe's lines through a reader thread, so a test waits for the next one with a deadline (a watcher
+    that writes nothing fails the test instead of hanging it)."""
+
+    def __init__(self, pipe: IO[bytes]) -> None:
+        self._q: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(pipe,), daemon=True).start()
+
+    def _pump(self, pipe: IO[bytes]) -> None:
+        for raw in iter(pipe.readline, b""):
+            self._q.put(raw.decode())
+        self._q.put("")  # end of stream
+
+    def next(self, timeout: float = 60) -> str:
+        try:
+            line = self._q.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"no line in {timeout}s; so far: {self.seen}")
+        self.seen.append(line)
+        return line
+
+
+def test_status_watch_prints_a_plain_line_per_poll_when_not_a_terminal(
+        client: redis.Redis, prefix: str, env: dict[str, str]) -> None:
+    """The first line comes while the batch runs (not at the end), a later one shows the new counts, and stdout
+    holds only the final status line. Each step waits on a line the watcher wrote, never on the clock."""
+    store = ResultStore(client, keys=Keys(prefix))
+    bid = _batch(store, BatchStatus.in_progress, "sim", RequestCounts(total=4))
+    w = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "status", bid, "--watch", "--interval", "0.05"],
+                         env=_cols(env, 80), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert w.stderr is not None and w.stdout is not None
+        err = _Lines(w.stderr)
+        first = err.next()
+        assert re.search(rf" {bid} in_progress 0/4 done \(0\.0%\) completed=0 failed=0 ", first), first
+        store.write_result(Result(batch_id=bid, custom_id="r0", index=0, status=ResultStatus.completed, model="sim"))
+        line = first
+        while " 1/4 done" not in line:  # polls go on with no change until the write is seen
+            assert line, "the watcher ended before the batch did"
+            assert f" {bid} in_progress 0/4 done " in line, line
+            line = err.next()
+        assert "(25.0%) completed=1 failed=0 cancelled=0 expired=0 elapsed=" in line, line
+        store.transition(bid, [BatchStatus.in_progress], BatchStatus.cancelled)
+        out = w.stdout.read().decode()
+        assert w.wait(timeout=120) == 0, err.seen
+        while err.next():
+            pass
+    finally:
+        if w.poll() is None:
+            w.kill()
+    assert out.splitlines() == [f"{bid}  cancelled  model=sim  total=4 completed=1 failed=0 cancelled=0 expired=0"]
+    assert err.seen[-2].split(" ", 3)[1:3] == [bid, "cancelled"], err.seen
+    assert not CONTROL.search("".join(err.seen))
