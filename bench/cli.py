@@ -13,7 +13,9 @@ from lmdq.cli_options import model_options
 from lmdq.errors import run_cli
 from lmdq.worker.engine_config import EngineName, SimConfig, engine_flag_specs
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  # plain click help, as lmdq-producer: rich cuts long option names at 80 columns
+                  rich_markup_mode=None, context_settings={"max_content_width": 120})
 
 
 @app.command()

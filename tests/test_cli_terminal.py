@@ -141,3 +141,24 @@ def test_status_watch_prints_a_plain_line_per_poll_when_not_a_terminal(
     assert out.splitlines() == [f"{bid}  cancelled  model=sim  total=4 completed=1 failed=0 cancelled=0 expired=0"]
     assert err.seen[-2].split(" ", 3)[1:3] == [bid, "cancelled"], err.seen
     assert not CONTROL.search("".join(err.seen))
+
+
+@pytest.mark.parametrize(("module", "args"), [("lmdq.worker", ()), ("lmdq.bench", ("efficiency",))])
+def test_worker_and_bench_help_name_every_option_whole_at_80_columns(env: dict[str, str], module: str,
+                                                                    args: tuple[str, ...]) -> None:
+    """The worker's and the bench's --help too (their flags are generated from the engine configs)."""
+    import importlib
+
+    app = importlib.import_module(f"{module}.cli").app
+    cmd = typer.main.get_command(app)
+    if args:
+        assert isinstance(cmd, typer.core.TyperGroup)
+        cmd = cmd.commands[args[0]]
+    names = [n for p in cmd.get_params(typer.Context(cmd)) for n in (*p.opts, *p.secondary_opts) if n.startswith("-")]
+    assert "--help" in names and len(names) > 10
+    p = run_cli(module, *args, "--help", env=_cols(env, 80))
+    assert p.returncode == 0, p.stderr.decode()
+    text = p.stdout.decode()
+    missing = [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+    assert not missing, f"cut or missing at 80 columns: {missing}\n{text}"
+    assert "…" not in text and not CONTROL.search(text), text

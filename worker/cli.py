@@ -16,7 +16,9 @@ from lmdq.registry import redis_answers
 from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
 from lmdq.worker.settings import load_worker_settings
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  # plain click help, as lmdq-producer: rich cuts long option names at 80 columns
+                  rich_markup_mode=None, context_settings={"max_content_width": 120})
 
 
 @app.command()
