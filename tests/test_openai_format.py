@@ -50,7 +50,8 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 def _nothing_enqueued(client: redis.Redis, prefix: str) -> None:
     assert ResultStore(client, keys=Keys(prefix)).list_batches(10) == []
-    assert not [k for k in client.scan_iter("rq:queue:*")]
+    # this test's own queues only: the redis-server is shared by the session (other tests' prefixes)
+    assert not [k for k in client.scan_iter(f"rq:queue:{prefix}:*")]
 
 
 def test_export_logprobs_error_file_and_model_redirect(tmp_path: Path, env: dict[str, str], client: redis.Redis,
