@@ -287,6 +287,7 @@ class TransformersEngine:
         return input_ids, sampling
 
     def _row(self, index: int, input_ids: list[int], s: Sampling) -> DecodeRow:
+        """A batched loop's row for one prepared request, sharing this engine's tokenizer and its lock."""
         return DecodeRow(
             index,
             input_ids,
@@ -385,6 +386,7 @@ class TransformersEngine:
 
     @staticmethod
     def _row_error(r: DecodeRow, exc: BaseException) -> EngineEvent:
+        """The final internal_error event of a row that failed mid-generation (the others go on)."""
         return error_event(
             r.index,
             "internal_error",
