@@ -3,8 +3,8 @@
 This engine exists so lmdq runs (and is tested) end to end without a GPU or LMDeploy. Requests of a
 ``stream`` call are decoded together, up to ``max_batch`` at a time, in one hand-written padded KV-cache
 loop (left padding, attention mask, explicit position ids; a finished row leaves the cache at once):
-on CPU a forward of 32 rows costs little more than a forward of one, so a job's throughput grows
-several-fold. Every row keeps its own stop ids/words, min/max tokens, sampling settings and seeded
+decoding is memory-bound at batch 1, so one forward over many rows costs far less than as many forwards
+over one (numbers in docs/performance.md, CPU section). Every row keeps its own stop ids/words, min/max tokens, sampling settings and seeded
 generator (:mod:`worker.engines.decode_row`), so greedy rows give the same tokens as alone. Requests that
 need guided decoding, hidden states or prompt-position logits run alone, one after another, in the
 one-at-a-time loop (:meth:`TransformersEngine._generate`). One lock serialises every forward pass
@@ -237,8 +237,8 @@ class TransformersEngine:
             self._torch.cuda.empty_cache()
 
     def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
-        """Run ``requests`` in padded batches of up to ``max_batch`` (in order; those that cannot batch run
-        alone), yielding deltas and exactly one final event per request."""
+        """Run ``requests`` in padded batches of up to ``max_batch`` (those that cannot batch run alone as they
+        come), yielding deltas and exactly one final event per request."""
         self._require_open()
         batch: list[DecodeRow] = []
         for req in requests:
