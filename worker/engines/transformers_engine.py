@@ -4,7 +4,8 @@ This engine exists so lmdq runs (and is tested) end to end without a GPU or LMDe
 ``stream`` call are decoded together, up to ``max_batch`` at a time, in one hand-written padded KV-cache
 loop (left padding, attention mask, explicit position ids; a finished row leaves the cache at once):
 decoding is memory-bound at batch 1, so one forward over many rows costs far less than as many forwards
-over one (numbers in docs/performance.md, CPU section). Every row keeps its own stop ids/words, min/max tokens, sampling settings and seeded
+over one (numbers in docs/performance.md, CPU section). Every row keeps its own stop ids/words,
+min/max tokens, sampling settings and seeded
 generator (:mod:`worker.engines.decode_row`), so greedy rows give the same tokens as alone. Requests that
 need guided decoding, hidden states or prompt-position logits run alone, one after another, in the
 one-at-a-time loop (:meth:`TransformersEngine._generate`). One lock serialises every forward pass
