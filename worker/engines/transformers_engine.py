@@ -1,7 +1,8 @@
 """CPU-capable reference engine on plain transformers, with LMDeploy's request semantics.
 
 This engine exists so lmdq runs (and is tested) end to end without a GPU or LMDeploy. Requests of a
-``stream`` call are decoded together, up to ``max_batch`` at a time, in one hand-written padded KV-cache
+``stream`` call are decoded together, up to ``max_batch_rows`` (the engine setting) at a time, in one
+hand-written padded KV-cache
 loop (left padding, attention mask, explicit position ids; a finished row leaves the cache at once):
 decoding is memory-bound at batch 1, so one forward over many rows costs far less than as many forwards
 over one (numbers in docs/performance.md, CPU section). Every row keeps its own stop ids/words,
@@ -143,7 +144,7 @@ class TransformersEngine:
             raise EngineError(f"session_len must be >= 2, got {self.session_len}")
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids())
         self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))
-        self.max_batch: int = cfg.max_batch
+        self.max_batch: int = cfg.max_batch_rows
         pad = getattr(self._tokenizer, "pad_token_id", None)
         # The pad id only fills masked positions, so any valid id does.
         self._pad_id: int = pad if isinstance(pad, int) else min(self.eos_token_ids, default=0)
