@@ -296,14 +296,18 @@ def test_session_len_limits_and_template_override(model_dir: Path) -> None:
 
 
 @pytest.mark.model
-def test_abort_ends_running_and_pending_requests(engine: Any) -> None:
+def test_abort_ends_running_and_pending_requests(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Requests batch now: with max_batch=2, requests 0 and 1 run together and request 2 waits (pending).
+    monkeypatch.setattr(engine, "max_batch", 2)
     abort = threading.Event()
     first_delta = threading.Event()
     setter = threading.Thread(target=lambda: first_delta.wait(30) and abort.set())
     setter.start()
     long = {"max_new_tokens": 200, "ignore_eos": True}
+    reqs = [_req(0, prompt="Count to one hundred.", p=long), _req(1, prompt="Say hello.", p=long),
+            _req(2, prompt="Hi", p=long)]
     out: dict[int, dict[str, Any]] = {}
-    for ev in engine.stream([_req(0, prompt="Count to one hundred.", p=long), _req(1, prompt="Hi", p=long)], abort):
+    for ev in engine.stream(reqs, abort):
         slot = out.setdefault(ev.index, {"text": "", "final": None})
         slot["text"] += ev.text
         if ev.text:
@@ -311,10 +315,70 @@ def test_abort_ends_running_and_pending_requests(engine: Any) -> None:
         if ev.finish_reason:
             slot["final"] = ev
     setter.join()
-    assert out[0]["final"].finish_reason == "abort"
-    assert 0 < out[0]["final"].generate_token_len < 200
-    assert out[1]["final"].finish_reason == "abort"
-    assert out[1]["final"].generate_token_len == 0
+    for running in (0, 1):
+        assert out[running]["final"].finish_reason == "abort"
+        assert 0 < out[running]["final"].generate_token_len < 200
+    assert out[2]["final"].finish_reason == "abort"
+    assert out[2]["final"].generate_token_len == 0
+
+
+def _alone(engine: Any, req: EngineRequest) -> dict[str, Any]:
+    """One request through the one-at-a-time loop (``_generate``, the pre-batching path), folded."""
+    prepared = engine._prepare(req)
+    assert not isinstance(prepared, EngineEvent)
+    ids, sampling = prepared
+    return _collect(engine._generate(req.index, ids, sampling, threading.Event()))[req.index]
+
+
+@pytest.mark.model
+def test_batched_rows_match_one_at_a_time(engine: Any) -> None:
+    """A padded batch (prompts of different lengths, per-row limits, stop words, ignore_eos, seeded
+    sampling, logprobs) gives every row exactly what the one-at-a-time loop gives it."""
+    reqs = [
+        _req(0, messages=FRANCE, p={"max_new_tokens": 24}),
+        _req(1, prompt=RAW_PROMPT, endpoint=Endpoint.completion, p={"max_new_tokens": 12, "ignore_eos": True}),
+        _req(2, prompt="Name a fruit.", p={"max_new_tokens": 6}),
+        _req(3, messages=FRANCE, p={"max_new_tokens": 24, "stop_words": ["Paris"]}),
+        _req(4, prompt="Write a long story about a dragon who learns to read.", p={"max_new_tokens": 20}),
+        _req(5, prompt="Tell me a story.",
+             p={"max_new_tokens": 10, "do_sample": True, "random_seed": 7, "temperature": 1.0, "top_p": 0.95}),
+        _req(6, prompt=RAW_PROMPT, endpoint=Endpoint.completion, p={"max_new_tokens": 8, "logprobs": 3}),
+        _req(7, messages=FRANCE, p={"max_new_tokens": 20, "min_new_tokens": 16}),
+    ]
+    batched = _run(engine, *reqs)
+    lengths = {batched[r.index]["final"].input_token_len for r in reqs}
+    assert len(lengths) > 2, "the prompts must differ in length, or padding is not exercised"
+    for req in reqs:
+        got, want = batched[req.index], _alone(engine, req)
+        assert got["text"] == want["text"], req.index
+        gf, wf = got["final"], want["final"]
+        assert (gf.finish_reason, gf.generate_token_len, gf.input_token_len) == (
+            wf.finish_reason, wf.generate_token_len, wf.input_token_len), req.index
+    assert batched[3]["final"].finish_reason == "stop" and "Paris" not in batched[3]["text"]
+    got_lp, want_lp = batched[6]["final"].logprobs, _alone(engine, reqs[6])["final"].logprobs
+    assert [row[0] for row in got_lp] == [row[0] for row in want_lp]
+    assert [row[1] for row in got_lp] == pytest.approx([row[1] for row in want_lp], abs=1e-3)
+
+
+@pytest.mark.model
+def test_batches_are_cut_at_max_batch_and_unbatchable_requests_run_alone(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[list[int]] = []
+    real = engine._generate_batch
+
+    def spy(rows: list[Any], abort: threading.Event) -> Iterator[EngineEvent]:
+        calls.append([r.index for r in rows])
+        return real(rows, abort)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(engine, "_generate_batch", spy)
+    monkeypatch.setattr(engine, "max_batch", 2)
+    p = {"max_new_tokens": 3}
+    res = _run(engine, *[_req(i, prompt=f"Say {i}.", p=p) for i in range(3)],
+               _req(3, prompt="Hi", p={"max_new_tokens": 3, "output_last_hidden_state": "generation"}))
+    assert calls == [[0, 1], [2]]  # request 3 wants hidden states: the one-at-a-time loop served it
+    assert res[3]["final"].tensors["last_hidden_state"].shape[0] == res[3]["final"].generate_token_len
+    assert all(res[i]["final"].finish_reason in ("stop", "length") for i in range(4))
 
 
 @pytest.mark.model

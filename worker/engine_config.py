@@ -132,6 +132,7 @@ class TransformersConfig(ModelEngineConfig):
     """The CPU-capable reference engine on plain transformers."""
 
     device: str = Field(default="auto", description="auto (cuda when available) | cpu | cuda | cuda:N")
+    max_batch_rows: int = Field(default=32, ge=1, description="requests of one stream call decoded as one padded batch")
 
 
 class SimConfig(EngineConfig):

@@ -1,11 +1,18 @@
 """CPU-capable reference engine on plain transformers, with LMDeploy's request semantics.
 
-This engine exists so lmdq runs (and is tested) end to end without a GPU or LMDeploy. It is a
-REFERENCE, not a fast path: requests of a ``stream`` call are decoded one after another at batch
-size 1 with a hand-written KV-cache loop, and one lock serialises every forward pass across threads
-(concurrent ``stream`` calls therefore interleave step by step instead of competing for the same
-cores). The hand-written loop is what gives exact, per-step control over stop words, abort and
-min/max token limits.
+This engine exists so lmdq runs (and is tested) end to end without a GPU or LMDeploy. Requests of a
+``stream`` call are decoded together, up to ``max_batch_rows`` (the engine setting) at a time, in one
+hand-written padded KV-cache
+loop (left padding, attention mask, explicit position ids; a finished row leaves the cache at once):
+decoding is memory-bound at batch 1, so one forward over many rows costs far less than as many forwards
+over one (numbers in docs/performance.md, CPU section). Every row keeps its own stop ids/words,
+min/max tokens, sampling settings and seeded
+generator (:mod:`worker.engines.decode_row`), so greedy rows give the same tokens as alone. Requests that
+need guided decoding, hidden states or prompt-position logits run alone, one after another, in the
+one-at-a-time loop (:meth:`TransformersEngine._generate`). One lock serialises every forward pass
+across threads (concurrent ``stream`` calls interleave step by step instead of competing for the same
+cores). The hand-written loops give exact, per-step control over stop words, abort and min/max token
+limits.
 
 Semantics mirror ``lmdeploy.pipeline`` (v0.18, ``AsyncEngine`` + ``GenerationConfig``):
 
@@ -48,6 +55,7 @@ from typing import Any
 from lmdq.contract import ChatMessage
 from lmdq.worker.engine_config import TransformersConfig
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.decode_row import EVENT_EVERY_TOKENS, DecodeRow, batchable
 from lmdq.worker.engines.guided_decoding import GrammarCache, GuidedMatcher
 from lmdq.worker.engines.request_errors import BadRequest, error_event
 from lmdq.worker.engines.rich_outputs import RichOutputs
@@ -62,7 +70,7 @@ _BadRequest = BadRequest
 log = logging.getLogger(__name__)
 
 #: Emit an (empty-delta) progress event at least this often, even while text is held back.
-_EVENT_EVERY_TOKENS = 4
+_EVENT_EVERY_TOKENS = EVENT_EVERY_TOKENS
 
 
 class TransformersEngine:
@@ -136,6 +144,10 @@ class TransformersEngine:
             raise EngineError(f"session_len must be >= 2, got {self.session_len}")
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids())
         self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))
+        self.max_batch: int = cfg.max_batch_rows
+        pad = getattr(self._tokenizer, "pad_token_id", None)
+        # The pad id only fills masked positions, so any valid id does.
+        self._pad_id: int = pad if isinstance(pad, int) else min(self.eos_token_ids, default=0)
 
         # One lock serialises forward passes (each request owns its KV cache, but concurrent forwards would
         # only fight for the same cores, or race for GPU memory); a separate one guards the Rust tokenizer,
@@ -227,13 +239,28 @@ class TransformersEngine:
             self._torch.cuda.empty_cache()
 
     def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
-        """Run ``requests`` one after another, yielding deltas and exactly one final event per request."""
+        """Run ``requests`` in padded batches of up to ``max_batch`` (those that cannot batch run alone as they
+        come), yielding deltas and exactly one final event per request."""
         self._require_open()
+        batch: list[DecodeRow] = []
         for req in requests:
             if abort.is_set():
                 yield EngineEvent(index=req.index, finish_reason="abort")
                 continue
-            yield from self._run_one(req, abort)
+            prepared = self._prepare(req)
+            if isinstance(prepared, EngineEvent):
+                yield prepared
+                continue
+            input_ids, sampling = prepared
+            if not batchable(sampling):
+                yield from self._generate(req.index, input_ids, sampling, abort)
+                continue
+            batch.append(self._row(req.index, input_ids, sampling))
+            if len(batch) >= self.max_batch:
+                yield from self._generate_batch(batch, abort)
+                batch = []
+        if batch:
+            yield from self._generate_batch(batch, abort)
 
     # ------------------------------------------------------------------ per request
 
@@ -241,28 +268,134 @@ class TransformersEngine:
         if self._closed:
             raise EngineError("the transformers engine is closed")
 
-    def _run_one(self, req: EngineRequest, abort: threading.Event) -> Iterator[EngineEvent]:
-        """One request from prompt to final event; its failures never escape as exceptions."""
+    def _prepare(self, req: EngineRequest) -> tuple[list[int], Sampling] | EngineEvent:
+        """Prompt ids and settings of one request, or its final error event; failures never escape."""
         try:
             input_ids = self._prompt_ids(req)
             sampling = self._sampling(req, len(input_ids))
         except BadRequest as exc:
-            yield error_event(req.index, "bad_request", str(exc))
-            return
+            return error_event(req.index, "bad_request", str(exc))
         except Exception as exc:  # a bug or an odd tokenizer: this request fails, the call goes on
             log.exception("preparing request %d failed", req.index)
-            yield error_event(req.index, "internal_error", f"{type(exc).__name__}: {exc}")
-            return
+            return error_event(req.index, "internal_error", f"{type(exc).__name__}: {exc}")
         input_len = len(input_ids)
         if input_len >= self.session_len:
-            yield error_event(
+            return error_event(
                 req.index,
                 "context_length_exceeded",
                 f"Input length ({input_len}) must be smaller than the model context length ({self.session_len}).",
                 input_token_len=input_len,
             )
-            return
-        yield from self._generate(req.index, input_ids, sampling, abort)
+        return input_ids, sampling
+
+    def _row(self, index: int, input_ids: list[int], s: Sampling) -> DecodeRow:
+        """A batched loop's row for one prepared request, sharing this engine's tokenizer and its lock."""
+        return DecodeRow(
+            index,
+            input_ids,
+            s,
+            torch=self._torch,
+            device=self.device,
+            vocab_size=self._vocab_size,
+            tokenizer=self._tokenizer,
+            tok_lock=self._tok_lock,
+        )
+
+    def _generate_batch(self, rows: list[DecodeRow], abort: threading.Event) -> Iterator[EngineEvent]:
+        """The padded decode loop: one forward per step for every unfinished row, under the model lock.
+
+        Prompts are left-padded to one width so every row's last position is its last prompt token;
+        the attention mask hides the padding and explicit position ids count only real tokens, so each
+        row sees exactly what it would see alone. A row that finishes is dropped from the KV cache
+        (``batch_select_indices``) so the remaining rows stop paying for it. A row whose token pick fails
+        fails alone; a failed forward fails the rows still running (internal_error)."""
+        torch = self._torch
+        active = list(rows)
+        width = max(r.input_len for r in active)
+        step_input = torch.full((len(active), width), self._pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(active), width), dtype=torch.long, device=self.device)
+        for i, r in enumerate(active):
+            step_input[i, width - r.input_len :] = r.history
+            mask[i, width - r.input_len :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache: Any = None
+        try:
+            while active:
+                if abort.is_set():
+                    for r in active:
+                        yield r.final_event("abort")
+                    return
+                picks: list[int | Exception] = []
+                with self._model_lock:
+                    if self._model is None:
+                        raise EngineError("the transformers engine was closed during generation")
+                    kwargs: dict[str, Any] = {
+                        self._cache_kwarg: cache,
+                        "use_cache": True,
+                        "attention_mask": mask,
+                        "position_ids": positions,
+                    }
+                    if self._accepts_logits_to_keep:
+                        kwargs["logits_to_keep"] = 1
+                    with torch.inference_mode():
+                        out = self._model(input_ids=step_input, **kwargs)
+                        cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
+                        logits = out.logits[:, -1].float()
+                        for i, r in enumerate(active):
+                            try:
+                                picks.append(r.pick(logits[i]))
+                            except Exception as exc:  # this row's settings broke the pick: it fails alone
+                                picks.append(exc)
+                keep: list[int] = []
+                for i, (r, pick) in enumerate(zip(active, picks)):
+                    event = None
+                    try:
+                        if isinstance(pick, Exception):
+                            raise pick
+                        event = r.advance(pick)
+                    except Exception as exc:  # this row's pick or text broke: it fails alone
+                        log.error("generation of request %d failed: %r", r.index, exc)
+                        r.finish = "error"
+                        yield self._row_error(r, exc)
+                        continue
+                    if r.finish is not None:
+                        yield r.final_event()
+                        continue
+                    keep.append(i)
+                    if event is not None:
+                        yield event
+                if len(keep) < len(active):
+                    active = [active[i] for i in keep]
+                    if not active:
+                        break
+                    index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                    cache.batch_select_indices(index)
+                    mask = mask[index]
+                mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+                step_input = torch.tensor([[r.gen_ids[-1]] for r in active], dtype=torch.long, device=self.device)
+                positions = torch.tensor(
+                    [[r.input_len + len(r.gen_ids) - 1] for r in active], dtype=torch.long, device=self.device
+                )
+        except EngineError:
+            raise
+        except Exception as exc:
+            log.exception("batched generation of %d requests failed", len(active))
+            for r in active:
+                if r.finish is None:  # rows that already sent their final event keep it
+                    yield self._row_error(r, exc)
+        finally:
+            del cache
+
+    @staticmethod
+    def _row_error(r: DecodeRow, exc: BaseException) -> EngineEvent:
+        """The final internal_error event of a row that failed mid-generation (the others go on)."""
+        return error_event(
+            r.index,
+            "internal_error",
+            f"{type(exc).__name__}: {exc}",
+            input_token_len=r.input_len,
+            generate_token_len=len(r.gen_ids),
+        )
 
     def _prompt_ids(self, req: EngineRequest) -> list[int]:
         """Template (chat) or take verbatim (completion), then tokenize as LMDeploy does (with BOS)."""
