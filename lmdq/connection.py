@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -31,7 +32,10 @@ from lmdq.errors import RedisUnavailable
 from lmdq.redaction import redact_text, redact_url
 from lmdq.settings import CommonSettings
 
-__all__ = ["RETRYABLE_ERRORS", "RetryPolicy", "check_redis_url", "connect", "redact_url", "with_reconnect"]
+__all__ = [
+    "RETRYABLE_ERRORS", "Refusal", "RetryPolicy", "check_redis_url", "connect", "redact_url", "refusal",
+    "with_reconnect",
+]
 
 T = TypeVar("T")
 
@@ -40,6 +44,38 @@ RETRYABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.
 
 _CREDENTIAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 """Subclasses of ConnectionError that retrying cannot fix: the credentials were refused."""
+
+
+class Refusal(str, Enum):
+    """Why a reachable Redis refused a write on purpose: the server is fine, later (or the primary) works."""
+
+    out_of_memory = "out_of_memory"
+    read_only = "read_only"
+    misconf = "misconf"
+
+
+# Inside a Lua script (or a pipeline) a refusal arrives as a plain ResponseError ("Error running script
+# ...: -OOM command not allowed when used memory > 'maxmemory'"), so the server's own wording is matched
+# as well as redis-py's classes.
+_REFUSAL_TEXTS = (
+    (Refusal.out_of_memory, redis.exceptions.OutOfMemoryError, ("OOM command not allowed",
+                                                               "command not allowed when used memory")),
+    (Refusal.read_only, redis.exceptions.ReadOnlyError, ("READONLY", "write against a read only replica")),
+    (Refusal.misconf, None, ("MISCONF",)),
+)
+
+
+def refusal(err: BaseException) -> Refusal | None:
+    """The reason a reachable Redis refused a write (out of memory under ``maxmemory``, a read-only
+    replica, a failed RDB save), or None for any other error. The one classifier: the producer turns a
+    refusal into one line (exit 5), the worker keeps its results and retries."""
+    if not isinstance(err, redis.ResponseError):
+        return None
+    msg = str(err)
+    for kind, cls, texts in _REFUSAL_TEXTS:
+        if (cls is not None and isinstance(err, cls)) or any(t in msg for t in texts):
+            return kind
+    return None
 
 _SCHEMES = ("redis", "rediss", "unix")
 _URL_FORM = "expected redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix:///path/to/socket"

@@ -44,6 +44,7 @@ import redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
+from lmdq.connection import Refusal, refusal
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
 from lmdq.errors import RedisRefused, RetryRejected, SubmitRejected
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
@@ -180,23 +181,19 @@ def redis_refusal(
     gets the cause in one line instead of a traceback. ``outcome`` says what that means for the
     operation ("nothing was enqueued").
     """
-    if not isinstance(err, redis.ResponseError):
-        return None
-    # Inside a Lua script (or a pipeline) the refusal arrives wrapped in a plain ResponseError, so the
-    # server's own wording is matched as well as redis-py's classes.
-    msg = str(err)
+    kind = refusal(err)
     where = _where(client)
-    if isinstance(err, redis.exceptions.OutOfMemoryError) or "command not allowed when used memory" in msg:
+    if kind is Refusal.out_of_memory:
         return RedisRefused(
             f"Redis at {where} is out of memory (maxmemory) and refused a write; {outcome}. "
             "Free memory (finished batches, results) or raise maxmemory, then try again"
         )
-    if isinstance(err, redis.exceptions.ReadOnlyError) or "write against a read only replica" in msg:
+    if kind is Refusal.read_only:
         return RedisRefused(
             f"Redis at {where} is a read-only replica and refused a write; {outcome}. "
             "Point LMDQ_REDIS_URL at the primary"
         )
-    if "MISCONF" in msg:
+    if kind is Refusal.misconf:
         return RedisRefused(
             f"Redis at {where} refuses writes because it cannot save its snapshot (MISCONF); {outcome}. "
             "Fix the server's disk or persistence settings, then try again"

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
+from lmdq.connection import RETRYABLE_ERRORS, refusal, with_reconnect
 from lmdq.contract import Result
 from lmdq.store import ResultStore
 
@@ -28,17 +28,10 @@ __all__ = ["ResultWriter", "StoreRefused", "WriteAbandoned", "is_store_refusal"]
 
 T = TypeVar("T")
 
-_REFUSALS = ("OOM command not allowed", "READONLY", "MISCONF")
-"""Error texts of a reachable Redis that refuses writes. Scripts report them inside a generic
-ResponseError ('Error running script ...: -OOM command not allowed ...'), hence the texts, not
-only redis-py's OutOfMemoryError / ReadOnlyError classes."""
-
-
 def is_store_refusal(e: BaseException) -> bool:
-    """Redis answered but refused the write for a reason of its own (memory, role, disk)."""
-    if isinstance(e, (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)):
-        return True
-    return isinstance(e, redis.ResponseError) and any(t in str(e) for t in _REFUSALS)
+    """Redis answered but refused the write for a reason of its own (memory, role, disk): see
+    :func:`lmdq.connection.refusal`, the one classifier the producer's refusals use too."""
+    return refusal(e) is not None
 
 
 class StoreRefused(redis.exceptions.ConnectionError):
