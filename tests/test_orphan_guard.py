@@ -32,6 +32,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _kill_leftovers(pids: dict[str, int]) -> None:
+    """A failed test must not leave its tree running on the CI machine."""
+    for pid in pids.values():
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _start_tree(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     pids_file = tmp_path / "pids"
     p = subprocess.Popen([sys.executable, str(TREE), str(pids_file), *flags], cwd=ROOT)
@@ -64,9 +71,7 @@ def test_sigkilled_worker_leaves_no_process_behind(tmp_path: Path) -> None:
         assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
         print(f"\nall descendants gone {took:.2f} s after SIGKILL")
     finally:
-        for pid in pids.values():
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(pids)
 
 
 def test_watchdog_alone_clears_the_tree_when_no_death_signal_was_set(tmp_path: Path) -> None:
@@ -82,9 +87,7 @@ def test_watchdog_alone_clears_the_tree_when_no_death_signal_was_set(tmp_path: P
         assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
         print(f"\nall descendants gone {took:.2f} s after SIGKILL")
     finally:
-        for pid in pids.values():
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(pids)
 
 
 @pytest.mark.parametrize("method", ["forkserver", "fork"])
@@ -100,9 +103,7 @@ def test_other_start_methods_are_guarded_too(tmp_path: Path, method: str) -> Non
         assert left == [], f"left behind after {took:.1f} s: {left} of {pids}"
         print(f"\nall descendants gone {took:.2f} s after SIGKILL")
     finally:
-        for pid in pids.values():
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(pids)
 
 
 def test_reaper_kills_what_the_death_signal_cannot_reach(tmp_path: Path) -> None:
@@ -118,9 +119,7 @@ def test_reaper_kills_what_the_death_signal_cannot_reach(tmp_path: Path) -> None
         print(f"\nall descendants gone {took:.2f} s after SIGKILL")
         assert _gone(reapers[0].pid)
     finally:
-        for pid in pids.values():
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(pids)
 
 
 def test_teardown_kills_the_engine_groups_and_spares_the_worker(tmp_path: Path) -> None:
@@ -142,9 +141,7 @@ def test_teardown_kills_the_engine_groups_and_spares_the_worker(tmp_path: Path) 
     finally:
         p.kill()
         p.wait(30)
-        for pid in pids.values():
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(pids)
 
 
 def _noop() -> None:
