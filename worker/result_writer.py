@@ -12,7 +12,6 @@ and the worker claims nothing: there is no point running more work that cannot b
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -82,9 +81,8 @@ class ResultWriter:
             if not retried:
                 retried = True
                 self._enter(e, what, delay)
-            # Jitter: many job threads (and workers) retrying on one schedule would hit a recovering
-            # Redis all at once.
-            time.sleep(random.uniform(0.0, delay / 4))
+            # no jitter of its own: the one retry policy's delays are already jittered ([d/2, d],
+            # lmdq.connection.RetryPolicy), so job threads and workers do not hit a recovering Redis at once
 
         ok = False
         try:
