@@ -59,3 +59,12 @@ def commit_staged(client: Any, keys: Any, batch_id: str, model: str, n_jobs: int
                   batch_size=max(1, n_requests // max(1, n_jobs)), num_jobs=n_jobs,
                   request_counts=RequestCounts(total=n_requests), created_at=0.0)
     return BatchLedger(client, keys=keys, ttl_s=3600).commit(batch, Staged(jobs=n_jobs, requests=n_requests))
+
+
+def stage_jobs(client: Any, jq: Any, batch_id: str, queue: str, n_jobs: int) -> None:
+    """Stage ``n_jobs`` one-request jobs of ``batch_id`` with ``JobQueue.stage`` (invisible until a commit)."""
+    with client.pipeline() as p:
+        for j in range(n_jobs):
+            jq.stage({"format_version": 1, "batch_id": batch_id, "model": "sim", "job_no": j, "params": {},
+                      "requests": [{"index": j, "custom_id": str(j), "prompt": "hi"}]}, queue=queue, job_no=j, pipe=p)
+        p.execute()

@@ -14,7 +14,7 @@ from lmdq.jobs import Charge, JobQueue
 from lmdq.keys import Keys, queue_name
 from lmdq.registry import WorkerRegistry
 from lmdq.store import ResultStore
-from tests.helpers import commit_staged
+from tests.helpers import commit_staged, stage_jobs
 
 
 def _queue(client: redis.Redis, prefix: str, bid: str = "b", n_jobs: int = 1) -> tuple[JobQueue, list[str]]:
@@ -23,11 +23,7 @@ def _queue(client: redis.Redis, prefix: str, bid: str = "b", n_jobs: int = 1) ->
         Batch(id=bid, model="sim", status=BatchStatus.queued, batch_size=1,
               request_counts=RequestCounts(total=n_jobs), created_at=time.time()))
     q = queue_name("sim", "normal", prefix)
-    with client.pipeline() as p:
-        for j in range(n_jobs):
-            jq.stage({"format_version": 1, "batch_id": bid, "model": "sim", "job_no": j, "params": {},
-                      "requests": [{"index": j, "custom_id": str(j), "prompt": "hi"}]}, queue=q, job_no=j, pipe=p)
-        p.execute()
+    stage_jobs(client, jq, bid, q, n_jobs)
     commit_staged(client, Keys(prefix), bid, "sim", n_jobs, n_jobs)
     return jq, [q]
 

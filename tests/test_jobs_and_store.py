@@ -10,7 +10,7 @@ from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatu
 from lmdq.jobs import JobQueue
 from lmdq.keys import Keys, queue_name, rq_queue_key
 from lmdq.store import ResultStore
-from tests.helpers import commit_staged
+from tests.helpers import commit_staged, stage_jobs
 
 
 def _batch(store: ResultStore, bid: str, total: int) -> None:
@@ -51,11 +51,7 @@ def test_partial_never_shadows_final(client: redis.Redis, prefix: str) -> None:
 def _stage(client: redis.Redis, prefix: str, bid: str, n_jobs: int) -> JobQueue:
     jq = JobQueue(client, keys=Keys(prefix))
     q = queue_name("sim", "normal", prefix)
-    with client.pipeline() as p:
-        for j in range(n_jobs):
-            jq.stage({"format_version": 1, "batch_id": bid, "model": "sim", "job_no": j, "params": {},
-                      "requests": [{"index": j, "custom_id": str(j), "prompt": "hi"}]}, queue=q, job_no=j, pipe=p)
-        p.execute()
+    stage_jobs(client, jq, bid, q, n_jobs)
     assert client.llen(rq_queue_key(q)) == 0  # staged jobs are invisible until commit
     assert commit_staged(client, Keys(prefix), bid, "sim", n_jobs, n_jobs) == n_jobs
     return jq

@@ -20,7 +20,7 @@ from lmdq.keys import Keys, queue_name
 from lmdq.store import ResultStore
 from tests.conftest import ROOT, RedisServer, start_worker
 from tests.faultkit import SIM, assert_exactly_once, events, no_traceback, stopped_stats, submit, wait_for
-from tests.helpers import commit_staged, wait_batch, write_jsonl
+from tests.helpers import commit_staged, stage_jobs, wait_batch, write_jsonl
 
 
 def test_redis_out_of_memory_for_60s_during_result_writes_loses_and_fails_nothing(
@@ -144,11 +144,7 @@ def test_lua_scripts_reload_after_the_script_cache_is_lost() -> None:
         store.create_batch(Batch(id="b", model="sim", status=BatchStatus.queued, batch_size=1,
                                  request_counts=RequestCounts(total=3), created_at=time.time()))
         q = queue_name("sim", "normal", "s")
-        with c.pipeline() as p:
-            for j in range(3):
-                jq.stage({"format_version": 1, "batch_id": "b", "model": "sim", "job_no": j, "params": {},
-                          "requests": [{"index": j, "custom_id": str(j), "prompt": "hi"}]}, queue=q, job_no=j, pipe=p)
-            p.execute()
+        stage_jobs(c, jq, "b", q, 3)
 
         def res(i: int) -> Result:
             return Result(batch_id="b", custom_id=str(i), index=i, status=ResultStatus.completed, model="sim")
