@@ -136,6 +136,7 @@ NON_DEFAULT = {
     "backend": ("pytorch", None),                  # picks the class (checked below)
     "chat_template": ("llama3", None),             # pipeline's chat_template_config (resolve_chat_template)
     "raw": (True, None),                           # LMDeployEngine.raw: stream_infer's do_preprocess
+    "stream_from_new_tokens": (0, None),           # LMDeployEngine.streams: stream_infer's stream_response
 }
 PYTORCH_ONLY = {"eager_mode", "mp_engine"}
 
@@ -271,6 +272,7 @@ class _FakePipe:
         from lmdeploy.messages import Response
 
         self.calls += 1
+        self.streamed = stream_response
         logits = torch.arange(3 * 4, dtype=torch.float16).reshape(3, 4)
         yield Response(text="a", generate_token_len=1, input_token_len=5, index=0, token_ids=[11],
                        logprobs=[{11: -0.5, 12: -1.5}], logits=logits[:1])
@@ -348,3 +350,49 @@ def test_tp_must_divide_attention_heads(tmp_path) -> None:  # type: ignore[no-un
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 12, "num_key_value_heads": 6}))
     with pytest.raises(EngineError, match=r"num_key_value_heads \(6\)"):
         _check_tp(4, str(tmp_path))
+
+
+def test_short_requests_come_back_whole_and_long_ones_stream() -> None:
+    """Per-token streaming costs GIL time per token in the worker's process (TurboMind: 0.60x raw on the
+    H200): a call streams only if one of its requests may be long (``stream_from_new_tokens``)."""
+    import threading
+
+    from lmdq.worker.engines.base import EngineRequest
+
+    pipe = _FakePipe()
+    eng = _engine(pipe)
+    eng.stream_from_new_tokens = 1024  # type: ignore[attr-defined]
+    short = EngineRequest(index=0, prompt="x", params=GenerationParams(max_new_tokens=256))
+    events = list(eng.stream([short], threading.Event()))  # type: ignore[attr-defined]
+    assert pipe.streamed is False
+    assert [(e.text, e.finish_reason, e.whole) for e in events] == [("ab", "length", True)]
+
+    long_ = EngineRequest(index=1, prompt="y", params=GenerationParams(max_new_tokens=1024))
+    events = list(eng.stream([long_], threading.Event()))  # type: ignore[attr-defined]
+    assert pipe.streamed is True and not any(e.whole for e in events)
+    assert [(e.text, e.generate_token_len) for e in events] == [("a", 1), ("b", 3), ("", 3)]
+    list(eng.stream([short, long_], threading.Event()))  # type: ignore[attr-defined]
+    assert pipe.streamed is True  # one long request: the whole call streams
+
+    eng.stream_from_new_tokens = 0  # type: ignore[attr-defined]
+    list(eng.stream([short], threading.Event()))  # type: ignore[attr-defined]
+    assert pipe.streamed is True
+
+
+def test_turbomind_refuses_guided_decoding_and_pytorch_takes_it() -> None:
+    """LMDeploy 0.18's TurboMind keeps one grammar per model instance: concurrent json_schema requests
+    stalled on the H200, so lmdq fails them clearly (unsupported_feature) instead of returning junk."""
+    import threading
+
+    from lmdq.contract import ResponseFormat
+    from lmdq.worker.engines.base import EngineRequest
+
+    rf = ResponseFormat(type="json_schema", json_schema={"name": "p", "schema": {"type": "object"}})
+    req = EngineRequest(index=0, prompt="x", params=GenerationParams(response_format=rf))
+    tm = _FakePipe(backend="turbomind")
+    events = list(_engine(tm).stream([req], threading.Event()))  # type: ignore[attr-defined]
+    assert [(e.finish_reason, e.error_code) for e in events] == [("error", "unsupported_feature")]
+    assert "--backend pytorch" in (events[0].error_message or "") and tm.calls == 0
+    pt = _FakePipe(backend="pytorch")
+    events = list(_engine(pt).stream([req], threading.Event()))  # type: ignore[attr-defined]
+    assert events[-1].finish_reason == "length" and pt.calls == 1

@@ -297,7 +297,7 @@ class JobAttempt:
         if ev.text:
             lv.text.append(ev.text)
             lv.dirty = True
-        if lv.first_token_at is None and (ev.generate_token_len > 0 or ev.text):
+        if lv.first_token_at is None and not ev.whole and (ev.generate_token_len > 0 or ev.text):
             # The first partial comes one interval after the first token, not with it: a one-token
             # partial tells a reader little, and writing 1024 of them while the engine fills up (one
             # Lua call each, behind the engine's GIL) delayed the last requests' start (sim, measured).

@@ -65,6 +65,8 @@ class EngineEvent:
     #: on the final event only, when asked for: name -> 2-D array-like ([tokens, vocab] / [tokens, hidden]),
     #: e.g. {"logits": ..., "last_hidden_state": ...}; the worker writes them to the blob store
     tensors: dict[str, Any] | None = None
+    #: the request was not streamed (its whole text comes on the final event): there is no first-token time
+    whole: bool = False
 
 
 class Engine(Protocol):

@@ -123,6 +123,12 @@ def _unsupported(backend_config: Any, p: dict[str, Any]) -> str | None:
     and returns logits only for ``output_logits='all'`` with ``max_new_tokens=0`` (lmdeploy/pytorch/
     messages.py); TurboMind returns both. Either backend refuses 'all' when prefix caching is on."""
     pytorch = type(backend_config).__name__.startswith("Pytorch")
+    if not pytorch and p.get("response_format"):
+        # lmdeploy 0.18's TurboMind sets the grammar on the model instance (``set_grammar``), not per request:
+        # on the H200 100 concurrent json_schema requests all stalled at '{"name":' and ran to max_new_tokens.
+        return ("response_format (guided decoding) is not reliable on LMDeploy 0.18's TurboMind (its grammar is "
+                "per model instance, not per request: concurrent requests stall); serve this batch with "
+                "--backend pytorch")
     if pytorch and p.get("output_last_hidden_state"):
         return ("output_last_hidden_state is not supported by LMDeploy 0.18's PyTorch engine (it drops it with a "
                 "warning); serve this batch with --backend turbomind or --engine transformers")
@@ -274,6 +280,7 @@ class LMDeployEngine:
         self.backend = "pytorch" if type(bc).__name__.startswith("Pytorch") else "turbomind"
         self.capacity = int(getattr(bc, "max_batch_size", None) or 128)
         self.raw = config.raw
+        self.stream_from_new_tokens = config.stream_from_new_tokens
         self.emit_interval_s = emit_interval_s
         self._closed = False
         self._init_lifecycle(orphan_guard.tracked_groups() - groups_before)
@@ -412,6 +419,7 @@ class LMDeployEngine:
             return
         prompts = [self._prompt(r, preprocess) for r in group]
         gens = [build_gen_config(p) for p in params]
+        streamed = self.streams(params)
         sessions = [self.pipe.session() for _ in group]
         open_ = set(range(len(group)))
         done = threading.Event()
@@ -448,7 +456,7 @@ class LMDeployEngine:
             last_emit: dict[int, float] = {}
             interval = self.emit_interval_s
             for out in self.pipe.stream_infer(prompts, sessions=sessions, gen_config=gens,
-                                              do_preprocess=preprocess, stream_response=True):
+                                              do_preprocess=preprocess, stream_response=streamed):
                 if held:  # errors whose streak is over: the requests' own, unless the engine died
                     if burst.tripped:
                         raise self._dead_error("every request in flight failed with an engine-level error")
@@ -467,7 +475,7 @@ class LMDeployEngine:
                         if value is not None:
                             tensors.setdefault(i, {})[key] = value
                 if out.finish_reason is None:
-                    if not out.generate_token_len:
+                    if not out.generate_token_len or not streamed:
                         continue
                     now = time.monotonic()
                     if i in last_emit and now - last_emit[i] < interval:
@@ -502,7 +510,7 @@ class LMDeployEngine:
                                   generate_token_len=out.generate_token_len or 0, finish_reason=out.finish_reason,
                                   error_code=getattr(out, "error_code", None),
                                   error_message=getattr(out, "error_message", None),
-                                  logprobs=rich_lp, tensors=rich_t or None)
+                                  logprobs=rich_lp, tensors=rich_t or None, whole=not streamed)
             for epoch, ev in held:  # the call is over: wait for the verdict on its held errors
                 if burst.wait_verdict(epoch, BURST_SETTLE_S):
                     raise self._dead_error("every request in flight failed with an engine-level error")
@@ -524,6 +532,20 @@ class LMDeployEngine:
                     s.close()
                 except Exception:  # noqa: BLE001
                     pass
+
+    def streams(self, params: Sequence[dict[str, Any]]) -> bool:
+        """Whether one stream_infer call streams per token (``stream_response``), decided per call.
+
+        Streaming is what lets a long answer reach the results store while it is generated (partials, the
+        first-token time), but LMDeploy pays for it per token per request in this process: TurboMind's
+        engine thread takes the GIL to signal every step of every request (``async_signal_cb``), and each
+        chunk is detokenized incrementally and queued. With 1,024 requests in flight that is ~70k GIL
+        round trips a second, and on the H200 lmdq ran TurboMind at 0.60x a raw ``pipe()`` call, which
+        does not stream. So a call streams only if one of its requests may be long: ``max_new_tokens`` of at
+        least ``stream_from_new_tokens`` (or unset). Shorter requests come back whole, which a reader of
+        the results cannot tell apart except by the missing partials and first-token time."""
+        floor = self.__dict__.get("stream_from_new_tokens", 0)
+        return any(p.get("max_new_tokens") is None or p["max_new_tokens"] >= floor for p in params)
 
     def infer_all(self, requests: Sequence[EngineRequest]) -> list[Any]:
         """One plain ``pipe(prompts)`` call: the raw-pipeline baseline benchmarks compare against."""
