@@ -8,7 +8,8 @@
 # plus `parity` (carry 1-wheels, tok) for tests/gpu/test_parity.py; TurboMind (issue #16):
 #   tm        carry gpu-bundle/tm-NN (one part a call, after turbomind_bundle.sh): collects parts; with
 #             the last one, reassembles + sha256-checks, then TM_RUN=suite|bench|none runs with TurboMind
-#   tmsuite / tmbench : the gpu suite on both backends / efficiency for both backends (TurboMind installed)
+#   tmsuite / tmbench : the gpu suite on both backends / efficiency for both backends (TurboMind installed;
+#             TM_BENCH=0 / PT_BENCH=0 skip one, STREAMED_BENCH=1 adds both with every request streamed)
 # and `faults` (carry 1-wheels, tok)
 # for tests/gpu/test_faults_gpu.py: engine / worker SIGKILL on the random 8B shape. FAULTS_K=engine_sigkill
 # or FAULTS_K=worker_sigkill runs one half (a fresh machine builds the model first: ~2 calls of 600 s).
@@ -52,8 +53,13 @@ case $stage in
         2>&1 | grep -v DEBUG > "$OUT/gpu_suite_both.log"
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|turbomind (generation|all)|backend auto" "$OUT/gpu_suite_both.log" | tail -40
     elif [ "$run" = bench ]; then
-      EFF_TIMEOUT=${TM_EFF_TIMEOUT:-280} eff tm_turbomind 1 --backend turbomind --repeat 2 --skip-naive
+      [ "${TM_BENCH:-1}" = 1 ] && EFF_TIMEOUT=${TM_EFF_TIMEOUT:-280} eff tm_turbomind 1 --backend turbomind --repeat 2 --skip-naive
       [ "${PT_BENCH:-1}" = 1 ] && EFF_TIMEOUT=${PT_EFF_TIMEOUT:-280} eff tm_pytorch 1 --backend pytorch --repeat 1 --skip-naive
+      # every request streamed per token (the pre-session-5 behaviour): what streaming costs on each backend
+      [ "${STREAMED_BENCH:-0}" = 1 ] && EFF_TIMEOUT=200 eff tm_turbomind_streamed 1 --backend turbomind --repeat 1 \
+        --skip-naive --stream-from-new-tokens 0
+      [ "${STREAMED_BENCH:-0}" = 1 ] && EFF_TIMEOUT=200 eff tm_pytorch_streamed 1 --backend pytorch --repeat 1 \
+        --skip-naive --stream-from-new-tokens 0
     fi
     ;;
   bench)
