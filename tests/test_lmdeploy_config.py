@@ -136,7 +136,7 @@ NON_DEFAULT = {
     "backend": ("pytorch", None),                  # picks the class (checked below)
     "chat_template": ("llama3", None),             # pipeline's chat_template_config (resolve_chat_template)
     "raw": (True, None),                           # LMDeployEngine.raw: stream_infer's do_preprocess
-    "stream_from_new_tokens": (0, None),           # LMDeployEngine.streams: stream_infer's stream_response
+    "stream_from_new_tokens": (0, None),            # LMDeployEngine.streams: stream_infer's stream_response
 }
 PYTORCH_ONLY = {"eager_mode", "mp_engine"}
 

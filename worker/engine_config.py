@@ -105,10 +105,10 @@ class LMDeployConfig(ModelEngineConfig):
     eager_mode: bool = Field(default=False, description="pytorch: no CUDA graphs")
     mp_engine: bool = Field(default=True, description="pytorch: engine loop in its own process")
     raw: bool = Field(default=False, description="never apply the chat template, for plain prompts too")
-    stream_from_new_tokens: int = Field(
-        default=1024, ge=0,
+    stream_from_new_tokens: int | None = Field(
+        default=None, ge=0,
         description="stream requests asking for at least this many new tokens (partials); shorter ones "
-                    "come back whole; 0 = stream all",
+                    "come back whole; 0 = stream all; none = 1024 on TurboMind, 0 on PyTorch",
     )
 
     @field_validator("dtype")

@@ -9,7 +9,7 @@ set -euo pipefail
 B=${1:?usage: turbomind_host.sh BUNDLE_DIR}
 P=/root/tm-parts; mkdir -p "$P"
 for d in "$B"/tm-*; do compgen -G "$d/tm.part.*" >/dev/null && cp --update=none "$d"/tm.part.* "$P/"; done
-meta=$(realpath "$(ls "$B"/tm-*/turbomind.sha256 | head -1)")
+m=$(ls "$B"/tm-*/turbomind.sha256 | head -1); meta="$(cd "$(dirname "$m")" && pwd)/$(basename "$m")"  # absolute: used after cd
 want=$(sed -n 2p "$meta" | cut -d' ' -f1); have=$(ls "$P" | grep -c '^tm.part' || true)
 echo "turbomind parts: $have/$want"
 if [ "$have" != "$want" ] || [ -f /root/cu12/.done ]; then exit 0; fi
