@@ -201,26 +201,32 @@ def test_poll_mode_still_works(redis_url: str, client: redis.Redis, prefix: str)
 def test_worker_holding_hundreds_of_jobs_never_runs_out_of_connections(tmp_path: Path, env: dict[str, str],
                                                                       client: redis.Redis, prefix: str,
                                                                       procs: list[subprocess.Popen[bytes]]) -> None:
-    """One-request jobs on a 256-slot engine: the worker holds ~380 jobs, one thread each. redis-py's
-    default pool failed past 100 connections ("Too many connections", jobs re-queued); the worker's
-    blocking pool makes threads wait for a connection instead."""
-    n = 800
+    """One-request jobs on a 256-slot engine: the worker holds ~200 jobs, one thread each, whose results
+    land in bursts. redis-py's default pool failed past 100 connections ("Too many connections": 6
+    store episodes in this very run before the fix); the worker's blocking pool (32 + 4) makes a thread
+    wait for a connection instead."""
+    from lmdq.worker.settings import WorkerSettings
+
+    n = 1500
     rows = [{"custom_id": f"r{i}", "prompt": f"p{i}"} for i in range(n)]
-    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "1", "--max-new-tokens", "40")["id"]
+    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "1", "--max-new-tokens", "16")["id"]
     log = tmp_path / "w.log"
-    w = start_worker(*SIM, "--sim-max-batch", "256", "--sim-step-ms", "25", "--burst", env=env, log=log)
+    before = int(client.info("clients")["connected_clients"])
+    w = start_worker(*SIM, "--sim-max-batch", "256", "--sim-step-ms", "5", "--burst", env=env, log=log)
     procs.append(w)
     inflight = Keys(prefix).inflight(MODEL)
-    most = 0
+    most = clients = 0
     while w.poll() is None:
         most = max(most, int(client.llen(inflight)))
+        clients = max(clients, int(client.info("clients")["connected_clients"]) - before)
         time.sleep(0.05)
     assert w.returncode == 0
     assert most > 100, f"the worker held at most {most} jobs"
+    assert clients <= WorkerSettings().redis_pool_size + 1, clients  # + the start-up check's probe
     b = wait_batch(client, prefix, bid, timeout=10)
     assert b.status is BatchStatus.completed and b.request_counts.completed == n
     stats = stopped_stats(log)
-    assert stats["requeued"] == 0 and stats["jobs"] == n, stats
+    assert stats["requeued"] == 0 and stats["jobs"] == n and stats["store_episodes"] == 0, stats
     text = log.read_text()
     for bad in ("Too many connections", "No connection available", "redis failed while running job"):
         assert bad not in text
