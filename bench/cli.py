@@ -117,7 +117,7 @@ def fleet(
     rounds: Annotated[int, typer.Option(help="engine-fulls of requests per worker in each batch")] = 4,
     input_len: Annotated[int, typer.Option(help="prompt words")] = 64,
     output_len: Annotated[int, typer.Option(help="tokens generated per request")] = 64,
-    sim_step_ms: Annotated[float, typer.Option(help="ms per simulated decode step")] = 50.0,
+    decode_step_ms: Annotated[float, typer.Option(help="the sim workers' --sim-step-ms")] = 50.0,
     idle_workers: Annotated[int, typer.Option(help="idle workers (threads) whose Redis cost is measured")] = 100,
     poll_workers: Annotated[int, typer.Option(help="idle workers polling (LMDQ_IDLE_WAIT_S=0), to compare")] = 5,
     idle_window: Annotated[float, typer.Option(help="seconds each idle cost is measured over")] = 20.0,
@@ -134,7 +134,7 @@ def fleet(
 
     configure_logging("json", "WARNING")  # the idle workers run in this process: keep stdout for results
     cfg = FleetConfig(workers=workers, capacity=capacity, batch_size=batch_size, rounds=rounds, input_len=input_len,
-                      output_len=output_len, step_ms=sim_step_ms, idle_workers=idle_workers,
+                      output_len=output_len, decode_step_ms=decode_step_ms, idle_workers=idle_workers,
                       poll_workers=poll_workers, idle_window_s=idle_window)
     with local_redis(redis_url) as url:
         res = run_fleet(cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))

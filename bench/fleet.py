@@ -56,7 +56,7 @@ class FleetConfig:
     rounds: int = 4  # engine-fulls of requests per worker in each throughput batch
     input_len: int = 64  # prompt words
     output_len: int = 64  # generated tokens per request
-    step_ms: float = 50.0
+    decode_step_ms: float = 50.0  # the sim workers' --sim-step-ms (a bench default, not the engine's)
     idle_workers: int = 100
     poll_workers: int = 5
     idle_window_s: float = 20.0
@@ -118,7 +118,7 @@ class _Procs:
             out = open(self.dir / f"worker{i}.log", "wb")  # noqa: SIM115 - closed with the process
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "lmdq.worker", "--engine", "sim", "--served-model-name", MODEL,
-                 "--sim-max-batch", str(self.cfg.capacity), "--sim-step-ms", str(self.cfg.step_ms),
+                 "--sim-max-batch", str(self.cfg.capacity), "--sim-step-ms", str(self.cfg.decode_step_ms),
                  "--health-port", "0", "--worker-name", f"fleet-{i}"],
                 env=self.env, cwd=ROOT, stdout=out, stderr=out))
 
@@ -195,7 +195,7 @@ def _idle_cost(client: redis.Redis, redis_url: str, n: int, window_s: float, *, 
 
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, idle_wait_s=idle_wait_s,
                        log_level="WARNING")
-    workers = [Worker(engine=SimEngine(model_name=MODEL, step_ms=50), client=connect(redis_url, check=False),
+    workers = [Worker(engine=SimEngine(model_name=MODEL), client=connect(redis_url, check=False),
                       settings=s) for _ in range(n)]
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
     for t in threads:
@@ -268,7 +268,7 @@ def table(res: dict[str, Any]) -> str:
     """The result as lines that fit 80 columns."""
     c = res["config"]
     lines = [f"fleet: sim workers of {c['capacity']:,} slots, jobs of {c['batch_size']}, "
-             f"{c['output_len']} tokens at {c['step_ms']:g} ms/step",
+             f"{c['output_len']} tokens at {c['decode_step_ms']:g} ms/step",
              f"{'run':10s} {'workers':>7s} {'requests':>9s} {'req/s':>9s} {'eff.':>6s} {'µs CPU/req':>10s} "
              f"{'cmds/req':>8s}"]
     for i, r in enumerate(res.get("runs", [])):

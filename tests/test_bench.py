@@ -40,7 +40,7 @@ def test_fleet_bench_reports_rates_costs_and_idle_cost() -> None:
     import os
 
     p = run_cli("bench", "fleet", "--workers", "2", "--capacity", "16", "--batch-size", "4", "--rounds", "2",
-                "--output-len", "4", "--sim-step-ms", "2", "--idle-workers", "3", "--poll-workers", "1",
+                "--output-len", "4", "--decode-step-ms", "2", "--idle-workers", "3", "--poll-workers", "1",
                 "--idle-window", "2", env=dict(os.environ), timeout=300)
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     lines = p.stdout.decode().strip().splitlines()
