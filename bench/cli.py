@@ -109,6 +109,42 @@ def producer(
     print(line)
 
 
+@app.command()
+def fleet(
+    workers: Annotated[int, typer.Option(help="sim worker processes in the fleet run")] = 2,
+    capacity: Annotated[int, typer.Option(help="engine slots per worker (--sim-max-batch)")] = 2048,
+    batch_size: Annotated[int, typer.Option(help="requests per job")] = 32,
+    rounds: Annotated[int, typer.Option(help="engine-fulls of requests per worker in each batch")] = 4,
+    input_len: Annotated[int, typer.Option(help="prompt words")] = 64,
+    output_len: Annotated[int, typer.Option(help="tokens generated per request")] = 64,
+    decode_step_ms: Annotated[float, typer.Option(help="the sim workers' --sim-step-ms")] = 50.0,
+    idle_workers: Annotated[int, typer.Option(help="idle workers (threads) whose Redis cost is measured")] = 100,
+    poll_workers: Annotated[int, typer.Option(help="idle workers polling (LMDQ_IDLE_WAIT_S=0), to compare")] = 5,
+    idle_window: Annotated[float, typer.Option(help="seconds each idle cost is measured over")] = 20.0,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server (recommended: "
+                                                  "its counters then hold this bench alone)")] = None,
+    output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
+) -> None:
+    """N sim worker processes on one Redis: req/s and efficiency vs N x one worker, Redis CPU and
+    commands per request, memory per queued/running/completed request, idle workers' cost. The LAST
+    line printed is a JSON object."""
+    from lmdq.bench.fleet import FleetConfig, run_fleet, table
+    from lmdq.bench.local_redis import local_redis
+    from lmdq.logs import configure_logging
+
+    configure_logging("json", "WARNING")  # the idle workers run in this process: keep stdout for results
+    cfg = FleetConfig(workers=workers, capacity=capacity, batch_size=batch_size, rounds=rounds, input_len=input_len,
+                      output_len=output_len, decode_step_ms=decode_step_ms, idle_workers=idle_workers,
+                      poll_workers=poll_workers, idle_window_s=idle_window)
+    with local_redis(redis_url) as url:
+        res = run_fleet(cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(table(res))
+    line = json.dumps(res)
+    if output:
+        output.write_text(line + "\n")
+    print(line)
+
+
 def main() -> None:
     run_cli(app)
 

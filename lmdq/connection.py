@@ -253,6 +253,7 @@ def connect(
     check: bool = True,
     policy: RetryPolicy | None = None,
     on_slow: Callable[[str], None] | None = None,
+    max_connections: int | None = None,
 ) -> redis.Redis:
     """A client for ``url`` with connect and socket timeouts on every connection.
 
@@ -263,12 +264,16 @@ def connect(
     frozen Redis and bad credentials fail here, early and clearly, as one-line
     :class:`RedisUnavailable` errors. If the first answer takes longer than
     :data:`SLOW_CONNECT_NOTICE_S`, ``on_slow`` gets one line saying what we are waiting for.
+
+    With ``max_connections`` the client's pool holds at most that many connections and a thread that
+    finds them all busy waits for one (up to the socket timeout) instead of failing with "Too many
+    connections" (redis-py's default pool fails past 100): a worker with hundreds of job threads.
     """
     check_redis_url(url)
     shown = redact_url(url)
     connect_timeout_s = settings.redis_connect_timeout_s if settings is not None else _CONNECT_TIMEOUT_S
     socket_timeout_s = settings.redis_socket_timeout_s if settings is not None else _SOCKET_TIMEOUT_S
-    client = _client(url, shown, connect_timeout_s, socket_timeout_s)
+    client = _client(url, shown, connect_timeout_s, socket_timeout_s, max_connections)
     if not check:
         return client
     # The check is part of connecting: its first answer (after TCP, TLS and AUTH) gets the connect
@@ -337,16 +342,23 @@ class _SlowNotice:
         self._timer.cancel()
 
 
-def _client(url: str, shown: str, connect_timeout_s: float, socket_timeout_s: float) -> redis.Redis:
+def _client(url: str, shown: str, connect_timeout_s: float, socket_timeout_s: float,
+            max_connections: int | None = None) -> redis.Redis:
+    kw: dict[str, Any] = {
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_timeout": socket_timeout_s,
+        "retry": _ReconnectOnce(),
+        "health_check_interval": 30,
+        **({} if url[:5].lower() == "unix:" else {"socket_keepalive": True}),  # TCP only
+    }
     try:
-        return redis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=socket_timeout_s,
-            retry=_ReconnectOnce(),
-            health_check_interval=30,
-            **({} if url[:5].lower() == "unix:" else {"socket_keepalive": True}),  # TCP only
-        )
+        if max_connections is None:
+            return redis.Redis.from_url(url, **kw)
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=max(1, max_connections),
+                                                     timeout=socket_timeout_s, **kw)
+        client = redis.Redis(connection_pool=pool)
+        client.auto_close_connection_pool = True
+        return client
     except (ValueError, TypeError) as e:  # a bad query option: redis-py names the option, not its value
         raise RedisUnavailable(f"invalid Redis URL {shown!r}: {_said(e)}") from None
 

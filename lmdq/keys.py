@@ -16,6 +16,7 @@ __all__ = [
     "BATCH_COUNT_FIELDS",
     "BATCH_TIME_FIELDS",
     "BatchField",
+    "WAKE_KEY_LUA",
     "Keys",
     "model_slug",
     "queue_name",
@@ -72,6 +73,19 @@ BATCH_TIME_FIELDS = (
     BatchField.expires_at,
 )
 """Unix-time fields kept outside ``meta`` (set as the batch moves on)."""
+
+
+WAKE_KEY_LUA = """
+local function lmdq_wake_key(inflight)
+  local wake, n = string.gsub(inflight, ':inflight:([^:]*)$', ':wake:%1')
+  if n == 1 then return wake end
+  return nil
+end
+"""
+"""Lua: ``lmdq_wake_key(inflight)`` is :meth:`Keys.wake` of the model whose :meth:`Keys.inflight` list is
+``inflight`` (nil for a name that is not one). The release and reap scripts know a job's model only by
+the in-flight list its owner entry names; a slug holds no ':', so the anchored pattern cannot match
+inside the prefix. (tests/test_idle.py checks it against :meth:`Keys.wake` on a real server.)"""
 
 
 def model_slug(model: str) -> str:
@@ -156,6 +170,12 @@ class Keys:
         """List of job ids claimed by workers of ``model``: KEDA adds it to queue depth so a busy
         worker is not scaled away."""
         return f"{self.prefix}:inflight:{model_slug(model)}"
+
+    def wake(self, model: str) -> str:
+        """List: at most one wake-up token, meaning "the model's queues may have work". Pushed when
+        jobs become visible (commit, re-queue, reap); an idle worker BLPOPs it instead of polling
+        (:mod:`lmdq.wakeup`)."""
+        return f"{self.prefix}:wake:{model_slug(model)}"
 
     def worker(self, name: str) -> str:
         """Worker heartbeat hash with a TTL."""

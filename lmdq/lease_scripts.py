@@ -4,11 +4,14 @@ A worker claims a job with one script that pops it from the highest-priority non
 records its lease and owner in the same step (nothing is lost between the two); it extends the
 leases it still owns; it releases a job (done, or back to the FRONT of its queue, with what that
 costs the job counted in the same step); any worker re-queues leases that expired (their holder
-died). Owner entries are ``worker<TAB>queue<TAB>inflight list``, so release and reap know where a job
-goes back to. :class:`lmdq.jobs.JobQueue` registers and calls them.
+died). Re-queueing also leaves a wake-up token for the model's idle workers (:mod:`lmdq.wakeup`;
+the claim script is unchanged). Owner entries are ``worker<TAB>queue<TAB>inflight list``, so release
+and reap know where a job goes back to. :class:`lmdq.jobs.JobQueue` registers and calls them.
 """
 
 from __future__ import annotations
+
+from lmdq.wakeup import WAKE_LUA
 
 __all__ = ["CLAIM", "HEARTBEAT", "REAP", "RELEASE"]
 
@@ -64,8 +67,9 @@ return lost
 
 # KEYS: leases, owners, runs, charges, crashes.
 # ARGV: job id, worker, mode ('done' | 'requeue'), charge ('' | 'charge' | 'crash'), killer index or ''.
-# 'done' also drops the job's counters (they are only needed while it can still run again).
-RELEASE = """
+# 'done' also drops the job's counters (they are only needed while it can still run again); 'requeue'
+# wakes an idle worker of the job's model.
+RELEASE = WAKE_LUA + """
 local o = redis.call('HGET', KEYS[2], ARGV[1])
 if not o then return 0 end
 local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
@@ -80,6 +84,7 @@ if ARGV[3] == 'requeue' then
     if ARGV[5] ~= '' then redis.call('HSET', KEYS[5], ARGV[1] .. ':killer', ARGV[5]) end
   end
   redis.call('LPUSH', q, ARGV[1])
+  lmdq_wake(lmdq_wake_key(inflight))
 else
   redis.call('HDEL', KEYS[3], ARGV[1])
   redis.call('HDEL', KEYS[4], ARGV[1])
@@ -88,8 +93,8 @@ end
 return 1
 """
 
-# KEYS: leases, owners.  ARGV: limit
-REAP = _NOW + """
+# KEYS: leases, owners.  ARGV: limit.  Each re-queued job wakes an idle worker of its model.
+REAP = _NOW + WAKE_LUA + """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local out = {}
 for _, id in ipairs(ids) do
@@ -100,6 +105,7 @@ for _, id in ipairs(ids) do
     local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
     redis.call('LREM', inflight, 1, id)
     redis.call('LPUSH', q, id)
+    lmdq_wake(lmdq_wake_key(inflight))
     table.insert(out, id)
     table.insert(out, w)
   end

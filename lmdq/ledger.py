@@ -53,6 +53,7 @@ from lmdq.jobs import JobQueue, job_id_for, job_id_prefix
 from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.logs import get_logger
 from lmdq.store import ResultStore
+from lmdq.wakeup import WAKE_LUA
 
 __all__ = ["BatchLedger", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
 
@@ -66,9 +67,10 @@ _RQ_QUEUES = "rq:queues"
 _FETCH_CHUNK = 500
 """Jobs fetched per round trip when reading a batch's requests back for ``retry``."""
 
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash.  ARGV: queue key, chunk, now, ttl.
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the model's wake list.
+# ARGV: queue key, chunk, now, ttl.
 # Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
-_COMMIT = f"""
+_COMMIT = WAKE_LUA + f"""
 if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
 local n = redis.call('LLEN', KEYS[1])
 local chunk = tonumber(ARGV[2])
@@ -82,6 +84,7 @@ if redis.call('HGET', KEYS[4], '{F.status}') == '{BatchStatus.validating.value}'
 end
 redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
+if n > 0 then lmdq_wake(KEYS[5]) end
 return n
 """
 
@@ -342,7 +345,8 @@ class BatchLedger:
         qkey = rq_queue_key(queue_name(batch.model, batch.priority, self.keys.prefix))
         with self._refusals():
             n = self._commit(
-                keys=[self.keys.batch_jobs(batch.id), qkey, _RQ_QUEUES, self.keys.batch(batch.id)],
+                keys=[self.keys.batch_jobs(batch.id), qkey, _RQ_QUEUES, self.keys.batch(batch.id),
+                      self.keys.wake(batch.model)],
                 args=[qkey, 4000, time.time(), self.ttl_s],
             )
         return max(0, int(n))

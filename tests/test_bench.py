@@ -33,3 +33,26 @@ def test_producer_bench_reports_both_ways(redis_url: str, env: dict[str, str]) -
     for k in ("submit_req_s", "results_per_s", "results_openai_per_s", "submit_peak_rss_mib", "results_peak_rss_mib",
               "redis_bytes_per_queued_request", "redis_bytes_per_result"):
         assert out[k] > 0, k
+
+
+def test_fleet_bench_reports_rates_costs_and_idle_cost() -> None:
+    """Tiny fleet on the bench's own redis-server: every number is there and consistent (none is a target)."""
+    import os
+
+    p = run_cli("bench", "fleet", "--workers", "2", "--capacity", "16", "--batch-size", "4", "--rounds", "2",
+                "--output-len", "4", "--decode-step-ms", "2", "--idle-workers", "3", "--poll-workers", "1",
+                "--idle-window", "2", env=dict(os.environ), timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    lines = p.stdout.decode().strip().splitlines()
+    assert all(len(ln) <= 80 for ln in lines[:-1]), lines[:-1]
+    assert any(ln.startswith("fleet ") for ln in lines[:-1])
+    out = json.loads(lines[-1])
+    one, fleet = out["runs"]
+    assert (one["workers"], one["requests"], fleet["workers"], fleet["requests"]) == (1, 32, 2, 64)
+    assert fleet["efficiency"] == round(fleet["req_s"] / (2 * one["req_s"]), 4)
+    for r in (one, fleet):
+        assert r["req_s"] > 0 and r["redis_cpu_us_per_req"] > 0 and r["commands_per_req"] > 1
+    assert out["bytes_per_queued"] > 0 and out["bytes_per_running"] > 0 and out["bytes_per_completed"] > 0
+    assert out["idle_blocking"]["workers"] == 3 and out["idle_polling"]["workers"] == 1
+    # polling costs commands every poll_interval_s; blocking workers cost a handful per idle_wait_s
+    assert out["idle_polling"]["commands_per_s"] > out["idle_blocking"]["commands_per_s"]

@@ -49,11 +49,13 @@ def test_ending_attempt_never_hides_the_reclaimed_attempt_of_the_same_job(tmp_pa
     w.engine.close()
 
 
-def test_busy_worker_polls_the_queue_slowly_idle_worker_fast(tmp_path: Path, env: dict[str, str], redis_url: str,
-                                                             client: redis.Redis, prefix: str) -> None:
+def test_busy_worker_polls_the_queue_slowly_idle_worker_sleeps_until_woken(tmp_path: Path, env: dict[str, str],
+                                                                          redis_url: str, client: redis.Redis,
+                                                                          prefix: str) -> None:
     """Claims cost Python time that LMDeploy's in-process scheduler competes for: while the worker
     holds a job, an empty queue is polled every busy_poll_interval_s (a finished job wakes it
-    anyway); while idle, every poll_interval_s so that new work starts at once."""
+    anyway); while idle, the worker blocks on its model's wake list (tests/test_idle.py) and the
+    submit's token wakes it at once, so it does not poll at all."""
     import threading
 
     from lmdq.worker.engines.sim import SimEngine
@@ -61,7 +63,7 @@ def test_busy_worker_polls_the_queue_slowly_idle_worker_fast(tmp_path: Path, env
     from lmdq.worker.settings import WorkerSettings
 
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, poll_interval_s=0.02,
-                       busy_poll_interval_s=0.5)
+                       busy_poll_interval_s=0.5, idle_wait_s=60)
     w = Worker(engine=SimEngine(model_name="sim", step_ms=10), client=client, settings=s)
     calls: list[float] = []
     claim_many = w.jobs.claim_many
@@ -78,7 +80,7 @@ def test_busy_worker_polls_the_queue_slowly_idle_worker_fast(tmp_path: Path, env
         idle_calls = len(calls)
         # one job of ~4 s (400 tokens at 10 ms a step)
         bid = submit(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "long"}]), env, "--max-new-tokens", "400")["id"]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not w._held and time.monotonic() < deadline:
             time.sleep(0.01)
         assert w._held, "the job was never claimed"
@@ -87,7 +89,8 @@ def test_busy_worker_polls_the_queue_slowly_idle_worker_fast(tmp_path: Path, env
         assert w._held, "the job ended before the busy window closed"
         busy = len(calls) - n0
         busy_s = time.monotonic() - t0
-        assert idle_calls >= 8, f"idle worker polled only {idle_calls} times in 0.6 s (poll_interval 0.02)"
+        assert idle_calls <= 2, f"idle worker claimed {idle_calls} times in 0.6 s (it should block)"
+        assert w.idle is not None and w.idle.tokens >= 1  # woken by the submit, not by its 60 s timeout
         assert busy <= busy_s / 0.5 + 2, f"busy worker polled {busy} times in {busy_s:.1f} s (busy interval 0.5 s)"
         assert wait_batch(client, prefix, bid, timeout=20).status is BatchStatus.completed
     finally:

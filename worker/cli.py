@@ -72,7 +72,8 @@ def run(
     if ignored:
         log.warning("engine settings in the environment that this engine does not take; ignored",
                     engine=s.engine_name, env=ignored)
-    client = connect(s.redis_url, settings=s)
+    # A blocking pool sized to the job threads: hundreds of jobs in flight never see "Too many connections".
+    client = connect(s.redis_url, settings=s, max_connections=s.redis_pool_size)
     log.info("connected to redis", url=redact_url(s.redis_url))
 
     from lmdq.worker.engine_factory import build_engine, engine_capacity

@@ -36,9 +36,11 @@ from lmdq.keys import Keys, queue_names
 from lmdq.output_urls import OutputPolicy
 from lmdq.registry import WorkerRegistry
 from lmdq.store import ResultStore
+from lmdq.wakeup import WakeUp
 from lmdq.worker.admission import Admission, EngineGate
 from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine
+from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_writer import ResultWriter, WriteAbandoned, is_store_refusal
 from lmdq.worker.results_sink import flush_results
@@ -96,7 +98,7 @@ class Worker:
                                        ttl_s=settings.heartbeat_ttl_s)
         self.health = health
         self.capacity = max(1, capacity or 1)
-        self.max_jobs = settings.jobs_in_flight or 256
+        self.max_jobs = settings.max_jobs
         self.admission = Admission(capacity=self.capacity, max_jobs=self.max_jobs,
                                    prefetch_requests=settings.prefetch_requests)
         self.gate = EngineGate()
@@ -112,6 +114,8 @@ class Worker:
         self.attempt = JobAttempt(engine=engine, jobs=self.jobs, store=self.store, writer=self.writer,
                                   settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock)
         self._counts = {"jobs": 0, "requeued": 0, "refused": 0}
+        #: an idle worker's sleep in Redis (None: polls every poll_interval_s; set up by run())
+        self.idle: IdleWaiter | None = None
         self._heartbeat_failing = False
         self._last_redis_warning = -_REDIS_WARN_EVERY_S
         self._warn_lock = threading.Lock()
@@ -140,6 +144,8 @@ class Worker:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._slot:  # an idle loop sleeps on it for up to idle_wait_s
+            self._slot.notify_all()
 
     def run(self) -> int:
         """Bootstrap → loop → teardown. Returns the process exit code: 0, or
@@ -147,6 +153,9 @@ class Worker:
         self.registry.register(pid=os.getpid())
         hb = threading.Thread(target=self._heartbeat_loop, name="lmdq-heartbeat", daemon=True)
         hb.start()
+        if self.s.idle_wait_s > 0 and not self.s.burst:  # a burst worker exits when idle instead
+            wakeup = WakeUp(self.client, keys=self.keys, model=self.model, block_s=self.s.idle_wait_s)
+            self.idle = IdleWaiter(wakeup, self._slot, log=self.log)
         self.log.info("worker started", queues=self.queues, capacity=self.capacity, burst=self.s.burst)
         try:
             self._loop()
@@ -178,6 +187,7 @@ class Worker:
                 self._poll_cancellations()
             claimed: list[Claim] = []
             room = self._room()
+            idle = not self._held
             if room:
                 try:
                     claimed = self.jobs.claim_many(
@@ -192,6 +202,8 @@ class Worker:
                     backoff = min(5.0, backoff * 2)
                     continue
             if claimed:
+                if idle and len(claimed) >= room:
+                    self._pass_wake_on()
                 for c in claimed:
                     held = Held(claim=c)
                     with self._lock:
@@ -210,8 +222,23 @@ class Worker:
                 # Busy (jobs held): an empty claim is retried when a job finishes (notify) or after
                 # busy_poll_interval_s. Polling Redis every poll_interval_s here costs GIL time that
                 # LMDeploy's in-process scheduler needs (measured: ~1 ms of Python per claim call).
+                if self.idle is not None and not self._held and room:
+                    # Idle: sleep in Redis until a submit, re-queue or reap leaves a token, at most
+                    # idle_wait_s; SIGTERM and stop() notify _slot, so a drain does not wait for it.
+                    self.idle.wait(self._stop)
+                    continue
                 self._slot.wait(max(self.s.poll_interval_s, self.s.busy_poll_interval_s) if self._held
                                 else self.s.poll_interval_s)
+
+    def _pass_wake_on(self) -> None:
+        """This idle worker claimed a full share: more may be queued, so wake the next idle worker
+        (one token wakes one worker; a batch wakes them one after another, not all at once)."""
+        if self.idle is None:
+            return
+        try:
+            self.idle.wakeup.notify()
+        except redis.RedisError:
+            pass  # a missed wake-up only delays: idle workers claim at the end of each block anyway
 
     def _queues_empty(self) -> bool:
         """Burst mode's exit test; an unreachable Redis counts as 'maybe not empty'."""
@@ -261,6 +288,8 @@ class Worker:
                 while self._held and time.monotonic() < end:
                     self._slot.wait(0.2)
         self._stop.set()  # also ends the heartbeat thread (a burst exit never set it)
+        if self.idle is not None:
+            self.idle.close()
         try:
             self.registry.deregister()
         except redis.RedisError:

@@ -28,7 +28,16 @@ from lmdq.worker.engine_config import (
     split_engine_settings,
 )
 
-__all__ = ["WorkerSettings", "load_worker_settings", "resolve_engine"]
+__all__ = ["DEFAULT_MAX_JOBS", "WorkerSettings", "load_worker_settings", "resolve_engine"]
+
+DEFAULT_MAX_JOBS = 256
+"""Jobs a worker holds at most when ``jobs_in_flight`` is 0 (one thread each)."""
+
+POOL_JOB_CONNECTIONS = 32
+"""Most connections the derived pool gives job threads (``redis_max_connections`` = 0)."""
+
+POOL_EXTRA_CONNECTIONS = 4
+"""Connections beyond the job threads': main loop, heartbeat thread, health endpoint, one spare."""
 
 #: Where :class:`_EngineEnvSource` hands the engine env vars to the validator, apart from the flat
 #: keywords, so that a flag (or keyword) still beats its env var.
@@ -84,6 +93,15 @@ class WorkerSettings(CommonSettings):
     busy_poll_interval_s: float = Field(
         default=0.5, gt=0.0, description="queue poll period while holding jobs (a finished job also wakes it)"
     )
+    idle_wait_s: float = Field(
+        default=10.0, ge=0.0, le=60.0, description="an idle worker blocks in Redis (BLPOP on its model's wake "
+        "list) up to this long between claims; a submit, re-queue or reap wakes it at once; 0 = poll every "
+        "poll_interval_s instead (for a Redis proxy without blocking commands)"
+    )
+    redis_max_connections: int = Field(
+        default=0, ge=0, description="size of the worker's Redis connection pool; a thread that finds every "
+        "connection busy waits for one (never 'Too many connections'); 0 = jobs in flight (at most 32) + 4"
+    )
     health_host: str = "0.0.0.0"
     health_port: int = Field(default=8000, ge=0, le=65535, description="0 = no HTTP endpoint")
 
@@ -113,6 +131,20 @@ class WorkerSettings(CommonSettings):
             return data
         data[engine] = split_engine_settings(data, engine, env)
         return data
+
+    @property
+    def max_jobs(self) -> int:
+        """Jobs held at once: ``jobs_in_flight``, or :data:`DEFAULT_MAX_JOBS` (admission then keeps the
+        engine full by requests, well below it)."""
+        return self.jobs_in_flight or DEFAULT_MAX_JOBS
+
+    @property
+    def redis_pool_size(self) -> int:
+        """Connections in the worker's pool: ``redis_max_connections``, or one per job thread up to
+        :data:`POOL_JOB_CONNECTIONS` plus :data:`POOL_EXTRA_CONNECTIONS` for the loop, the heartbeat and
+        the health endpoint. Job threads hold a connection only for one command or pipeline at a time,
+        so a few dozen serve hundreds of jobs; the cap keeps a fleet within Redis' ``maxclients``."""
+        return self.redis_max_connections or min(self.max_jobs, POOL_JOB_CONNECTIONS) + POOL_EXTRA_CONNECTIONS
 
     @property
     def engine_name(self) -> str:
