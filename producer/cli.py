@@ -496,8 +496,9 @@ models_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
     context_settings={"max_content_width": 120},
-    help="Models submit accepts: those an operator registered, and those a worker has served. Register the "
-    "deployment's model so a submit is accepted while no worker runs (autoscaling from zero replicas).",
+    help="Register, list and remove the models submit accepts.\n\nSubmit accepts a model an operator "
+    "registered or one a worker has served. Register the deployment's model so a submit is accepted while no "
+    "worker runs (autoscaling from zero replicas).",
 )
 app.add_typer(models_app, name="models")
 
@@ -508,7 +509,7 @@ def _models() -> ModelRegistry:
 
 @models_app.command("add")
 def models_add(
-    names: Annotated[list[str], typer.Argument(metavar="NAME...", help="served model names (submit --model)")],
+    names: Annotated[list[str], typer.Argument(metavar="NAME", help="served model names (submit --model)")],
     note: Annotated[
         str | None, typer.Option(help=f"a reminder shown by `models list` (at most {MAX_NOTE} characters)")
     ] = None,
@@ -563,7 +564,7 @@ def models_list(
 
 @models_app.command("remove")
 def models_remove(
-    name: Annotated[str, typer.Argument(help="a registered or served model name")],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="a registered or served model name")],
 ) -> None:
     """Forget a model: submit refuses it again.
 

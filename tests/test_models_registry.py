@@ -433,3 +433,14 @@ def test_worker_restart_keeps_the_registration(client: redis.Redis, prefix: str)
     w.beat()
     w.deregister()
     assert reg.known() == {"m"} and [m.live_workers for m in reg.models()] == [0]
+
+
+@pytest.mark.parametrize("command", [(), ("add",), ("list",), ("remove",)])
+def test_models_help_fits_80_columns(env: dict[str, str], command: tuple[str, ...]) -> None:
+    p = run_cli("lmdq.producer", "models", *command, "--help", env={**env, "COLUMNS": "80"})
+    assert p.returncode == 0, p.stderr.decode()
+    text = p.stdout.decode()
+    assert "…" not in text, text
+    if "Commands:" in text:  # click cuts a summary that does not fit with "..."
+        assert "..." not in text.split("Commands:")[1], text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
