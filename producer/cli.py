@@ -578,7 +578,7 @@ def models_remove(
     typer.echo(f"removed: {name} ({what})")
     if removed.live_workers:
         err.print(f"note: {removed.live_workers} live worker(s) serve {name!r}: their next heartbeat "
-                  "records it as served again; stop them to retire it")
+                  "records it as served again; stop them to retire it", markup=False, highlight=False)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from lmdq.registry import ModelInfo
 
@@ -42,8 +43,9 @@ def models_table(models: list[ModelInfo], now: float) -> Table:
     if notes:
         table.add_column("note", overflow="fold", min_width=8)
     for m in models:
-        row = [m.name, _registered(m, now), age(m.last_seen, now), str(m.live_workers)]
-        table.add_row(*row, *([m.note or ""] if notes else []))
+        # Text, not str: a name or note read from Redis is data, never rich markup ("[b]" stays "[b]")
+        row: list[Text | str] = [Text(m.name), _registered(m, now), age(m.last_seen, now), str(m.live_workers)]
+        table.add_row(*row, *([Text(m.note or "")] if notes else []))
     return table
 
 

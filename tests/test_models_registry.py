@@ -138,6 +138,9 @@ def test_models_commands(env: dict[str, str], client: redis.Redis, prefix: str) 
 def test_models_list_never_cuts_a_name(env: dict[str, str], client: redis.Redis, prefix: str) -> None:
     long = "organisation-with-a-long-name/" + "a-model-name-that-does-not-fit-in-a-column-" * 2
     _registry(client, prefix).add(long, note="n")
+    _registry(client, prefix).add("[bold]tagged[/bold]", note="[red]data, not markup")
+    table = _cli({**env, "COLUMNS": "400"}, "models", "list").stdout.decode()
+    assert "[bold]tagged[/bold]" in table and "[red]data, not markup" in table, table
     for columns in ("80", "40"):
         out = _cli({**env, "COLUMNS": columns}, "models", "list").stdout.decode()
         assert long in out.splitlines(), out  # whole, on a line of its own when the table cannot fit
