@@ -187,3 +187,8 @@ class Keys:
     def models(self) -> str:
         """Hash served model name -> last-seen timestamp: models a worker has ever served."""
         return f"{self.prefix}:models"
+
+    def registered_models(self) -> str:
+        """Hash model name -> JSON ``{"added_at", "note"}``: models an operator registered
+        (``lmdq-producer models add``), so ``submit`` accepts them before any worker has started."""
+        return f"{self.prefix}:models:registered"

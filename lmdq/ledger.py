@@ -52,6 +52,7 @@ from lmdq.job_decode import JobRefused, decode_job
 from lmdq.jobs import JobQueue, job_id_for, job_id_prefix
 from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.logs import get_logger
+from lmdq.registry import ModelRegistry
 from lmdq.store import ResultStore
 from lmdq.wakeup import WAKE_LUA
 
@@ -252,8 +253,9 @@ class BatchLedger:
         return self.store.get_batch(batch_id)
 
     def known_models(self, extra: Iterable[str] = ()) -> set[str]:
-        """Model names some worker has served (workers register at start) plus configured ones."""
-        return {_text(m) for m in self.client.hkeys(self.keys.models())} | set(extra)
+        """Model names ``submit`` accepts: registered by an operator or served by some worker
+        (:class:`lmdq.registry.ModelRegistry`), plus ``extra`` (the producer's LMDQ_KNOWN_MODELS)."""
+        return ModelRegistry(self.client, keys=self.keys).known() | set(extra)
 
     # ---- idempotency ------------------------------------------------------------------------
     def bound_batch(self, idempotency_key: str) -> Batch | None:

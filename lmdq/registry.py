@@ -1,18 +1,43 @@
-"""The worker registry: which workers are alive, which models are served, which batches are cancelled.
+"""The registries: which workers are alive, which models are known, which batches are cancelled.
 
 A worker's record is a hash with a TTL that its heartbeat renews, so a dead worker disappears on its
-own; the models hash (model -> last seen) is what ``submit`` checks a model name against. Timestamps
-come from the Redis server's clock (TIME), like leases: a worker with a wrong clock must not look
-dead or stale. The worker never speaks Redis itself; it calls this and :class:`lmdq.jobs.JobQueue`.
+own; the models hash (model -> last seen) records what workers have served. Timestamps come from
+the Redis server's clock (TIME), like leases: a worker with a wrong clock must not look dead or
+stale. The worker never speaks Redis itself; it calls this and :class:`lmdq.jobs.JobQueue`.
+
+``submit`` checks a model name against :class:`ModelRegistry`: the models workers have served PLUS
+the models an operator registered (``lmdq-producer models add``, or the deployment's one-shot
+registration). The second half is what lets an autoscaled deployment start from zero workers: the
+first submit must be accepted, or the autoscaler never sees work and no worker ever starts.
 """
 
 from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 
 from lmdq.keys import Keys
 
-__all__ = ["WorkerRegistry", "redis_answers"]
+__all__ = [
+    "MAX_MODEL_NAME",
+    "MAX_NOTE",
+    "ModelInfo",
+    "ModelRegistry",
+    "RemovedModel",
+    "WorkerRegistry",
+    "check_model_name",
+    "redis_answers",
+]
+
+MAX_MODEL_NAME = 512
+"""A batch's model name is at most this long (:class:`lmdq.contract.Batch`): a longer one could never be submitted."""
+MAX_NOTE = 200
+"""An operator's note on a registered model: a reminder, not a document."""
 
 # KEYS: models, worker hash, workers set.  ARGV: model, ttl, pid, worker name
 _REGISTER = """
@@ -81,3 +106,162 @@ def redis_answers(client: redis.Redis) -> bool:
     """Is Redis answering? For the health endpoint, which asks before the worker (and its registry)
     exists: while the engine loads."""
     return bool(client.ping())
+
+
+def _text(value: bytes | str) -> str:
+    """A Redis reply as text; replies are untrusted, so bad UTF-8 is replaced, never raised."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _time(value: Any) -> float | None:
+    """A timestamp read back from Redis (untrusted): a finite non-negative number, else None."""
+    try:
+        t = float(_text(value))
+    except (TypeError, ValueError):
+        return None
+    return t if math.isfinite(t) and t >= 0 else None
+
+
+def check_model_name(name: str) -> str:
+    """The name an operator registers, or ValueError saying why not.
+
+    Refused: empty, longer than a batch's model name may be, surrounding blanks or control
+    characters. Each of these is a typo that would register a model no submit can ever name (a
+    trailing space, a pasted newline), which is worse than an error.
+    """
+    if not name:
+        raise ValueError("expected a model name, got an empty one")
+    if len(name) > MAX_MODEL_NAME:
+        raise ValueError(f"expected at most {MAX_MODEL_NAME} characters, got {len(name)}")
+    if name != name.strip():
+        raise ValueError(f"expected no leading or trailing blanks, got {name!r}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"expected no control characters, got {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One model as ``models list`` shows it: who made it known, and whether anything serves it."""
+
+    name: str
+    registered: bool
+    #: server time of the operator's registration (its latest ``models add``)
+    registered_at: float | None
+    note: str | None
+    #: server time a worker last announced or beat for this model; None if none ever did
+    last_seen: float | None
+    #: workers whose record is alive now (their heartbeat TTL has not run out)
+    live_workers: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.name,
+            "registered": self.registered,
+            "registered_at": self.registered_at,
+            "note": self.note,
+            "last_seen": self.last_seen,
+            "live_workers": self.live_workers,
+        }
+
+
+@dataclass(frozen=True)
+class RemovedModel:
+    """What ``models remove`` deleted, and what will bring the model back."""
+
+    name: str
+    registered: bool
+    seen: bool
+    #: live workers of the model: their next heartbeat records it as served again
+    live_workers: int
+
+
+class ModelRegistry:
+    """The models ``submit`` accepts: registered by an operator, or served by some worker.
+
+    The two are kept in two hashes on purpose. Workers write ``Keys.models`` on every heartbeat and
+    never delete from it; operators write ``Keys.registered_models``, and a note and a registration
+    time only mean something there. ``remove`` deletes from both, so a retired model is refused again
+    (unless a live worker still serves it: its next beat announces it again, which ``remove`` reports).
+    """
+
+    def __init__(self, client: redis.Redis, *, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+
+    def known(self) -> set[str]:
+        """Every model name ``submit`` accepts without ``--allow-unknown-model``."""
+        with self.client.pipeline(transaction=False) as p:
+            p.hkeys(self.keys.registered_models())
+            p.hkeys(self.keys.models())
+            registered, seen = p.execute()
+        return {_text(m) for m in registered} | {_text(m) for m in seen}
+
+    def add(self, name: str, *, note: str | None = None) -> bool:
+        """Register ``name`` (with an optional note); True if it was not registered before.
+
+        Adding again replaces the note and the registration time: the deployment's one-shot runs it
+        on every apply, and the latest registration is the one worth showing."""
+        check_model_name(name)
+        if note is not None and len(note) > MAX_NOTE:
+            raise ValueError(f"expected a note of at most {MAX_NOTE} characters, got {len(note)}")
+        sec, usec = self.client.time()
+        record: dict[str, Any] = {"added_at": sec + usec / 1_000_000}
+        if note:
+            record["note"] = note
+        return bool(self.client.hset(self.keys.registered_models(), name, json.dumps(record)))
+
+    def remove(self, name: str) -> RemovedModel:
+        """Forget ``name``: its registration and its last-seen record (``submit`` refuses it again)."""
+        with self.client.pipeline(transaction=False) as p:
+            p.hdel(self.keys.registered_models(), name)
+            p.hdel(self.keys.models(), name)
+            registered, seen = p.execute()
+        return RemovedModel(name=name, registered=bool(registered), seen=bool(seen),
+                            live_workers=self._live_workers().get(name, 0))
+
+    def now(self) -> float:
+        """The Redis server's clock: the one the registration and last-seen times were written with."""
+        sec, usec = self.client.time()
+        return float(sec + usec / 1_000_000)
+
+    def models(self) -> list[ModelInfo]:
+        """Every known model, registered or seen, sorted by name."""
+        with self.client.pipeline(transaction=False) as p:
+            p.hgetall(self.keys.registered_models())
+            p.hgetall(self.keys.models())
+            raw_registered, raw_seen = p.execute()
+        registered = {_text(k): _registration(v) for k, v in raw_registered.items()}
+        seen = {_text(k): _time(v) for k, v in raw_seen.items()}
+        live = self._live_workers()
+        out = []
+        for name in sorted(set(registered) | set(seen)):
+            at, note = registered.get(name, (None, None))
+            out.append(ModelInfo(name=name, registered=name in registered, registered_at=at, note=note,
+                                 last_seen=seen.get(name), live_workers=live.get(name, 0)))
+        return out
+
+    def _live_workers(self) -> Counter[str]:
+        """Live workers per model: members of the workers set whose record has not expired (a
+        worker killed without deregistering stays in the set, but its record's TTL runs out)."""
+        names = list(self.client.smembers(self.keys.workers()))
+        if not names:
+            return Counter()
+        with self.client.pipeline(transaction=False) as p:
+            for n in names:
+                p.hget(self.keys.worker(_text(n)), "model")
+            models = p.execute()
+        return Counter(_text(m) for m in models if m is not None)
+
+
+def _registration(raw: bytes | str) -> tuple[float | None, str | None]:
+    """(registered at, note) from a registration record; anything malformed reads as unknown, since
+    the record is untrusted and the registration itself (the hash field) is what counts."""
+    try:
+        record = json.loads(_text(raw))
+    except ValueError:
+        return None, None
+    if not isinstance(record, dict):
+        return None, None
+    note = record.get("note")
+    return _time(record.get("added_at")), (note[:MAX_NOTE] if isinstance(note, str) else None)

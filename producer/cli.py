@@ -19,10 +19,11 @@ from rich.table import Table
 from lmdq.cli_options import FlagSpec, model_options
 from lmdq.connection import connect, redact_url, with_reconnect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
-from lmdq.errors import EXIT_CODES_HELP, BadSetting, run_cli
+from lmdq.errors import EXIT_CODES_HELP, BadSetting, LmdqError, run_cli
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
 from lmdq.producer.settings import ProducerSettings
+from lmdq.registry import MAX_NOTE, ModelRegistry, check_model_name
 from lmdq.store import ResultStore
 
 app = typer.Typer(
@@ -200,7 +201,9 @@ def submit(
     ] = None,
     idempotency_key: Annotated[str | None, typer.Option(help="same key → same batch, never enqueued twice")] = None,
     completion_window: Annotated[str | None, typer.Option(help="e.g. 24h: requests not started by then expire")] = None,
-    allow_unknown_model: Annotated[bool, typer.Option(help="queue even if no worker ever served MODEL")] = False,
+    allow_unknown_model: Annotated[
+        bool, typer.Option(help="queue even if MODEL is neither registered (`models add`) nor served by a worker")
+    ] = False,
     results_url: Annotated[
         str | None,
         typer.Option(help="folder or s3://bucket/prefix: full results go to JSONL shards there, Redis keeps counts"),
@@ -487,6 +490,95 @@ def retry(
         idempotency_key=idempotency_key,
     )
     _print_submitted(batch, created, as_json)
+
+
+models_app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 120},
+    help="Register, list and remove the models submit accepts.\n\nSubmit accepts a model an operator "
+    "registered or one a worker has served. Register the deployment's model so a submit is accepted while no "
+    "worker runs (autoscaling from zero replicas).",
+)
+app.add_typer(models_app, name="models")
+
+
+def _models() -> ModelRegistry:
+    return ModelRegistry(_client(), keys=Keys(_settings().key_prefix))
+
+
+@models_app.command("add")
+def models_add(
+    names: Annotated[list[str], typer.Argument(metavar="NAME", help="served model names (submit --model)")],
+    note: Annotated[
+        str | None, typer.Option(help=f"a reminder shown by `models list` (at most {MAX_NOTE} characters)")
+    ] = None,
+) -> None:
+    """Register models so submit accepts them with no worker running.
+
+    Idempotent: adding a registered model again replaces its note. Deployments run it once per apply
+    (deploy/base/register-model.yaml, the compose service `register-model`)."""
+    for name in names:
+        try:
+            check_model_name(name)
+        except ValueError as e:
+            print(f"error: NAME: {e}", file=sys.stderr)
+            raise typer.Exit(2) from e
+    if note is not None and len(note) > MAX_NOTE:
+        print(f"error: --note: expected at most {MAX_NOTE} characters, got {len(note)}", file=sys.stderr)
+        raise typer.Exit(2)
+    registry = _models()
+    for name in names:
+        new = registry.add(name, note=note)
+        typer.echo(f"{'registered' if new else 'already registered (updated)'}: {name}")
+
+
+@models_app.command("list")
+def models_list(
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per model")] = False,
+) -> None:
+    """List registered and worker-served models, with live workers.
+
+    Times are ages on the Redis server's clock: `registered` is the latest `models add`, `last seen` a
+    worker's latest heartbeat for the model; `workers` counts workers alive now."""
+    from lmdq.producer.models import model_lines, models_table
+
+    registry = _models()
+    models, now = registry.models(), registry.now()
+    if as_json:
+        for m in models:
+            typer.echo(json.dumps(m.as_dict()))
+        return
+    if not models:
+        err.print("no models: register one with `lmdq-producer models add NAME`, or start a worker")
+        return
+    out = Console()
+    table = models_table(models, now)
+    if Measurement.get(out, out.options.update_width(10_000), table).minimum <= out.width:
+        out.print(table)
+        return
+    for name, fields in model_lines(models, now):  # too narrow: never cut a name (see list_)
+        typer.echo(name)
+        typer.echo(_fill(fields, width=out.width))
+
+
+@models_app.command("remove")
+def models_remove(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="a registered or served model name")],
+) -> None:
+    """Forget a model: submit refuses it again.
+
+    Deletes its registration and its last-seen record; a live worker serving it records it again at
+    its next heartbeat."""
+    removed = _models().remove(name)
+    if not (removed.registered or removed.seen):
+        raise LmdqError(f"unknown model {name!r}: not registered and never served; nothing removed")
+    what = " and ".join(w for w, on in (("registration", removed.registered), ("last-seen record", removed.seen))
+                        if on)
+    typer.echo(f"removed: {name} ({what})")
+    if removed.live_workers:
+        err.print(f"note: {removed.live_workers} live worker(s) serve {name!r}: their next heartbeat "
+                  "records it as served again; stop them to retire it", markup=False, highlight=False)
 
 
 def main() -> None:

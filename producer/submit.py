@@ -19,6 +19,7 @@ import hashlib
 import heapq
 import json
 import os
+import shlex
 import time
 from array import array
 from collections.abc import Callable, Generator, Iterable
@@ -300,8 +301,9 @@ def submit_file(
         if model not in known:
             raise UnknownModel(
                 f"{path}:0: field 'model': unknown model {model!r}; known: "
-                f"{', '.join(sorted(known)) or '(none: no worker has started yet)'}. "
-                "Start a worker for it, or pass --allow-unknown-model to queue anyway."
+                f"{', '.join(sorted(known)) or '(none: nothing registered, no worker started yet)'}. "
+                f"Register it with `lmdq-producer models add {shlex.quote(model)}` (or start a worker "
+                "serving it), or pass --allow-unknown-model to queue anyway."
             )
 
     batch_id = new_batch_id()

@@ -374,7 +374,9 @@ def seconds(duration: str) -> float:
 def test_compose_default_services_are_redis_and_worker() -> None:
     services = compose()["services"]
     default = {name for name, svc in services.items() if not svc.get("profiles")}
-    assert default == {"redis", "worker"}
+    # register-model: the one-shot that registers the served model, so a submit is accepted before
+    # (or without) a running worker (issue #17; tests/test_models_registry.py runs it)
+    assert default == {"redis", "worker", "register-model"}
     assert services["producer"]["profiles"] == ["producer"]
     assert services["rq-dashboard"]["profiles"] == ["dashboard"]
 
