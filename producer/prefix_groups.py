@@ -80,7 +80,14 @@ class PrefixKeys:
         self.line_nos = array("I")
 
     def add(self, offset: int, item: ParsedLine) -> None:
-        data = memoryview(prefix_text(item, self.lengths[-1]).encode("utf-8", "surrogatepass"))
+        self.offsets.append(offset)
+        self.line_nos.append(item.line_no)
+        text = prefix_text(item, self.lengths[-1])
+        if len(text) * 4 < self.lengths[0]:  # shorter than the shortest length even at 4 bytes a character
+            for keys in self.keys:
+                keys.append(0)
+            return
+        data = memoryview(text.encode("utf-8", "surrogatepass"))
         n = len(data)
         h = hashlib.blake2b(digest_size=5)
         pos = 0
@@ -91,8 +98,6 @@ class PrefixKeys:
             h.update(data[pos:length])  # one pass over the bytes: each length's hash extends the last
             pos = length
             keys.append(int.from_bytes(h.copy().digest(), "little") or 1)
-        self.offsets.append(offset)
-        self.line_nos.append(item.line_no)
 
     def __len__(self) -> int:
         return len(self.offsets)

@@ -112,11 +112,10 @@ class _SumDigest:
         self._sum = 0
 
     def update(self, data: bytes) -> None:
-        h = hashlib.blake2b(data, digest_size=16).digest()
-        self._sum = (self._sum + int.from_bytes(h, "little")) & ((1 << 128) - 1)
+        self._sum += int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
     def digest(self) -> bytes:
-        return self._sum.to_bytes(16, "little")
+        return (self._sum & ((1 << 128) - 1)).to_bytes(16, "little")
 
 
 _MESSAGES_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
