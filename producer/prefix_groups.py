@@ -21,8 +21,8 @@ input order, packed next-fit into jobs of at most ``batch_size``: a group that f
 straddles two (it starts a new job instead); a group bigger than a job fills consecutive jobs.
 Without any shared prefix the plan is ``None`` and jobs are cut in input order exactly as before.
 
-Cost: hashing at most 16 KiB a line in pass 1, 64 bytes a request (six keys, offset, line number,
-in arrays), and sorts of 64-bit integers after pass 1: O(n log n). Each request keeps its input
+Cost: hashing at most 16 KiB a line in pass 1, 12 to 60 bytes a request in arrays (offset, line
+number, a key per length reached), and sorts of 64-bit integers after pass 1: O(n log n). Each request keeps its input
 index and custom_id, so results and exports keep input order.
 """
 
@@ -71,7 +71,9 @@ def prefix_text(item: ParsedLine, limit: int) -> str:
 
 
 class PrefixKeys:
-    """What pass 1 keeps per request for grouping: a hash per level, its file offset and line number."""
+    """What pass 1 keeps per request for grouping: its file offset and line number (12 bytes), and a
+    key per length its prompt reaches (8 bytes each; ``keys[j][i]`` absent or 0: request i's prompt
+    is shorter than ``lengths[j]``, so a file of short prompts costs 12 bytes a request)."""
 
     def __init__(self, min_bytes: int) -> None:
         self.lengths = tuple(min_bytes * m for m in LEVELS)
@@ -80,12 +82,11 @@ class PrefixKeys:
         self.line_nos = array("I")
 
     def add(self, offset: int, item: ParsedLine) -> None:
+        index = len(self.offsets)
         self.offsets.append(offset)
         self.line_nos.append(item.line_no)
         text = prefix_text(item, self.lengths[-1])
         if len(text) * 4 < self.lengths[0]:  # shorter than the shortest length even at 4 bytes a character
-            for keys in self.keys:
-                keys.append(0)
             return
         data = memoryview(text.encode("utf-8", "surrogatepass"))
         n = len(data)
@@ -93,10 +94,11 @@ class PrefixKeys:
         pos = 0
         for length, keys in zip(self.lengths, self.keys):
             if n < length:
-                keys.append(0)
-                continue
+                return
             h.update(data[pos:length])  # one pass over the bytes: each length's hash extends the last
             pos = length
+            if len(keys) < index:  # a level's array grows only once some prompt reaches it: zeros before
+                keys.frombytes(bytes(keys.itemsize * (index - len(keys))))
             keys.append(int.from_bytes(h.copy().digest(), "little") or 1)
 
     def __len__(self) -> int:

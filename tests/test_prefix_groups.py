@@ -166,3 +166,36 @@ def test_file_edited_during_a_grouped_submit_exits_2(mode: str, tmp_path: Path, 
     assert f"{f}: the file changed during submit" in err and "Traceback" not in err, err
     _nothing_enqueued(client, prefix)
     assert _all_keys(client) == before
+
+
+def _line(no: int, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> Any:
+    from lmdq.contract import Endpoint
+    from lmdq.producer.formats import ParsedLine
+
+    return ParsedLine(no, str(no), prompt, messages, Endpoint.chat, None, None)
+
+
+def test_a_chat_prompt_groups_with_the_same_text_as_one_user_message() -> None:
+    from lmdq.producer.prefix_groups import prefix_text
+
+    doc = "lorem ipsum " * 100
+    assert prefix_text(_line(1, prompt=doc + "a"), 600) == prefix_text(
+        _line(2, messages=[{"role": "user", "content": [{"type": "text", "text": doc + "b"}]}]), 600)
+    assert prefix_text(_line(1, prompt=doc), 600) != prefix_text(
+        _line(2, messages=[{"role": "system", "content": doc}]), 600)
+
+
+def test_unshared_requests_fill_the_gaps_between_groups_in_input_order() -> None:
+    """Singletons (short or unshared prompts) are never moved past a later group's first request."""
+    from lmdq.producer.prefix_groups import PrefixKeys, plan_jobs
+
+    doc_a, doc_b = "alpha " * 200, "bravo " * 200
+    texts = [doc_a + "1", "short 1", doc_b + "1", doc_a + "2", "short 2", "x" * 3000, doc_b + "2", doc_a + "3"]
+    pk = PrefixKeys(512)
+    for i, t in enumerate(texts):
+        pk.add(i * 10, _line(i + 1, prompt=t))
+    plan = plan_jobs(pk, batch_size=4)
+    assert plan is not None and plan.groups == 2
+    # doc_a's three fit in job 0 with "short 1"; doc_b's two do not fit behind them: a new job
+    assert list(plan.order) == [0, 3, 7, 1, 2, 6, 4, 5] and list(plan.sizes) == [4, 4]
+    assert list(pk.line_nos) == list(range(1, 9)) and list(pk.offsets) == [i * 10 for i in range(8)]
