@@ -81,3 +81,30 @@ def test_grouped_jobs_prefill_far_fewer_tokens(tmp_path: Path, env: dict[str, st
         assert [r.custom_id for r in results] == [row["custom_id"] for row in rows]
         assert [r.index for r in results] == list(range(len(rows)))
     assert [r.text for r in grouped_results] == [r.text for r in plain_results]
+
+
+def test_retry_of_a_grouped_batch_resubmits_exactly_its_failures(tmp_path: Path, env: dict[str, str],
+                                                                 client: redis.Redis, prefix: str) -> None:
+    """A grouped batch's failed requests are found in whatever job holds them (not index // batch_size)."""
+    rows = doc_qa_rows(docs=6, questions=5, doc_words=200, seed=11)
+    bad = {3, 17, 22}
+    for i in bad:
+        rows[i]["messages"][0]["content"] += " [[sim:error]]"
+    f = write_jsonl(tmp_path / "qa.jsonl", rows)
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--json",
+                "--batch-size", "7", "--max-new-tokens", "2", env=env)
+    batch = json.loads(p.stdout)
+    assert batch["prefix_groups"] is True
+    assert start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--burst",
+                        env=env).wait(120) == 0
+    assert wait_batch(client, prefix, batch["id"]).request_counts.failed == 3
+    r = run_cli("producer", "retry", batch["id"], "--json", env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    new = json.loads(r.stdout)
+    assert new["request_counts"]["total"] == 3
+    assert start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--burst",
+                        env=env).wait(120) == 0
+    assert wait_batch(client, prefix, new["id"]).request_counts.failed == 3
+    out = run_cli("producer", "results", new["id"], env=env)
+    got = [Result.model_validate_json(x) for x in out.stdout.splitlines()]
+    assert sorted(x.custom_id for x in got) == sorted(rows[i]["custom_id"] for i in bad)
