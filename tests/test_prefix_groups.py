@@ -114,6 +114,8 @@ def test_no_shared_prefix_keeps_input_order(tmp_path: Path, client: redis.Redis,
     batch = submit(client, prefix, f, batch_size=8)
     jobs = jobs_of(client, prefix, batch.id)
     assert not batch.prefix_groups and batch.num_jobs == 4
+    # the record of a batch in input order is what it was before the field (older workers read it)
+    assert b"prefix_groups" not in client.hget(Keys(prefix).batch(batch.id), "meta")  # type: ignore[operator]
     assert [[r.index for r in reqs] for reqs in jobs] == [list(range(s, min(s + 8, 30))) for s in range(0, 30, 8)]
 
 
