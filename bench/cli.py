@@ -18,6 +18,36 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   rich_markup_mode=None, context_settings={"max_content_width": 120})
 
 
+def _build_engine(engine: str, model: str | None, random_llama8b: Path | None, tokenizer_from: Path | None,
+                  engine_settings: dict[str, Any]) -> tuple[Any, Any, str]:
+    """(engine, worker settings, model name for the report), the engine built exactly as the worker builds it."""
+    from lmdq.worker.engine_factory import build_engine
+    from lmdq.worker.settings import load_worker_settings
+
+    model_name = model or ""
+    if engine == "lmdeploy":
+        if random_llama8b:
+            from lmdq.bench.random_model import build_random_llama
+
+            if tokenizer_from is None:
+                raise typer.BadParameter("needs --tokenizer-from", param_hint="--random-llama8b")
+            model = str(build_random_llama(random_llama8b, tokenizer_from))
+            model_name = "random-llama3-8b-shape(vocab=49152)"
+        if not model:
+            raise typer.BadParameter("--model or --random-llama8b is required", param_hint="--model")
+    s = load_worker_settings(engine=engine, model=model, served_model_name="sim-bench" if engine == "sim" else "bench",
+                             **engine_settings)
+    if engine == "sim":
+        knobs = f"step={s.sim.step_ms}ms,max_batch={s.sim.max_batch}"
+        if s.sim.emit_every != SimConfig().emit_every or s.sim.step_cpu_ms:
+            knobs += f",emit_every={s.sim.emit_every},step_cpu={s.sim.step_cpu_ms}ms"
+        model_name = f"sim({knobs})"
+    eng = build_engine(s)
+    if engine == "transformers":
+        model_name = str(getattr(eng, "model_path", model_name))
+    return eng, s, model_name
+
+
 @app.command()
 @model_options(engine_flag_specs(), into="engine_settings")
 def efficiency(
@@ -44,33 +74,11 @@ def efficiency(
     --backend, --sim-step-ms, ...); a flag the engine does not take is an error."""
     from lmdq.bench.efficiency import EfficiencyConfig, run_efficiency
     from lmdq.bench.local_redis import local_redis
-    from lmdq.worker.engine_factory import build_engine
-    from lmdq.worker.settings import load_worker_settings
 
     cfg = EfficiencyConfig(n=n, batch_size=batch_size, input_len=input_len, output_len=output_len, repeat=repeat,
                            jobs_in_flight=jobs_in_flight, naive=not skip_naive,
                            stream_baseline=stream_baseline)
-    model_name = model or ""
-    if engine == "lmdeploy":
-        if random_llama8b:
-            from lmdq.bench.random_model import build_random_llama
-
-            if tokenizer_from is None:
-                raise typer.BadParameter("needs --tokenizer-from", param_hint="--random-llama8b")
-            model = str(build_random_llama(random_llama8b, tokenizer_from))
-            model_name = "random-llama3-8b-shape(vocab=49152)"
-        if not model:
-            raise typer.BadParameter("--model or --random-llama8b is required", param_hint="--model")
-    s = load_worker_settings(engine=engine, model=model, served_model_name="sim-bench" if engine == "sim" else "bench",
-                             **engine_settings)
-    if engine == "sim":
-        knobs = f"step={s.sim.step_ms}ms,max_batch={s.sim.max_batch}"
-        if s.sim.emit_every != SimConfig().emit_every or s.sim.step_cpu_ms:
-            knobs += f",emit_every={s.sim.emit_every},step_cpu={s.sim.step_cpu_ms}ms"
-        model_name = f"sim({knobs})"
-    eng = build_engine(s)
-    if engine == "transformers":
-        model_name = str(getattr(eng, "model_path", model_name))
+    eng, s, model_name = _build_engine(engine, model, random_llama8b, tokenizer_from, engine_settings)
     with local_redis(redis_url) as url:
         res = run_efficiency(eng, cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
     eng.close()
@@ -84,6 +92,77 @@ def efficiency(
         print(f"{k:14s} {res[k + '_tok_s']:>10,.0f} {res[k + '_tok_s'] / res['raw_tok_s']:>7.3f}")
     line = json.dumps({k: out[k] for k in ("engine", "model", "n", "batch_size", "raw_tok_s", "lmdq_tok_s",
                                            "naive_tok_s", "ratio")} | {"detail": out})
+    if output:
+        output.write_text(line + "\n")
+    print(line)
+
+
+@app.command()
+@model_options(engine_flag_specs(), into="engine_settings")
+def prefix(
+    engine_settings: dict[str, Any],
+    engine: Annotated[EngineName, typer.Option(help="the engine, built as the worker builds it")] = "sim",
+    model: Annotated[str | None, typer.Option(help="model folder (lmdeploy/transformers)")] = None,
+    random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
+    tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
+    docs: Annotated[int, typer.Option(help="documents (D)")] = 200,
+    doc_tokens: Annotated[int, typer.Option(help="tokens per document (T), by the engine's tokenizer")] = 2000,
+    questions: Annotated[int, typer.Option(help="questions per document (Q)")] = 8,
+    output_len: Annotated[int, typer.Option(help="tokens generated per question")] = 64,
+    batch_size: Annotated[int, typer.Option(help="requests per job (B)")] = 32,
+    cache_docs: Annotated[float | None, typer.Option(help="documents the KV cache holds; default 10 %% of --docs "
+                                                     "(sets --num-gpu-blocks / --sim-prefix-cache-tokens)")] = None,
+    jobs_in_flight: Annotated[int, typer.Option(help="0 = auto")] = 0,
+    seed: Annotated[int, typer.Option()] = 0,
+    workload: Annotated[Path | None, typer.Option(help="write the JSONL here (default: a temp folder)")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
+) -> None:
+    """Shuffled document-QA: raw pipe(prompts) vs lmdq (prefix groups, one worker), prefix caching on
+    for both; the LAST line printed is a JSON object.
+
+    Unless given: lmdeploy runs --backend pytorch --enable-prefix-caching with --num-gpu-blocks for
+    --cache-docs documents and --session-len for one request; sim gets --sim-prefix-cache-tokens for
+    --cache-docs documents and --sim-prefill-us-per-token 25 (about an 8B model's prefill on an H200)."""
+    import tempfile
+
+    from lmdq.bench.local_redis import local_redis
+    from lmdq.bench.prefix import KV_BLOCK_TOKENS, PrefixConfig, kv_blocks, run_prefix
+
+    cfg = PrefixConfig(docs=docs, doc_tokens=doc_tokens, questions=questions, output_len=output_len,
+                       batch_size=batch_size, cache_docs=cache_docs, jobs_in_flight=jobs_in_flight, seed=seed)
+    blocks = kv_blocks(cfg)
+    settings = dict(engine_settings)
+    if engine == "lmdeploy":
+        settings.setdefault("backend", "pytorch")
+        settings.setdefault("enable_prefix_caching", True)
+        settings.setdefault("session_len", doc_tokens + output_len + 256)
+        if "cache_max_entry_count" not in settings:
+            if settings["backend"] == "pytorch":
+                settings.setdefault("num_gpu_blocks", blocks)
+            else:  # TurboMind: a count above 1 is blocks
+                settings["cache_max_entry_count"] = float(blocks)
+    elif engine == "sim":
+        settings.setdefault("sim_prefix_cache_tokens", blocks * KV_BLOCK_TOKENS)
+        settings.setdefault("sim_prefill_us_per_token", 25.0)
+    eng, s, model_name = _build_engine(engine, model, random_llama8b, tokenizer_from, settings)
+    with tempfile.TemporaryDirectory() as d, local_redis(redis_url) as url:
+        path = workload or Path(d) / "prefix_workload.jsonl"
+        res = run_prefix(eng, cfg, workload=path, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
+    eng.close()
+    kv = {k: v for k, v in settings.items() if k in ("backend", "enable_prefix_caching", "num_gpu_blocks",
+                                                     "cache_max_entry_count", "session_len",
+                                                     "sim_prefix_cache_tokens", "sim_prefill_us_per_token")}
+    out = {"engine": engine, "model": model_name, "docs": docs, "doc_tokens": doc_tokens, "questions": questions,
+           "n": cfg.n, "output_len": output_len, "batch_size": batch_size, "cache_docs": cfg.cached_docs,
+           "kv_blocks": blocks, "engine_settings": kv, **res}
+    print(f"{'path':6s} {'tok/s':>10s} {'vs raw':>7s} {'prefilled':>11s}")
+    for k in ("raw", "lmdq"):
+        run = res["runs"][k]
+        pre = f"{run['prefilled_tokens']:>11,d}" if "prefilled_tokens" in run else f"{'n/a':>11s}"
+        print(f"{k:6s} {run['tok_s']:>10,.0f} {run['tok_s'] / res['raw_tok_s']:>7.3f} {pre}")
+    line = json.dumps({k: out[k] for k in ("engine", "model", "n", "raw_tok_s", "lmdq_tok_s", "ratio")}
+                      | {"detail": out})
     if output:
         output.write_text(line + "\n")
     print(line)

@@ -105,16 +105,19 @@ def _timeline(rs: list[Any], t0: float) -> dict[str, float]:
 
 
 def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis_url: str, jobs_in_flight: int,
-             prefix: str, timelines: list[dict[str, float]] | None = None) -> tuple[float, int]:
+             prefix: str, timelines: list[dict[str, float]] | None = None,
+             input_file: Path | None = None) -> tuple[float, int]:
     """Producer submit → a worker on the same engine → results stored; first enqueue to last result.
-    With ``timelines``, the run's ramp/tail timeline is appended to it."""
+    With ``timelines``, the run's ramp/tail timeline is appended to it. ``input_file``: submit this
+    JSONL (holding ``prompts``, as completion requests) instead of writing one."""
     client = connect(redis_url)  # timeouts like every lmdq client
     keys = Keys(prefix)
     with tempfile.TemporaryDirectory() as d:
-        f = Path(d) / "prompts.jsonl"
-        with f.open("w") as fh:
-            for i, p in enumerate(prompts):
-                fh.write(json.dumps({"custom_id": str(i), "prompt": p, "endpoint": "completion"}) + "\n")
+        f = input_file or Path(d) / "prompts.jsonl"
+        if input_file is None:
+            with f.open("w") as fh:
+                for i, p in enumerate(prompts):
+                    fh.write(json.dumps({"custom_id": str(i), "prompt": p, "endpoint": "completion"}) + "\n")
         s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, jobs_in_flight=jobs_in_flight,
                            partial_interval_s=3600, poll_interval_s=0.01)
         w = Worker(engine=Borrowed(engine), client=client, settings=s,

@@ -349,6 +349,9 @@ class Batch(_Strict):
     priority: Priority = Priority.normal
     batch_size: int
     num_jobs: int = 0
+    #: jobs were formed by prompt prefix (producer/prefix_groups.py): a job's requests are not the
+    #: consecutive indices ``job_no * batch_size ...``, so readers find a request by scanning jobs
+    prefix_groups: bool = False
     params: GenerationParams = Field(default_factory=GenerationParams)
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
     metadata: dict[str, str] = Field(default_factory=dict)

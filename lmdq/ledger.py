@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -138,8 +138,10 @@ def job_payloads(
     batch_size: int,
     results_url: str | None = None,
     blob_url: str | None = None,
+    job_sizes: Sequence[int] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Job payload dicts of ``batch_size`` requests each, in request order."""
+    """Job payload dicts of ``batch_size`` requests each, in request order; with ``job_sizes``
+    (prefix groups: producer/prefix_groups.py), job k takes the next ``job_sizes[k]`` requests."""
     p = params.model_dump(exclude_none=True)
     urls = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
 
@@ -149,12 +151,15 @@ def job_payloads(
 
     reqs: list[dict[str, Any]] = []
     job_no = 0
+    want = job_sizes[0] if job_sizes else batch_size
     for req in requests:
         reqs.append(req)
-        if len(reqs) == batch_size:
+        if len(reqs) == want:
             yield job(job_no, reqs)
             job_no += 1
             reqs = []
+            if job_sizes:
+                want = job_sizes[job_no] if job_no < len(job_sizes) else batch_size
     if reqs:
         yield job(job_no, reqs)
 
@@ -296,7 +301,7 @@ class BatchLedger:
 
     def stage(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
-        chunk_jobs: int = 256,
+        chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None,
     ) -> Staged:
         """Save the batch's job hashes, pipelined ``chunk_jobs`` at a time, without queueing them.
 
@@ -315,6 +320,7 @@ class BatchLedger:
                 batch_size=batch.batch_size,
                 results_url=batch.results_url,
                 blob_url=batch.blob_url,
+                job_sizes=job_sizes,
             ):
                 reqs += len(payload["requests"])
                 if reqs > total or jobs >= batch.num_jobs:
@@ -392,7 +398,7 @@ class BatchLedger:
 
     def enqueue(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
-        chunk_jobs: int = 256,
+        chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None,
     ) -> Batch:
         """Create ``batch``, stage its jobs and commit them: all or nothing.
 
@@ -402,7 +408,7 @@ class BatchLedger:
         """
         try:
             self.create(batch)
-            staged = self.stage(batch, requests, progress=progress, chunk_jobs=chunk_jobs)
+            staged = self.stage(batch, requests, progress=progress, chunk_jobs=chunk_jobs, job_sizes=job_sizes)
             self.commit(batch, staged)
         except BaseException as e:
             if not self._commit_landed(batch, e):
@@ -512,7 +518,12 @@ class BatchLedger:
 
     def source_requests(self, batch: Batch, indices: list[int]) -> Iterator[Request]:
         """The accepted requests at ``indices`` (sorted), read back from the batch's own job
-        payloads (the job list, in job order), so a retry needs no input file."""
+        payloads (the job list, in job order), so a retry needs no input file. A batch formed by
+        prefix groups holds its indices in any job: its jobs are scanned in job order instead (and its
+        requests come back in that order, which keeps their groups together for the retry)."""
+        if batch.prefix_groups:
+            yield from self._scan_requests(batch, indices)
+            return
         bs = batch.batch_size
         by_job: dict[int, set[int]] = {}
         for i in indices:
@@ -540,3 +551,21 @@ class BatchLedger:
                     missing = sorted(want - {r.index for r in found})
                     raise RetryRejected(f"batch {batch.id!r}: job {job.id} lacks request indices {missing[:5]}")
                 yield from found
+
+    def _scan_requests(self, batch: Batch, indices: list[int]) -> Iterator[Request]:
+        """:meth:`source_requests` for a batch whose jobs hold any indices: every job read in order."""
+        want = set(indices)
+        job_ids = [_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        for job_id in job_ids:
+            if not want:
+                return
+            try:
+                payload = JobQueue.payload_of(self.jobs.fetch_job(job_id))
+            except ValueError as e:
+                raise RetryRejected(f"batch {batch.id!r}: job {job_id} is not a readable lmdq job: {e}") from e
+            for r in payload.requests:
+                if r.index in want:
+                    want.discard(r.index)
+                    yield r
+        if want:
+            raise RetryRejected(f"batch {batch.id!r}: its jobs lack request indices {sorted(want)[:5]}")

@@ -94,7 +94,10 @@ class ResultStore:
     def create_batch(self, batch: Batch) -> None:
         """Write a new batch record (status and counters as live hash fields), in one transaction."""
         key = self.keys.batch(batch.id)
-        meta = batch.model_dump_json(exclude={"status", "request_counts", *(f.value for f in BATCH_TIME_FIELDS)})
+        # prefix_groups only when set: a batch in input order stays readable by workers older than the field
+        quiet = set() if batch.prefix_groups else {"prefix_groups"}
+        live = {"status", "request_counts", *(f.value for f in BATCH_TIME_FIELDS)}
+        meta = batch.model_dump_json(exclude=live | quiet)
         fields: dict[Any, str | int | float] = {
             F.meta.value: meta, F.status.value: batch.status.value, F.total.value: batch.request_counts.total
         }

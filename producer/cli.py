@@ -180,10 +180,17 @@ GENERATION_FLAGS = [FlagSpec(key=name, flat=name, info=info, aliases=_GENERATION
                     for name, info in GenerationParams.model_fields.items()]
 
 
+#: Job formation flags (--prefix-groups/--no-prefix-groups, --prefix-group-bytes), from ProducerSettings.
+GROUPING_FLAGS = [FlagSpec(key=name, flat=name, info=ProducerSettings.model_fields[name])
+                  for name in ("prefix_groups", "prefix_group_bytes")]
+
+
 @app.command()
 @model_options(GENERATION_FLAGS, into="generation")
+@model_options(GROUPING_FLAGS, into="grouping")
 def submit(
     generation: dict[str, Any],
+    grouping: dict[str, Any],
     file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, or OpenAI Batch JSONL")],
     model: Annotated[
         str | None,
@@ -263,6 +270,8 @@ def submit(
         limits=InputLimits(max_line_bytes=s.max_line_bytes, max_requests=s.max_requests),
         results_url=_check_url(results_url, "--results-url"),
         blob_url=_check_url(blob_url, "--blob-url"),
+        prefix_groups=grouping.get("prefix_groups", s.prefix_groups),
+        prefix_group_bytes=grouping.get("prefix_group_bytes", s.prefix_group_bytes),
     )
     client = _client()
     show = sys.stderr.isatty() and not as_json

@@ -14,3 +14,10 @@ class ProducerSettings(CommonSettings):
     known_models: tuple[str, ...] = ()
     max_line_bytes: int = Field(default=10 * 1024 * 1024, ge=1024)
     max_requests: int = Field(default=10_000_000, ge=1)
+    prefix_groups: bool = Field(
+        default=True, description="put requests that share a prompt prefix into the same jobs (prefix caching)"
+    )
+    prefix_group_bytes: int = Field(
+        default=512, ge=16, le=1 << 20,
+        description="shortest shared prompt prefix, in bytes, that groups requests (up to 32x are compared)",
+    )

@@ -35,7 +35,17 @@ from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.keys import Keys
 from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
-from lmdq.producer.formats import InputError, InputFormat, InputLimits, ParsedLine, detect_format, iter_lines
+from lmdq.producer.formats import (
+    InputError,
+    InputFormat,
+    InputLimits,
+    ParsedLine,
+    detect_format,
+    iter_lines,
+    iter_records,
+    read_request_at,
+)
+from lmdq.producer.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 
 __all__ = [
     "SubmitOptions",
@@ -64,6 +74,10 @@ class SubmitOptions:
     fmt: InputFormat | None = None
     results_url: str | None = None
     blob_url: str | None = None
+    #: prefix-aware job formation (producer/prefix_groups.py): requests sharing a prompt prefix of at
+    #: least ``prefix_group_bytes`` go into the same jobs; off = jobs in input order
+    prefix_groups: bool = True
+    prefix_group_bytes: int = 512
     #: called once after the file validated and the idempotency key is bound, before the staging
     #: pass reads the file again: the moment a concurrent edit is most harmful, so tests edit the
     #: file here (deterministically, not by racing a sleeping process)
@@ -78,14 +92,31 @@ class _Fingerprint:
     mtime_ns: int
     requests: int
     digest: bytes
+    #: the digest is order-free (:class:`_SumDigest`): pass 2 may read the requests in group order
+    order_free: bool = False
 
 
 def _h64(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
 
 
-def _new_hash() -> Any:
-    return hashlib.blake2b(digest_size=16)
+def _new_hash(order_free: bool = False) -> Any:
+    return _SumDigest() if order_free else hashlib.blake2b(digest_size=16)
+
+
+class _SumDigest:
+    """An order-free digest of the requests fed: the sum of their 128-bit hashes (line numbers are
+    fed too, so no two lines feed the same bytes). Prefix grouping reads pass 2 in group order, and
+    it must still prove it read exactly the requests pass 1 validated."""
+
+    def __init__(self) -> None:
+        self._sum = 0
+
+    def update(self, data: bytes) -> None:
+        self._sum += int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+
+    def digest(self) -> bytes:
+        return (self._sum & ((1 << 128) - 1)).to_bytes(16, "little")
 
 
 _MESSAGES_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
@@ -117,17 +148,21 @@ def _changed(path: Path, detail: str) -> SubmitRejected:
     )
 
 
-def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tuple[_Fingerprint, str]:
-    """Pass 1: returns (the file's fingerprint, model) or raises SubmitRejected listing file:line errors."""
+def _validate(
+    path: Path, opts: SubmitOptions, progress: Progress | None
+) -> tuple[_Fingerprint, str, PrefixKeys | None]:
+    """Pass 1: returns (the file's fingerprint, model, what prefix grouping needs when it is on) or
+    raises SubmitRejected listing file:line errors."""
     errors: list[str] = []
     hashes = array("Q")
     n = 0
     model = opts.model
     model_line = 0
-    running = _new_hash()
+    prefixes = PrefixKeys(opts.prefix_group_bytes) if opts.prefix_groups else None
+    running = _new_hash(order_free=prefixes is not None)
     try:
         size, mtime_ns = _stat(path)
-        for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+        for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits):
             if isinstance(item, InputError):
                 errors.append(str(item))
                 if len(errors) >= opts.max_errors:
@@ -149,6 +184,8 @@ def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tup
                     continue
             hashes.append(_h64(item.custom_id))
             _feed(running, item)
+            if prefixes is not None:
+                prefixes.add(offset, item)
             n += 1
     except OSError as e:
         raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
@@ -160,7 +197,9 @@ def _validate(path: Path, opts: SubmitOptions, progress: Progress | None) -> tup
         raise SubmitRejected("\n".join(errors))
     if model is None:  # unreachable: a missing model is one of the errors above
         raise SubmitRejected(f"{path}:0: no model given: pass --model NAME")
-    return _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest()), model
+    seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
+                        order_free=prefixes is not None)
+    return seen, model, prefixes
 
 
 def _duplicate_hashes(hashes: array[int], run: int = 1 << 16) -> set[int]:
@@ -226,7 +265,7 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
     try:
         if _stat(path) != (seen.size, seen.mtime_ns):
             raise _changed(path, "its size or modification time is not what was validated")
-        running = _new_hash()
+        running = _new_hash(seen.order_free)
         n = 0
         for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
             if isinstance(item, InputError):
@@ -238,6 +277,34 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
             yield _request_dict(index, item)
         if n != seen.requests:
             raise _changed(path, f"it now has {n} requests, {seen.requests} were validated")
+        if running.digest() != seen.digest:
+            raise _changed(path, "its requests are not the ones validated")
+        if _stat(path) != (seen.size, seen.mtime_ns):
+            raise _changed(path, "its size or modification time changed while it was read")
+    except OSError as e:
+        raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
+
+
+def _planned_requests(
+    path: Path, opts: SubmitOptions, seen: _Fingerprint, prefixes: PrefixKeys, plan: JobPlan
+) -> Generator[dict[str, Any], None, None]:
+    """Pass 2 with prefix groups: the requests in ``plan``'s job order, each read at the offset pass 1
+    recorded, keeping its input index. The same checks as :func:`_file_requests`: the file's size
+    and mtime before and after, and the order-free digest of every request read."""
+    assert opts.fmt is not None and seen.order_free
+    name = str(path)
+    try:
+        if _stat(path) != (seen.size, seen.mtime_ns):
+            raise _changed(path, "its size or modification time is not what was validated")
+        running = _new_hash(order_free=True)
+        with open(path, "rb") as f:
+            for index in plan.order:
+                item = read_request_at(f, name, prefixes.offsets[index], prefixes.line_nos[index], fmt=opts.fmt,
+                                       limits=opts.limits)
+                if isinstance(item, InputError):
+                    raise _changed(path, f"now {item}")
+                _feed(running, item)
+                yield _request_dict(index, item)
         if running.digest() != seen.digest:
             raise _changed(path, "its requests are not the ones validated")
         if _stat(path) != (seen.size, seen.mtime_ns):
@@ -292,7 +359,7 @@ def submit_file(
     except OSError as e:
         raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
-    seen, model = _validate(path, opts, validate_progress)
+    seen, model, prefixes = _validate(path, opts, validate_progress)
     total = seen.requests
     if total > opts.limits.max_requests:
         raise SubmitRejected(f"{path}: {total} requests, limit is {opts.limits.max_requests}")
@@ -308,7 +375,8 @@ def submit_file(
 
     batch_id = new_batch_id()
     now = time.time()
-    num_jobs = (total + opts.batch_size - 1) // opts.batch_size
+    plan = plan_jobs(prefixes, opts.batch_size) if prefixes is not None else None
+    num_jobs = len(plan.sizes) if plan is not None else (total + opts.batch_size - 1) // opts.batch_size
     try:
         batch = Batch(
             id=batch_id,
@@ -318,6 +386,7 @@ def submit_file(
             priority=opts.priority,
             batch_size=opts.batch_size,
             num_jobs=num_jobs,
+            prefix_groups=plan is not None,
             params=opts.params,
             request_counts=RequestCounts(total=total),
             metadata=opts.metadata,
@@ -336,11 +405,15 @@ def submit_file(
         existing_id = ledger.bind_key(opts.idempotency_key, batch_id)
         if existing_id is not None:
             return ledger.get(existing_id), False
-    requests = _file_requests(path, opts, seen)
+    if plan is not None and prefixes is not None:
+        requests = _planned_requests(path, opts, seen, prefixes, plan)
+    else:
+        requests = _file_requests(path, opts, seen)
     try:
         if opts.after_validation is not None:
             opts.after_validation()
-        batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs)
+        batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
+                               job_sizes=plan.sizes if plan is not None else None)
     except BaseException:
         if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
             ledger.release_key(opts.idempotency_key, batch_id)

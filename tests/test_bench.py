@@ -56,3 +56,25 @@ def test_fleet_bench_reports_rates_costs_and_idle_cost() -> None:
     assert out["idle_blocking"]["workers"] == 3 and out["idle_polling"]["workers"] == 1
     # polling costs commands every poll_interval_s; blocking workers cost a handful per idle_wait_s
     assert out["idle_polling"]["commands_per_s"] > out["idle_blocking"]["commands_per_s"]
+
+
+def test_prefix_bench_runs_on_the_sim_and_writes_its_workload(redis_url: str, env: dict[str, str],
+                                                              tmp_path) -> None:  # type: ignore[no-untyped-def]
+    wl = tmp_path / "wl.jsonl"
+    p = run_cli("bench", "prefix", "--engine", "sim", "--docs", "10", "--doc-tokens", "200", "--questions", "4",
+                "--output-len", "4", "--batch-size", "8", "--sim-step-ms", "1", "--workload", str(wl),
+                "--redis-url", redis_url, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    lines = p.stdout.decode().strip().splitlines()
+    assert any(ln.startswith("raw") for ln in lines[:-1]) and any(ln.startswith("lmdq") for ln in lines[:-1])
+    last = json.loads(lines[-1])
+    assert last["n"] == 40 and last["ratio"] == round(last["lmdq_tok_s"] / last["raw_tok_s"], 4)
+    d = last["detail"]
+    assert d["runs"]["raw"]["tokens"] == d["runs"]["lmdq"]["tokens"] == 40 * 4
+    # the KV cache holds 1 of the 10 documents: raw re-prefills them, lmdq's grouped jobs don't
+    assert d["engine_settings"]["sim_prefix_cache_tokens"] == d["kv_blocks"] * 64
+    assert d["runs"]["lmdq"]["prefilled_tokens"] < d["runs"]["raw"]["prefilled_tokens"] / 2
+    rows = [json.loads(x) for x in wl.read_text().splitlines()]
+    assert len(rows) == 40 and len({r["custom_id"] for r in rows}) == 40
+    assert [r["custom_id"] for r in rows] != sorted((r["custom_id"] for r in rows), key=lambda c: (
+        int(c[3:].split("-")[0]), c))  # shuffled

@@ -65,6 +65,7 @@ def test_worker_defaults_build_a_turbomind_config() -> None:
     ({"dtype": "float32"}, "--dtype"),
     ({"quant_policy": 2}, "--quant-policy"),
     ({"backend": "pytorch", "cache_max_entry_count": 1.5}, "--cache-max-entry-count"),
+    ({"num_gpu_blocks": 100}, "--num-gpu-blocks"),  # TurboMind would drop it
 ])
 def test_bad_flags_are_clear_errors(kw: dict, msg: str) -> None:
     """Checked where the settings are declared (LMDeployConfig), worded with the flag's name."""
@@ -133,12 +134,14 @@ NON_DEFAULT = {
     "quant_policy": (4, "quant_policy"),
     "eager_mode": (True, "eager_mode"),            # pytorch only
     "mp_engine": (False, "enable_mp_engine"),      # pytorch only
+    "enable_prefix_caching": (True, "enable_prefix_caching"),
+    "num_gpu_blocks": (300, "num_gpu_blocks"),     # pytorch only
     "backend": ("pytorch", None),                  # picks the class (checked below)
     "chat_template": ("llama3", None),             # pipeline's chat_template_config (resolve_chat_template)
     "raw": (True, None),                           # LMDeployEngine.raw: stream_infer's do_preprocess
     "stream_from_new_tokens": (0, None),            # LMDeployEngine.streams: stream_infer's stream_response
 }
-PYTORCH_ONLY = {"eager_mode", "mp_engine"}
+PYTORCH_ONLY = {"eager_mode", "mp_engine", "num_gpu_blocks"}
 
 
 def test_every_config_field_is_accounted_for() -> None:

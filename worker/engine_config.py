@@ -102,6 +102,13 @@ class LMDeployConfig(ModelEngineConfig):
         default=0.8, gt=0.0, description="KV cache: fraction of free GPU memory (TurboMind: > 1 means blocks)"
     )
     quant_policy: int = Field(default=0, description="KV cache quantization: 0, 4 or 8")
+    enable_prefix_caching: bool = Field(
+        default=False, description="reuse the KV blocks of a prompt prefix already computed (pair with the "
+        "producer's prefix groups); refuses output_logits/last_hidden_state 'all'"
+    )
+    num_gpu_blocks: int = Field(
+        default=0, ge=0, description="pytorch: KV cache blocks (64 tokens each); 0 = from --cache-max-entry-count"
+    )
     eager_mode: bool = Field(default=False, description="pytorch: no CUDA graphs")
     mp_engine: bool = Field(default=True, description="pytorch: engine loop in its own process")
     raw: bool = Field(default=False, description="never apply the chat template, for plain prompts too")
@@ -124,6 +131,14 @@ class LMDeployConfig(ModelEngineConfig):
         if v not in (0, 4, 8):
             raise ValueError(f"expected 0, 4 or 8, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _blocks_need_pytorch(self) -> LMDeployConfig:
+        # TurboMind has no such field (there a --cache-max-entry-count > 1 counts blocks): never drop it silently
+        if self.num_gpu_blocks and self.backend != "pytorch":
+            raise ValueError("--num-gpu-blocks: a PyTorch-engine setting; pass --backend pytorch "
+                             "(TurboMind: --cache-max-entry-count above 1 counts blocks)")
+        return self
 
     @model_validator(mode="after")
     def _pytorch_cache_fraction(self) -> LMDeployConfig:
@@ -151,6 +166,13 @@ class SimConfig(EngineConfig):
     step_cpu_ms: float = Field(default=0.0, ge=0.0, description="GIL-holding Python work per step, in ms")
     vocab: int = Field(default=1000, ge=1, description="simulated vocabulary (logprobs ids, logits width)")
     hidden: int = Field(default=64, ge=1, description="simulated hidden size (last_hidden_state width)")
+    prefix_cache_tokens: int = Field(
+        default=0, ge=0, description="simulated prefix cache: LRU of prompt blocks holding this many tokens; 0 = off"
+    )
+    prefix_block: int = Field(default=16, ge=1, description="tokens per simulated prefix-cache block")
+    prefill_us_per_token: float = Field(
+        default=0.0, ge=0.0, description="simulated prefill time per prompt token not found in the prefix cache, in µs"
+    )
 
 
 ENGINE_CONFIGS: dict[str, type[EngineConfig]] = {

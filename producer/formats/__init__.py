@@ -63,7 +63,10 @@ from lmdq.producer.formats.jsonl import _parse_jsonl
 from lmdq.producer.formats.openai_batch import _parse_openai
 from lmdq.producer.formats.records import InputError, InputFormat, InputLimits, ParsedLine, _got, _LineError
 
-__all__ = ["InputError", "InputFormat", "InputLimits", "ParsedLine", "detect_format", "iter_lines"]
+__all__ = [
+    "InputError", "InputFormat", "InputLimits", "ParsedLine", "detect_format", "iter_lines", "iter_records",
+    "read_request_at",
+]
 
 
 def _reject_constant(name: str) -> Any:
@@ -261,6 +264,16 @@ def iter_lines(
     one line (at most ``limits.max_line_bytes``) is held at a time.  ``OSError`` from opening
     the file propagates.
     """
+    for _offset, item in iter_records(path, fmt=fmt, limits=limits):
+        yield item
+
+
+def iter_records(
+    path: Path, *, fmt: InputFormat | None = None, limits: InputLimits = InputLimits()
+) -> Iterator[tuple[int, ParsedLine | InputError]]:
+    """:func:`iter_lines` with each line's file offset: ``(offset, item)``. The offset lets a caller
+    read one request again later (:func:`read_request_at`) without holding the file in memory:
+    submit's prefix grouping re-reads requests in group order this way."""
     path = Path(path)
     if fmt is None:
         fmt = detect_format(path)
@@ -270,54 +283,70 @@ def iter_lines(
     count = 0
     max_requests = limits.max_requests
     max_bytes = limits.max_line_bytes
-    loads = _loads
-    chat = Endpoint.chat
     with open(path, "rb", buffering=256 * 1024) as f:
         for line_no, start, data, size in _read_lines(f, max_bytes):
-            bom = 0
-            if line_no == 1 and data is not None and data.startswith(_BOM):
-                data = data[len(_BOM) :]
-                bom = len(_BOM)
-            if data is not None and (not data or data.isspace()):
-                continue
+            if data is not None:
+                body = data[len(_BOM) :] if line_no == 1 and data.startswith(_BOM) else data
+                if not body or body.isspace():
+                    continue
             count += 1
             if count > max_requests:
-                yield InputError(name, line_no, None, f"too many requests: the limit is {max_requests:,} per file")
+                too_many = f"too many requests: the limit is {max_requests:,} per file"
+                yield start, InputError(name, line_no, None, too_many)
                 return
-            if data is None:
-                yield InputError(
-                    name, line_no, None, f"line is {size:,} bytes, over the limit of {max_bytes:,} bytes per line"
-                )
-                continue
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                hint = ""
-                if line_no == 1 and data[:2] in (b"\xff\xfe", b"\xfe\xff"):
-                    hint = " (the file looks like UTF-16; save it as UTF-8)"
-                yield InputError(
-                    name,
-                    line_no,
-                    None,
-                    f"invalid UTF-8 at byte {exc.start + bom} of the line (file offset {start + bom + exc.start}); "
-                    f"expected UTF-8 text{hint}",
-                )
-                continue
-            if is_text:
-                yield ParsedLine(line_no, str(line_no), text, None, chat, None, None)
-                continue
-            try:
-                obj = loads(text)
-            except (ValueError, RecursionError) as exc:
-                yield InputError(name, line_no, None, _json_error(exc))
-                continue
-            if not isinstance(obj, dict):
-                hint = " (for one plain prompt per line use a .txt file)" if isinstance(obj, str) else ""
-                yield InputError(name, line_no, None, f"expected a JSON object, got {_got(obj)}{hint}")
-                continue
-            try:
-                yield parse(obj, line_no)
-            except _LineError as exc:
-                yield InputError(name, line_no, exc.field, exc.message)
+            yield start, _parse_line(name, line_no, start, data, size, max_bytes, is_text, parse)
     if count == 0:
-        yield InputError(name, 0, None, "file has no requests (expected at least one non-blank line)")
+        yield 0, InputError(name, 0, None, "file has no requests (expected at least one non-blank line)")
+
+
+def read_request_at(
+    f: IO[bytes], name: str, offset: int, line_no: int, *, fmt: InputFormat, limits: InputLimits = InputLimits()
+) -> ParsedLine | InputError:
+    """The request on the line at ``offset`` of the open file ``f`` (line ``line_no``, as
+    :func:`iter_records` reported it), parsed exactly as the streaming reader parses it."""
+    f.seek(offset)
+    for _no, start, data, size in _read_lines(f, limits.max_line_bytes):
+        parse = _parse_openai if fmt is InputFormat.openai else _parse_jsonl
+        return _parse_line(name, line_no, start + offset, data, size, limits.max_line_bytes,
+                           fmt is InputFormat.text, parse)
+    return InputError(name, line_no, None, "the line is gone (the file is shorter than when it was read)")
+
+
+def _parse_line(
+    name: str, line_no: int, start: int, data: bytes | None, size: int, max_bytes: int, is_text: bool,
+    parse: Callable[[dict[str, Any], int], ParsedLine],
+) -> ParsedLine | InputError:
+    """One non-blank line → its request or its error (``data`` None: the line was over ``max_bytes``)."""
+    if data is None:
+        over = f"line is {size:,} bytes, over the limit of {max_bytes:,} bytes per line"
+        return InputError(name, line_no, None, over)
+    bom = 0
+    if line_no == 1 and data.startswith(_BOM):
+        data = data[len(_BOM) :]
+        bom = len(_BOM)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        hint = ""
+        if line_no == 1 and data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            hint = " (the file looks like UTF-16; save it as UTF-8)"
+        return InputError(
+            name,
+            line_no,
+            None,
+            f"invalid UTF-8 at byte {exc.start + bom} of the line (file offset {start + bom + exc.start}); "
+            f"expected UTF-8 text{hint}",
+        )
+    if is_text:
+        return ParsedLine(line_no, str(line_no), text, None, Endpoint.chat, None, None)
+    try:
+        obj = _loads(text)
+    except (ValueError, RecursionError) as exc:
+        return InputError(name, line_no, None, _json_error(exc))
+    if not isinstance(obj, dict):
+        hint = " (for one plain prompt per line use a .txt file)" if isinstance(obj, str) else ""
+        return InputError(name, line_no, None, f"expected a JSON object, got {_got(obj)}{hint}")
+    try:
+        return parse(obj, line_no)
+    except _LineError as exc:
+        return InputError(name, line_no, exc.field, exc.message)

@@ -10,11 +10,12 @@
 #             the last one, reassembles + sha256-checks, then TM_RUN=suite|bench|none runs with TurboMind
 #   tmsuite / tmbench : the gpu suite on both backends / efficiency for both backends (TurboMind installed;
 #             TM_BENCH=0 / PT_BENCH=0 skip one, STREAMED_BENCH=1 adds both with every request streamed)
-# and `faults` (carry 1-wheels, tok)
+# `prefix` (carry 1-wheels, tok): lmdq-bench prefix (shuffled document-QA, prefix caching, KV cache for 10 %
+# of the documents) on the random 8B shape; PREFIX_ARGS adds flags (e.g. "--docs 300"); and `faults` (carry 1-wheels, tok)
 # for tests/gpu/test_faults_gpu.py: engine / worker SIGKILL on the random 8B shape. FAULTS_K=engine_sigkill
 # or FAULTS_K=worker_sigkill runs one half (a fresh machine builds the model first: ~2 calls of 600 s).
 set -uo pipefail
-stage=${1:?stage bench|setup|suite|tp|parity|faults|tm|tmsuite|tmbench}
+stage=${1:?stage bench|setup|suite|tp|parity|faults|prefix|tm|tmsuite|tmbench}
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
@@ -73,6 +74,14 @@ case $stage in
     [ "${TP2_BENCH:-0}" = 1 ] && EFF_TIMEOUT=240 eff tp2 2 --repeat 2 --skip-naive
     [ "${TP_CHECK:-0}" = 1 ] && { timeout 200 python3 scripts/gpu/tp_check.py /root/llama8b > "$OUT/tp_check.log" 2>&1
                                   tail -3 "$OUT/tp_check.log"; }
+    ;;
+  prefix)
+    env_txt
+    # builds /root/llama8b on a fresh machine first (as `bench` does); default sizes: 200 docs x 8 questions
+    timeout $(( ${PREFIX_TIMEOUT:-585} - SECONDS )) python3 -m lmdq.bench prefix --engine lmdeploy \
+      --random-llama8b /root/llama8b --tokenizer-from gpu-bundle/tok --workload /tmp/prefix_workload.jsonl \
+      ${PREFIX_ARGS:-} -o "$OUT/prefix_gpu.json" > "$OUT/prefix.log" 2>&1
+    echo "rc=$?"; grep -E "^(workload|lmdq|raw|path|random)" "$OUT/prefix.log" | tail -8
     ;;
   setup) tail -2 "$OUT/setup_$stage.log" ;;
   parity)

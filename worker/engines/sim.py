@@ -19,6 +19,15 @@ gives per generated token a deterministic fake chosen id in ``[0, sim_vocab)`` w
 ``response_format`` json_schema / json_object makes the whole output a minimal instance of the
 schema (:func:`minimal_instance`: every listed property, each with a small legal value), emitted as
 one "token" and finishing with 'stop'; regex is NOT simulated (the output stays the usual words).
+
+Prefix caching is SIMULATED as LMDeploy's block-granular cache (``--sim-prefix-cache-tokens``): a
+prompt's words are cut into blocks of ``--sim-prefix-block`` tokens, each keyed by a hash chained
+over the blocks before it, held in an LRU of ``prefix_cache_tokens // prefix_block`` blocks. At
+admission the leading blocks found in the LRU are cached; the rest of the prompt is prefilled and
+its blocks enter the LRU. ``prefilled_tokens`` / ``cached_tokens`` count the tokens each way
+(deterministic for a given admission order: tests assert on them, never on time), and
+``--sim-prefill-us-per-token`` stalls the decode loop for the prefilled tokens, as a real prefill
+does. The counters are logged when the engine closes ("sim engine closed").
 """
 
 from __future__ import annotations
@@ -30,10 +39,12 @@ import queue
 import random
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
 
 from lmdq.worker.engine_config import SimConfig
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
@@ -92,6 +103,7 @@ class _Seq:
     out: queue.SimpleQueue[EngineEvent | BaseException]
     abort: threading.Event
     input_len: int
+    words_in: list[str]  # the prompt's simulated tokens (prefix cache blocks)
     max_new: int
     seed: bytes
     stop_words: list[str]
@@ -135,6 +147,14 @@ class SimEngine:
         self._closed = False
         self._dead: str | None = None  # why the simulated engine died, once it has
         self.steps = 0
+        self.prefix_block = cfg.prefix_block
+        self._cache_blocks = cfg.prefix_cache_tokens // cfg.prefix_block
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.prefill_s_per_token = cfg.prefill_us_per_token / 1e6
+        #: prompt tokens prefilled (not found in the prefix cache) and found cached, since start
+        self.prefilled_tokens = 0
+        self.cached_tokens = 0
+        self._prefill_backlog = 0  # tokens prefilled since the last decode step (their time is owed)
         self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
         self._thread.start()
 
@@ -159,6 +179,7 @@ class SimEngine:
                     out=out,
                     abort=abort,
                     input_len=self.count_tokens(text),
+                    words_in=text.split(),
                     max_new=int(p["max_new_tokens"]),
                     seed=hashlib.sha256(text.encode()).digest(),
                     stop_words=list(p["stop_words"] or []),
@@ -196,8 +217,38 @@ class SimEngine:
 
     def close(self) -> None:
         with self._cv:
+            first = not self._closed
             self._closed = True
             self._cv.notify()
+        if first:
+            structlog.get_logger("lmdq.sim").info("sim engine closed", **self.stats())
+
+    def stats(self) -> dict[str, int]:
+        """Prefix-cache counters (prompt tokens prefilled / found cached) and decode steps so far."""
+        return {"prefilled_tokens": self.prefilled_tokens, "cached_tokens": self.cached_tokens, "steps": self.steps}
+
+    def _prefill(self, s: _Seq) -> None:
+        """Look ``s``'s prompt up in the simulated prefix cache and count what must be prefilled."""
+        words, blk = s.words_in, self.prefix_block
+        hit = 0
+        if self._cache_blocks:
+            lru = self._lru
+            key = 0
+            missed = False
+            for b in range(len(words) // blk):
+                key = hash((key, *words[b * blk : (b + 1) * blk]))
+                if not missed and key in lru:
+                    hit += 1
+                else:
+                    missed = True
+                lru[key] = None
+                lru.move_to_end(key)
+            while len(lru) > self._cache_blocks:
+                lru.popitem(last=False)
+        cached = min(hit * blk, len(words))
+        self.cached_tokens += cached
+        self.prefilled_tokens += len(words) - cached
+        self._prefill_backlog += len(words) - cached
 
     # -- scheduler ------------------------------------------------------------------------
     @staticmethod
@@ -272,6 +323,7 @@ class SimEngine:
             self._finish(s, "error", "internal_error", "simulated per-request failure")
             return False
         s.max_new = min(s.max_new, self.session_len - s.input_len)
+        self._prefill(s)
         if s.guided is not None:
             s.max_new = 1  # the whole JSON instance is one simulated "token"
             s.words = [s.guided]
@@ -336,8 +388,10 @@ class SimEngine:
                 if self._dead is not None:
                     continue
                 active = list(self._active)
-            # One decode step for every running sequence, then wait out the rest of the step.
-            next_tick += self.step_s
+                prefill, self._prefill_backlog = self._prefill_backlog, 0
+            # One decode step for every running sequence, then wait out the rest of the step (and the
+            # prefill of the prompts just admitted: it holds up the whole batch, as on a GPU).
+            next_tick += self.step_s + prefill * self.prefill_s_per_token
             delay = next_tick - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
