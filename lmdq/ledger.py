@@ -491,9 +491,12 @@ class BatchLedger:
     # ---- retry's sources ------------------------------------------------------------------------
     def indices_with(self, batch: Batch, statuses: set[ResultStatus]) -> list[int]:
         """Indices of the batch's final results whose status is in ``statuses``, in input order."""
+        from lmdq.sink import iter_records
+
         wanted = {s.value for s in statuses}
         out = []
-        for index, raw in self.store.iter_results(batch.id, batch.request_counts.total, partial=False):
+        # Jobs in a results shard: only the shards whose index entry counts a wanted status are read.
+        for index, raw in iter_records(self.store, batch, partial=False, need=lambda e: e.has_any(statuses)):
             if raw is None:
                 continue
             try:
