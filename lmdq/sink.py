@@ -153,7 +153,7 @@ def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: in
     key = shard_key(bid, payload.job_no)
     entry = ShardEntry.of(key.rsplit("/", 1)[1], indices, (_status(v) for v in vals))
     BlobStore.from_url(payload.results_url).put_bytes(key, b"".join(v + b"\n" for v in vals))
-    sealed = client.eval(_SEAL, 4, keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid),  # type: ignore[no-untyped-call]
+    sealed = client.eval(_SEAL, 4, keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid),
                          job, entry.encode(), ttl_s, *indices)
     if int(sealed) < 0:
         return None
