@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from lmdq.headroom import DEFAULT_FRACTION
 from lmdq.settings import CommonSettings
 
 __all__ = ["ProducerSettings"]
@@ -14,3 +15,7 @@ class ProducerSettings(CommonSettings):
     known_models: tuple[str, ...] = ()
     max_line_bytes: int = Field(default=10 * 1024 * 1024, ge=1024)
     max_requests: int = Field(default=10_000_000, ge=1)
+    memory_headroom_fraction: float = Field(
+        default=DEFAULT_FRACTION, gt=0, le=1, description="submit refuses a batch that would take Redis past this "
+        "share of its maxmemory (LMDQ_MEMORY_HEADROOM_FRACTION; see lmdq.headroom)"
+    )

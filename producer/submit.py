@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.headroom import DEFAULT_FRACTION, check_batch_fits
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.keys import Keys
 from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
@@ -63,6 +64,8 @@ class SubmitOptions:
     fmt: InputFormat | None = None
     results_url: str | None = None
     blob_url: str | None = None
+    #: the share of Redis' maxmemory this submit may fill (LMDQ_MEMORY_HEADROOM_FRACTION; lmdq.headroom)
+    memory_fraction: float = DEFAULT_FRACTION
     #: called once after the file validated and the idempotency key is bound, before the staging
     #: pass reads the file again: the moment a concurrent edit is most harmful, so tests edit the
     #: file here (deterministically, not by racing a sleeping process)
@@ -307,6 +310,8 @@ def submit_file(
     batch_id = new_batch_id()
     now = time.time()
     num_jobs = (total + opts.batch_size - 1) // opts.batch_size
+    check_batch_fits(client, requests=total, jobs=num_jobs, input_bytes=seen.size, params=opts.params,
+                     results_url=opts.results_url, fraction=opts.memory_fraction)
     try:
         batch = Batch(
             id=batch_id,

@@ -88,7 +88,8 @@ class Worker:
         self.store = ResultStore(client, keys=self.keys, ttl_s=settings.result_ttl_s)
         self.jobs = JobQueue(client, keys=self.keys, job_ttl_s=settings.result_ttl_s,
                              max_job_bytes=settings.max_job_bytes)
-        self.outputs = OutputPolicy.for_worker(settings.allowed_output_urls, settings.blob_url)
+        self.outputs = OutputPolicy.for_worker(settings.allowed_output_urls, settings.blob_url,
+                                               settings.results_url)
         self.model = engine.model_name
         self.queues = queue_names(self.model, self.keys.prefix)
         self.name = settings.worker_name or default_worker_name()
