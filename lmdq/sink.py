@@ -187,21 +187,28 @@ def read_index(client: redis.Redis, keys: Keys, batch_id: str, total: int) -> di
     return out
 
 
-def _read_shard(uri: str) -> dict[int, bytes]:
+def _index_of(line: bytes, uri: str) -> int:
+    try:
+        return int(json.loads(line)["index"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ResultsUnavailable(f"results shard {uri} has a line that is not a result") from e
+
+
+def _read_shard(uri: str, expected: list[int] | None = None) -> dict[int, bytes]:
+    """index -> line of one shard. A shard holds its job's records in index order, so with the job's
+    ``expected`` indices (its index entry) only the first and last lines are parsed to check that;
+    any other shard is parsed line by line."""
     from lmdq.blobs import read_uri
 
     try:
         data = read_uri(uri)
     except Exception as e:  # noqa: BLE001 - any storage error is the same answer to the user
         raise ResultsUnavailable(f"cannot read results shard {uri}: {type(e).__name__}: {e}") from e
-    lines: dict[int, bytes] = {}
-    for ln in data.splitlines():
-        if ln.strip():
-            try:
-                lines[int(json.loads(ln)["index"])] = ln
-            except (ValueError, KeyError, TypeError) as e:
-                raise ResultsUnavailable(f"results shard {uri} has a line that is not a result") from e
-    return lines
+    lines = [ln for ln in data.splitlines() if ln.strip()]
+    if (expected and len(lines) == len(expected) and _index_of(lines[0], uri) == expected[0]
+            and _index_of(lines[-1], uri) == expected[-1]):
+        return dict(zip(expected, lines))
+    return {_index_of(ln, uri): ln for ln in lines}
 
 
 class _Shards:
@@ -219,7 +226,7 @@ class _Shards:
         lines = self.open.get(job_no)
         uri = f"{self.base}/{self.entries[job_no].shard}"
         if lines is None:
-            lines = self.open[job_no] = _read_shard(uri)
+            lines = self.open[job_no] = _read_shard(uri, list(self.entries[job_no].indices()))
         self.remaining[job_no] -= 1
         if self.remaining[job_no] <= 0:
             del self.open[job_no]
