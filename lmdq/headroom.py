@@ -90,7 +90,10 @@ def _mb(n: int) -> str:
 def check_headroom(client: redis.Redis, need: Footprint, *, fraction: float = DEFAULT_FRACTION,
                    sink: bool) -> None:
     """Raise :class:`SubmitRejected` (one line, exit 2) when ``need`` would take Redis past
-    ``fraction`` of its ``maxmemory``; a Redis without ``maxmemory`` (0) is not checked."""
+    ``fraction`` of its ``maxmemory``; a Redis without ``maxmemory`` (0) is not checked, nor is any with
+    ``fraction`` 0 (the operator's way to trust Redis' own refusal, exit 5, over this estimate)."""
+    if fraction <= 0:
+        return
     mem = redis_memory(client)
     if mem is None or mem.maxmemory <= 0:
         return

@@ -16,6 +16,6 @@ class ProducerSettings(CommonSettings):
     max_line_bytes: int = Field(default=10 * 1024 * 1024, ge=1024)
     max_requests: int = Field(default=10_000_000, ge=1)
     memory_headroom_fraction: float = Field(
-        default=DEFAULT_FRACTION, gt=0, le=1, description="submit refuses a batch that would take Redis past this "
-        "share of its maxmemory (LMDQ_MEMORY_HEADROOM_FRACTION; see lmdq.headroom)"
+        default=DEFAULT_FRACTION, ge=0, le=1, description="submit refuses a batch that would take Redis past this "
+        "share of its maxmemory (LMDQ_MEMORY_HEADROOM_FRACTION; 0 = no check; see lmdq.headroom)"
     )
