@@ -152,7 +152,10 @@ def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: in
     vals: list[bytes] = [v for v in got if isinstance(v, bytes)]
     key = shard_key(bid, payload.job_no)
     entry = ShardEntry.of(key.rsplit("/", 1)[1], indices, (_status(v) for v in vals))
-    BlobStore.from_url(payload.results_url).put_bytes(key, b"".join(v + b"\n" for v in vals))
+    # Compact records (what workers before the shard index left after writing the shard) mean the
+    # shard is complete already: seal the job without rewriting it from them.
+    if not any(b'"stored_at"' in v for v in vals):
+        BlobStore.from_url(payload.results_url).put_bytes(key, b"".join(v + b"\n" for v in vals))
     sealed = client.eval(_SEAL, 4, keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid),
                          job, entry.encode(), ttl_s, *indices)
     if int(sealed) < 0:

@@ -290,3 +290,33 @@ def test_submit_that_would_overflow_maxmemory_is_refused_and_enqueues_nothing(
     p = run_cli("lmdq.producer", "submit", str(f), "--model", MODEL, "--allow-unknown-model", "--results-url", sink,
                 env={**env, "LMDQ_MEMORY_HEADROOM_FRACTION": "0.05"})
     assert p.returncode == 2 and "stops at 5%" in p.stderr.decode()
+
+
+def test_compact_records_of_older_workers_are_read_and_sealed_without_rewriting_the_shard(
+        tmp_path: Path, client: redis.Redis, prefix: str) -> None:
+    """Workers before the shard index left a compact record (``stored_at``) per request: a new reader
+    still resolves them from the shard, and a new flush seals the job without rewriting the shard."""
+    from lmdq.contract import JobPayload
+    from lmdq.sink import flush_job, shard_key
+
+    sink = tmp_path / "sink"
+    batch = _submit(client, prefix, write_jsonl(tmp_path / "p.jsonl", _rows(3)), results_url=str(sink))
+    keys = Keys(prefix)
+    full = [Result(batch_id=batch.id, custom_id=f"r{i}", index=i, status=ResultStatus.completed, text=f"answer {i}",
+                   model=MODEL) for i in range(3)]
+    shard = sink / shard_key(batch.id, 0)
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"".join(r.model_dump_json().encode() + b"\n" for r in full))
+    for r in full:
+        small = r.model_copy(update={"text": "", "stored_at": shard.name})
+        client.hset(keys.results(batch.id), str(r.index), small.model_dump_json(exclude_defaults=True))
+    store = ResultStore(client, keys=keys)
+    before = list(iter_lmdq_lines(store, store.get_batch(batch.id)))
+    assert [json.loads(x)["text"] for x in before] == ["answer 0", "answer 1", "answer 2"]
+    content = shard.read_bytes()
+    payload = JobPayload(batch_id=batch.id, model=MODEL, job_no=0, results_url=str(sink),
+                         requests=[{"index": i, "custom_id": f"r{i}", "prompt": "p"} for i in range(3)])
+    entry = flush_job(client, keys, payload)
+    assert entry is not None and entry.ranges == [(0, 2)] and shard.read_bytes() == content
+    assert not client.exists(keys.results(batch.id))
+    assert list(iter_lmdq_lines(store, store.get_batch(batch.id))) == before
