@@ -3,7 +3,13 @@
 Exactly-once results come from one rule: a final result is written with HSETNX on its request
 index, in the same Lua script that bumps the batch counters. A duplicate (a re-run after a
 worker was presumed dead, a late write from that worker) is a no-op, so counts never drift and
-output never duplicates, however often a request executes.
+output never duplicates, however often a request executes. With a results sink a job's records
+leave the hash once they are in its shard (:mod:`lmdq.sink`); the request's bit in the batch's
+``sealed`` bitmap then refuses the write HSETNX alone would accept.
+
+Every key a worker creates here takes what is left of the batch record's TTL (``submit
+--result-ttl``), so a batch's keys expire together; a write for a batch with no record (purged,
+expired) is refused, so it cannot bring back counters without a TTL.
 """
 
 from __future__ import annotations
