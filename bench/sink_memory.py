@@ -86,7 +86,6 @@ def run_sink_bench(*, n: int, batch_size: int, tokens: int, redis_url: str,
     work = Path(tempfile.mkdtemp(prefix="lmdq-sink-bench-"))
     try:
         with_sink = _one(client, redis_url, n, batch_size, tokens, work / "sink", work, log)
-        client.flushdb()
         without = _one(client, redis_url, n, batch_size, tokens, None, work, log)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -154,7 +154,7 @@ def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: in
     entry = ShardEntry.of(key.rsplit("/", 1)[1], indices, (_status(v) for v in vals))
     # Compact records (what workers before the shard index left after writing the shard) mean the
     # shard is complete already: seal the job without rewriting it from them.
-    if not any(b'"stored_at"' in v for v in vals):
+    if all(_stored_at(v) is None for v in vals):
         BlobStore.from_url(payload.results_url).put_bytes(key, b"".join(v + b"\n" for v in vals))
     sealed = client.eval(_SEAL, 4, keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid),
                          job, entry.encode(), ttl_s, *indices)
@@ -241,7 +241,7 @@ class _Shards:
 
 def _stored_at(raw: bytes) -> str | None:
     """The shard name on a COMPACT record (what workers before the shard index left in Redis)."""
-    if b'"stored_at"' not in raw:
+    if b'"stored_at"' not in raw or b'"stored_at":null' in raw:  # a full record (pydantic's JSON has no spaces)
         return None
     v = json.loads(raw).get("stored_at")
     return v if isinstance(v, str) else None

@@ -33,3 +33,15 @@ def test_producer_bench_reports_both_ways(redis_url: str, env: dict[str, str]) -
     for k in ("submit_req_s", "results_per_s", "results_openai_per_s", "submit_peak_rss_mib", "results_peak_rss_mib",
               "redis_bytes_per_queued_request", "redis_bytes_per_result"):
         assert out[k] > 0, k
+
+
+def test_sink_bench_reports_bytes_per_request_both_ways(env: dict[str, str]) -> None:
+    p = run_cli("bench", "sink", "--n", "500", env=env, timeout=300)  # its own redis-server: used_memory is global
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    lines = p.stdout.decode().strip().splitlines()
+    assert any(ln.startswith("with_sink") for ln in lines) and any(ln.startswith("without") for ln in lines)
+    out = json.loads(lines[-1])
+    for run in (out["with_sink"], out["without"]):
+        assert run["n"] == 500 and run["exported"] == 500 and run["in_order"]
+        assert run["used_memory_delta_b_per_request"] > 0 and run["memory_usage_b_per_request"] > 0
+    assert out["with_sink"]["memory_usage_b_per_request"] < out["without"]["memory_usage_b_per_request"]
