@@ -224,6 +224,34 @@ def fleet(
     print(line)
 
 
+@app.command()
+def sink(
+    n: Annotated[int, typer.Option(help="requests in the batch")] = 100_000,
+    batch_size: Annotated[int, typer.Option(help="requests per job")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer (sim engine)")] = 16,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server (used_memory is "
+                                                       "server-wide: give only a private one)")] = None,
+    output: Annotated[Path | None, typer.Option("-o")] = None,
+) -> None:
+    """Redis bytes per completed request with and without a results sink; the LAST line is JSON."""
+    from lmdq.bench.local_redis import local_redis
+    from lmdq.bench.sink_memory import run_sink_bench
+
+    with local_redis(redis_url) as url:
+        res = run_sink_bench(n=n, batch_size=batch_size, tokens=max_new_tokens, redis_url=url,
+                             log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"{'':10s} {'used_memory':>12s} {'MEMORY USAGE':>13s} {'export':>10s}")
+    print(f"{'':10s} {'B/request':>12s} {'B/request':>13s} {'req/s':>10s}")
+    for name in ("with_sink", "without"):
+        r = res[name]
+        print(f"{name:10s} {r['used_memory_delta_b_per_request']:>12,.1f} {r['memory_usage_b_per_request']:>13,.1f} "
+              f"{r['export_req_s']:>10,}")
+    line = json.dumps(res)
+    if output:
+        output.write_text(line + "\n")
+    print(line)
+
+
 def main() -> None:
     run_cli(app)
 

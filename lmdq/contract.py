@@ -248,7 +248,7 @@ class JobPayload(_Strict):
     job_no: Annotated[int, Field(ge=0, le=10**9)]
     params: GenerationParams = Field(default_factory=GenerationParams)
     requests: list[Request] = Field(min_length=1, max_length=MAX_JOB_REQUESTS)
-    #: the batch's results sink: final results go to JSONL shards there, Redis keeps compact records
+    #: the batch's results sink: final results go to JSONL shards there, Redis keeps one index entry per job
     results_url: str | None = None
     #: the batch's blob store for tensors (logits, hidden states); the worker's LMDQ_BLOB_URL otherwise
     blob_url: str | None = None
@@ -317,8 +317,8 @@ class Result(_Strict):
     timings: Timings = Field(default_factory=Timings)
     logprobs: list[TokenLogprob] | None = None
     tensors: dict[str, TensorRef] | None = None
-    #: set on the COMPACT record Redis keeps once the full one (text, logprobs, tensors) is in a
-    #: results shard: that shard's name under ``<Batch.results_url>/<batch_id>/``
+    #: set on the COMPACT record workers before the shard index (lmdq.sink) left in Redis once the full
+    #: one was in a results shard: that shard's name under ``<Batch.results_url>/<batch_id>/``
     stored_at: str | None = None
 
     @property

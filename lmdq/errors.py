@@ -25,6 +25,7 @@ __all__ = [
     "RedisRefused",
     "RedisUnavailable",
     "ResultsUnavailable",
+    "PurgeRefused",
     "RetryRejected",
     "SubmitRejected",
     "UnknownModel",
@@ -109,6 +110,12 @@ class SubmitRejected(LmdqError):
 
 class RetryRejected(LmdqError):
     """``retry`` found nothing to resubmit, or the batch cannot be retried (yet); nothing was enqueued."""
+
+
+class PurgeRefused(LmdqError):
+    """``purge`` / ``results --delete`` refused: the batch has not ended (``--force`` overrides purge's)."""
+
+    exit_code = ExitCode.bad_input
 
 
 class RedisUnavailable(LmdqError):

@@ -177,23 +177,38 @@ class JobQueue:
             for i in range(0, len(res), 6)
         ]
 
-    def begin(self, claim: Claim, *, batch_id: str, indices: Sequence[int], worker: str, ttl_s: int) -> JobStart:
+    def begin(self, claim: Claim, *, batch_id: str, indices: Sequence[int], worker: str, ttl_s: int,
+              job_no: int | None = None) -> JobStart:
         """Everything a worker reads before running a job, in ONE round trip: the server's clock, the
         batch's status and deadline, which requests already have results; and RQ's started records.
+
+        ``job_no`` (batches with a results sink): a job whose results were moved to its shard (an
+        entry in the batch's shard index, see :mod:`lmdq.sink`) has every request finished, though
+        the results hash no longer holds them, so a re-run after that runs nothing.
 
         Why one: each round trip waits for the GIL behind the engine's own Python loop."""
         with self.client.pipeline() as p:
             p.time()
             p.hmget(self.keys.batch(batch_id), [BatchField.status.value, BatchField.expires_at.value])
             p.hmget(self.keys.results(batch_id), list(indices))
+            if job_no is not None:
+                p.hexists(self.keys.shards(batch_id), str(job_no))
             self.mark_started(claim, worker, ttl_s, pipe=p)
-            (sec, usec), (st, exp), have, *_ = p.execute()
+            got = p.execute()
+        (sec, usec), (st, exp), have = got[:3]
+        sealed = job_no is not None and bool(got[3])
         return JobStart(
             status=_batch_status(st),
             expires_at=_float(exp),
-            finished={i for i, v in zip(indices, have) if v is not None},
+            finished=set(indices) if sealed else {i for i, v in zip(indices, have) if v is not None},
             server_now=int(sec) + int(usec) / 1e6,
         )
+
+    def forget(self, job_id: str) -> None:
+        """Delete an ended job's hash (its payload: the prompts). Only for a job whose results are all
+        in a shard and none is to be retried (``retry`` reads failed requests back from job payloads):
+        with a results sink, the prompts are then the largest thing a finished batch leaves in Redis."""
+        self.client.delete(Job.key_for(job_id))
 
     def fetch_job(self, job_id: str) -> Job:
         """The job, read within ``max_job_bytes`` (never RQ's unbounded ``Job.fetch``: see

@@ -127,6 +127,16 @@ class Keys:
         """Hash: request index -> in-progress Result JSON, deleted when the final one lands."""
         return f"{self.prefix}:batch:{batch_id}:partials"
 
+    def shards(self, batch_id: str) -> str:
+        """Hash: job number -> :class:`lmdq.sink.ShardEntry` JSON, one field per job whose results went to
+        its shard in the batch's results URL (the per-request records are deleted from ``results``)."""
+        return f"{self.prefix}:batch:{batch_id}:shards"
+
+    def sealed(self, batch_id: str) -> str:
+        """Bitmap: bit ``index`` set once that request's final result is in a shard. The results script
+        refuses a write for a sealed index, so a re-run after the trim cannot write it twice."""
+        return f"{self.prefix}:batch:{batch_id}:sealed"
+
     def batch_jobs(self, batch_id: str) -> str:
         """List of the batch's RQ job ids in job order."""
         return f"{self.prefix}:batch:{batch_id}:jobs"

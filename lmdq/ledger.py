@@ -43,10 +43,11 @@ from typing import Any
 import redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, FinishedJobRegistry
 
 from lmdq.connection import Refusal, refusal
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
-from lmdq.errors import RedisRefused, RetryRejected, SubmitRejected
+from lmdq.errors import PurgeRefused, RedisRefused, RetryRejected, SubmitRejected
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.job_decode import JobRefused, decode_job
 from lmdq.jobs import JobQueue, job_id_for, job_id_prefix
@@ -56,7 +57,7 @@ from lmdq.registry import ModelRegistry
 from lmdq.store import ResultStore
 from lmdq.wakeup import WAKE_LUA
 
-__all__ = ["BatchLedger", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
+__all__ = ["BatchLedger", "Purged", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
 
 F = BatchField
 
@@ -216,6 +217,27 @@ class Staged:
 
     jobs: int
     requests: int
+
+
+@dataclass(frozen=True)
+class Purged:
+    """What :meth:`BatchLedger.purge` deleted (``purge`` prints it)."""
+
+    batch_id: str
+    #: the batch's status when it was purged
+    status: BatchStatus
+    #: Redis keys deleted (batch record, results, index, job hashes, ...)
+    keys: int
+    #: job hashes among them
+    jobs: int
+    #: queued jobs taken off their queue (only a running batch purged with ``force``)
+    dequeued: int
+
+    def __str__(self) -> str:
+        was = f"{self.status.value}, " if not self.status.terminal else ""
+        pulled = f", took {self.dequeued:,} queued jobs off the queue" if self.dequeued else ""
+        return (f"purged {self.batch_id} ({was}{self.keys:,} Redis keys deleted, {self.jobs:,} of them "
+                f"job hashes{pulled}); files in its results URL are left as they are")
 
 
 class BatchLedger:
@@ -500,12 +522,66 @@ class BatchLedger:
         )
         return job
 
+    # ---- purge ------------------------------------------------------------------------------
+    def purge(self, batch_id: str, *, force: bool = False) -> Purged:
+        """Delete everything Redis holds for ``batch_id`` now, instead of at its TTL.
+
+        A batch that has not ended is refused (:class:`PurgeRefused`) unless ``force``: its queued
+        jobs are then taken off the queues and the batch is added to the cancelled set, so workers
+        abort what they hold; what they write afterwards is refused (the results script writes nothing
+        for a batch without a record). Shards in the batch's results URL are not touched: the sink's
+        files are the user's (``results --delete`` has just exported them).
+        """
+        batch = self.get(batch_id)
+        running = not batch.status.terminal
+        if running and not force:
+            raise PurgeRefused(
+                f"batch {batch_id} is {batch.status.value}: purging it now would drop the work workers hold; "
+                f"cancel it first (`lmdq-producer cancel {batch_id}`) or pass --force"
+            )
+        dequeued = 0
+        with self._refusals("the purge did not finish; run it again"):
+            if running:
+                self.client.sadd(self.keys.cancelled(), batch_id)
+                for q in queue_names(batch.model, self.keys.prefix):
+                    dequeued += len(self._remove_prefix(keys=[rq_queue_key(q)], args=[job_id_prefix(batch_id)]))
+            listed = {_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)}
+            prefix = job_id_prefix(batch_id)
+            job_ids = sorted({job_id_for(batch_id, n) for n in range(batch.num_jobs)}
+                             | {j for j in listed if j.startswith(prefix)})
+            k = self.keys
+            own = [k.batch(batch_id), k.results(batch_id), k.partials(batch_id), k.shards(batch_id),
+                   k.sealed(batch_id), k.batch_jobs(batch_id)]
+            if batch.idempotency_key and self.client.get(k.idempotency(batch.idempotency_key)) in (
+                    batch_id.encode(), batch_id):
+                own.append(k.idempotency(batch.idempotency_key))
+            deleted = jobs = 0
+            with self.client.pipeline(transaction=False) as p:
+                p.delete(*own)
+                for start in range(0, len(job_ids), 1000):
+                    p.delete(*(Job.key_for(j) for j in job_ids[start : start + 1000]))
+                p.zrem(k.batches(), batch_id)
+                if not running:
+                    p.srem(k.cancelled(), batch_id)
+                for q in queue_names(batch.model, k.prefix):  # RQ's records of the jobs (rq info)
+                    for reg in (FinishedJobRegistry, FailedJobRegistry):
+                        key = reg(q, connection=self.client).key
+                        for start in range(0, len(job_ids), 1000):
+                            p.zrem(key, *job_ids[start : start + 1000])
+                got = p.execute()
+            deleted = int(got[0])
+            jobs = sum(int(x) for x in got[1 : 1 + (len(job_ids) + 999) // 1000])
+        return Purged(batch_id=batch_id, status=batch.status, keys=deleted + jobs, jobs=jobs, dequeued=dequeued)
+
     # ---- retry's sources ------------------------------------------------------------------------
     def indices_with(self, batch: Batch, statuses: set[ResultStatus]) -> list[int]:
         """Indices of the batch's final results whose status is in ``statuses``, in input order."""
+        from lmdq.sink import iter_records
+
         wanted = {s.value for s in statuses}
         out = []
-        for index, raw in self.store.iter_results(batch.id, batch.request_counts.total, partial=False):
+        # Jobs in a results shard: only the shards whose index entry counts a wanted status are read.
+        for index, raw in iter_records(self.store, batch, partial=False, need=lambda e: e.has_any(statuses)):
             if raw is None:
                 continue
             try:

@@ -3,7 +3,8 @@
 A job's ``results_url`` / ``blob_url`` decide where a worker writes files, and a job can be pushed by
 anyone with queue access. So a worker writes only (1) to the URL the producer put in the batch record
 (see :func:`lmdq.job_decode.decode_job`) and (2) only if that URL falls under a prefix the operator
-allowed on the worker: ``LMDQ_ALLOWED_OUTPUT_URLS`` plus the worker's own ``LMDQ_BLOB_URL``.
+allowed on the worker: ``LMDQ_ALLOWED_OUTPUT_URLS`` plus the worker's own ``LMDQ_BLOB_URL`` and
+``LMDQ_RESULTS_URL``.
 
 Only what lmdq supports is accepted: a local folder (a path, or ``file://`` + path) and ``s3://``.
 Local paths are resolved (``..`` and symlinks followed) before the prefix check, and the worker
@@ -138,9 +139,11 @@ class OutputPolicy:
         self.allowed = tuple(parse_output_url(a) for a in allowed if a)
 
     @classmethod
-    def for_worker(cls, allowed_csv: str, own_blob_url: str | None) -> OutputPolicy:
-        """What the operator configured: ``LMDQ_ALLOWED_OUTPUT_URLS`` plus the worker's ``LMDQ_BLOB_URL``."""
-        return cls((*prefixes_from_csv(allowed_csv), own_blob_url))
+    def for_worker(cls, allowed_csv: str, own_blob_url: str | None, own_results_url: str | None = None
+                   ) -> OutputPolicy:
+        """What the operator configured: ``LMDQ_ALLOWED_OUTPUT_URLS`` plus the worker's ``LMDQ_BLOB_URL`` and
+        the cluster's ``LMDQ_RESULTS_URL`` (a sink every batch uses by default is one workers may write to)."""
+        return cls((*prefixes_from_csv(allowed_csv), own_blob_url, own_results_url))
 
     def check(self, url: str) -> str:
         """The normalised URL to write to, or :class:`OutputUrlRejected` when it is not allowed."""

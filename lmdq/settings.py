@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
@@ -25,6 +25,18 @@ class CommonSettings(BaseSettings):
     )
     key_prefix: str = "lmdq"
     result_ttl_s: int = Field(default=7 * 24 * 3600, ge=60, description="how long batches and results are kept")
+    results_url: str | None = Field(
+        default=None,
+        description="the cluster's results sink (LMDQ_RESULTS_URL: a folder or s3://bucket/prefix): every "
+        "batch writes its results there as JSONL shards and Redis keeps only counters and a small index, "
+        "unless `submit --results-url` names another (or `none`). Workers may also write there",
+    )
+    @field_validator("results_url")
+    @classmethod
+    def _none_is_no_sink(cls, v: str | None) -> str | None:
+        """``LMDQ_RESULTS_URL=none`` (or empty) is the same as not setting it."""
+        return None if v is None or v.strip().lower() in ("", "none") else v.strip()
+
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     log_level: str = "INFO"
     max_job_bytes: int = Field(

@@ -1,52 +1,119 @@
-"""Results sink for huge batches: full results in JSONL shards, compact records in Redis.
+"""Results sink: full results in JSONL shards, Redis keeps one small index entry per JOB.
 
-A batch submitted with ``--results-url URL`` (a folder or ``s3://bucket/prefix``) keeps its
-answers out of Redis. Every final result is still written to Redis first, through the same
-HSETNX + counters Lua script as any other batch, so exactly-once and counts work unchanged. When a
-job ends (every request of it has a final result), its worker:
+A batch with a results URL (``submit --results-url URL`` or the cluster-wide ``LMDQ_RESULTS_URL``:
+a folder or ``s3://bucket/prefix``) keeps its answers out of Redis. Every final result is still
+written to Redis first, through the same HSETNX + counters Lua script as any other batch, so
+exactly-once and counts work unchanged. When a job ends (every request of it has a final result),
+its worker:
 
 1. reads the job's final results back from Redis, in index order;
 2. writes them as ONE shard ``<URL>/<batch_id>/results-<job_no:06d>.jsonl`` (the exact bytes that
    were in Redis, one line per request);
-3. only then replaces each of them in Redis, in ONE Lua call, by a compact record (status,
-   finish_reason, token counts, error, ids; no text, no logprobs, no tensors) whose ``stored_at``
-   is the shard's name (``results-<job_no>.jsonl``, under ``<URL>/<batch_id>/``).
+3. only then, in ONE Lua call (:data:`_SEAL`): adds the job's :class:`ShardEntry` (shard name, the
+   job's request indices as ranges, counts per status) to the batch's index hash
+   (``Keys.shards``), sets the requests' bits in the batch's ``sealed`` bitmap, and DELETES their
+   records from the results hash. A completed request then costs Redis one bit plus its share of
+   one entry per job (~100 bytes / 32 requests), instead of a ~1 KB record.
 
 Why the shard is built from Redis and not from what the worker holds in memory: a re-run job (the
 worker died, or a request had already been answered by a previous attempt) only regenerates the
 requests that have no final result, so the worker's memory holds only part of the job; Redis holds
-all of it, exactly once. A crash between 2 and 3 leaves full records in Redis; the re-run rewrites
-the same shard from the same bytes and trims. Step 3 is atomic, so a job's records are either all
-full (shard not trusted yet, maybe absent) or all compact (shard complete): a late writer that
-finds compact records never rewrites the shard. If the shard cannot be written (sink unreachable),
-the full records simply stay in Redis and are served from there.
+all of it, exactly once.
+
+Exactly once, case by case:
+
+- crash between 2 and 3: the records are still in Redis, the index has no entry; the re-run finds
+  every request answered, rewrites the same shard from the same bytes and seals it.
+- crash after 3 (before the lease is released): the re-run reads the ``sealed`` bits at the start
+  (:meth:`lmdq.jobs.JobQueue.begin`), so it runs nothing, and finds the index entry, so it writes
+  no shard.
+- a late writer (a worker presumed dead that still finishes a request) after the seal: the results
+  script refuses any write whose ``sealed`` bit is set, so the emptied results hash cannot take a
+  second answer for it (the HSETNX alone would accept it: the field is gone).
+- two flushes of one job at once: both write the same bytes to the same shard (records never
+  change once written), and the seal is fenced on the index entry: the second is a no-op.
+
+Step 3 is atomic, so a job's records are either all in Redis (shard not trusted yet, maybe absent)
+or all in its shard (entry present). If the shard cannot be written (sink unreachable), the full
+records simply stay in Redis and are served from there. Readers (:func:`iter_records`) take each
+request from Redis or from its job's shard accordingly, in input order, whatever the job layout.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import redis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmdq.contract import JobPayload, Result, Timings
+from lmdq.contract import Batch, JobPayload, ResultStatus
 from lmdq.errors import ResultsUnavailable
 from lmdq.keys import Keys
+from lmdq.store import _BATCH_TTL, ResultStore
 
-__all__ = ["flush_job", "resolve_results", "shard_key"]
+__all__ = ["ShardEntry", "flush_job", "iter_records", "read_index", "shard_key"]
 
-# KEYS: results.  ARGV: index1, compact1, index2, compact2, ...
-_TRIM = """
-local n = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-    n = n + 1
-  end
+_MAX_ENTRY_BYTES = 1 << 20
+"""An index entry larger than this is not lmdq's (a job holds at most ``MAX_JOB_REQUESTS``)."""
+
+# KEYS: results, shards index, sealed bitmap, batch.  ARGV: job_no, entry JSON, ttl, index1, index2, ...
+# 1: sealed now; 0: sealed already (another flush won); -1: a record is missing (purged/expired batch).
+_SEAL = _BATCH_TTL + """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
+for i = 4, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then return -1 end
 end
-return n
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+for i = 4, #ARGV do
+  redis.call('SETBIT', KEYS[3], ARGV[i], 1)
+  redis.call('HDEL', KEYS[1], ARGV[i])
+end
+local ttl = batch_ttl(KEYS[4], ARGV[3])
+for k = 2, 3 do
+  if redis.call('TTL', KEYS[k]) < 0 then redis.call('EXPIRE', KEYS[k], ttl) end
+end
+return 1
 """
+
+
+class ShardEntry(BaseModel):
+    """One job's line in the batch's shard index: where its results are and what they were.
+
+    ``ranges`` are inclusive ``[first, last]`` runs of request indices (one run for a job of
+    consecutive requests; several when jobs group requests out of input order). ``counts`` lets
+    ``retry`` skip shards that hold nothing to retry. Read back from Redis, so validated (untrusted).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard: str = Field(pattern=r"^results-[0-9]{6,10}\.jsonl$")
+    ranges: list[tuple[int, int]] = Field(min_length=1)
+    counts: dict[ResultStatus, int] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, shard: str, indices: Iterable[int], statuses: Iterable[ResultStatus]) -> ShardEntry:
+        runs: list[tuple[int, int]] = []
+        for i in sorted(indices):
+            if runs and runs[-1][1] == i - 1:
+                runs[-1] = (runs[-1][0], i)
+            else:
+                runs.append((i, i))
+        return cls(shard=shard, ranges=runs, counts=dict(Counter(statuses)))
+
+    def indices(self) -> Iterator[int]:
+        for lo, hi in self.ranges:
+            yield from range(lo, hi + 1)
+
+    def has_any(self, statuses: set[ResultStatus]) -> bool:
+        return any(self.counts.get(s, 0) > 0 for s in statuses)
+
+    def encode(self) -> str:
+        return self.model_dump_json(exclude_defaults=True)
 
 
 def shard_key(batch_id: str, job_no: int) -> str:
@@ -54,89 +121,168 @@ def shard_key(batch_id: str, job_no: int) -> str:
     return f"{batch_id}/results-{job_no:06d}.jsonl"
 
 
-def compact(raw: bytes, shard_name: str) -> str:
-    """The record Redis keeps once the full one is in the shard ``shard_name`` (a valid Result:
-    every reader of Redis records, counts and ``retry`` included, works on it unchanged)."""
-    r = Result.model_validate_json(raw)
-    drop = {"text": "", "logprobs": None, "tensors": None, "timings": Timings(), "backend": None, "worker": None}
-    small = r.model_copy(update={**drop, "stored_at": shard_name})
-    return small.model_dump_json(exclude_defaults=True)
+def _status(raw: bytes) -> ResultStatus:
+    try:
+        return ResultStatus(json.loads(raw)["status"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"not a result record: {type(e).__name__}") from e
 
 
-def _stored_at(raw: bytes) -> str | None:
-    if b'"stored_at"' not in raw:
-        return None
-    v = json.loads(raw).get("stored_at")
-    return v if isinstance(v, str) else None
+def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: int = 7 * 24 * 3600
+              ) -> ShardEntry | None:
+    """Write the job's shard, then seal it: index entry in, per-request records out (module doc).
 
-
-def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload) -> str | None:
-    """Write the job's shard and trim its Redis records (see the module doc).
-
-    Returns the shard URI, or None when the job is not complete yet or has no results URL.
+    Returns the job's entry (also when an earlier flush sealed it), or None when the job has no
+    results URL, is not complete yet, or its batch is gone. ``ttl_s`` is only the fallback TTL for a
+    batch record without one.
     """
     if not payload.results_url:
         return None
     from lmdq.blobs import BlobStore
 
+    bid, job = payload.batch_id, str(payload.job_no)
+    ikey = keys.shards(bid)
+    done = client.hget(ikey, job)
+    if done is not None:
+        return _entry(done)
     indices = sorted(r.index for r in payload.requests)
-    rkey = keys.results(payload.batch_id)
-    got = client.hmget(rkey, indices)
+    got = client.hmget(keys.results(bid), indices)
     if any(v is None for v in got):
         return None
     vals: list[bytes] = [v for v in got if isinstance(v, bytes)]
-    sink = BlobStore.from_url(payload.results_url)
-    key = shard_key(payload.batch_id, payload.job_no)
-    uri = sink.uri(key)
-    name = key.rsplit("/", 1)[1]
-    stored = [_stored_at(v) for v in vals]
-    if all(s is not None for s in stored):
-        return uri  # shard written and records trimmed already (a previous attempt)
-    if all(s is None for s in stored):
-        sink.put_bytes(key, b"".join(v + b"\n" for v in vals))
-    args: list[Any] = []
-    for i, v, s in zip(indices, vals, stored):
-        if s is None:
-            args += [i, compact(v, name)]
-    client.eval(_TRIM, 1, rkey, *args)
-    return uri
+    key = shard_key(bid, payload.job_no)
+    entry = ShardEntry.of(key.rsplit("/", 1)[1], indices, (_status(v) for v in vals))
+    # Compact records (what workers before the shard index left after writing the shard) mean the
+    # shard is complete already: seal the job without rewriting it from them.
+    if all(_stored_at(v) is None for v in vals):
+        BlobStore.from_url(payload.results_url).put_bytes(key, b"".join(v + b"\n" for v in vals))
+    sealed = client.eval(_SEAL, 4, keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid),
+                         job, entry.encode(), ttl_s, *indices)
+    if int(sealed) < 0:
+        return None
+    if int(sealed) == 0:  # another flush sealed it first: its entry is the one that counts
+        again = client.hget(ikey, job)
+        return _entry(again) if again is not None else None
+    return entry
 
 
-class _ShardCache:
-    """The last shard read, as index -> line (a batch is read in order, shard after shard)."""
+def _entry(raw: Any) -> ShardEntry | None:
+    if not isinstance(raw, bytes) or len(raw) > _MAX_ENTRY_BYTES:
+        return None
+    try:
+        return ShardEntry.model_validate_json(raw)
+    except ValidationError:
+        return None
 
-    def __init__(self) -> None:
-        self.uri: str | None = None
-        self.lines: dict[int, bytes] = {}
 
-    def line(self, uri: str, index: int) -> bytes:
-        if uri != self.uri:
-            from lmdq.blobs import read_uri
-
-            try:
-                data = read_uri(uri)
-            except Exception as e:  # noqa: BLE001 - any storage error is the same answer to the user
-                raise ResultsUnavailable(f"cannot read results shard {uri}: {type(e).__name__}: {e}") from e
-            self.lines = {}
-            for ln in data.splitlines():
-                if ln.strip():
-                    self.lines[int(json.loads(ln)["index"])] = ln
-            self.uri = uri
+def read_index(client: redis.Redis, keys: Keys, batch_id: str, total: int) -> dict[int, ShardEntry]:
+    """The batch's shard index, validated: entries that are not lmdq's, or name indices outside the
+    batch, are left out (their requests then read as missing, never from a wrong place)."""
+    out: dict[int, ShardEntry] = {}
+    for field, raw in client.hscan_iter(keys.shards(batch_id), count=1000):
         try:
-            return self.lines[index]
+            job_no = int(field)
+        except ValueError:
+            continue
+        e = _entry(raw)
+        if e is not None and job_no >= 0 and all(0 <= lo <= hi < total for lo, hi in e.ranges):
+            out[job_no] = e
+    return out
+
+
+def _index_of(line: bytes, uri: str) -> int:
+    try:
+        return int(json.loads(line)["index"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ResultsUnavailable(f"results shard {uri} has a line that is not a result") from e
+
+
+def _read_shard(uri: str, expected: list[int] | None = None) -> dict[int, bytes]:
+    """index -> line of one shard. A shard holds its job's records in index order, so with the job's
+    ``expected`` indices (its index entry) only the first and last lines are parsed to check that;
+    any other shard is parsed line by line."""
+    from lmdq.blobs import read_uri
+
+    try:
+        data = read_uri(uri)
+    except Exception as e:  # noqa: BLE001 - any storage error is the same answer to the user
+        raise ResultsUnavailable(f"cannot read results shard {uri}: {type(e).__name__}: {e}") from e
+    lines = [ln for ln in data.splitlines() if ln.strip()]
+    if (expected and len(lines) == len(expected) and _index_of(lines[0], uri) == expected[0]
+            and _index_of(lines[-1], uri) == expected[-1]):
+        return dict(zip(expected, lines))
+    return {_index_of(ln, uri): ln for ln in lines}
+
+
+class _Shards:
+    """Shards being read, each loaded once and dropped when its last request has been served: jobs of
+    consecutive requests keep one shard open at a time, jobs that group requests out of input order
+    keep open only those with requests still to come."""
+
+    def __init__(self, base: str, entries: dict[int, ShardEntry], remaining: dict[int, int]) -> None:
+        self.base = base
+        self.entries = entries
+        self.remaining = remaining
+        self.open: dict[int, dict[int, bytes]] = {}
+
+    def line(self, job_no: int, index: int) -> bytes:
+        lines = self.open.get(job_no)
+        uri = f"{self.base}/{self.entries[job_no].shard}"
+        if lines is None:
+            lines = self.open[job_no] = _read_shard(uri, list(self.entries[job_no].indices()))
+        self.remaining[job_no] -= 1
+        if self.remaining[job_no] <= 0:
+            del self.open[job_no]
+        try:
+            return lines[index]
         except KeyError:
             raise ResultsUnavailable(f"results shard {uri} has no record for request index {index}") from None
 
 
-def resolve_results(
-    pairs: Iterator[tuple[int, bytes | None]], results_url: str, batch_id: str
+def _stored_at(raw: bytes) -> str | None:
+    """The shard name on a COMPACT record (what workers before the shard index left in Redis)."""
+    if b'"stored_at"' not in raw or b'"stored_at":null' in raw:  # a full record (pydantic's JSON has no spaces)
+        return None
+    v = json.loads(raw).get("stored_at")
+    return v if isinstance(v, str) else None
+
+
+def iter_records(
+    store: ResultStore, batch: Batch, *, partial: bool = True,
+    need: Callable[[ShardEntry], bool] | None = None,
 ) -> Iterator[tuple[int, bytes | None]]:
-    """Replace compact records by the full ones from their shards; anything else passes through."""
-    base = f"{results_url.rstrip('/')}/{batch_id}"
-    cache = _ShardCache()
+    """(index, full record or None) for every request of ``batch``, in input order.
+
+    Requests of sealed jobs come from their shard, the others from Redis (with the partial record
+    as a fallback when ``partial``). ``need`` skips shards: a job whose entry it rejects yields None
+    for its requests without its shard being read (``retry`` reads only shards holding failures).
+    """
+    total = batch.request_counts.total
+    pairs = store.iter_results(batch.id, total, partial=partial)
+    if not batch.results_url:
+        yield from pairs
+        return
+    base = f"{batch.results_url.rstrip('/')}/{batch.id}"
+    entries = read_index(store.client, store.keys, batch.id, total)
+    owner = array("l", [-1]) * total
+    for job_no, e in entries.items():
+        for lo, hi in e.ranges:
+            owner[lo : hi + 1] = array("l", [job_no]) * (hi - lo + 1)
+    wanted = {j for j, e in entries.items() if need is None or need(e)}
+    remaining = dict(Counter(j for j in owner if j in wanted)) if entries else {}
+    shards = _Shards(base, entries, remaining)
+    legacy: dict[str, dict[int, bytes]] = {}
     for i, raw in pairs:
-        if raw is not None:
-            name = _stored_at(raw)
-            if name is not None:
-                raw = cache.line(f"{base}/{name}", i)
+        job_no = owner[i]
+        if job_no >= 0:
+            yield i, (shards.line(job_no, i) if job_no in wanted else None)
+            continue
+        if raw is not None and (name := _stored_at(raw)) is not None:
+            uri = f"{base}/{name}"
+            if uri not in legacy:
+                legacy.clear()
+                legacy[uri] = _read_shard(uri)
+            if i not in legacy[uri]:
+                raise ResultsUnavailable(f"results shard {uri} has no record for request index {i}")
+            raw = legacy[uri][i]
         yield i, raw

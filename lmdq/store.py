@@ -3,7 +3,13 @@
 Exactly-once results come from one rule: a final result is written with HSETNX on its request
 index, in the same Lua script that bumps the batch counters. A duplicate (a re-run after a
 worker was presumed dead, a late write from that worker) is a no-op, so counts never drift and
-output never duplicates, however often a request executes.
+output never duplicates, however often a request executes. With a results sink a job's records
+leave the hash once they are in its shard (:mod:`lmdq.sink`); the request's bit in the batch's
+``sealed`` bitmap then refuses the write HSETNX alone would accept.
+
+Every key a worker creates here takes what is left of the batch record's TTL (``submit
+--result-ttl``), so a batch's keys expire together; a write for a batch with no record (purged,
+expired) is refused, so it cannot bring back counters without a TTL.
 """
 
 from __future__ import annotations
@@ -23,10 +29,25 @@ __all__ = ["ResultStore"]
 
 F = BatchField
 
-# KEYS: results, batch, partials. ARGV: index, json, counter field, now, ttl
-_WRITE_RESULT = f"""
+# The TTL a key the workers create takes: what is left of the batch record's own (so every key of a
+# batch goes at the same moment: submit's --result-ttl), or ARGV ttl when the record has none.
+_BATCH_TTL = """
+local function batch_ttl(batch, fallback)
+  local t = redis.call('TTL', batch)
+  if t > 0 then return t end
+  return tonumber(fallback)
+end
+"""
+
+# KEYS: results, batch, partials, sealed. ARGV: index, json, counter field, now, ttl.
+# Refused (0): a duplicate (HSETNX), a request whose result is already in a shard (sealed bit: the
+# record was trimmed after the shard was written, see lmdq.sink), or a batch with no record (purged
+# or expired: writing would bring back counters without a TTL).
+_WRITE_RESULT = _BATCH_TTL + f"""
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+if redis.call('GETBIT', KEYS[4], ARGV[1]) == 1 then return 0 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
+if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], batch_ttl(KEYS[2], ARGV[5])) end
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
 local b = redis.call('HMGET', KEYS[2], '{F.total}', '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}',
@@ -44,11 +65,13 @@ end
 return 1
 """
 
-# KEYS: results, partials. ARGV: index, json, ttl
-_WRITE_PARTIAL = """
+# KEYS: results, partials, sealed, batch. ARGV: index, json, ttl
+_WRITE_PARTIAL = _BATCH_TTL + """
+if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end
+if redis.call('GETBIT', KEYS[3], ARGV[1]) == 1 then return 0 end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], batch_ttl(KEYS[4], ARGV[3])) end
 return 1
 """
 
@@ -165,6 +188,7 @@ class ResultStore:
                 self.keys.results(result.batch_id),
                 self.keys.batch(result.batch_id),
                 self.keys.partials(result.batch_id),
+                self.keys.sealed(result.batch_id),
             ],
             args=[result.index, result.model_dump_json(), counter.value, time.time(), self.ttl_s],
             client=pipe,
@@ -195,7 +219,8 @@ class ResultStore:
         """Store in-progress text for a request that has no final result yet."""
         return bool(
             self._write_partial(
-                keys=[self.keys.results(result.batch_id), self.keys.partials(result.batch_id)],
+                keys=[self.keys.results(result.batch_id), self.keys.partials(result.batch_id),
+                      self.keys.sealed(result.batch_id), self.keys.batch(result.batch_id)],
                 args=[result.index, result.model_dump_json(), self.ttl_s],
             )
         )

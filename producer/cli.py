@@ -119,16 +119,44 @@ def _parse_metadata(items: list[str]) -> dict[str, str]:
     return out
 
 
-def _parse_window(s: str | None) -> float | None:
+def _parse_duration(s: str | None, flag: str) -> float | None:
+    """``24h``, ``90m``, ``7d``, ``30s`` or plain seconds; None when not given."""
     if not s:
         return None
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:
-        if s[-1] in units:
-            return float(s[:-1]) * units[s[-1]]
-        return float(s)
+        v = float(s[:-1]) * units[s[-1]] if s[-1] in units else float(s)
     except ValueError as e:
-        raise typer.BadParameter(f"expected e.g. 24h, 90m, 3600; got {s!r}", param_hint="--completion-window") from e
+        raise typer.BadParameter(f"expected e.g. 7d, 24h, 90m, 3600; got {s!r}", param_hint=flag) from e
+    if v <= 0:
+        raise typer.BadParameter(f"expected a positive duration, got {s!r}", param_hint=flag)
+    return v
+
+
+def _parse_window(s: str | None) -> float | None:
+    return _parse_duration(s, "--completion-window")
+
+
+def _result_ttl(flag: str | None, default_s: int, window_s: float | None) -> int:
+    """``--result-ttl`` (else LMDQ_RESULT_TTL_S): every key of the batch expires this long after submit,
+    so it must cover the batch's run (at least its completion window)."""
+    ttl = _parse_duration(flag, "--result-ttl")
+    ttl_s = default_s if ttl is None else int(ttl)
+    if ttl_s < 60:
+        raise typer.BadParameter(f"expected at least 60 seconds, got {flag!r}", param_hint="--result-ttl")
+    if window_s is not None and ttl_s < window_s:
+        raise typer.BadParameter(
+            f"{ttl_s}s is shorter than the completion window ({window_s:.0f}s): the batch and its results "
+            "would expire before it may end", param_hint="--result-ttl")
+    return ttl_s
+
+
+def _sink_url(flag: str | None, cluster: str | None) -> str | None:
+    """``--results-url`` wins over LMDQ_RESULTS_URL (already None when set to ``none``); ``--results-url
+    none`` keeps this batch's results in Redis although the cluster has a sink."""
+    if flag is not None:
+        return None if flag.strip().lower() in ("", "none") else _check_url(flag, "--results-url")
+    return _check_url(cluster, "LMDQ_RESULTS_URL")
 
 
 def _check_url(url: str | None, flag: str) -> str | None:
@@ -213,7 +241,13 @@ def submit(
     ] = False,
     results_url: Annotated[
         str | None,
-        typer.Option(help="folder or s3://bucket/prefix: full results go to JSONL shards there, Redis keeps counts"),
+        typer.Option(help="folder or s3://bucket/prefix: full results go to JSONL shards there, Redis keeps "
+                          "counts and a small index (default LMDQ_RESULTS_URL; 'none': results stay in Redis)"),
+    ] = None,
+    result_ttl: Annotated[
+        str | None,
+        typer.Option(help="how long the batch and its results are kept, counted from submit: e.g. 7d, 12h, 3600 "
+                          "(default LMDQ_RESULT_TTL_S, 7 days)"),
     ] = None,
     blob_url: Annotated[
         str | None, typer.Option(help="folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)")
@@ -257,6 +291,8 @@ def submit(
             flag = "--json-schema" if json_schema else "--regex" if regex is not None else "--response-format"
             print(f"error: {flag}: {e}", file=sys.stderr)
             raise typer.Exit(2) from e
+    window_s = _parse_window(completion_window)
+    ttl_s = _result_ttl(result_ttl, s.result_ttl_s, window_s)
     opts = SubmitOptions(
         model=model,
         batch_size=batch_size or s.batch_size,
@@ -264,14 +300,15 @@ def submit(
         priority=priority,
         metadata=_parse_metadata(metadata or []),
         idempotency_key=idempotency_key,
-        completion_window_s=_parse_window(completion_window),
+        completion_window_s=window_s,
         allow_unknown_model=allow_unknown_model,
         known_models=s.known_models,
         limits=InputLimits(max_line_bytes=s.max_line_bytes, max_requests=s.max_requests),
-        results_url=_check_url(results_url, "--results-url"),
+        results_url=_sink_url(results_url, s.results_url),
         blob_url=_check_url(blob_url, "--blob-url"),
         prefix_groups=grouping.get("prefix_groups", s.prefix_groups),
         prefix_group_bytes=grouping.get("prefix_group_bytes", s.prefix_group_bytes),
+        memory_fraction=s.memory_headroom_fraction,
     )
     client = _client()
     show = sys.stderr.isatty() and not as_json
@@ -299,7 +336,7 @@ def submit(
             opts,
             client=client,
             keys=Keys(s.key_prefix),
-            ttl_s=s.result_ttl_s,
+            ttl_s=ttl_s,
             validate_progress=vprog if show else None,
             enqueue_progress=eprog if show else None,
             max_job_bytes=s.max_job_bytes,
@@ -361,6 +398,10 @@ def results(
         Path | None,
         typer.Option(help="with --format openai: failed/cancelled/expired lines go here, successes to -o/stdout"),
     ] = None,
+    delete: Annotated[
+        bool, typer.Option("--delete", help="once every line is written, delete the batch from Redis (an ended "
+                                            "batch only; shards in its results URL stay)")
+    ] = False,
 ) -> None:
     """One JSON line per request, in input order."""
     from lmdq.producer.export import iter_lmdq_lines, iter_openai
@@ -386,6 +427,11 @@ def results(
                 raise typer.Exit(1)
             time.sleep(0.25)
             b = _patiently(lambda: store.get_batch(batch_id))
+    if delete and not b.status.terminal:
+        from lmdq.errors import PurgeRefused
+
+        raise PurgeRefused(f"--delete: batch {batch_id} is {b.status.value}, its results are not all in yet; "
+                           "nothing was deleted (add --wait, or leave out --delete)")
     lines = iter_openai(store, b) if fmt == "openai" else ((False, x) for x in iter_lmdq_lines(store, b))
     out = output.open("wb") if output else sys.stdout.buffer
     errs = errors_file.open("wb") if errors_file else out
@@ -399,6 +445,12 @@ def results(
             out.close()
         else:
             out.flush()
+    if delete:  # only reached when every line was written: an error above leaves the batch in Redis
+        from lmdq.ledger import BatchLedger
+
+        s = _settings()
+        done = BatchLedger(_client(), keys=Keys(s.key_prefix), ttl_s=s.result_ttl_s).purge(batch_id)
+        err.print(str(done), highlight=False, soft_wrap=True)
 
 
 @app.command("list")
@@ -472,6 +524,20 @@ def cancel(
     s = _settings()
     b = cancel_batch(_client(), Keys(s.key_prefix), batch_id, ttl_s=s.result_ttl_s)
     _print_batch(b, as_json)
+
+
+@app.command()
+def purge(
+    batch_id: Annotated[str, typer.Argument()],
+    force: Annotated[bool, typer.Option(help="also a batch that has not ended: its queued jobs are dropped and "
+                                             "workers abort what they hold")] = False,
+) -> None:
+    """Delete a batch from Redis now (record, results, jobs), instead of at its TTL; says what it deleted."""
+    from lmdq.ledger import BatchLedger
+
+    s = _settings()
+    done = BatchLedger(_client(), keys=Keys(s.key_prefix), ttl_s=s.result_ttl_s).purge(batch_id, force=force)
+    typer.echo(str(done))
 
 
 @app.command()

@@ -13,14 +13,11 @@ __all__ = ["is_openai_error", "iter_lmdq_lines", "iter_openai", "iter_openai_lin
 
 
 def _records(store: ResultStore, batch: Batch, *, partial: bool) -> Iterator[tuple[int, bytes | None]]:
-    """Full records in input order; with a results URL, compact Redis records are replaced by the
-    full ones from the batch's shards (jobs not flushed yet are still whole in Redis)."""
-    pairs = store.iter_results(batch.id, batch.request_counts.total, partial=partial)
-    if not batch.results_url:
-        return pairs
-    from lmdq.sink import resolve_results
+    """Full records in input order; with a results URL, jobs already moved to their shards are read
+    from there (jobs not flushed yet are still whole in Redis): :func:`lmdq.sink.iter_records`."""
+    from lmdq.sink import iter_records
 
-    return resolve_results(pairs, batch.results_url, batch.id)
+    return iter_records(store, batch, partial=partial)
 
 
 def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -> Iterator[bytes]:

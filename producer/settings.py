@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from lmdq.headroom import DEFAULT_FRACTION
 from lmdq.settings import CommonSettings
 
 __all__ = ["ProducerSettings"]
@@ -20,4 +21,8 @@ class ProducerSettings(CommonSettings):
     prefix_group_bytes: int = Field(
         default=512, ge=16, le=1 << 20,
         description="shortest shared prompt prefix, in bytes, that groups requests (up to 32x are compared)",
+    )
+    memory_headroom_fraction: float = Field(
+        default=DEFAULT_FRACTION, ge=0, le=1, description="submit refuses a batch that would take Redis past this "
+        "share of its maxmemory (LMDQ_MEMORY_HEADROOM_FRACTION; 0 = no check; see lmdq.headroom)"
     )

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.headroom import DEFAULT_FRACTION, check_batch_fits
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.keys import Keys
 from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
@@ -78,6 +79,8 @@ class SubmitOptions:
     #: least ``prefix_group_bytes`` go into the same jobs; off = jobs in input order
     prefix_groups: bool = True
     prefix_group_bytes: int = 512
+    #: the share of Redis' maxmemory this submit may fill (LMDQ_MEMORY_HEADROOM_FRACTION; lmdq.headroom)
+    memory_fraction: float = DEFAULT_FRACTION
     #: called once after the file validated and the idempotency key is bound, before the staging
     #: pass reads the file again: the moment a concurrent edit is most harmful, so tests edit the
     #: file here (deterministically, not by racing a sleeping process)
@@ -377,6 +380,8 @@ def submit_file(
     now = time.time()
     plan = plan_jobs(prefixes, opts.batch_size) if prefixes is not None else None
     num_jobs = len(plan.sizes) if plan is not None else (total + opts.batch_size - 1) // opts.batch_size
+    check_batch_fits(client, requests=total, jobs=num_jobs, input_bytes=seen.size, params=opts.params,
+                     results_url=opts.results_url, fraction=opts.memory_fraction)
     try:
         batch = Batch(
             id=batch_id,

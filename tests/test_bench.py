@@ -78,3 +78,15 @@ def test_prefix_bench_runs_on_the_sim_and_writes_its_workload(redis_url: str, en
     assert len(rows) == 40 and len({r["custom_id"] for r in rows}) == 40
     assert [r["custom_id"] for r in rows] != sorted((r["custom_id"] for r in rows), key=lambda c: (
         int(c[3:].split("-")[0]), c))  # shuffled
+
+
+def test_sink_bench_reports_bytes_per_request_both_ways(env: dict[str, str]) -> None:
+    p = run_cli("bench", "sink", "--n", "500", env=env, timeout=300)  # its own redis-server: used_memory is global
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    lines = p.stdout.decode().strip().splitlines()
+    assert any(ln.startswith("with_sink") for ln in lines) and any(ln.startswith("without") for ln in lines)
+    out = json.loads(lines[-1])
+    for run in (out["with_sink"], out["without"]):
+        assert run["n"] == 500 and run["exported"] == 500 and run["in_order"]
+        assert run["used_memory_delta_b_per_request"] > 0 and run["memory_usage_b_per_request"] > 0
+    assert out["with_sink"]["memory_usage_b_per_request"] < out["without"]["memory_usage_b_per_request"]

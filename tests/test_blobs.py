@@ -244,24 +244,27 @@ def test_flush_job_rerun_writes_every_request_exactly_once(tmp_path: Path, clien
     assert not (tmp_path / "sink").exists()
     store.write_result(Result(batch_id=b, custom_id="c5", index=5, status=ResultStatus.failed, model="m",
                               error={"code": "x", "message": "y"}))
-    uri = flush_job(client, keys, payload)
+    entry = flush_job(client, keys, payload)
     shard = tmp_path / "sink" / shard_key(b, 1)
-    assert uri == f"{url}/{b}/results-000001.jsonl" and shard.is_file()
+    assert entry is not None and entry.shard == "results-000001.jsonl" and shard.is_file()
+    assert entry.ranges == [(3, 5)] and entry.counts == {ResultStatus.completed: 2, ResultStatus.failed: 1}
     lines = [json.loads(x) for x in shard.read_text().splitlines()]
     assert [x["index"] for x in lines] == [3, 4, 5] and lines[0]["text"] == "answer 3"
-    compact = json.loads(client.hget(keys.results(b), "3"))  # type: ignore[arg-type]
-    assert compact["stored_at"] == "results-000001.jsonl" and "text" not in compact and compact["status"] == "completed"
-    # a late/re-run flush finds compact records: the shard is not rewritten from them
+    # Redis keeps no per-request record: one index entry for the job, and the sealed bits
+    assert not client.exists(keys.results(b))
+    assert client.hkeys(keys.shards(b)) == [b"1"]
+    assert [client.getbit(keys.sealed(b), i) for i in range(6)] == [0, 0, 0, 1, 1, 1]
+    # a late/re-run flush finds the index entry: the shard is not rewritten
     before = shard.read_bytes()
-    shard.write_bytes(before)  # same content; mtime check below
     mtime = shard.stat().st_mtime_ns
-    assert flush_job(client, keys, payload) == uri
+    assert flush_job(client, keys, payload) == entry
     assert shard.stat().st_mtime_ns == mtime and shard.read_bytes() == before
-    # a duplicate final (late worker) is still a no-op through the same Lua path: counts unchanged
+    # a duplicate final (late worker) after the trim is refused by the sealed bit: counts unchanged
     assert not store.write_result(Result(batch_id=b, custom_id="c3", index=3, status=ResultStatus.completed,
                                          text="dup", model="m"))
+    assert not client.exists(keys.results(b))
     assert store.get_batch(b).request_counts.completed == 2
-    # the reader resolves compact records back to the full ones, in order
+    # the reader takes the job's records from its shard, in order
     from lmdq.producer.export import iter_lmdq_lines
 
     out = [json.loads(x) for x in iter_lmdq_lines(store, store.get_batch(b))]

@@ -237,7 +237,9 @@ def test_redis_out_of_memory_at_submit_is_one_line_exit_5(tmp_path: Path, env: d
         before = _all_keys(c)
         f = write_jsonl(tmp_path / "big.jsonl", [{"prompt": os.urandom(400).hex()} for _ in range(2000)])
         p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--batch-size", "2",
-                    "--idempotency-key", "oom-once", env={**env, "LMDQ_REDIS_URL": srv.url})
+                    "--idempotency-key", "oom-once",
+                    # past submit's headroom check (issue 17), which would refuse this batch before it writes
+                    env={**env, "LMDQ_REDIS_URL": srv.url, "LMDQ_MEMORY_HEADROOM_FRACTION": "0"})
         err = p.stderr.decode()
         assert p.returncode == 5, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

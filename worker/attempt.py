@@ -58,6 +58,9 @@ class Held:
     in_engine: bool = False
     #: its lease is being released: a heartbeat that finds the lease gone is not news
     released: bool = False
+    #: its results are all in a shard and none is to be retried: its job hash (the prompts) can go
+    #: once the job is released (see lmdq.sink)
+    forget: bool = False
 
     def stop(self, reason: AbortReason) -> bool:
         """Abort the job's in-flight requests for ``reason`` (the first reason wins). True if new."""
@@ -149,7 +152,8 @@ class JobAttempt:
         indices = [r.index for r in payload.requests]  # never empty: JobPayload.requests has min_length 1
         start = self.writer.call(
             lambda: self.jobs.begin(claim, batch_id=payload.batch_id, indices=indices, worker=self.worker,
-                                    ttl_s=int(self.s.heartbeat_ttl_s) + 60),
+                                    ttl_s=int(self.s.heartbeat_ttl_s) + 60,
+                                    job_no=payload.job_no if payload.results_url else None),
             "start job",
         )
         if start.status in (BatchStatus.validating, BatchStatus.queued):

@@ -13,10 +13,11 @@ from typing import Any
 import redis
 
 from lmdq.connection import with_reconnect
-from lmdq.contract import JobPayload
+from lmdq.contract import JobPayload, ResultStatus
 from lmdq.keys import Keys
+from lmdq.sink import ShardEntry
 
-__all__ = ["flush_results"]
+__all__ = ["all_completed", "flush_results"]
 
 
 def flush_results(
@@ -25,19 +26,27 @@ def flush_results(
     payload: JobPayload,
     jlog: Any,
     on_retry: Callable[[Exception, float], None] | None = None,
-) -> None:
-    """Results sink: the ended job's results become one shard, Redis keeps compact records.
+    ttl_s: int = 7 * 24 * 3600,
+) -> ShardEntry | None:
+    """Results sink: the ended job's results become one shard, Redis keeps one index entry for it.
 
     A sink failure is logged and leaves the full records in Redis, where ``results`` reads them.
+    Returns the job's index entry once its results are in the shard.
     """
     from lmdq.sink import flush_job
 
     try:
-        uri = with_reconnect(lambda: flush_job(client, keys, payload), on_retry=on_retry)
+        entry = with_reconnect(lambda: flush_job(client, keys, payload, ttl_s=ttl_s), on_retry=on_retry)
     except redis.RedisError:
         raise
     except Exception as e:  # noqa: BLE001 - the results are safe in Redis; only the offload failed
         jlog.error("results shard not written; full results stay in Redis", error=f"{type(e).__name__}: {e}")
-        return
-    if uri:
-        jlog.debug("results shard written", uri=uri)
+        return None
+    if entry is not None:
+        jlog.debug("results shard written", shard=entry.shard)
+    return entry
+
+
+def all_completed(entry: ShardEntry | None) -> bool:
+    """Whether nothing in the job is left for ``retry`` (which reads failed requests from the job)."""
+    return entry is not None and set(entry.counts) <= {ResultStatus.completed}

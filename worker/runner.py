@@ -43,7 +43,7 @@ from lmdq.worker.engines.base import Engine
 from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_writer import ResultWriter, WriteAbandoned, is_store_refusal
-from lmdq.worker.results_sink import flush_results
+from lmdq.worker.results_sink import all_completed, flush_results
 from lmdq.worker.settings import WorkerSettings
 
 __all__ = ["Worker", "default_worker_name"]
@@ -90,7 +90,8 @@ class Worker:
         self.store = ResultStore(client, keys=self.keys, ttl_s=settings.result_ttl_s)
         self.jobs = JobQueue(client, keys=self.keys, job_ttl_s=settings.result_ttl_s,
                              max_job_bytes=settings.max_job_bytes)
-        self.outputs = OutputPolicy.for_worker(settings.allowed_output_urls, settings.blob_url)
+        self.outputs = OutputPolicy.for_worker(settings.allowed_output_urls, settings.blob_url,
+                                               settings.results_url)
         self.model = engine.model_name
         self.queues = queue_names(self.model, self.keys.prefix)
         self.name = settings.worker_name or default_worker_name()
@@ -402,7 +403,8 @@ class Worker:
             end = self.attempt.run(held, payload, job, jlog, output_refusal=output_refusal)
             if end.outcome in (Outcome.done, Outcome.failed) and payload.results_url \
                     and held.abort_reason is not AbortReason.lost:
-                flush_results(self.client, self.keys, payload, jlog, on_retry=self._redis_retry)
+                held.forget = all_completed(flush_results(self.client, self.keys, payload, jlog,
+                                                          on_retry=self._redis_retry, ttl_s=self.s.result_ttl_s))
             self._counts["jobs"] += 1
         except WriteAbandoned as e:
             jlog.warning("stopping while Redis refuses writes: job left to its lease, another worker re-runs it",
@@ -459,6 +461,8 @@ class Worker:
             elif claim.job is not None:
                 if self.writer.call(lambda: self.jobs.release(claim, worker=self.name), "release job"):
                     self.writer.call(lambda: self.jobs.record_end(claim, failed=end.failure), "record job end")
+                    if held.forget:
+                        self.writer.call(lambda: self.jobs.forget(claim.job_id), "drop finished job")
         except WriteAbandoned:
             jlog.warning("job not released (stopping while Redis refuses writes); its lease will expire")
         except Exception:  # noqa: BLE001
