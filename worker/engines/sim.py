@@ -16,6 +16,10 @@ gives per generated token a deterministic fake chosen id in ``[0, sim_vocab)`` w
 (<= 0) and k descending alternatives (the chosen one first); ``output_logits`` gives a float32 array
 ``[generated, sim_vocab]`` ('generation') or ``[input + generated - 1, sim_vocab]`` ('all');
 ``output_last_hidden_state`` the same rows with ``sim_hidden`` columns; values are seeded noise.
+
+Step counters, for tests that must not depend on wall-clock timing: :attr:`SimEngine.steps` counts
+decode steps and :attr:`SimEngine.occupancy` keeps, per recent step, how many sequences ran in it,
+so a test can check that slots freed in one step were refilled for the next one.
 ``response_format`` json_schema / json_object makes the whole output a minimal instance of the
 schema (:func:`minimal_instance`: every listed property, each with a small legal value), emitted as
 one "token" and finishing with 'stop'; regex is NOT simulated (the output stays the usual words).
@@ -39,6 +43,9 @@ from lmdq.worker.engine_config import SimConfig
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 
 __all__ = ["SIM_CONTEXT_LEN", "SimEngine", "minimal_instance"]
+
+#: Steps whose occupancy :attr:`SimEngine.occupancy` keeps (a long-running sim worker must not grow).
+OCCUPANCY_STEPS = 100_000
 
 #: The simulated model's own context length: its session_len when the config leaves it unset (as a real
 #: engine falls back to its model's max_position_embeddings).
@@ -135,6 +142,10 @@ class SimEngine:
         self._closed = False
         self._dead: str | None = None  # why the simulated engine died, once it has
         self.steps = 0
+        #: sequences that ran in each of the last OCCUPANCY_STEPS decode steps (oldest first)
+        self.occupancy: deque[int] = deque(maxlen=OCCUPANCY_STEPS)
+        #: the step in which the most recently admitted sequence ran first (-1: none yet)
+        self.last_admit_step = -1
         self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
         self._thread.start()
 
@@ -330,6 +341,7 @@ class SimEngine:
                     s = self._pending.popleft()
                     if self._admit(s):
                         self._active.append(s)
+                        self.last_admit_step = self.steps
                     elif self._dead is not None:  # a poison prompt: it and everything in flight fail
                         s.out.put(EngineDead(self._dead))
                         break
@@ -349,6 +361,7 @@ class SimEngine:
                     pass
             for s in active:
                 self._step(s)
+            self.occupancy.append(len(active))
             self.steps += 1
             with self._cv:
                 self._active = [s for s in self._active if not s.done]
