@@ -17,12 +17,13 @@ gives per generated token a deterministic fake chosen id in ``[0, sim_vocab)`` w
 ``[generated, sim_vocab]`` ('generation') or ``[input + generated - 1, sim_vocab]`` ('all');
 ``output_last_hidden_state`` the same rows with ``sim_hidden`` columns; values are seeded noise.
 
-Step counters, for tests that must not depend on wall-clock timing: :attr:`SimEngine.steps` counts
-decode steps and :attr:`SimEngine.occupancy` keeps, per recent step, how many sequences ran in it,
-so a test can check that slots freed in one step were refilled for the next one.
 ``response_format`` json_schema / json_object makes the whole output a minimal instance of the
 schema (:func:`minimal_instance`: every listed property, each with a small legal value), emitted as
 one "token" and finishing with 'stop'; regex is NOT simulated (the output stays the usual words).
+
+Step counters, for tests that must not depend on wall-clock timing: :attr:`SimEngine.steps` counts
+decode steps and :attr:`SimEngine.occupancy` keeps, per recent step, how many sequences ran in it,
+so a test can check that slots freed in one step were refilled for the next one.
 """
 
 from __future__ import annotations
