@@ -16,7 +16,6 @@ gives per generated token a deterministic fake chosen id in ``[0, sim_vocab)`` w
 (<= 0) and k descending alternatives (the chosen one first); ``output_logits`` gives a float32 array
 ``[generated, sim_vocab]`` ('generation') or ``[input + generated - 1, sim_vocab]`` ('all');
 ``output_last_hidden_state`` the same rows with ``sim_hidden`` columns; values are seeded noise.
-
 ``response_format`` json_schema / json_object makes the whole output a minimal instance of the
 schema (:func:`minimal_instance`: every listed property, each with a small legal value), emitted as
 one "token" and finishing with 'stop'; regex is NOT simulated (the output stays the usual words).
