@@ -6,8 +6,8 @@ one job) by default. Requests of equal length that started together all end in t
 once; only requests already handed to the engine can fill those slots in the step they free up. A
 claim round trip (claim, read, begin, stream: several Redis calls and thread switches) takes longer
 than a decode step, so with half an engine-full behind, half the slots idled a step or two in every
-wave (sim, 5 ms steps, 32-token outputs: lmdq 0.96-0.98 of raw; a whole engine-full: 1.0, numbers in
-docs/performance.md).
+wave (sim, 5 ms steps, 32-token outputs: 1,700-3,300 empty slot-steps a run; a whole engine-full: 0-64;
+numbers in docs/performance.md).
 
 A request's slot is counted free when the engine returns its final event, not when its job ends:
 a job whose other requests are still decoding (or whose results are still being written) no longer
