@@ -65,6 +65,9 @@ def efficiency(
     skip_naive: Annotated[bool, typer.Option(help="skip the one-job-at-a-time baseline")] = False,
     stream_baseline: Annotated[bool, typer.Option(help="also: all prompts in one engine.stream call (no queue)")
                                ] = False,
+    one_at_a_time: Annotated[int | None, typer.Option(
+        help="also: this many prompts one request per stream call (the unbatched rate; default 8 for "
+             "transformers, else 0)")] = None,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
@@ -77,7 +80,9 @@ def efficiency(
 
     cfg = EfficiencyConfig(n=n, batch_size=batch_size, input_len=input_len, output_len=output_len, repeat=repeat,
                            jobs_in_flight=jobs_in_flight, naive=not skip_naive,
-                           stream_baseline=stream_baseline)
+                           stream_baseline=stream_baseline,
+                           one_at_a_time=min(n, 8 if engine == "transformers" else 0) if one_at_a_time is None
+                           else min(n, one_at_a_time))
     eng, s, model_name = _build_engine(engine, model, random_llama8b, tokenizer_from, engine_settings)
     with local_redis(redis_url) as url:
         res = run_efficiency(eng, cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -86,12 +91,16 @@ def efficiency(
            "input_len": input_len, "output_len": output_len,
            **({"mp_engine": s.lmdeploy.mp_engine} if engine == "lmdeploy" else {}), **res}
     print(f"{'path':14s} {'tok/s':>10s} {'vs raw':>7s}")
-    for k in ("raw", "stream1", "lmdq", "naive"):
+    for k in ("raw", "stream1", "lmdq", "naive", "one"):
         if res.get(k + "_tok_s") is None:
             continue
-        print(f"{k:14s} {res[k + '_tok_s']:>10,.0f} {res[k + '_tok_s'] / res['raw_tok_s']:>7.3f}")
-    line = json.dumps({k: out[k] for k in ("engine", "model", "n", "batch_size", "raw_tok_s", "lmdq_tok_s",
-                                           "naive_tok_s", "ratio")} | {"detail": out})
+        name = "one-at-a-time" if k == "one" else k
+        print(f"{name:14s} {res[k + '_tok_s']:>10,.0f} {res[k + '_tok_s'] / res['raw_tok_s']:>7.3f}")
+    if res.get("lmdq_vs_one"):
+        print(f"lmdq / one-at-a-time: {res['lmdq_vs_one']:.2f}x")
+    keep = ["engine", "model", "n", "batch_size", "raw_tok_s", "lmdq_tok_s", "naive_tok_s", "ratio"]
+    keep += ["one_tok_s", "lmdq_vs_one"] if res.get("one_tok_s") else []
+    line = json.dumps({k: out[k] for k in keep} | {"detail": out})
     if output:
         output.write_text(line + "\n")
     print(line)

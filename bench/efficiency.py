@@ -40,6 +40,9 @@ class EfficiencyConfig:
     # Also: every prompt in ONE engine.stream call (lmdq's engine adapter, per-token streaming, no queue).
     # With raw and lmdq beside it, the gap splits into what streaming costs and what the queue costs.
     stream_baseline: bool = False
+    # Also: the first K prompts one request per engine.stream call, one after another (the unbatched
+    # rate a loop over the model gets; at batch 1 that rate does not depend on K). 0 = off.
+    one_at_a_time: int = 0
 
 
 def make_prompts(engine: Engine, n: int, input_len: int, seed: int = 0) -> list[str]:
@@ -85,6 +88,18 @@ def run_stream_one_call(engine: Engine, prompts: list[str], cfg: EfficiencyConfi
     for ev in engine.stream(reqs, threading.Event()):
         if ev.finish_reason:
             toks += ev.generate_token_len
+    return time.perf_counter() - t0, toks
+
+
+def run_one_at_a_time(engine: Engine, prompts: list[str], cfg: EfficiencyConfig) -> tuple[float, int]:
+    """Each prompt in its own ``engine.stream`` call, one after another: no batching at all."""
+    toks = 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        req = EngineRequest(index=0, prompt=p, endpoint=Endpoint.completion, params=_params(cfg))
+        for ev in engine.stream([req], threading.Event()):
+            if ev.finish_reason:
+                toks += ev.generate_token_len
     return time.perf_counter() - t0, toks
 
 
@@ -146,20 +161,41 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
     return t_end - t0, toks
 
 
+def empty_slot_steps(engine: Engine, steps_before: int) -> int | None:
+    """Sim only: slot-steps left empty while requests were still to come, in the steps since
+    ``steps_before`` (from the first step that ran full to the step the last request was admitted
+    in). 0 means every slot freed in a step was refilled for the next one; a step count, so it
+    does not depend on how busy the machine was."""
+    occ = getattr(engine, "occupancy", None)
+    if occ is None:
+        return None
+    cap = int(getattr(engine, "max_batch", 1))
+    n = int(getattr(engine, "steps", 0)) - steps_before
+    run = list(occ)[-n:] if n > 0 else []
+    last = int(getattr(engine, "last_admit_step", -1)) - steps_before
+    if cap not in run:
+        return None
+    first = run.index(cap)
+    return int(sum(cap - x for x in run[first:last + 1]))
+
+
 def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log: Any = print) -> dict[str, Any]:
     prompts = make_prompts(engine, cfg.n, cfg.input_len)
     log(f"warm-up: raw run of {cfg.n} prompts")
     run_raw(engine, prompts, cfg)
-    rows: dict[str, list[tuple[float, int]]] = {"raw": [], "stream1": [], "lmdq": [], "naive": []}
+    rows: dict[str, list[tuple[float, int]]] = {"raw": [], "stream1": [], "lmdq": [], "naive": [], "one": []}
     lmdq_timelines: list[dict[str, float]] = []
     # Process CPU seconds per run (all threads: the engine's own loop too, which shares the GIL with the
     # worker's threads on LMDeploy's in-process engine): what each path burns besides the GPU.
     cpu: dict[str, list[float]] = {k: [] for k in rows}
+    empty: dict[str, list[int | None]] = {k: [] for k in rows}
 
     def timed(k: str, fn: Any, *args: Any, **kw: Any) -> None:
         c0 = time.process_time()
+        s0 = int(getattr(engine, "steps", 0))
         rows[k].append(fn(*args, **kw))
         cpu[k].append(round(time.process_time() - c0, 2))
+        empty[k].append(empty_slot_steps(engine, s0))
 
     for rep in range(cfg.repeat):
         timed("raw", run_raw, engine, prompts, cfg)
@@ -169,11 +205,14 @@ def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log
               prefix=f"bench{rep}a", timelines=lmdq_timelines)
         if cfg.naive:
             timed("naive", run_lmdq, engine, prompts, cfg, redis_url=redis_url, jobs_in_flight=1, prefix=f"bench{rep}b")
+        if cfg.one_at_a_time and rep == 0:  # one run: the batch-1 rate is what it is
+            timed("one", run_one_at_a_time, engine, prompts[:cfg.one_at_a_time], cfg)
         for k, v in rows.items():
             if not v:
                 continue
+            gaps = "" if empty[k][-1] is None else f", empty slot-steps {empty[k][-1]}"
             log(f"rep {rep}: {k:7s} {v[-1][1]:>9,d} tokens in {v[-1][0]:7.2f} s = {v[-1][1] / v[-1][0]:>9,.0f} tok/s"
-                f"  (process CPU {cpu[k][-1]:.1f} s)")
+                f"  (process CPU {cpu[k][-1]:.1f} s{gaps})")
 
     def best(k: str) -> float | None:
         """Median over repeats (each repeat runs raw, lmdq and naive back to back)."""
@@ -181,9 +220,11 @@ def run_efficiency(engine: Engine, cfg: EfficiencyConfig, *, redis_url: str, log
             return None
         return round(float(statistics.median(toks / secs for secs, toks in rows[k])), 1)
 
-    raw, lmdq, naive = best("raw"), best("lmdq"), best("naive")
+    raw, lmdq, naive, one = best("raw"), best("lmdq"), best("naive"), best("one")
     assert raw and lmdq
     return {"raw_tok_s": raw, "lmdq_tok_s": lmdq, "naive_tok_s": naive, "ratio": round(lmdq / raw, 4),
             "naive_ratio": round(naive / raw, 4) if naive else None,
+            "one_tok_s": one, "lmdq_vs_one": round(lmdq / one, 2) if one else None,
             "stream1_tok_s": best("stream1"), "lmdq_timelines": lmdq_timelines, "process_cpu_s": cpu,
+            **({"sim_empty_slot_steps": empty} if any(x is not None for v in empty.values() for x in v) else {}),
             "runs": {k: [[round(s, 3), t] for s, t in v] for k, v in rows.items()}}

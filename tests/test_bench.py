@@ -22,6 +22,8 @@ def test_efficiency_prints_a_table_and_a_json_last_line(redis_url: str, env: dic
     d = last["detail"]
     assert d["runs"]["lmdq"][0][1] == 64 * 8 and d["runs"]["naive"][0][1] == 64 * 8  # every token accounted for
     assert d["stream1_tok_s"] > 0 and d["lmdq_timelines"][0]["last_finish_s"] > 0
+    # sim step counts: the raw call hands every request over at once, so no slot ever waits for one
+    assert d["sim_empty_slot_steps"]["raw"] == [0] and len(d["sim_empty_slot_steps"]["lmdq"]) == 1
 
 
 def test_producer_bench_reports_both_ways(redis_url: str, env: dict[str, str]) -> None:

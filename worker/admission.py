@@ -1,10 +1,19 @@
 """How much work to hold: how many jobs to claim now, and who may be in the engine at once.
 
-Keep the engine's slots full plus a lookahead queued behind them (half an engine-full, at least one
-job), so when many sequences end in the same step the engine refills from requests it already holds
-instead of waiting for the next claim round trip. The worker claims nothing while its engine is dead,
-while the store refuses writes, or while a suspect job (one that has killed engines) waits to run
-alone.
+Keep the engine's slots full plus a lookahead queued behind them: one whole engine-full (at least
+one job) by default. Requests of equal length that started together all end in the same decode step
+(uniform ``max_new_tokens`` with ``ignore_eos``, or a wave of short outputs), freeing every slot at
+once; only requests already handed to the engine can fill those slots in the step they free up. A
+claim round trip (claim, read, begin, stream: several Redis calls and thread switches) takes longer
+than a decode step, so with half an engine-full behind, half the slots idled a step or two in every
+wave (sim, 5 ms steps, 32-token outputs: 1,700-3,300 empty slot-steps a run; a whole engine-full: 0-64;
+numbers in docs/performance.md).
+
+A request's slot is counted free when the engine returns its final event, not when its job ends:
+a job whose other requests are still decoding (or whose results are still being written) no longer
+holds the slots its finished requests left, so the worker claims the next job as soon as one job's
+worth of slots is free. The worker claims nothing while its engine is dead, while the store refuses
+writes, or while a suspect job (one that has killed engines) waits to run alone.
 """
 
 from __future__ import annotations
@@ -30,10 +39,22 @@ class Admission:
         self.requests_in_flight = 0
         self.last_job_size = 32
 
+    @property
+    def lookahead(self) -> int:
+        """Requests held beyond capacity: ``prefetch_requests``, else one engine-full (at least one job)."""
+        return self.prefetch_requests or max(self.last_job_size, self.capacity)
+
+    def free(self) -> int:
+        """Requests the worker may still take on (negative: over, e.g. while jobs are being read)."""
+        return self.capacity + self.lookahead - self.requests_in_flight
+
+    def job_fits(self) -> bool:
+        """A whole job of the last seen size fits: worth waking the claimer for."""
+        return self.free() >= self.last_job_size
+
     def room(self, held_jobs: int) -> int:
         """How many more jobs to claim now."""
-        lookahead = self.prefetch_requests or max(self.last_job_size, self.capacity // 2)
-        free = self.capacity + lookahead - self.requests_in_flight
+        free = self.free()
         if free <= 0:
             return 0
         return max(0, min(self.max_jobs - held_jobs, -(-free // max(1, self.last_job_size)), MAX_CLAIM))

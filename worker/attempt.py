@@ -127,6 +127,7 @@ class JobAttempt:
         gate: EngineGate,
         health: Any | None = None,
         clock: Callable[[], float] = time.time,
+        request_done: Callable[[Held], None] | None = None,
     ) -> None:
         self.engine = engine
         self.jobs = jobs
@@ -138,6 +139,9 @@ class JobAttempt:
         self.health = health
         #: the worker's clock: result timings only (leases and expiry use the Redis server's)
         self.clock = clock
+        #: called (from the job's thread) as each request's final event arrives, BEFORE its result is
+        #: written: its engine slot is free now, and the worker's claimer should know at once
+        self.request_done = request_done
         self.watch = DeathWatch()
         self._tensors = TensorStore()
 
@@ -321,6 +325,8 @@ class JobAttempt:
             # LMDeploy's RPC errors did): those errors are the engine's, not the requests'.
             raise _EngineGone(ev.error_message or ev.error_code or "request failed as the engine died")
         finished.add(ev.index)
+        if self.request_done is not None:
+            self.request_done(held)
         status, error = final_status(ev, reason)
         logprobs = token_logprobs(ev)
         tensors = None

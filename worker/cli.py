@@ -33,7 +33,7 @@ def run(
     burst: Annotated[bool | None, typer.Option("--burst/--no-burst", help="exit when the queues are empty")] = None,
     jobs_in_flight: Annotated[int | None, typer.Option(help="max jobs held at once (0 = auto)")] = None,
     prefetch_requests: Annotated[
-        int | None, typer.Option(help="requests held beyond engine capacity (0 = max(job size, capacity/2))")
+        int | None, typer.Option(help="requests held beyond engine capacity (0 = one engine-full, at least a job)")
     ] = None,
     drain_timeout: Annotated[float | None, typer.Option(help="seconds to finish work after SIGTERM")] = None,
     heartbeat_ttl: Annotated[float | None, typer.Option(help="lease TTL: a dead worker's jobs rerun after it")] = None,

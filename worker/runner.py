@@ -113,7 +113,8 @@ class Worker:
         self.log = log.bind(worker=self.name, model=self.model)
         self.writer = ResultWriter(self.store, log=self.log, give_up=self._give_up)
         self.attempt = JobAttempt(engine=engine, jobs=self.jobs, store=self.store, writer=self.writer,
-                                  settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock)
+                                  settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock,
+                                  request_done=self._request_done)
         self._counts = {"jobs": 0, "requeued": 0, "refused": 0}
         #: an idle worker's sleep in Redis (None: polls every poll_interval_s; set up by run())
         self.idle: IdleWaiter | None = None
@@ -397,8 +398,10 @@ class Worker:
             claim.job = job
             held.batch_id = payload.batch_id
             held.n_requests = len(payload.requests)
-            with self._lock:
+            with self._slot:
                 held.reserved = self.admission.resize(held.reserved, held.n_requests)
+                if self.admission.job_fits():  # smaller than guessed (the first jobs): claim more now
+                    self._slot.notify_all()
             jlog = jlog.bind(batch=payload.batch_id)
             end = self.attempt.run(held, payload, job, jlog, output_refusal=output_refusal)
             if end.outcome in (Outcome.done, Outcome.failed) and payload.results_url \
@@ -436,6 +439,17 @@ class Worker:
                 self._slot.notify_all()
             if self.health:
                 self.health.set_in_flight(requests=max(0, self.admission.requests_in_flight), jobs=len(self._held))
+
+    def _request_done(self, held: Held) -> None:
+        """One of ``held``'s requests left the engine: its slot counts as free now, not when the whole
+        job (its slowest request, then its result writes and release) is done. The claimer is woken
+        only once a whole job fits, so claims stay one per job's worth of freed slots."""
+        with self._slot:
+            if held.reserved > 0:
+                held.reserved -= 1
+                self.admission.release(1)
+                if self.admission.job_fits():
+                    self._slot.notify_all()
 
     def _release(self, held: Held, end: AttemptEnd, jlog: Any) -> None:
         """Give the job back (re-queue, charged or not) or release it as done, per the outcome."""

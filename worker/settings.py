@@ -83,7 +83,7 @@ class WorkerSettings(CommonSettings):
     burst: bool = False
     jobs_in_flight: int = Field(default=0, ge=0, description="max jobs held at once; 0 = derive from engine capacity")
     prefetch_requests: int = Field(
-        default=0, ge=0, description="requests held beyond engine capacity; 0 = max(job size, capacity/2)"
+        default=0, ge=0, description="requests held beyond engine capacity; 0 = one engine-full (at least one job)"
     )
     drain_timeout_s: float = Field(default=30.0, ge=0.0, alias="LMDQ_DRAIN_TIMEOUT")
     heartbeat_ttl_s: float = Field(default=30.0, ge=2.0, le=600.0, alias="LMDQ_HEARTBEAT_TTL")

@@ -28,6 +28,10 @@ its blocks enter the LRU. ``prefilled_tokens`` / ``cached_tokens`` count the tok
 (deterministic for a given admission order: tests assert on them, never on time), and
 ``--sim-prefill-us-per-token`` stalls the decode loop for the prefilled tokens, as a real prefill
 does. The counters are logged when the engine closes ("sim engine closed").
+
+Step counters, for tests that must not depend on wall-clock timing: :attr:`SimEngine.steps` counts
+decode steps and :attr:`SimEngine.occupancy` keeps, per recent step, how many sequences ran in it,
+so a test can check that slots freed in one step were refilled for the next one.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ from lmdq.worker.engine_config import SimConfig
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 
 __all__ = ["SIM_CONTEXT_LEN", "SimEngine", "minimal_instance"]
+
+#: Steps whose occupancy :attr:`SimEngine.occupancy` keeps (a long-running sim worker must not grow).
+OCCUPANCY_STEPS = 100_000
 
 #: The simulated model's own context length: its session_len when the config leaves it unset (as a real
 #: engine falls back to its model's max_position_embeddings).
@@ -155,6 +162,10 @@ class SimEngine:
         self.prefilled_tokens = 0
         self.cached_tokens = 0
         self._prefill_backlog = 0  # tokens prefilled since the last decode step (their time is owed)
+        #: sequences that ran in each of the last OCCUPANCY_STEPS decode steps (oldest first)
+        self.occupancy: deque[int] = deque(maxlen=OCCUPANCY_STEPS)
+        #: the step in which the most recently admitted sequence ran first (-1: none yet)
+        self.last_admit_step = -1
         self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
         self._thread.start()
 
@@ -382,6 +393,7 @@ class SimEngine:
                     s = self._pending.popleft()
                     if self._admit(s):
                         self._active.append(s)
+                        self.last_admit_step = self.steps
                     elif self._dead is not None:  # a poison prompt: it and everything in flight fail
                         s.out.put(EngineDead(self._dead))
                         break
@@ -403,6 +415,7 @@ class SimEngine:
                     pass
             for s in active:
                 self._step(s)
+            self.occupancy.append(len(active))
             self.steps += 1
             with self._cv:
                 self._active = [s for s in self._active if not s.done]
