@@ -141,12 +141,25 @@ class _Procs:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _top_commands(before: dict[str, Any], after: dict[str, Any], n: int, k: int = 6) -> list[dict[str, Any]]:
+    """Where Redis' time went, per request: the ``k`` commands with the most CPU (INFO commandstats;
+    a Lua script counts as its EVALSHA, and the commands it runs count again under their own names)."""
+    rows = []
+    for name, v in after.items():
+        b = before.get(name, {"calls": 0, "usec": 0})
+        calls, usec = int(v["calls"]) - int(b["calls"]), int(v["usec"]) - int(b["usec"])
+        if calls:
+            rows.append({"command": name.removeprefix("cmdstat_"), "calls_per_req": round(calls / n, 3),
+                         "us_per_req": round(usec / n, 2)})
+    return sorted(rows, key=lambda r: -r["us_per_req"])[:k]
+
+
 def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: int, cfg: FleetConfig,
            log: Callable[[str], None]) -> dict[str, Any]:
     """One batch for ``n_workers`` blocked workers: rate and Redis costs per request."""
     n = n_workers * cfg.capacity * cfg.rounds
     _wait(lambda: _blocked(client) >= n_workers, 120, f"{n_workers} workers to block on their wake list")
-    before = _Snap.of(client)
+    before, stats0 = _Snap.of(client), client.info("commandstats")
     batch = _enqueue(client, Keys(PREFIX), MODEL, n, cfg, tokens=cfg.output_len)
     t_wall = time.monotonic()
 
@@ -155,14 +168,15 @@ def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: in
         return store.get_batch(batch.id).status.terminal
 
     _wait(done, 600, f"batch of {n:,} requests", interval=0.25)
-    after = _Snap.of(client)
+    after, stats1 = _Snap.of(client), client.info("commandstats")
     b = store.get_batch(batch.id)
     assert b.status is BatchStatus.completed and b.request_counts.completed == n, b.request_counts
     secs = (b.completed_at or 0) - (b.queued_at or 0)
     out = {"workers": n_workers, "requests": n, "seconds": round(secs, 3),
            "req_s": round(n / secs, 1), "redis_cpu_us_per_req": round((after.cpu_s - before.cpu_s) / n * 1e6, 2),
            "commands_per_req": round((after.commands - before.commands) / n, 2),
-           "bytes_per_completed": round((after.memory - before.memory) / n)}
+           "bytes_per_completed": round((after.memory - before.memory) / n),
+           "top_commands": _top_commands(stats0, stats1, n)}
     log(f"{n_workers} worker(s): {n:,} requests in {secs:.2f} s ({time.monotonic() - t_wall:.1f} s wall) "
         f"= {out['req_s']:,.0f} req/s")
     return out
