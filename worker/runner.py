@@ -111,7 +111,8 @@ class Worker:
         self.writer = ResultWriter(self.store, log=self.log, give_up=self._give_up)
         self.attempt = JobAttempt(engine=engine, jobs=self.jobs, store=self.store, writer=self.writer,
                                   settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock)
-        self._counts = {"jobs": 0, "requeued": 0, "refused": 0}
+        #: jobs: attempts that ran; finished/failed_jobs: jobs released as done (RQ's job counts)
+        self._counts = {"jobs": 0, "requeued": 0, "refused": 0, "finished": 0, "failed_jobs": 0}
         self._heartbeat_failing = False
         self._last_redis_warning = -_REDIS_WARN_EVERY_S
         self._warn_lock = threading.Lock()
@@ -325,7 +326,7 @@ class Worker:
         for jid, dead in self.jobs.reap():
             self._counts["requeued"] += 1
             self.log.warning("re-queued job of a dead worker", job=jid, dead_worker=dead)
-        self.registry.beat()
+        self.registry.beat(busy=bool(held), done=self._counts["finished"], failed=self._counts["failed_jobs"])
 
     def _poll_cancellations(self) -> None:
         with self._lock:
@@ -429,6 +430,7 @@ class Worker:
                         pass  # RQ's display records only
             elif claim.job is not None:
                 if self.writer.call(lambda: self.jobs.release(claim, worker=self.name), "release job"):
+                    self._counts["failed_jobs" if end.failure else "finished"] += 1
                     self.writer.call(lambda: self.jobs.record_end(claim, failed=end.failure), "record job end")
         except WriteAbandoned:
             jlog.warning("job not released (stopping while Redis refuses writes); its lease will expire")
