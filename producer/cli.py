@@ -214,6 +214,8 @@ def submit(
     from pydantic import ValidationError
 
     from lmdq.producer.formats import InputLimits
+    from lmdq.producer.formats.records import Sampling
+    from lmdq.producer.formats.validation import imply_sampling
     from lmdq.producer.submit import SubmitOptions, submit_file
 
     s = _settings()
@@ -231,8 +233,12 @@ def submit(
                                                                                 "schema": schema}}
     elif regex is not None:
         raw_params["response_format"] = {"type": "regex", "regex": regex}
+    given = {k: v for k, v in raw_params.items() if v is not None}
+    if imply_sampling(given) is Sampling.implied:  # the same rule as a file's params
+        print(f"note: --temperature {given['temperature']} without --do-sample/--greedy: "
+              f"{'sampling' if given['do_sample'] else 'greedy'} (temperature > 0 samples)", file=sys.stderr)
     try:
-        params = GenerationParams.model_validate({k: v for k, v in raw_params.items() if v is not None})
+        params = GenerationParams.model_validate(given)
     except ValidationError as e:
         first = e.errors()[0]
         flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "params"
@@ -260,6 +266,7 @@ def submit(
         limits=InputLimits(max_line_bytes=s.max_line_bytes, max_requests=s.max_requests),
         results_url=_check_url(results_url, "--results-url"),
         blob_url=_check_url(blob_url, "--blob-url"),
+        on_warning=lambda w: print(f"warning: {w}", file=sys.stderr),
     )
     client = _client()
     show = sys.stderr.isatty() and not as_json
