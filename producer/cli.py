@@ -20,6 +20,7 @@ from lmdq.cli_options import FlagSpec, model_options
 from lmdq.connection import connect, redact_url, with_reconnect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
 from lmdq.errors import EXIT_CODES_HELP, BadSetting, run_cli
+from lmdq.exporter import EXPORTER_FLAGS
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
 from lmdq.producer.settings import ProducerSettings
@@ -494,6 +495,17 @@ def retry(
         idempotency_key=idempotency_key,
     )
     _print_submitted(batch, created, as_json)
+
+
+@app.command()
+@model_options(EXPORTER_FLAGS, into="flags")
+def exporter(flags: dict[str, Any]) -> None:
+    """Serve queue metrics (depth, running jobs, live workers, batches per model) on /metrics for
+    Prometheus, read from Redis at each scrape. Run ONE per Redis: it needs no GPU and works at zero
+    workers (deploy/base/exporter.yaml)."""
+    from lmdq.exporter import load_settings, run
+
+    run(load_settings(**flags, redis_url=_settings().redis_url))
 
 
 def main() -> None:

@@ -97,7 +97,6 @@ def run(
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
     if health is not None:
         health.set_engine_loaded(load_s)
-        health.set_queue_depth_fn(lambda: worker.jobs.queue_depth(worker.queues))
     worker.install_signal_handlers()
     code = worker.run()
     if health is not None:
