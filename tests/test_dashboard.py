@@ -34,9 +34,13 @@ def _series_names(text: str) -> set[str]:
 def _exported(client: redis.Redis, prefix: str) -> set[str]:
     worker = WorkerHealth(worker_name="w", model="m")
     reg = CollectorRegistry(auto_describe=False)
-    WorkerRegistry(client, keys=Keys(prefix), name=f"{prefix}-w", model="m", ttl_s=5).register(pid=1)
+    workers = WorkerRegistry(client, keys=Keys(prefix), name=f"{prefix}-w", model="m", ttl_s=5)
+    workers.register(pid=1)  # so the exporter has a model to serve series for
     reg.register(QueueCollector(client, Keys(prefix)))
-    return _series_names(worker.metrics_text().decode()) | _series_names(generate_latest(reg).decode())
+    try:
+        return _series_names(worker.metrics_text().decode()) | _series_names(generate_latest(reg).decode())
+    finally:
+        workers.deregister()  # no record left to expire under other tests sharing this Redis
 
 
 def _panels(dash: dict[str, Any]) -> list[dict[str, Any]]:

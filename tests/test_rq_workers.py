@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from rq.worker import Worker as RqWorker
 from lmdq.keys import Keys, queue_names, rq_worker_key, rq_workers_by_queue_key, rq_workers_key
 from lmdq.registry import WorkerRegistry
 from tests.conftest import run_cli, start_worker
-from tests.helpers import write_jsonl
+from tests.helpers import wait_batch, write_jsonl
 
 
 def _rq_info(redis_url: str, *queues: str) -> str:
@@ -91,16 +92,24 @@ def test_rq_info_lists_a_running_worker_with_its_queues(tmp_path: Path, env: dic
         # busy while it holds a job (state set by the heartbeat, every TTL/3 = 1 s)
         rows = [{"custom_id": "r0", "prompt": "p"}]
         p = run_cli("producer", "submit", str(write_jsonl(tmp_path / "p.jsonl", rows)), "--model", "sim",
-                    "--max-new-tokens", "400", env=env)
+                    "--max-new-tokens", "100000", "--json", env=env)  # runs until cancelled below
         assert p.returncode == 0, p.stderr.decode()
+        batch_id = json.loads(p.stdout)["id"]
         deadline = time.monotonic() + 60
         while (rw := _rq_worker(client, name)) is None or rw.get_state() != "busy":
             assert time.monotonic() < deadline, "worker never shown busy"
             time.sleep(0.1)
-        assert rw.get_current_job_id() is not None  # RQ's executions under the same worker name
+        job_id = rw.get_current_job_id()  # RQ's executions under the same worker name
+        assert job_id is not None and job_id.startswith(batch_id)
 
-        w.send_signal(signal.SIGINT)
-        w.send_signal(signal.SIGINT)  # second signal: abort the in-flight job now
+        # the job ends (cancelled), so RQ's records of it end too: nothing left with a TTL behind
+        assert run_cli("producer", "cancel", batch_id, env=env).returncode == 0
+        wait_batch(client, prefix, batch_id)
+        deadline = time.monotonic() + 60
+        while client.exists(f"rq:executions:{job_id}"):
+            assert time.monotonic() < deadline, "the job's RQ execution record outlived the job"
+            time.sleep(0.1)
+        w.send_signal(signal.SIGTERM)
         assert w.wait(60) == 0, log.read_text()[-2000:]
         assert _rq_worker(client, name) is None
         assert name not in _rq_info(redis_url, *queues)
