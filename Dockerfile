@@ -47,9 +47,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN groupadd --system --gid 10001 lmdq \
     && useradd --system --uid 10001 --gid lmdq --create-home --home-dir /home/lmdq --shell /usr/sbin/nologin lmdq
 # The wheel is lmdq's own, built above (pinned by construction); [blobs] reads result shards from S3.
+# Every dependency is pinned by the lock (constraints/producer.txt, scripts/lock_images.py), so two
+# builds of one commit install the same packages.
+COPY constraints/producer.txt /etc/lmdq/constraints.txt
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    for whl in /wheels/lmdq-*.whl; do pip install --no-cache-dir "${whl}[blobs]"; done
+    for whl in /wheels/lmdq-*.whl; do \
+        pip install --no-cache-dir --constraint /etc/lmdq/constraints.txt "${whl}[blobs]"; \
+    done \
+    && pip check
 WORKDIR /data
 USER 10001:10001
 # A one-shot CLI: nothing to probe.
@@ -109,18 +115,23 @@ RUN apt-get update \
         ca-certificates gcc libc6-dev python3.12 python3.12-dev python3.12-venv \
     && rm -rf /var/lib/apt/lists/* \
     && python3.12 -m venv /opt/venv
+# The lock: every other package at the version scripts/lock_images.py resolved (constraints/worker.txt),
+# so two builds of one commit install the same transformers, numpy, ... (torch is the variant's, below).
+COPY constraints/worker.txt /opt/venv/lmdq-constraints.txt
 # torch first, from the PyTorch index of this CUDA variant; the constraints file then stops the
 # second install from swapping it for PyPI's (CUDA 13) build while resolving lmdeploy's deps.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
         "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
     && printf 'torch==%s\ntorchvision==%s\n' "${TORCH_VERSION}" "${TORCHVISION_VERSION}" > /opt/venv/torch-constraints.txt \
-    && pip install --no-cache-dir --constraint /opt/venv/torch-constraints.txt "lmdeploy==${LMDEPLOY_VERSION}" \
+    && pip install --no-cache-dir --constraint /opt/venv/torch-constraints.txt \
+        --constraint /opt/venv/lmdq-constraints.txt "lmdeploy==${LMDEPLOY_VERSION}" \
     && python -c "import os, torch; assert torch.version.cuda.startswith(os.environ['TORCH_CUDA']), torch.version.cuda"
 # lmdq last: code changes rebuild only this layer. [worker] re-checks the lmdeploy pin above
 # against pyproject's.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     for whl in /wheels/lmdq-*.whl; do \
-        pip install --no-cache-dir --constraint /opt/venv/torch-constraints.txt "${whl}[worker,blobs]"; \
+        pip install --no-cache-dir --constraint /opt/venv/torch-constraints.txt \
+            --constraint /opt/venv/lmdq-constraints.txt "${whl}[worker,blobs]"; \
     done \
     && pip check
 RUN groupadd --system --gid 10001 lmdq \

@@ -38,6 +38,10 @@ if docker compose version >/dev/null 2>&1; then
         && echo "ok -- docker compose config" || fail "docker compose config"
 fi
 
+step "Grafana dashboard is JSON"
+# tests/test_dashboard.py checks its queries against the exported metric names
+python -m json.tool deploy/grafana/lmdq-dashboard.json >/dev/null && echo "ok" || fail "deploy/grafana/lmdq-dashboard.json"
+
 step "yamllint"
 # The deployment YAML only: test fixtures may be malformed on purpose.
 yamllint --strict docker-compose.yml deploy .hadolint.yaml .yamllint && echo "ok" || fail "yamllint"

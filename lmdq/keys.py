@@ -10,6 +10,10 @@ from __future__ import annotations
 import re
 from enum import Enum
 
+from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE
+from rq.worker import Worker as _RqWorker
+from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
+
 from lmdq.contract import Priority
 
 __all__ = [
@@ -22,6 +26,10 @@ __all__ = [
     "queue_name",
     "queue_names",
     "rq_queue_key",
+    "rq_worker_executions_key",
+    "rq_worker_key",
+    "rq_workers_by_queue_key",
+    "rq_workers_key",
 ]
 
 _SLUG_BAD = re.compile(r"[^A-Za-z0-9._-]")
@@ -106,6 +114,30 @@ def queue_names(model: str, prefix: str = "lmdq") -> list[str]:
 def rq_queue_key(name: str) -> str:
     """The Redis list RQ keeps a queue in (what KEDA's redis scaler counts)."""
     return f"rq:queue:{name}"
+
+
+# RQ's worker registry, spelled by the installed rq's own constants so a new rq cannot drift from it.
+# lmdq workers write these records too (lmdq.registry), so `rq info` and rq-dashboard list them.
+
+
+def rq_worker_key(name: str) -> str:
+    """RQ's worker hash (``rq:worker:<name>``: birth, last_heartbeat, queues, state, ...)."""
+    return f"{_RqWorker.redis_worker_namespace_prefix}{name}"
+
+
+def rq_workers_key() -> str:
+    """RQ's set of every worker's hash key (``rq:workers``)."""
+    return REDIS_WORKER_KEYS
+
+
+def rq_workers_by_queue_key(queue: str) -> str:
+    """RQ's set of the worker hash keys serving one queue (``rq:workers:<queue>``)."""
+    return WORKERS_BY_QUEUE_KEY % queue
+
+
+def rq_worker_executions_key(name: str) -> str:
+    """RQ's set of a worker's running executions (what rq shows as its current job)."""
+    return WORKER_EXECUTIONS_KEY_TEMPLATE.format(name)
 
 
 class Keys:

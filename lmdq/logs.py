@@ -20,6 +20,7 @@ whenever they are configured.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
@@ -29,7 +30,11 @@ import structlog
 from lmdq.errors import BadSetting
 from lmdq.redaction import redact_text
 
-__all__ = ["ADOPTED_LOGGERS", "adopt_foreign_loggers", "configure_logging", "get_logger"]
+__all__ = ["ADOPTED_LOGGERS", "CHILD_HOOK_DIR", "adopt_foreign_loggers", "configure_logging", "get_logger",
+           "route_child_logs"]
+
+#: holds the ``sitecustomize.py`` that configures logging in spawned children (route_child_logs)
+CHILD_HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child_logging")
 
 #: Libraries known to attach their own console handler (and stop propagation) when they first log.
 ADOPTED_LOGGERS = ("lmdeploy", "transformers", "torch", "triton")
@@ -148,6 +153,22 @@ def configure_logging(fmt: str = "auto", level: str = "INFO") -> None:
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False,
     )
+
+
+def route_child_logs(fmt: str = "auto", level: str = "INFO") -> None:
+    """Make the Python processes this one spawns log like it (JSON lines on stderr).
+
+    LMDeploy's engine process (``enable_mp_engine``) is started with multiprocessing's ``spawn``: a
+    fresh interpreter, which :func:`configure_logging` in this process never reaches. This puts
+    lmdq's start-up hook (``lmdq/_child_logging/sitecustomize.py``) first on the children's
+    ``PYTHONPATH`` and hands them the format and level in ``LMDQ_CHILD_LOG_FORMAT`` /
+    ``LMDQ_CHILD_LOG_LEVEL``; this process itself is unaffected (``PYTHONPATH`` is read at start).
+    ``auto`` is decided here, where the terminal is known. Idempotent."""
+    use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    os.environ["LMDQ_CHILD_LOG_FORMAT"] = "json" if use_json else "console"
+    os.environ["LMDQ_CHILD_LOG_LEVEL"] = level
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != CHILD_HOOK_DIR]
+    os.environ["PYTHONPATH"] = os.pathsep.join([CHILD_HOOK_DIR, *paths])
 
 
 def get_logger(name: str | None = None, **bind: Any) -> Any:

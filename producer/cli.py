@@ -20,6 +20,7 @@ from lmdq.cli_options import FlagSpec, model_options
 from lmdq.connection import connect, redact_url, with_reconnect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
 from lmdq.errors import EXIT_CODES_HELP, BadSetting, LmdqError, run_cli
+from lmdq.exporter import EXPORTER_FLAGS
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
 from lmdq.producer.settings import ProducerSettings
@@ -258,6 +259,8 @@ def submit(
     from pydantic import ValidationError
 
     from lmdq.producer.formats import InputLimits
+    from lmdq.producer.formats.records import Sampling
+    from lmdq.producer.formats.validation import imply_sampling
     from lmdq.producer.submit import SubmitOptions, submit_file
 
     s = _settings()
@@ -275,8 +278,12 @@ def submit(
                                                                                 "schema": schema}}
     elif regex is not None:
         raw_params["response_format"] = {"type": "regex", "regex": regex}
+    given = {k: v for k, v in raw_params.items() if v is not None}
+    if imply_sampling(given) is Sampling.implied:  # the same rule as a file's params
+        print(f"note: --temperature {given['temperature']} without --do-sample/--greedy: "
+              f"{'sampling' if given['do_sample'] else 'greedy'} (temperature > 0 samples)", file=sys.stderr)
     try:
-        params = GenerationParams.model_validate({k: v for k, v in raw_params.items() if v is not None})
+        params = GenerationParams.model_validate(given)
     except ValidationError as e:
         first = e.errors()[0]
         flag = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "params"
@@ -309,6 +316,7 @@ def submit(
         prefix_groups=grouping.get("prefix_groups", s.prefix_groups),
         prefix_group_bytes=grouping.get("prefix_group_bytes", s.prefix_group_bytes),
         memory_fraction=s.memory_headroom_fraction,
+        on_warning=lambda w: print(f"warning: {w}", file=sys.stderr),
     )
     client = _client()
     show = sys.stderr.isatty() and not as_json
@@ -654,6 +662,17 @@ def models_remove(
     if removed.live_workers:
         err.print(f"note: {removed.live_workers} live worker(s) serve {name!r}: their next heartbeat "
                   "records it as served again; stop them to retire it", markup=False, highlight=False)
+
+
+@app.command()
+@model_options(EXPORTER_FLAGS, into="flags")
+def exporter(flags: dict[str, Any]) -> None:
+    """Serve queue metrics (depth, running jobs, live workers, batches per model) on /metrics for
+    Prometheus, read from Redis at each scrape. Run ONE per Redis: it needs no GPU and works at zero
+    workers (deploy/base/exporter.yaml)."""
+    from lmdq.exporter import load_settings, run
+
+    run(load_settings(**flags, redis_url=_settings().redis_url))
 
 
 def main() -> None:

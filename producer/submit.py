@@ -46,6 +46,7 @@ from lmdq.producer.formats import (
     iter_records,
     read_request_at,
 )
+from lmdq.producer.formats.records import Sampling
 from lmdq.producer.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 
 __all__ = [
@@ -85,6 +86,8 @@ class SubmitOptions:
     #: pass reads the file again: the moment a concurrent edit is most harmful, so tests edit the
     #: file here (deterministically, not by racing a sleeping process)
     after_validation: Callable[[], None] | None = None
+    #: told each warning about the file (one line per kind, with a count: never one per line)
+    on_warning: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ def _validate(
     model_line = 0
     prefixes = PrefixKeys(opts.prefix_group_bytes) if opts.prefix_groups else None
     running = _new_hash(order_free=prefixes is not None)
+    sampling = _SamplingTally()
     try:
         size, mtime_ns = _stat(path)
         for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits):
@@ -189,6 +193,7 @@ def _validate(
             _feed(running, item)
             if prefixes is not None:
                 prefixes.add(offset, item)
+            sampling.add(item)
             n += 1
     except OSError as e:
         raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
@@ -198,11 +203,46 @@ def _validate(
         errors.append(f"{path}:0: no model given: pass --model NAME")
     if errors:
         raise SubmitRejected("\n".join(errors))
+    if opts.on_warning is not None:
+        for w in sampling.warnings(path, batch_samples=bool(opts.params.do_sample)):
+            opts.on_warning(w)
     if model is None:  # unreachable: a missing model is one of the errors above
         raise SubmitRejected(f"{path}:0: no model given: pass --model NAME")
     seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
                         order_free=prefixes is not None)
     return seen, model, prefixes
+
+
+class _SamplingTally:
+    """Lines whose sampling knobs came without ``do_sample`` (formats.validation.imply_sampling),
+    counted so the file gets one warning per kind, not one per line."""
+
+    def __init__(self) -> None:
+        self.count = {Sampling.implied: 0, Sampling.inert: 0}
+        self.first: dict[Sampling, int] = {}
+
+    def add(self, item: ParsedLine) -> None:
+        if item.sampling is not None:
+            self.count[item.sampling] += 1
+            self.first.setdefault(item.sampling, item.line_no)
+
+    def warnings(self, path: Path, *, batch_samples: bool) -> list[str]:
+        out = []
+        n = self.count[Sampling.implied]
+        if n:
+            out.append(f"{path}: {_lines(n)} set temperature without do_sample (first: line "
+                       f"{self.first[Sampling.implied]}): temperature > 0 samples, 0 is greedy; "
+                       "set do_sample to choose explicitly")
+        n = self.count[Sampling.inert]
+        if n and not batch_samples:  # with --do-sample the batch samples, and the knobs apply
+            out.append(f"{path}: {_lines(n)} set top_p/top_k/min_p without temperature or do_sample (first: "
+                       f"line {self.first[Sampling.inert]}): greedy, so they have no effect; set "
+                       "do_sample: true (or --do-sample) to sample")
+        return out
+
+
+def _lines(n: int) -> str:
+    return f"{n:,} line{'s' if n != 1 else ''}"
 
 
 def _duplicate_hashes(hashes: array[int], run: int = 1 << 16) -> set[int]:

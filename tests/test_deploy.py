@@ -331,3 +331,46 @@ def test_pod_monitor_schema_rejects_mistakes(path: tuple[str | int, ...], value:
     node[path[-1]] = value
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(pm, podmonitor_schema())
+
+
+# ------------------------------------------------------------------------ queue exporter
+
+
+@pytest.mark.parametrize("overlay", overlays())
+def test_one_gpu_less_exporter_runs_in_every_overlay(overlay: str) -> None:
+    """Queue depth is exported once per Redis, by a pod that exists also at zero workers."""
+    from lmdq.exporter import ExporterSettings
+
+    docs = render(overlay)
+    dep = find(docs, "Deployment", "lmdq-exporter")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert not [d for d in docs if d["kind"] in ("ScaledObject", "ScaledJob")
+                and d["spec"].get("scaleTargetRef", {}).get("name") == "lmdq-exporter"]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert "lmdq-producer" in c["image"] and c["args"] == ["exporter"]  # the producer image's entrypoint
+    for section in ("requests", "limits"):
+        assert GPU not in c["resources"].get(section, {})
+    assert "nodeSelector" not in pod
+    env = {e["name"]: e for e in c["env"]}
+    assert env["LMDQ_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "lmdq-redis", "key": "redis-url"}
+    port_env = "LMDQ_" + "exporter_port".upper()
+    assert "exporter_port" in ExporterSettings.model_fields
+    (port,) = [p for p in c["ports"] if p["name"] == "http"]
+    assert int(env[port_env]["value"]) == port["containerPort"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/metrics"
+
+
+def test_pod_monitor_scrapes_the_exporter() -> None:
+    docs = render("cu12-monitoring")
+    pm = find(docs, "PodMonitor", "lmdq-exporter")
+    jsonschema.validate(pm, podmonitor_schema())
+    assert pm["metadata"]["namespace"] == "lmdq"
+    tpl = find(docs, "Deployment", "lmdq-exporter")["spec"]["template"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert [p for p in tpl["spec"]["containers"][0]["ports"] if p["name"] == endpoint["port"]]
+    # the worker PodMonitor must not select the exporter (its series would carry worker labels)
+    worker_pm = find(docs, "PodMonitor", "lmdq-worker")
+    assert not worker_pm["spec"]["selector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()

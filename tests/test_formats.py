@@ -220,7 +220,7 @@ BAD_CASES = [
     ("bad_role.jsonl", 2, "messages[1].role", "expected one of system|user|assistant"),
     ("image_content_part.jsonl", 2, "messages[0].content[1].type", "expected 'text'"),
     ("unknown_top_level_key.jsonl", 2, "temperature", "expected only custom_id|prompt|messages|params|endpoint"),
-    ("unknown_param.jsonl", 2, "params.max_tokens", "unknown parameter; expected one of max_new_tokens"),
+    ("unknown_param.jsonl", 2, "params.max_length", "unknown parameter; expected one of max_new_tokens"),
     ("temperature_out_of_range.jsonl", 2, "params.temperature", "expected a number from 0.0 to 2.0, got 5"),
     ("min_over_max.jsonl", 2, "params.min_new_tokens", "expected at most params.max_new_tokens (5), got 10"),
     ("bad_endpoint.jsonl", 2, "endpoint", "expected one of chat|completion, got 'embeddings'"),
@@ -247,6 +247,8 @@ BAD_CASES = [
     ("openai_tool_calls_without_content.jsonl", 2, "body.messages[1].content", "lmdq serves no tools"),
     ("duplicate_key.jsonl", 2, None, "duplicate key 'prompt' in one JSON object; expected each key once"),
     ("duplicate_nested_key.jsonl", 2, None, "duplicate key 'temperature'"),
+    ("param_alias_and_name.jsonl", 2, "params.stop", "same parameter as params.stop_words; set only one"),
+    ("param_alias_stop_wrong_type.jsonl", 2, "params.stop[1]", "expected a string, got 7"),
 ]
 
 
@@ -461,3 +463,61 @@ def test_whitespace_only_prompt_in_openai_completions(tmp_path: Path) -> None:
     line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "\n \t"}}
     [err] = parse(write(tmp_path, "o.jsonl", [line]))
     assert isinstance(err, InputError) and err.field == "body.prompt" and "only whitespace" in err.message
+
+
+# ---------------------------------------------------------------------------------------------
+# lmdq JSONL params: the producer's flag names as aliases, and sampling without do_sample
+
+
+def test_jsonl_params_accept_the_cli_names(tmp_path: Path) -> None:
+    p = write(tmp_path, "a.jsonl", [
+        {"prompt": "x", "params": {"stop": "\n", "seed": 7, "max_tokens": 9}},
+        {"prompt": "y", "params": {"stop": ["a", "b"]}},
+        {"prompt": "z", "params": {"stop_words": ["a"], "random_seed": 1, "max_new_tokens": 3}},
+    ])
+    one, two, three = parse(p)
+    assert isinstance(one, ParsedLine) and one.params == GenerationParams(stop_words=["\n"], random_seed=7,
+                                                                          max_new_tokens=9)
+    assert isinstance(two, ParsedLine) and two.params == GenerationParams(stop_words=["a", "b"])
+    assert isinstance(three, ParsedLine) and three.params == GenerationParams(stop_words=["a"], random_seed=1,
+                                                                              max_new_tokens=3)
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    ({"seed": 1, "random_seed": 1}, "params.random_seed"),
+    ({"max_new_tokens": 3, "max_tokens": 3}, "params.max_tokens"),
+    ({"stop": "a", "stop_words": ["a"]}, "params.stop_words"),
+])
+def test_an_alias_and_its_name_together_are_refused(tmp_path: Path, params: dict[str, object], field: str) -> None:
+    [err] = parse(write(tmp_path, "b.jsonl", [{"prompt": "x", "params": params}]))
+    assert isinstance(err, InputError) and err.line == 1 and err.field == field
+    assert str(err).startswith(f"{tmp_path / 'b.jsonl'}:1: field '{field}': same parameter as "), str(err)
+
+
+def test_alias_errors_name_the_key_the_user_wrote(tmp_path: Path) -> None:
+    [err] = parse(write(tmp_path, "c.jsonl", [{"prompt": "x", "params": {"max_tokens": 0}}]))
+    assert isinstance(err, InputError) and err.field == "params.max_tokens", err
+
+
+def test_temperature_without_do_sample_decides_sampling(tmp_path: Path) -> None:
+    from lmdq.producer.formats.records import Sampling
+
+    p = write(tmp_path, "s.jsonl", [
+        {"prompt": "a", "params": {"temperature": 0.7}},
+        {"prompt": "b", "params": {"temperature": 0}},
+        {"prompt": "c", "params": {"temperature": 0.7, "do_sample": False}},
+        {"prompt": "d", "params": {"top_p": 0.9}},
+        {"prompt": "e", "params": {"top_k": 5, "do_sample": True}},
+        {"prompt": "f", "params": {"max_tokens": 5}},
+    ])
+    a, b, c, d, e, f = parse(p)
+    assert isinstance(a, ParsedLine) and a.params is not None
+    assert a.params.do_sample is True and a.sampling is Sampling.implied
+    assert isinstance(b, ParsedLine) and b.params is not None
+    assert b.params.do_sample is False and b.sampling is Sampling.implied
+    assert isinstance(c, ParsedLine) and c.params is not None
+    assert c.params.do_sample is False and c.sampling is None  # explicit do_sample wins
+    assert isinstance(d, ParsedLine) and d.params is not None
+    assert d.params.do_sample is None and d.sampling is Sampling.inert  # the batch decides
+    assert isinstance(e, ParsedLine) and e.sampling is None
+    assert isinstance(f, ParsedLine) and f.sampling is None

@@ -244,14 +244,9 @@ def test_status_enum_is_accepted(served: tuple[WorkerHealth, int]) -> None:
 
 def test_metrics_gauges(served: tuple[WorkerHealth, int]) -> None:
     h, port = served
-    depth = [7]
-    h.set_queue_depth_fn(lambda: depth[0])
     h.set_in_flight(requests=96, jobs=3)
     make_ready(h)
 
-    assert value(port, "lmdq_queue_depth") == 7
-    depth[0] = 2  # read at scrape time, not when set
-    assert value(port, "lmdq_queue_depth") == 2
     assert value(port, "lmdq_requests_in_flight") == 96
     assert value(port, "lmdq_jobs_in_flight") == 3
     assert value(port, "lmdq_engine_load_seconds") == 12.5
@@ -262,16 +257,12 @@ def test_metrics_gauges(served: tuple[WorkerHealth, int]) -> None:
     assert value(port, "lmdq_worker_draining") == 1
 
 
-def test_failing_queue_depth_does_not_break_the_scrape(served: tuple[WorkerHealth, int]) -> None:
-    h, port = served
-
-    def boom() -> int:
-        raise TimeoutError("redis timed out")
-
-    h.set_queue_depth_fn(boom)
-    h.request_finished(status="completed", input_tokens=1, output_tokens=1, ttft_s=None, latency_s=None)
-    assert value(port, "lmdq_queue_depth") != value(port, "lmdq_queue_depth")  # NaN
-    assert value(port, "lmdq_requests_completed_total") == 1
+def test_workers_do_not_export_queue_depth(served: tuple[WorkerHealth, int]) -> None:
+    """Queue depth is lmdq.exporter's, once per Redis: from every worker it summed N times over."""
+    _h, port = served
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert "lmdq_queue_depth" not in text
 
 
 def test_instances_have_separate_registries() -> None:

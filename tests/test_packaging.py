@@ -629,7 +629,7 @@ def render(overlay: str) -> list[dict[str, Any]]:
 def worker_containers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for d in docs:
-        if d["kind"] == "Deployment":
+        if d["kind"] == "Deployment" and d["metadata"]["name"] != "lmdq-exporter":  # the exporter: no GPU
             out += d["spec"]["template"]["spec"]["containers"]
         elif d["kind"] == "ScaledJob":
             out += d["spec"]["jobTargetRef"]["template"]["spec"]["containers"]
@@ -663,9 +663,12 @@ def test_overlay_tp2_asks_two_gpus() -> None:
 
 
 def test_overlay_burst_replaces_the_deployment() -> None:
-    kinds = {d["kind"] for d in render("cu12-burst")}
+    docs = render("cu12-burst")
+    kinds = {d["kind"] for d in docs}
     assert "ScaledJob" in kinds
-    assert not kinds & {"Deployment", "ScaledObject", "PodDisruptionBudget"}
+    assert not kinds & {"ScaledObject", "PodDisruptionBudget"}
+    # the worker Deployment is gone; the queue exporter (no GPU) stays
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"] == ["lmdq-exporter"]
 
 
 def test_overlay_external_redis_drops_the_statefulset() -> None:
@@ -726,3 +729,96 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
         for py in (ROOT / folder).rglob("*.py"):
             if "__pycache__" not in py.parts:
                 assert f"{pkg}/{py.relative_to(ROOT / folder).as_posix()}" in names, py
+
+
+# ------------------------------------------------------------------------------------ image locks
+# constraints/<image>.txt, written by scripts/lock_images.py: every dependency of the image pinned.
+
+LOCKS = {"worker": ("worker", "blobs"), "producer": ("blobs",)}
+#: from the CUDA variant's PyTorch index (Dockerfile TORCH_VERSION), never from the lock
+NOT_LOCKED = ("torch", "torchvision", "triton")
+
+
+def lock(image: str) -> dict[str, Version]:
+    from packaging.utils import canonicalize_name
+
+    out: dict[str, Version] = {}
+    for n, line in enumerate((ROOT / "constraints" / f"{image}.txt").read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)", line)
+        assert m, f"constraints/{image}.txt:{n}: expected name==version, got {line!r}"
+        name = canonicalize_name(m.group(1))
+        assert name == m.group(1), f"constraints/{image}.txt:{n}: write the canonical name {name}"
+        assert name not in out, f"constraints/{image}.txt:{n}: {name} pinned twice"
+        out[name] = Version(m.group(2))
+    assert list(out) == sorted(out), f"constraints/{image}.txt: keep it sorted (regenerate it)"
+    return out
+
+
+@pytest.mark.parametrize("image", sorted(LOCKS))
+def test_lock_pins_every_dependency_within_pyproject(image: str) -> None:
+    """CI's check that the images' lock and pyproject agree: a dependency added to pyproject and
+    missing from the lock, or a pin outside pyproject's range, fails until the lock is regenerated."""
+    from packaging.utils import canonicalize_name
+
+    pins = lock(image)
+    wanted = list(base_requirements().values())
+    for extra in LOCKS[image]:
+        wanted += extra_requirements(extra).values()
+    for req in wanted:
+        name = canonicalize_name(req.name)
+        if name in NOT_LOCKED:
+            continue
+        assert name in pins, f"{req} (pyproject) is not pinned in constraints/{image}.txt: " \
+                             "run scripts/lock_images.py"
+        assert req.specifier.contains(pins[name], prereleases=True), \
+            f"constraints/{image}.txt pins {name}=={pins[name]}, outside pyproject's {req}"
+    for name in NOT_LOCKED:
+        assert name not in pins, f"{name} comes from the variant's PyTorch index, not constraints/{image}.txt"
+    assert not [n for n in pins if n.startswith("nvidia-") and not n.endswith("-cu12")], \
+        "torch's CUDA libraries come with the variant's torch; only lmdeploy's CUDA 12 ones are locked"
+
+
+def test_lock_satisfies_lmdeploys_own_requirements() -> None:
+    pins = lock("worker")
+    assert pins["lmdeploy"] == Version(dockerfile().stage("worker").args()["LMDEPLOY_VERSION"] or "")
+    try:
+        requires = importlib.metadata.requires("lmdeploy") or []
+        have = importlib.metadata.version("lmdeploy")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("lmdeploy not installed: its requirements cannot be read offline")
+    if Version(have) != pins["lmdeploy"]:
+        pytest.skip(f"installed lmdeploy {have} is not the locked one")
+    from packaging.utils import canonicalize_name
+
+    env = {"python_version": "3.12", "sys_platform": "linux", "platform_system": "Linux",
+           "platform_machine": "x86_64", "extra": ""}
+    checked = 0
+    for req in map(Requirement, requires):
+        name = canonicalize_name(req.name)
+        if name in pins and (req.marker is None or req.marker.evaluate(env)):
+            assert req.specifier.contains(pins[name], prereleases=True), f"lmdeploy needs {req}, lock has {pins[name]}"
+            checked += 1
+    assert checked > 10
+
+
+@pytest.mark.parametrize("image", sorted(LOCKS))
+def test_image_installs_with_its_lock(image: str) -> None:
+    stage = dockerfile().stage(image)
+    copies = {exec_form(i.args)[-1] if i.args.startswith("[") else i.args.split()[-1]: i.args.split()[0]
+              for i in stage.all("COPY") if f"constraints/{image}.txt" in i.args}
+    assert len(copies) == 1, f"the {image} stage must COPY constraints/{image}.txt once"
+    target = next(iter(copies))
+    pip_installs = [cmd for i in stage.all("RUN") for cmd in i.args.split("&&") if "pip install" in cmd]
+    lmdq_or_deps = [c for c in pip_installs if "TORCH_INDEX_URL" not in c]
+    assert lmdq_or_deps
+    for cmd in lmdq_or_deps:
+        assert f"--constraint {target}" in cmd, f"{image}: pip install without the lock: {cmd.strip()}"
+    extras = re.search(r'\$\{whl\}\[([a-z,]+)\]', stage.run_text())
+    assert extras and tuple(extras.group(1).split(",")) == LOCKS[image], \
+        "the image's extras and scripts/lock_images.py's must agree"
+    assert f"{image}.txt" in (ROOT / "scripts" / "lock_images.py").read_text()
+    allowed = {ln.strip()[1:].rstrip("/") for ln in (ROOT / ".dockerignore").read_text().splitlines()
+               if ln.strip().startswith("!")}
+    assert "constraints" in allowed, ".dockerignore must let constraints/ into the build context"

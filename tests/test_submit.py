@@ -266,3 +266,40 @@ def test_redis_read_only_replica_at_submit_is_one_line_exit_5(tmp_path: Path, en
         assert c.dbsize() == 0
     finally:
         srv.cleanup()
+
+
+def test_sampling_knobs_without_do_sample_warn_once_per_file(tmp_path: Path, env: dict[str, str],
+                                                             client: redis.Redis, prefix: str) -> None:
+    rows: list[dict] = [{"prompt": f"t{i}", "params": {"temperature": 0.7, "seed": i}} for i in range(30)]
+    rows += [{"prompt": f"k{i}", "params": {"top_p": 0.9, "max_tokens": 4}} for i in range(5)]
+    rows += [{"prompt": "explicit", "params": {"temperature": 0.7, "do_sample": False, "stop": "."}}]
+    f = write_jsonl(tmp_path / "knobs.jsonl", rows)
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", env=env)
+    err = p.stderr.decode()
+    assert p.returncode == 0, err
+    warnings = [x for x in err.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 2, err  # one line per kind, never one per request line
+    assert "knobs.jsonl: 30 lines set temperature without do_sample (first: line 1)" in warnings[0]
+    assert "knobs.jsonl: 5 lines set top_p/top_k/min_p without temperature or do_sample (first: line 31)" \
+        in warnings[1]
+    assert client.zcard(Keys(prefix).batches()) == 1
+
+    # with --do-sample the batch samples: the top_p lines need no warning; the temperature ones still do
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--do-sample", env=env)
+    err = p.stderr.decode()
+    assert p.returncode == 0, err
+    assert [x for x in err.splitlines() if x.startswith("warning:")] == warnings[:1], err
+
+
+def test_cli_temperature_without_do_sample_samples(tmp_path: Path, env: dict[str, str]) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("one\n")
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--temperature", "0.7",
+                "--json", env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    assert json.loads(p.stdout)["params"]["do_sample"] is True
+    assert "without --do-sample/--greedy: sampling" in p.stderr.decode()
+    p = run_cli("producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", "--temperature", "0.7",
+                "--greedy", "--json", env=env)
+    assert p.returncode == 0 and json.loads(p.stdout)["params"]["do_sample"] is False
+    assert "note:" not in p.stderr.decode()

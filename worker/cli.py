@@ -11,7 +11,7 @@ import typer
 from lmdq.cli_options import model_options
 from lmdq.connection import connect, redact_url
 from lmdq.errors import run_cli
-from lmdq.logs import configure_logging, get_logger
+from lmdq.logs import configure_logging, get_logger, route_child_logs
 from lmdq.registry import redis_answers
 from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
 from lmdq.worker.settings import load_worker_settings
@@ -62,6 +62,7 @@ def run(
     }
     s = load_worker_settings(**{k: v for k, v in flags.items() if v is not None}, **engine_settings)
     configure_logging(s.log_format, s.log_level)
+    route_child_logs(s.log_format, s.log_level)  # LMDeploy's spawned engine process logs JSON too
     if not s.worker_name:
         # One name for logs, Redis records and metrics labels.
         from lmdq.worker.runner import default_worker_name
@@ -98,7 +99,6 @@ def run(
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
     if health is not None:
         health.set_engine_loaded(load_s)
-        health.set_queue_depth_fn(lambda: worker.jobs.queue_depth(worker.queues))
     worker.install_signal_handlers()
     code = worker.run()
     if health is not None:

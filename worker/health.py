@@ -81,7 +81,6 @@ class WorkerHealth:
         self._last_beat: float | None = None
         self._redis_check_fn: Callable[[], bool] | None = None
         self._redis_cached: _RedisCheck | None = None
-        self._queue_depth_fn: Callable[[], int] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -104,8 +103,7 @@ class WorkerHealth:
         self._tokens_in = counter("lmdq_tokens_input", "Prompt tokens of finished requests.").labels(**values)
         self._tokens_out = counter("lmdq_tokens_output", "Generated tokens of finished requests.").labels(**values)
 
-        self._queue_depth = gauge("lmdq_queue_depth", "Jobs waiting in this model's queues (all priorities).")
-        self._queue_depth.set_function(self._read_queue_depth)
+        # Queue depth is not a worker's: lmdq.exporter serves it once per Redis, also at zero workers.
         self._requests_in_flight = gauge("lmdq_requests_in_flight", "Requests inside the engine now.")
         self._jobs_in_flight = gauge("lmdq_jobs_in_flight", "Jobs this worker holds now.")
         self._engine_load = gauge("lmdq_engine_load_seconds", "Seconds the engine took to load (0 until loaded).")
@@ -146,11 +144,6 @@ class WorkerHealth:
         with self._redis_lock:
             self._redis_check_fn = fn
             self._redis_cached = None
-
-    def set_queue_depth_fn(self, fn: Callable[[], int]) -> None:
-        """``fn`` returns the model's queued job count; read at scrape time (NaN if it fails)."""
-        with self._lock:
-            self._queue_depth_fn = fn
 
     def set_in_flight(self, *, requests: int, jobs: int) -> None:
         self._requests_in_flight.set(requests)
@@ -246,17 +239,6 @@ class WorkerHealth:
                 log.warning("health.redis_check_failed", error=error)
             self._redis_cached = _RedisCheck(ok=ok, at=time.monotonic(), error=error)
             return ok, error
-
-    def _read_queue_depth(self) -> float:
-        with self._lock:
-            fn = self._queue_depth_fn
-        if fn is None:
-            return math.nan
-        try:
-            return float(fn())
-        except Exception as e:  # a failing Redis must not break the whole scrape
-            log.warning("health.queue_depth_failed", error=f"{type(e).__name__}: {e}")
-            return math.nan
 
     def _read_beat_age(self) -> float:
         with self._lock:

@@ -115,7 +115,8 @@ class Worker:
         self.attempt = JobAttempt(engine=engine, jobs=self.jobs, store=self.store, writer=self.writer,
                                   settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock,
                                   request_done=self._request_done)
-        self._counts = {"jobs": 0, "requeued": 0, "refused": 0}
+        #: jobs: attempts that ran; finished/failed_jobs: jobs released as done (RQ's job counts)
+        self._counts = {"jobs": 0, "requeued": 0, "refused": 0, "finished": 0, "failed_jobs": 0}
         #: an idle worker's sleep in Redis (None: polls every poll_interval_s; set up by run())
         self.idle: IdleWaiter | None = None
         self._heartbeat_failing = False
@@ -356,7 +357,7 @@ class Worker:
         for jid, dead in self.jobs.reap():
             self._counts["requeued"] += 1
             self.log.warning("re-queued job of a dead worker", job=jid, dead_worker=dead)
-        self.registry.beat()
+        self.registry.beat(busy=bool(held), done=self._counts["finished"], failed=self._counts["failed_jobs"])
 
     def _poll_cancellations(self) -> None:
         with self._lock:
@@ -474,6 +475,7 @@ class Worker:
                         pass  # RQ's display records only
             elif claim.job is not None:
                 if self.writer.call(lambda: self.jobs.release(claim, worker=self.name), "release job"):
+                    self._counts["failed_jobs" if end.failure else "finished"] += 1
                     self.writer.call(lambda: self.jobs.record_end(claim, failed=end.failure), "record job end")
                     if held.forget:
                         self.writer.call(lambda: self.jobs.forget(claim.job_id), "drop finished job")

@@ -1,6 +1,10 @@
 """lmdq's own JSONL lines: ``{"custom_id", "prompt" | "messages", "params", "endpoint"}``.
 
-``params`` are the contract's GenerationParams names as they are, checked strictly.
+``params`` are the contract's GenerationParams names (LMDeploy's), checked strictly. The producer's
+flag names are accepted too, as aliases: ``stop`` (a string or a list) for ``stop_words``, ``seed``
+for ``random_seed``, ``max_tokens`` for ``max_new_tokens``; a line giving both names of one
+parameter is refused. ``temperature`` without ``do_sample`` decides sampling (> 0 samples, 0 is
+greedy: :func:`~producer.formats.validation.imply_sampling`).
 """
 
 from __future__ import annotations
@@ -9,11 +13,37 @@ from typing import Any
 
 from lmdq.contract import Endpoint
 from lmdq.producer.formats.records import ParsedLine, _got, _join, _LineError
-from lmdq.producer.formats.validation import _check_messages, _check_prompt, _custom_id, _validate_params
+from lmdq.producer.formats.validation import (
+    _check_messages,
+    _check_prompt,
+    _custom_id,
+    _validate_params,
+    imply_sampling,
+)
 
 _JSONL_KEYS = ("custom_id", "prompt", "messages", "params", "endpoint")
 _JSONL_KEY_SET = frozenset(_JSONL_KEYS)
 _ENDPOINTS = {e.value: e for e in Endpoint}
+#: the producer's flag names (--stop, --seed) and OpenAI's max_tokens -> GenerationParams fields
+PARAM_ALIASES = {"stop": "stop_words", "seed": "random_seed", "max_tokens": "max_new_tokens"}
+
+
+def _params(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], frozenset[str]]:
+    """The line's params under GenerationParams names, where each came from (``params.<key>``), and
+    the fields whose scalar value was wrapped in a list (``"stop": "x"``)."""
+    data: dict[str, Any] = {}
+    src: dict[str, str] = {}
+    wrapped: set[str] = set()
+    for key, value in raw.items():
+        name = PARAM_ALIASES.get(key, key)
+        if name in src:
+            raise _LineError(f"params.{key}", f"same parameter as {src[name]}; set only one of them")
+        if key == "stop" and isinstance(value, str):
+            value = [value]
+            wrapped.add(name)
+        data[name] = value
+        src[name] = f"params.{key}"
+    return data, src, frozenset(wrapped)
 
 
 def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
@@ -47,5 +77,10 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
     if raw_params is not None:
         if not isinstance(raw_params, dict):
             raise _LineError("params", f"expected an object of generation parameters, got {_got(raw_params)}")
-        params = _validate_params(raw_params, None, "params")
+        data, src, wrapped = _params(raw_params)
+        sampling = imply_sampling(data)
+        if sampling is not None:
+            src.setdefault("do_sample", src.get("temperature", "params"))
+        params = _validate_params(data, src, "params", wrapped)
+        return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, None, sampling)
     return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, None)

@@ -45,6 +45,17 @@ class InputError:
         return f"{where}: {self.message}"
 
 
+class Sampling(str, Enum):
+    """What a line's sampling knobs did without an explicit ``do_sample`` (submit warns once per
+    file with a count, not once per line)."""
+
+    #: ``temperature`` > 0 turned sampling on (0 turned it off), as OpenAI and vLLM do
+    implied = "implied"
+    #: ``top_p``/``top_k``/``min_p`` without ``temperature``: sampling stays as the batch sets it
+    #: (greedy by default), where they have no effect
+    inert = "inert"
+
+
 @dataclass(frozen=True)
 class ParsedLine:
     """One valid request line; ``messages`` are the file's own dicts, already checked."""
@@ -56,6 +67,7 @@ class ParsedLine:
     endpoint: Endpoint
     params: GenerationParams | None
     model: str | None
+    sampling: Sampling | None = None
 
 
 class _LineError(Exception):

@@ -13,7 +13,7 @@ from pydantic.fields import FieldInfo
 
 from lmdq.contract import ChatMessage, GenerationParams, Request
 from lmdq.guided import check as check_response_format
-from lmdq.producer.formats.records import _got, _join, _LineError
+from lmdq.producer.formats.records import Sampling, _got, _join, _LineError
 
 # --------------------------------------------------------------------------------------------
 # Limits and vocabularies taken from the contract, so the parser cannot drift from the wire format.
@@ -160,6 +160,33 @@ def _validate_params(
                 field = f"{prefix}.response_format" if prefix else "response_format"
             raise _LineError(field, str(exc)) from None
     return params if params.model_fields_set else None
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling: what temperature means without do_sample.
+
+#: knobs that only matter when sampling (LMDeploy ignores them when greedy)
+SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def imply_sampling(params: dict[str, Any]) -> Sampling | None:
+    """Decide ``do_sample`` where the params set sampling knobs but not ``do_sample`` (in place).
+
+    lmdq's decision, the one OpenAI and vLLM users expect: ``temperature`` > 0 samples and
+    ``temperature`` 0 is greedy, unless ``do_sample`` says otherwise. ``top_p``/``top_k``/``min_p``
+    alone decide nothing (the batch's ``do_sample`` stands, greedy by default, where they have no
+    effect): returned as :attr:`Sampling.inert` so the caller can warn. An explicit ``do_sample``
+    always wins, and a value that is not a number is left for validation to refuse.
+    """
+    if params.get("do_sample") is not None:
+        return None
+    t = params.get("temperature")
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        params["do_sample"] = t > 0
+        return Sampling.implied
+    if any(params.get(k) is not None for k in SAMPLING_KNOBS):
+        return Sampling.inert
+    return None
 
 
 # --------------------------------------------------------------------------------------------
