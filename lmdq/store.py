@@ -195,6 +195,18 @@ class ResultStore:
         )
         return bool(out) if pipe is None else True
 
+    def write_results_each(self, results: list[Result]) -> list[bool]:
+        """Write final results in one pipelined round trip; per result, whether it was new.
+
+        The same script and rules as :meth:`write_result`, one call per result: what a pipeline saves is
+        the round trip per result (about half of Redis' CPU per request when workers write one at a time)."""
+        if not results:
+            return []
+        with self.client.pipeline(transaction=False) as p:
+            for r in results:
+                self.write_result(r, pipe=p)
+            return [bool(x) for x in p.execute()]
+
     def write_results(self, results: Iterable[Result], chunk: int = 1000) -> int:
         """Write many final results pipelined; returns how many were new."""
         new = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,8 @@ class Held:
     #: its results are all in a shard and none is to be retried: its job hash (the prompts) can go
     #: once the job is released (see lmdq.sink)
     forget: bool = False
+    #: final results queued for the writer (ResultWriter.final_async), waited for before the attempt ends
+    writes: list[Future[bool]] = field(default_factory=list)
 
     def stop(self, reason: AbortReason) -> bool:
         """Abort the job's in-flight requests for ``reason`` (the first reason wins). True if new."""
@@ -248,6 +251,13 @@ class JobAttempt:
 
     def _stream(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
                 jlog: Any) -> AttemptEnd:
+        try:
+            return self._stream_once(held, payload, todo, results, jlog)
+        finally:  # every result handed to the writer is in Redis before the job can be released
+            self.writer.wait(held.writes)
+
+    def _stream_once(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
+                     jlog: Any) -> AttemptEnd:
         claim = held.claim
         live = [LiveRequest(req=r) for r in todo]
         ereqs = [
@@ -338,7 +348,7 @@ class JobAttempt:
         result = results.final(
             lv, status=status, reason=reason, error=error, finished_at=now, logprobs=logprobs, tensors=tensors
         )
-        self.writer.final(result)
+        held.writes.append(self.writer.final_async(result))
         if self.health:
             self.health.request_finished(
                 status=status.value,
