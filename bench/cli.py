@@ -18,6 +18,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   rich_markup_mode=None, context_settings={"max_content_width": 120})
 
 
+def _emit(res: dict[str, Any], output: Path | None) -> None:
+    """The last line every bench prints: its JSON object, also written to ``-o`` when given."""
+    line = json.dumps(res)
+    if output:
+        output.write_text(line + "\n")
+    print(line)
+
+
 def _build_engine(engine: str, model: str | None, random_llama8b: Path | None, tokenizer_from: Path | None,
                   engine_settings: dict[str, Any]) -> tuple[Any, Any, str]:
     """(engine, worker settings, model name for the report), the engine built exactly as the worker builds it."""
@@ -100,10 +108,7 @@ def efficiency(
         print(f"lmdq / one-at-a-time: {res['lmdq_vs_one']:.2f}x")
     keep = ["engine", "model", "n", "batch_size", "raw_tok_s", "lmdq_tok_s", "naive_tok_s", "ratio"]
     keep += ["one_tok_s", "lmdq_vs_one"] if res.get("one_tok_s") else []
-    line = json.dumps({k: out[k] for k in keep} | {"detail": out})
-    if output:
-        output.write_text(line + "\n")
-    print(line)
+    _emit({k: out[k] for k in keep} | {"detail": out}, output)
 
 
 @app.command()
@@ -170,11 +175,7 @@ def prefix(
         run = res["runs"][k]
         pre = f"{run['prefilled_tokens']:>11,d}" if "prefilled_tokens" in run else f"{'n/a':>11s}"
         print(f"{k:6s} {run['tok_s']:>10,.0f} {run['tok_s'] / res['raw_tok_s']:>7.3f} {pre}")
-    line = json.dumps({k: out[k] for k in ("engine", "model", "n", "raw_tok_s", "lmdq_tok_s", "ratio")}
-                      | {"detail": out})
-    if output:
-        output.write_text(line + "\n")
-    print(line)
+    _emit({k: out[k] for k in ("engine", "model", "n", "raw_tok_s", "lmdq_tok_s", "ratio")} | {"detail": out}, output)
 
 
 @app.command()
@@ -191,10 +192,7 @@ def producer(
     with local_redis(redis_url) as url:
         res = run_producer_bench(lines=lines, batch_size=batch_size, redis_url=url,
                                  log=lambda m: print(m, file=sys.stderr, flush=True))
-    line = json.dumps(res)
-    if output:
-        output.write_text(line + "\n")
-    print(line)
+    _emit(res, output)
 
 
 @app.command()
@@ -227,10 +225,7 @@ def fleet(
     with local_redis(redis_url) as url:
         res = run_fleet(cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(table(res))
-    line = json.dumps(res)
-    if output:
-        output.write_text(line + "\n")
-    print(line)
+    _emit(res, output)
 
 
 @app.command()
@@ -255,10 +250,7 @@ def sink(
         r = res[name]
         print(f"{name:10s} {r['used_memory_delta_b_per_request']:>12,.1f} {r['memory_usage_b_per_request']:>13,.1f} "
               f"{r['export_req_s']:>10,}")
-    line = json.dumps(res)
-    if output:
-        output.write_text(line + "\n")
-    print(line)
+    _emit(res, output)
 
 
 def main() -> None:

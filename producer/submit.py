@@ -320,12 +320,17 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
             yield _request_dict(index, item)
         if n != seen.requests:
             raise _changed(path, f"it now has {n} requests, {seen.requests} were validated")
-        if running.digest() != seen.digest:
-            raise _changed(path, "its requests are not the ones validated")
-        if _stat(path) != (seen.size, seen.mtime_ns):
-            raise _changed(path, "its size or modification time changed while it was read")
+        _check_read_whole(path, seen, running)
     except OSError as e:
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
+
+
+def _check_read_whole(path: Path, seen: _Fingerprint, running: Any) -> None:
+    """After pass 2: the requests read are the ones validated (digest) and the file did not change."""
+    if running.digest() != seen.digest:
+        raise _changed(path, "its requests are not the ones validated")
+    if _stat(path) != (seen.size, seen.mtime_ns):
+        raise _changed(path, "its size or modification time changed while it was read")
 
 
 def _planned_requests(
@@ -348,10 +353,7 @@ def _planned_requests(
                     raise _changed(path, f"now {item}")
                 _feed(running, item)
                 yield _request_dict(index, item)
-        if running.digest() != seen.digest:
-            raise _changed(path, "its requests are not the ones validated")
-        if _stat(path) != (seen.size, seen.mtime_ns):
-            raise _changed(path, "its size or modification time changed while it was read")
+        _check_read_whole(path, seen, running)
     except OSError as e:
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
 
