@@ -209,10 +209,13 @@ def test_worker_holding_hundreds_of_jobs_never_runs_out_of_connections(tmp_path:
 
     n = 1500
     rows = [{"custom_id": f"r{i}", "prompt": f"p{i}"} for i in range(n)]
-    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "1", "--max-new-tokens", "16")["id"]
+    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "1", "--max-new-tokens", "32")["id"]
     log = tmp_path / "w.log"
     before = int(client.info("clients")["connected_clients"])
-    w = start_worker(*SIM, "--sim-max-batch", "256", "--sim-step-ms", "5", "--burst", env=env, log=log)
+    # Requests of 32 steps x 25 ms (0.8 s at least): long enough that the worker fills its 256 slots and
+    # lookahead before the first ones finish, even when a loaded CI machine slows its claims (at 5 ms a
+    # step a CI run saw it peak at 97 jobs).
+    w = start_worker(*SIM, "--sim-max-batch", "256", "--sim-step-ms", "25", "--burst", env=env, log=log)
     procs.append(w)
     inflight = Keys(prefix).inflight(MODEL)
     most = clients = 0
