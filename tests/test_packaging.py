@@ -379,6 +379,11 @@ def test_compose_default_services_are_redis_and_worker() -> None:
     assert default == {"redis", "worker", "register-model"}
     assert services["producer"]["profiles"] == ["producer"]
     assert services["rq-dashboard"]["profiles"] == ["dashboard"]
+    # the queue exporter: one per Redis, on demand, from the producer image (no GPU)
+    exporter = services["exporter"]
+    assert exporter["profiles"] == ["monitoring"] and exporter["command"] == ["exporter"]
+    assert exporter["build"]["target"] == "producer" and "deploy" not in exporter
+    assert exporter["environment"]["LMDQ_REDIS_URL"] == services["worker"]["environment"]["LMDQ_REDIS_URL"]
 
 
 def test_compose_build_targets_exist() -> None:
