@@ -42,6 +42,7 @@ request from Redis or from its job's shard accordingly, in input order, whatever
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -81,6 +82,10 @@ return 1
 """
 
 
+SHARD_NAME = re.compile(r"^results-[0-9]{6,10}\.jsonl$")
+"""A results shard's name under ``<results URL>/<batch id>/``: checked wherever one is read from Redis."""
+
+
 class ShardEntry(BaseModel):
     """One job's line in the batch's shard index: where its results are and what they were.
 
@@ -91,7 +96,7 @@ class ShardEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    shard: str = Field(pattern=r"^results-[0-9]{6,10}\.jsonl$")
+    shard: str = Field(pattern=SHARD_NAME.pattern)
     ranges: list[tuple[int, int]] = Field(min_length=1)
     counts: dict[ResultStatus, int] = Field(default_factory=dict)
 
@@ -244,7 +249,11 @@ def _stored_at(raw: bytes) -> str | None:
     if b'"stored_at"' not in raw or b'"stored_at":null' in raw:  # a full record (pydantic's JSON has no spaces)
         return None
     v = json.loads(raw).get("stored_at")
-    return v if isinstance(v, str) else None
+    if not isinstance(v, str):
+        return None
+    if not SHARD_NAME.fullmatch(v):  # read from Redis: a name like '../../x' must never become a path
+        raise ResultsUnavailable(f"a result record names {v[:80]!r} as its shard: not a results shard name")
+    return v
 
 
 def iter_records(

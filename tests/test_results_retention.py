@@ -320,3 +320,23 @@ def test_compact_records_of_older_workers_are_read_and_sealed_without_rewriting_
     assert entry is not None and entry.ranges == [(0, 2)] and shard.read_bytes() == content
     assert not client.exists(keys.results(batch.id))
     assert list(iter_lmdq_lines(store, store.get_batch(batch.id))) == before
+
+
+def test_a_compact_record_naming_a_path_outside_the_sink_is_refused(tmp_path: Path, client: redis.Redis,
+                                                                     prefix: str) -> None:
+    """``stored_at`` is read from Redis: a record naming ``../../secret`` must not make the export read a
+    file outside the batch's shard folder (it fails clearly, and prints nothing of that file)."""
+    from lmdq.errors import ResultsUnavailable
+
+    sink = tmp_path / "sink"
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text('{"index": 0, "text": "TOP-SECRET"}\n')
+    batch = _submit(client, prefix, write_jsonl(tmp_path / "p.jsonl", _rows(1)), results_url=str(sink))
+    keys = Keys(prefix)
+    bad = Result(batch_id=batch.id, custom_id="r0", index=0, status=ResultStatus.completed, model=MODEL,
+                 stored_at="../../secret.jsonl")
+    client.hset(keys.results(batch.id), "0", bad.model_dump_json(exclude_defaults=True))
+    store = ResultStore(client, keys=keys)
+    with pytest.raises(ResultsUnavailable, match="not a results shard name") as e:
+        list(iter_lmdq_lines(store, store.get_batch(batch.id)))
+    assert "TOP-SECRET" not in str(e.value)
