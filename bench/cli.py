@@ -26,12 +26,9 @@ def _emit(res: dict[str, Any], output: Path | None) -> None:
     print(line)
 
 
-def _build_engine(engine: str, model: str | None, random_llama8b: Path | None, tokenizer_from: Path | None,
-                  engine_settings: dict[str, Any]) -> tuple[Any, Any, str]:
-    """(engine, worker settings, model name for the report), the engine built exactly as the worker builds it."""
-    from lmdq.worker.engine_factory import build_engine
-    from lmdq.worker.settings import load_worker_settings
-
+def _resolve_model(engine: str, model: str | None, random_llama8b: Path | None, tokenizer_from: Path | None
+                   ) -> tuple[str | None, str]:
+    """(model folder, name for the report); builds the random Llama-3-8B shape when asked."""
     model_name = model or ""
     if engine == "lmdeploy":
         if random_llama8b:
@@ -43,6 +40,16 @@ def _build_engine(engine: str, model: str | None, random_llama8b: Path | None, t
             model_name = "random-llama3-8b-shape(vocab=49152)"
         if not model:
             raise typer.BadParameter("--model or --random-llama8b is required", param_hint="--model")
+    return model, model_name
+
+
+def _build_engine(engine: str, model: str | None, random_llama8b: Path | None, tokenizer_from: Path | None,
+                  engine_settings: dict[str, Any]) -> tuple[Any, Any, str]:
+    """(engine, worker settings, model name for the report), the engine built exactly as the worker builds it."""
+    from lmdq.worker.engine_factory import build_engine
+    from lmdq.worker.settings import load_worker_settings
+
+    model, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
     s = load_worker_settings(engine=engine, model=model, served_model_name="sim-bench" if engine == "sim" else "bench",
                              **engine_settings)
     if engine == "sim":
@@ -130,6 +137,8 @@ def prefix(
     seed: Annotated[int, typer.Option()] = 0,
     workload: Annotated[Path | None, typer.Option(help="write the JSONL here (default: a temp folder)")] = None,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    workers: Annotated[int, typer.Option(help="N > 1: N lmdq workers vs N raw processes on 1/N of the file "
+                                         "each, one device each (lmdq.bench.prefix_fleet)")] = 1,
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
     """Shuffled document-QA: raw pipe(prompts) vs lmdq (prefix groups, one worker), prefix caching on
@@ -159,6 +168,10 @@ def prefix(
     elif engine == "sim":
         settings.setdefault("sim_prefix_cache_tokens", blocks * KV_BLOCK_TOKENS)
         settings.setdefault("sim_prefill_us_per_token", 25.0)
+    if workers > 1:
+        _prefix_fleet(cfg, workers, engine, model, random_llama8b, tokenizer_from, settings, workload, redis_url,
+                      output)
+        return
     eng, s, model_name = _build_engine(engine, model, random_llama8b, tokenizer_from, settings)
     with tempfile.TemporaryDirectory() as d, local_redis(redis_url) as url:
         path = workload or Path(d) / "prefix_workload.jsonl"
@@ -176,6 +189,47 @@ def prefix(
         pre = f"{run['prefilled_tokens']:>11,d}" if "prefilled_tokens" in run else f"{'n/a':>11s}"
         print(f"{k:6s} {run['tok_s']:>10,.0f} {run['tok_s'] / res['raw_tok_s']:>7.3f} {pre}")
     _emit({k: out[k] for k in ("engine", "model", "n", "raw_tok_s", "lmdq_tok_s", "ratio")} | {"detail": out}, output)
+
+
+def _prefix_fleet(cfg: Any, workers: int, engine: str, model: str | None, random_llama8b: Path | None,
+                  tokenizer_from: Path | None, settings: dict[str, Any], workload: Path | None, redis_url: str | None,
+                  output: Path | None) -> None:
+    """``prefix --workers N``: the engines live in child processes (one per device), so this process only
+    sizes the documents with the model's tokenizer and writes the workload."""
+    import tempfile
+
+    from lmdq.bench.local_redis import local_redis
+    from lmdq.bench.prefix import make_workload
+    from lmdq.bench.prefix_fleet import run_split_and_fleet
+
+    model, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
+    if engine == "lmdeploy":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model))
+
+        class _Counter:
+            def count_tokens(self, text: str) -> int:
+                return len(tok.encode(text, add_special_tokens=False))
+
+        counter: Any = _Counter()
+    else:
+        counter, _, _ = _build_engine(engine, model, random_llama8b, tokenizer_from, settings)
+    env = {"LMDQ_ENGINE": engine, **({"LMDQ_MODEL": str(model)} if model else {})}
+    env |= {f"LMDQ_{k.upper()}": (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in settings.items()}
+    with tempfile.TemporaryDirectory() as d, local_redis(redis_url) as url:
+        path = workload or Path(d) / "prefix_workload.jsonl"
+        make_workload(counter, cfg, path)
+        res = run_split_and_fleet(cfg, workers=workers, engine=engine, env=env, workload=path, redis_url=url,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"{'path':12s} {'tok/s':>10s} {'vs split':>9s}")
+    print(f"{'split x' + str(workers):12s} {res['split_tok_s']:>10,.0f} {1.0:>9.3f}")
+    print(f"{'lmdq x' + str(workers):12s} {res['lmdq_tok_s']:>10,.0f} {res['ratio']:>9.3f}")
+    out = {"engine": engine, "model": model_name or engine, "n": cfg.n, "docs": cfg.docs, "questions": cfg.questions,
+           "doc_tokens": cfg.doc_tokens, "output_len": cfg.output_len, "batch_size": cfg.batch_size,
+           "engine_settings": settings, **res}
+    _emit({k: out[k] for k in ("engine", "model", "n", "workers", "split_tok_s", "lmdq_tok_s", "ratio")}
+          | {"detail": out}, output)
 
 
 @app.command()

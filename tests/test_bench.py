@@ -92,3 +92,20 @@ def test_sink_bench_reports_bytes_per_request_both_ways(env: dict[str, str]) -> 
         assert run["n"] == 500 and run["exported"] == 500 and run["in_order"]
         assert run["used_memory_delta_b_per_request"] > 0 and run["memory_usage_b_per_request"] > 0
     assert out["with_sink"]["memory_usage_b_per_request"] < out["without"]["memory_usage_b_per_request"]
+
+
+def test_prefix_bench_with_two_workers_against_two_raw_halves_on_the_sim(env: dict[str, str]) -> None:
+    """`prefix --workers 2` (issue 18's 2-GPU comparison; sim engine here): two raw processes on half the
+    file each, then two worker processes on the whole file through submit; every token counted once."""
+    import os
+
+    p = run_cli("bench", "prefix", "--engine", "sim", "--workers", "2", "--docs", "10", "--doc-tokens", "200",
+                "--questions", "4", "--output-len", "4", "--batch-size", "8", "--sim-step-ms", "1",
+                env=dict(os.environ), timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    lines = p.stdout.decode().strip().splitlines()
+    assert any(ln.startswith("split x2") for ln in lines) and any(ln.startswith("lmdq x2") for ln in lines)
+    d = json.loads(lines[-1])["detail"]
+    assert [(x["part"], x["n"], x["tokens"]) for x in d["split_parts"]] == [(0, 20, 80), (1, 20, 80)]
+    assert d["lmdq"]["tokens"] == 160 and d["workers"] == 2
+    assert d["ratio"] == round(d["lmdq_tok_s"] / d["split_tok_s"], 4)
