@@ -208,24 +208,15 @@ class ResultStore:
             return [bool(x) for x in p.execute()]
 
     def write_results(self, results: Iterable[Result], chunk: int = 1000) -> int:
-        """Write many final results pipelined; returns how many were new."""
+        """Write many final results pipelined, ``chunk`` per round trip; returns how many were new."""
         new = 0
         batch: list[Result] = []
-
-        def flush() -> int:
-            with self.client.pipeline(transaction=False) as p:
-                for r in batch:
-                    self.write_result(r, pipe=p)
-                return sum(1 for x in p.execute() if x)
-
         for r in results:
             batch.append(r)
             if len(batch) >= chunk:
-                new += flush()
+                new += sum(self.write_results_each(batch))
                 batch.clear()
-        if batch:
-            new += flush()
-        return new
+        return new + sum(self.write_results_each(batch))
 
     def write_partial(self, result: Result) -> bool:
         """Store in-progress text for a request that has no final result yet."""

@@ -185,9 +185,9 @@ class JobAttempt:
         )
 
         def close_all(reqs: list[Request], status: ResultStatus, code: str | None, msg: str | None) -> None:
-            for r in reqs:
-                error = ErrorInfo(code=code, message=msg or code) if code else None
-                self.writer.final(results.build(r, status=status, error=error, finished_at=self.clock()))
+            error = ErrorInfo(code=code, message=msg or code) if code else None
+            self.writer.wait([self.writer.final_async(results.build(r, status=status, error=error,
+                                                                    finished_at=self.clock())) for r in reqs])
 
         if start.status in (BatchStatus.cancelling, BatchStatus.cancelled):
             close_all(todo, ResultStatus.cancelled, None, None)

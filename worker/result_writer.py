@@ -104,10 +104,7 @@ class ResultWriter:
 
     def final(self, result: Result) -> bool:
         """Store a final result (exactly once, see :mod:`lmdq.store`). True if it was new."""
-        new = self.call(lambda: self.store.write_result(result), "write result")
-        with self._lock:
-            self.stats["results" if new else "duplicates"] += 1
-        return new
+        return self.final_async(result).result()
 
     def final_async(self, result: Result) -> Future[bool]:
         """Queue a final result for the flusher thread; the future says whether it was new.
