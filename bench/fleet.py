@@ -89,15 +89,17 @@ def _enqueue(client: redis.Redis, keys: Keys, model: str, n: int, cfg: FleetConf
     return BatchLedger(client, keys=keys, ttl_s=3600).enqueue(b, reqs)
 
 
-def _wait(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    """Poll ``cond`` until true; TimeoutError naming ``what`` after ``timeout`` s (the benches' waits)."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"fleet bench: timed out after {timeout:.0f} s waiting for {what}")
+            raise TimeoutError(f"bench: timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
 
 
-def _blocked(client: redis.Redis) -> int:
+def blocked_clients(client: redis.Redis) -> int:
+    """Clients blocked in Redis: idle workers waiting on their wake list."""
     return int(client.info("clients")["blocked_clients"])
 
 
@@ -158,7 +160,7 @@ def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: in
            log: Callable[[str], None]) -> dict[str, Any]:
     """One batch for ``n_workers`` blocked workers: rate and Redis costs per request."""
     n = n_workers * cfg.capacity * cfg.rounds
-    _wait(lambda: _blocked(client) >= n_workers, 120, f"{n_workers} workers to block on their wake list")
+    wait_until(lambda: blocked_clients(client) >= n_workers, 120, f"{n_workers} workers to block on their wake list")
     before, stats0 = _Snap.of(client), client.info("commandstats")
     batch = _enqueue(client, Keys(PREFIX), MODEL, n, cfg, tokens=cfg.output_len)
     t_wall = time.monotonic()
@@ -167,7 +169,7 @@ def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: in
         procs.check()
         return store.get_batch(batch.id).status.terminal
 
-    _wait(done, 600, f"batch of {n:,} requests", interval=0.25)
+    wait_until(done, 600, f"batch of {n:,} requests", interval=0.25)
     after, stats1 = _Snap.of(client), client.info("commandstats")
     b = store.get_batch(batch.id)
     assert b.status is BatchStatus.completed and b.request_counts.completed == n, b.request_counts
@@ -190,12 +192,12 @@ def _running_memory(client: redis.Redis, store: ResultStore, cfg: FleetConfig, l
     batch = _enqueue(client, keys, MODEL, n, cfg, tokens=1_000_000)
     # Running = claimed, in the engine and reporting: every request has written its partial result.
     try:
-        _wait(lambda: client.hlen(keys.partials(batch.id)) >= n, 120, "every request's first partial")
+        wait_until(lambda: client.hlen(keys.partials(batch.id)) >= n, 120, "every request's first partial")
     except TimeoutError as e:
         log(f"{e}; measured with {client.hlen(keys.partials(batch.id))} of {n} partials")
     per = round((_Snap.of(client).memory - before) / n)
     BatchLedger(client, keys=keys, ttl_s=3600).cancel(batch.id)
-    _wait(lambda: store.get_batch(batch.id).status.terminal and client.llen(keys.inflight(MODEL)) == 0, 120,
+    wait_until(lambda: store.get_batch(batch.id).status.terminal and client.llen(keys.inflight(MODEL)) == 0, 120,
           "the cancelled batch to leave the worker")
     return per
 
@@ -216,7 +218,7 @@ def _idle_cost(client: redis.Redis, redis_url: str, n: int, window_s: float, *, 
         t.start()
     try:
         if idle_wait_s > 0:
-            _wait(lambda: _blocked(client) >= n, 120, f"{n} idle workers to block")
+            wait_until(lambda: blocked_clients(client) >= n, 120, f"{n} idle workers to block")
         else:
             time.sleep(1.0)
         a, t0 = _Snap.of(client), time.monotonic()
@@ -245,7 +247,7 @@ def run_fleet(cfg: FleetConfig, *, redis_url: str, log: Callable[[str], None] = 
     procs = _Procs(redis_url, cfg, log)
     try:
         procs.start(1)
-        _wait(lambda: (procs.check(), _blocked(client) >= 1)[1], 120, "the first worker to start")
+        wait_until(lambda: (procs.check(), blocked_clients(client) >= 1)[1], 120, "the first worker to start")
         # 2. running
         res["bytes_per_running"] = _running_memory(client, store, cfg, log)
         log(f"memory per running request: {res['bytes_per_running']:,} B")

@@ -23,12 +23,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lmdq.bench.efficiency import EfficiencyConfig, run_raw
+from lmdq.bench.fleet import blocked_clients, wait_until
 from lmdq.bench.prefix import PrefixConfig
 from lmdq.connection import connect
 from lmdq.contract import GenerationParams
@@ -55,14 +55,6 @@ def _part(prompts: list[str], i: int, parts: int) -> list[str]:
 
 def _device_env(base: dict[str, str], i: int, engine: str) -> dict[str, str]:
     return {**base, "CUDA_VISIBLE_DEVICES": str(i)} if engine == "lmdeploy" else dict(base)
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"prefix fleet bench: timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def run_split_and_fleet(cfg: PrefixConfig, *, workers: int, engine: str, env: dict[str, str], workload: Path,
@@ -105,14 +97,14 @@ def run_split_and_fleet(cfg: PrefixConfig, *, workers: int, engine: str, env: di
             for i, w in enumerate(ws):
                 if w.poll() is not None:
                     raise RuntimeError(f"worker {i} exited {w.returncode}: see {tmp / f'worker{i}.log'}")
-            return int(client.info("clients")["blocked_clients"]) >= workers
+            return blocked_clients(client) >= workers
 
-        _wait(ready, timeout_s, f"{workers} workers to load their engines and block on their wake list")
+        wait_until(ready, timeout_s, f"{workers} workers to load their engines and block on their wake list")
         opts = SubmitOptions(model=MODEL, batch_size=cfg.batch_size, allow_unknown_model=True,
                              params=GenerationParams(max_new_tokens=cfg.output_len, ignore_eos=True, do_sample=False))
         batch, _ = submit_file(workload, opts, client=client, keys=Keys(PREFIX), ttl_s=3600)
         store = ResultStore(client, keys=Keys(PREFIX))
-        _wait(lambda: store.get_batch(batch.id).status.terminal, timeout_s, "the batch")
+        wait_until(lambda: store.get_batch(batch.id).status.terminal, timeout_s, "the batch")
         b = store.get_batch(batch.id)
         assert b.request_counts.completed == cfg.n, b.request_counts
         toks = sum(json.loads(raw)["generate_token_len"] for _, raw in store.iter_results(batch.id, cfg.n) if raw)
