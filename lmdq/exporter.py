@@ -46,6 +46,7 @@ from lmdq.cli_options import FlagSpec, model_options
 from lmdq.connection import connect, redact_url
 from lmdq.contract import BatchStatus
 from lmdq.keys import PRIORITY_ORDER, BatchField, Keys, model_slug, queue_name, rq_queue_key
+from lmdq.replies import reply_text
 from lmdq.settings import CommonSettings
 
 __all__ = ["EXPORTER_FLAGS", "ExporterSettings", "ModelStats", "QueueCollector", "Snapshot", "load_settings", "main",
@@ -85,8 +86,6 @@ class Snapshot:
     batches: dict[str, int] = field(default_factory=dict)
 
 
-def _text(raw: Any) -> str:
-    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
 
 
 def _int(raw: Any) -> int:
@@ -104,7 +103,7 @@ def _slugs_of_queues(members: Any, prefix: str) -> set[str]:
     prios = {p.value for p in PRIORITY_ORDER}
     out: set[str] = set()
     for m in members:
-        name = _text(m)
+        name = reply_text(m)
         if not name.startswith(head):
             continue
         slug, _, prio = name[len(head):].rpartition(":")
@@ -124,15 +123,15 @@ def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000) -
         served, queues, workers, *newest = p.execute()
     names: dict[str, str] = {}  # slug -> served name (the label workers use)
     for raw in sorted(served)[:MAX_MODELS]:
-        name = _text(raw)
+        name = reply_text(raw)
         names.setdefault(model_slug(name), name)
     for slug in sorted(_slugs_of_queues(queues, keys.prefix)):
         if len(names) >= MAX_MODELS:
             break
         names.setdefault(slug, slug)
     slugs = sorted(names)
-    worker_names = [_text(w) for w in workers]
-    batch_ids = [_text(b) for b in newest[0]] if newest else []
+    worker_names = [reply_text(w) for w in workers]
+    batch_ids = [reply_text(b) for b in newest[0]] if newest else []
     with client.pipeline(transaction=False) as p:
         for slug in slugs:
             for prio in PRIORITY_ORDER:
@@ -148,11 +147,11 @@ def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000) -
     live: Counter[str] = Counter()
     for raw in out[len(slugs) * per_model: len(slugs) * per_model + len(worker_names)]:
         if raw is not None:
-            live[model_slug(_text(raw))] += 1
+            live[model_slug(reply_text(raw))] += 1
     statuses: Counter[str] = Counter()
     for raw in out[len(slugs) * per_model + len(worker_names):]:
-        if raw is not None and _text(raw) in _STATUSES:
-            statuses[_text(raw)] += 1
+        if raw is not None and reply_text(raw) in _STATUSES:
+            statuses[reply_text(raw)] += 1
     models = []
     for i, slug in enumerate(slugs):
         row = out[i * per_model: (i + 1) * per_model]

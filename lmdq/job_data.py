@@ -20,6 +20,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from lmdq.errors import SubmitRejected
+from lmdq.replies import reply_text
 
 __all__ = [
     "DEFAULT_MAX_JOB_BYTES",
@@ -139,15 +140,15 @@ def read_job(
     """
     key = Job.key_for(job_id)
     got: list[Any] = _READ_SCRIPT(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
-    tag = _text(got[0])
+    tag = reply_text(got[0])
     if tag == "missing":
         raise JobRefused(f"No such job {job_id}: no job hash (deleted, expired, or never created)")
     if tag == "not_hash":
-        raise JobRefused(f"job {job_id}: its key is a Redis {_text(got[1])}, not an RQ job hash")
+        raise JobRefused(f"job {job_id}: its key is a Redis {reply_text(got[1])}, not an RQ job hash")
     if tag == "too_large":
-        cap = max_job_bytes if _text(got[1]) == "data" else MAX_FIELD_BYTES
-        what = "LMDQ_MAX_JOB_BYTES" if _text(got[1]) == "data" else "the field cap"
-        raise JobRefused(f"job {job_id}: field {_text(got[1])!r} is {int(got[2]):,} bytes, over {what}={cap:,}")
+        cap = max_job_bytes if reply_text(got[1]) == "data" else MAX_FIELD_BYTES
+        what = "LMDQ_MAX_JOB_BYTES" if reply_text(got[1]) == "data" else "the field cap"
+        raise JobRefused(f"job {job_id}: field {reply_text(got[1])!r} is {int(got[2]):,} bytes, over {what}={cap:,}")
     fields = {name.encode(): v for name, v in zip(_FIELDS, got[1:]) if v is not None}
     if b"data" not in fields:
         raise JobRefused(f"job {job_id}: no 'data' field (not an RQ job)")
@@ -165,5 +166,3 @@ def read_job(
     return job
 
 
-def _text(v: Any) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)

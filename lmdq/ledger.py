@@ -54,6 +54,7 @@ from lmdq.jobs import JobQueue, job_id_for, job_id_prefix
 from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.logs import get_logger
 from lmdq.registry import ModelRegistry
+from lmdq.replies import reply_text
 from lmdq.store import ResultStore
 from lmdq.wakeup import WAKE_LUA
 
@@ -165,9 +166,6 @@ def job_payloads(
         yield job(job_no, reqs)
 
 
-def _text(value: bytes | str) -> str:
-    """A Redis reply as text; replies are untrusted, so bad UTF-8 is replaced, never raised."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _where(client: redis.Redis) -> str:
@@ -288,7 +286,7 @@ class BatchLedger:
     def bound_batch(self, idempotency_key: str) -> Batch | None:
         """The batch ``idempotency_key`` is bound to, or None when it is free."""
         existing = self.client.get(self.keys.idempotency(idempotency_key))
-        return self.get(_text(existing)) if existing else None
+        return self.get(reply_text(existing)) if existing else None
 
     def bind_key(self, idempotency_key: str, batch_id: str) -> str | None:
         """Bind ``idempotency_key`` to ``batch_id`` unless it is bound already; returns the bound
@@ -300,7 +298,7 @@ class BatchLedger:
         existing = self.client.get(key)
         if existing is None:  # it expired between the two calls: bind again
             return self.bind_key(idempotency_key, batch_id)
-        return _text(existing)
+        return reply_text(existing)
 
     def release_key(self, idempotency_key: str, batch_id: str) -> None:
         """Free ``idempotency_key`` if it is still bound to ``batch_id`` (never another batch's).
@@ -310,7 +308,7 @@ class BatchLedger:
         key = self.keys.idempotency(idempotency_key)
         try:
             bound = self.client.get(key)
-            if bound is not None and _text(bound) == batch_id:  # read first: nothing to write on a replica
+            if bound is not None and reply_text(bound) == batch_id:  # read first: nothing to write on a replica
                 self._release_key(keys=[key], args=[batch_id])
         except redis.RedisError as e:
             self._log.error("idempotency key not released", batch=batch_id, error=str(e))
@@ -396,7 +394,7 @@ class BatchLedger:
         if self.committed(batch.id):
             self._log.warning("not rolling back a committed batch", batch=batch.id)
             return
-        listed = {_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)}
+        listed = {reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)}
         derived = {job_id_for(batch.id, n) for n in range(batch.num_jobs)}
         prefix = job_id_prefix(batch.id)
         candidates = [Job.key_for(j) for j in sorted(derived | {j for j in listed if j.startswith(prefix)})]
@@ -482,8 +480,8 @@ class BatchLedger:
             for q in queue_names(batch.model, self.keys.prefix):
                 qkey = rq_queue_key(q)
                 done = {jid: self._write_cancelled(batch, jid, now)
-                        for jid in map(_text, self._find_prefix(keys=[qkey], args=[prefix]))}
-                for jid in map(_text, self._remove_prefix(keys=[qkey], args=[prefix])):
+                        for jid in map(reply_text, self._find_prefix(keys=[qkey], args=[prefix]))}
+                for jid in map(reply_text, self._remove_prefix(keys=[qkey], args=[prefix])):
                     job = done[jid] if jid in done else self._write_cancelled(batch, jid, now)  # re-queued since
                     if job is not None:
                         self.client.hset(job.key, "status", JobStatus.CANCELED.value)
@@ -545,7 +543,7 @@ class BatchLedger:
                 self.client.sadd(self.keys.cancelled(), batch_id)
                 for q in queue_names(batch.model, self.keys.prefix):
                     dequeued += len(self._remove_prefix(keys=[rq_queue_key(q)], args=[job_id_prefix(batch_id)]))
-            listed = {_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)}
+            listed = {reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)}
             prefix = job_id_prefix(batch_id)
             job_ids = sorted({job_id_for(batch_id, n) for n in range(batch.num_jobs)}
                              | {j for j in listed if j.startswith(prefix)})
@@ -604,7 +602,7 @@ class BatchLedger:
         by_job: dict[int, set[int]] = {}
         for i in indices:
             by_job.setdefault(i // bs, set()).add(i)
-        job_ids = [_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
         needed = sorted(by_job)
         if needed and needed[-1] >= len(job_ids):
             raise RetryRejected(
@@ -631,7 +629,7 @@ class BatchLedger:
     def _scan_requests(self, batch: Batch, indices: list[int]) -> Iterator[Request]:
         """:meth:`source_requests` for a batch whose jobs hold any indices: every job read in order."""
         want = set(indices)
-        job_ids = [_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
         for job_id in job_ids:
             if not want:
                 return

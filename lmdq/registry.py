@@ -39,6 +39,7 @@ from lmdq.keys import (
     rq_workers_by_queue_key,
     rq_workers_key,
 )
+from lmdq.replies import reply_text
 
 __all__ = [
     "MAX_MODEL_NAME",
@@ -179,15 +180,12 @@ def redis_answers(client: redis.Redis) -> bool:
     return bool(client.ping())
 
 
-def _text(value: bytes | str) -> str:
-    """A Redis reply as text; replies are untrusted, so bad UTF-8 is replaced, never raised."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _time(value: Any) -> float | None:
     """A timestamp read back from Redis (untrusted): a finite non-negative number, else None."""
     try:
-        t = float(_text(value))
+        t = float(reply_text(value))
     except (TypeError, ValueError):
         return None
     return t if math.isfinite(t) and t >= 0 else None
@@ -266,7 +264,7 @@ class ModelRegistry:
             p.hkeys(self.keys.registered_models())
             p.hkeys(self.keys.models())
             registered, seen = p.execute()
-        return {_text(m) for m in registered} | {_text(m) for m in seen}
+        return {reply_text(m) for m in registered} | {reply_text(m) for m in seen}
 
     def add(self, name: str, *, note: str | None = None) -> bool:
         """Register ``name`` (with an optional note); True if it was not registered before.
@@ -302,8 +300,8 @@ class ModelRegistry:
             p.hgetall(self.keys.registered_models())
             p.hgetall(self.keys.models())
             raw_registered, raw_seen = p.execute()
-        registered = {_text(k): _registration(v) for k, v in raw_registered.items()}
-        seen = {_text(k): _time(v) for k, v in raw_seen.items()}
+        registered = {reply_text(k): _registration(v) for k, v in raw_registered.items()}
+        seen = {reply_text(k): _time(v) for k, v in raw_seen.items()}
         live = self._live_workers()
         out = []
         for name in sorted(set(registered) | set(seen)):
@@ -320,16 +318,16 @@ class ModelRegistry:
             return Counter()
         with self.client.pipeline(transaction=False) as p:
             for n in names:
-                p.hget(self.keys.worker(_text(n)), "model")
+                p.hget(self.keys.worker(reply_text(n)), "model")
             models = p.execute()
-        return Counter(_text(m) for m in models if m is not None)
+        return Counter(reply_text(m) for m in models if m is not None)
 
 
 def _registration(raw: bytes | str) -> tuple[float | None, str | None]:
     """(registered at, note) from a registration record; anything malformed reads as unknown, since
     the record is untrusted and the registration itself (the hash field) is what counts."""
     try:
-        record = json.loads(_text(raw))
+        record = json.loads(reply_text(raw))
     except ValueError:
         return None, None
     if not isinstance(record, dict):

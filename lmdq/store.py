@@ -24,6 +24,7 @@ import redis
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
 from lmdq.errors import BatchNotFound
 from lmdq.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys
+from lmdq.replies import reply_text
 
 __all__ = ["ResultStore"]
 
@@ -89,9 +90,6 @@ end
 return st
 """
 
-def _text(value: bytes | str) -> str:
-    """A Redis reply as text (clients made with ``decode_responses`` already return str)."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 _STATUS_COUNTER = {
@@ -164,7 +162,7 @@ class ResultStore:
 
     def list_batches(self, limit: int = 20) -> list[Batch]:
         newest = self.client.zrevrange(self.keys.batches(), 0, limit - 1)
-        ids = [_text(b) for b in newest if isinstance(b, (bytes, str))]
+        ids = [reply_text(b) for b in newest if isinstance(b, (bytes, str))]
         return self.get_batches(ids)
 
     def transition(
