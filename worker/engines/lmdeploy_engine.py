@@ -243,8 +243,6 @@ class LMDeployEngine:
     _dead: str | None = None
     _groups: frozenset[int] = frozenset()
     engine_pid: int | None = None
-    #: see ``streams``; set per backend in __init__ (a stand-in built without __init__ streams everything)
-    stream_from_new_tokens: int = 0
 
     def __init__(
         self,
@@ -550,7 +548,7 @@ class LMDeployEngine:
         does not stream. So a call streams only if one of its requests may be long: ``max_new_tokens`` of at
         least ``stream_from_new_tokens`` (or unset). Shorter requests come back whole, which a reader of
         the results cannot tell apart except by the missing partials and first-token time."""
-        floor = self.stream_from_new_tokens
+        floor = self.__dict__.get("stream_from_new_tokens", 0)
         return any(p.get("max_new_tokens") is None or p["max_new_tokens"] >= floor for p in params)
 
     def infer_all(self, requests: Sequence[EngineRequest]) -> list[Any]:
