@@ -1,9 +1,11 @@
 """A fleet on one Redis: N sim worker PROCESSES, what Redis spends per request, what idle workers cost.
 
-Every number comes from the Redis server's own counters (INFO cpu, stats, memory) around one phase
-(memory: ``used_memory`` less the clients' buffers, ``mem_clients_normal``):
+Every number comes from the Redis server's own counters (INFO cpu, stats) around one phase; memory is
+the sum of ``MEMORY USAGE key SAMPLES 0`` over every key, before and after the phase. ``used_memory``
+was tried first: its deltas also hold allocator fragmentation, Lua caches and the clients' buffers,
+and at a test's 16 requests they went negative (-1,208 B per running request on a loaded CI machine).
 
-1. memory per queued request: a batch for a model no worker serves, ``used_memory`` before and after;
+1. memory per queued request: a batch for a model no worker serves;
 2. memory per running request: one worker holds an engine-full of never-ending requests (each has
    written its partial result), then the batch is cancelled;
 3. one worker, then N workers (the first one plus N-1 more), each drains a batch sized for them:
@@ -66,16 +68,36 @@ class FleetConfig:
 class _Snap:
     cpu_s: float
     commands: int
-    memory: int
 
     @classmethod
     def of(cls, client: redis.Redis) -> _Snap:
         info = client.info("all")
-        # Memory without the clients' buffers: a worker's connections (query and reply buffers) are not
-        # per-request state, and at small sizes they would swamp it.
         return cls(cpu_s=float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
-                   commands=int(info["total_commands_processed"]),
-                   memory=int(info["used_memory"]) - int(info.get("mem_clients_normal", 0)))
+                   commands=int(info["total_commands_processed"]))
+
+
+def _key_memory(client: redis.Redis) -> int:
+    """Bytes held by the data itself: the exact ``MEMORY USAGE`` of every key (the bench owns this server).
+
+    Deterministic for the same data, so a per-request delta cannot go negative by allocator noise. Called
+    outside any CPU/command window: its SCAN and MEMORY calls are the bench's, not lmdq's.
+    """
+    total = 0
+    batch: list[Any] = []
+
+    def flush() -> int:
+        pipe = client.pipeline(transaction=False)
+        for k in batch:
+            pipe.memory_usage(k, samples=0)
+        n = sum(int(v or 0) for v in pipe.execute())
+        batch.clear()
+        return n
+
+    for key in client.scan_iter(count=1000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            total += flush()
+    return total + (flush() if batch else 0)
 
 
 def _enqueue(client: redis.Redis, keys: Keys, model: str, n: int, cfg: FleetConfig, *, tokens: int) -> Batch:
@@ -146,14 +168,14 @@ class _Procs:
 def _top_commands(before: dict[str, Any], after: dict[str, Any], n: int, k: int = 6) -> list[dict[str, Any]]:
     """Where Redis' time went, per request: the ``k`` commands with the most CPU (INFO commandstats;
     a Lua script counts as its EVALSHA, and the commands it runs count again under their own names)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, v in after.items():
         b = before.get(name, {"calls": 0, "usec": 0})
         calls, usec = int(v["calls"]) - int(b["calls"]), int(v["usec"]) - int(b["usec"])
         if calls:
             rows.append({"command": name.removeprefix("cmdstat_"), "calls_per_req": round(calls / n, 3),
                          "us_per_req": round(usec / n, 2)})
-    return sorted(rows, key=lambda r: -r["us_per_req"])[:k]
+    return sorted(rows, key=lambda r: -float(r["us_per_req"]))[:k]
 
 
 def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: int, cfg: FleetConfig,
@@ -161,6 +183,7 @@ def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: in
     """One batch for ``n_workers`` blocked workers: rate and Redis costs per request."""
     n = n_workers * cfg.capacity * cfg.rounds
     wait_until(lambda: blocked_clients(client) >= n_workers, 120, f"{n_workers} workers to block on their wake list")
+    mem0 = _key_memory(client)
     before, stats0 = _Snap.of(client), client.info("commandstats")
     batch = _enqueue(client, Keys(PREFIX), MODEL, n, cfg, tokens=cfg.output_len)
     t_wall = time.monotonic()
@@ -171,13 +194,14 @@ def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: in
 
     wait_until(done, 600, f"batch of {n:,} requests", interval=0.25)
     after, stats1 = _Snap.of(client), client.info("commandstats")
+    mem1 = _key_memory(client)
     b = store.get_batch(batch.id)
     assert b.status is BatchStatus.completed and b.request_counts.completed == n, b.request_counts
     secs = (b.completed_at or 0) - (b.queued_at or 0)
     out = {"workers": n_workers, "requests": n, "seconds": round(secs, 3),
            "req_s": round(n / secs, 1), "redis_cpu_us_per_req": round((after.cpu_s - before.cpu_s) / n * 1e6, 2),
            "commands_per_req": round((after.commands - before.commands) / n, 2),
-           "bytes_per_completed": round((after.memory - before.memory) / n),
+           "bytes_per_completed": round((mem1 - mem0) / n),
            "top_commands": _top_commands(stats0, stats1, n)}
     log(f"{n_workers} worker(s): {n:,} requests in {secs:.2f} s ({time.monotonic() - t_wall:.1f} s wall) "
         f"= {out['req_s']:,.0f} req/s")
@@ -188,14 +212,14 @@ def _running_memory(client: redis.Redis, store: ResultStore, cfg: FleetConfig, l
     """Bytes per running request: one worker's engine full of requests that do not end in the phase."""
     keys = Keys(PREFIX)
     n = cfg.capacity
-    before = _Snap.of(client).memory
+    before = _key_memory(client)
     batch = _enqueue(client, keys, MODEL, n, cfg, tokens=1_000_000)
     # Running = claimed, in the engine and reporting: every request has written its partial result.
     try:
         wait_until(lambda: client.hlen(keys.partials(batch.id)) >= n, 120, "every request's first partial")
     except TimeoutError as e:
         log(f"{e}; measured with {client.hlen(keys.partials(batch.id))} of {n} partials")
-    per = round((_Snap.of(client).memory - before) / n)
+    per = round((_key_memory(client) - before) / n)
     BatchLedger(client, keys=keys, ttl_s=3600).cancel(batch.id)
     wait_until(lambda: store.get_batch(batch.id).status.terminal and client.llen(keys.inflight(MODEL)) == 0, 120,
           "the cancelled batch to leave the worker")
@@ -239,15 +263,19 @@ def run_fleet(cfg: FleetConfig, *, redis_url: str, log: Callable[[str], None] = 
     store = ResultStore(client, keys=Keys(PREFIX))
     res: dict[str, Any] = {"config": asdict(cfg), "redis_version": client.info("server")["redis_version"]}
     # 1. queued: nobody serves this model
-    before = _Snap.of(client).memory
+    before = _key_memory(client)
     nq = cfg.capacity * cfg.rounds
     _enqueue(client, Keys(PREFIX), "fleet-unserved", nq, cfg, tokens=cfg.output_len)
-    res["bytes_per_queued"] = round((_Snap.of(client).memory - before) / nq)
+    res["bytes_per_queued"] = round((_key_memory(client) - before) / nq)
     log(f"memory per queued request: {res['bytes_per_queued']:,} B")
     procs = _Procs(redis_url, cfg, log)
     try:
         procs.start(1)
-        wait_until(lambda: (procs.check(), blocked_clients(client) >= 1)[1], 120, "the first worker to start")
+        def first_up() -> bool:
+            procs.check()
+            return blocked_clients(client) >= 1
+
+        wait_until(first_up, 120, "the first worker to start")
         # 2. running
         res["bytes_per_running"] = _running_memory(client, store, cfg, log)
         log(f"memory per running request: {res['bytes_per_running']:,} B")
