@@ -90,7 +90,11 @@ def test_sink_bench_reports_bytes_per_request_both_ways(env: dict[str, str]) -> 
     out = json.loads(lines[-1])
     for run in (out["with_sink"], out["without"]):
         assert run["n"] == 500 and run["exported"] == 500 and run["in_order"]
-        assert run["used_memory_delta_b_per_request"] > 0 and run["memory_usage_b_per_request"] > 0
+        assert run["memory_usage_b_per_request"] > 0  # exact per key; used_memory is server-wide (noise)
+        assert isinstance(run["used_memory_delta_b_per_request"], float)
+    # Only the batch without a sink is large enough (~750 B x 500) for used_memory's noise not to matter;
+    # with a sink (~11 B x 500) allocator noise alone can move it either way.
+    assert out["without"]["used_memory_delta_b_per_request"] > 100
     assert out["with_sink"]["memory_usage_b_per_request"] < out["without"]["memory_usage_b_per_request"]
 
 
