@@ -249,6 +249,12 @@ def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, gpu_backe
         assert "Paris" in cap.text
         assert w.wait(120) == 0, (tmp_path / "worker.log").read_text()[-3000:]
         print("\n".join(json.dumps({"custom_id": r.custom_id, "text": r.text[:80]}) for r in rows))
+        # Issue 19: LMDeploy's own logging, the mp-engine child's included, comes out as structlog JSON.
+        lines = [ln for ln in (tmp_path / "worker.log").read_text().splitlines() if ln.strip()]
+        bad = [ln for ln in lines if not ln.lstrip().startswith("{")]
+        assert not bad, bad[:5]
+        others = {d.get("pid") for d in map(json.loads, lines)} - {None, w.pid}
+        print(f"worker.log: {len(lines)} JSON lines, other processes' pids: {sorted(others)}")
     finally:
         if w is not None and w.poll() is None:
             w.kill()
