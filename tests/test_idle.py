@@ -207,14 +207,14 @@ def test_worker_holding_hundreds_of_jobs_never_runs_out_of_connections(tmp_path:
     wait for a connection instead."""
     from lmdq.worker.settings import WorkerSettings
 
-    n = 1500
+    n = 600
     rows = [{"custom_id": f"r{i}", "prompt": f"p{i}"} for i in range(n)]
-    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "1", "--max-new-tokens", "32")["id"]
+    bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env, "--batch-size", "1", "--max-new-tokens", "128")["id"]
     log = tmp_path / "w.log"
     before = int(client.info("clients")["connected_clients"])
-    # Requests of 32 steps x 25 ms (0.8 s at least): long enough that the worker fills its 256 slots and
-    # lookahead before the first ones finish, even when a loaded CI machine slows its claims (at 5 ms a
-    # step a CI run saw it peak at 97 jobs).
+    # Requests of 128 steps x 25 ms (3.2 s at least): far longer than the worker needs to fill its 256
+    # slots and lookahead (claims come in batches), so a loaded CI machine cannot make the first ones
+    # finish before it holds 100 jobs (at 32 x 5 ms a CI run saw it peak at 97).
     w = start_worker(*SIM, "--sim-max-batch", "256", "--sim-step-ms", "25", "--burst", env=env, log=log)
     procs.append(w)
     inflight = Keys(prefix).inflight(MODEL)
