@@ -37,6 +37,7 @@ from typing import Any
 
 import redis
 
+from lmdq.bench.local_redis import keys_memory
 from lmdq.connection import connect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, RequestCounts
 from lmdq.keys import Keys
@@ -77,27 +78,9 @@ class _Snap:
 
 
 def _key_memory(client: redis.Redis) -> int:
-    """Bytes held by the data itself: the exact ``MEMORY USAGE`` of every key (the bench owns this server).
-
-    Deterministic for the same data, so a per-request delta cannot go negative by allocator noise. Called
-    outside any CPU/command window: its SCAN and MEMORY calls are the bench's, not lmdq's.
-    """
-    total = 0
-    batch: list[Any] = []
-
-    def flush() -> int:
-        pipe = client.pipeline(transaction=False)
-        for k in batch:
-            pipe.memory_usage(k, samples=0)
-        n = sum(int(v or 0) for v in pipe.execute())
-        batch.clear()
-        return n
-
-    for key in client.scan_iter(count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            total += flush()
-    return total + (flush() if batch else 0)
+    """Bytes of every key on the bench's own server. Called outside any CPU/command window: its SCAN and
+    MEMORY calls are the bench's, not lmdq's."""
+    return keys_memory(client, client.scan_iter(count=1000))
 
 
 def _enqueue(client: redis.Redis, keys: Keys, model: str, n: int, cfg: FleetConfig, *, tokens: int) -> Batch:

@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from lmdq.bench.local_redis import keys_memory
 from lmdq.contract import BatchStatus, GenerationParams, Result
 from lmdq.keys import Keys
 from lmdq.producer.export import iter_lmdq_lines
@@ -64,7 +65,7 @@ def _one(client: redis.Redis, url: str, n: int, batch_size: int, tokens: int, si
         raise RuntimeError(f"batch ended {b.status.value} with {b.request_counts}")
     after = int(client.info("memory")["used_memory"])
     keys = [*client.scan_iter(f"{prefix}:batch:{batch.id}*"), *client.scan_iter(f"rq:job:{batch.id}-*")]
-    usage = sum(int(client.memory_usage(k, samples=0) or 0) for k in keys)
+    usage = keys_memory(client, keys)
     t3 = time.perf_counter()
     order_ok = True
     count = 0
