@@ -1,0 +1,3 @@
+from lmdq.api.cli import main
+
+main()

@@ -1,0 +1,98 @@
+"""The one module that calls lmdq's producer code (submit, status, results, cancel).
+
+The HTTP layer asks this adapter, never ``lmdq.producer`` or ``lmdq.store`` directly, so moving the
+server onto the ``lmdq.Client`` Python API (issue #23) changes this file only. What it adds to those
+calls is only what the CLI adds too: the settings they take (``lmdq-producer submit``'s flags come
+from the same :class:`~lmdq.producer.settings.ProducerSettings`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import redis
+
+from lmdq.api.settings import ApiSettings
+from lmdq.connection import connect
+from lmdq.contract import Batch
+from lmdq.keys import Keys
+from lmdq.store import ResultStore
+
+__all__ = ["Backend"]
+
+
+class Backend:
+    """lmdq's batches, as the API server sees them."""
+
+    def __init__(self, settings: ApiSettings, client: redis.Redis | None = None) -> None:
+        self.settings = settings
+        # FastAPI runs sync handlers on a thread pool (40 threads): a blocking pool of that order makes
+        # a burst of pollers wait for a connection instead of failing with "Too many connections".
+        self.client = client if client is not None else connect(settings.redis_url, settings=settings,
+                                                                max_connections=64)
+        self.keys = Keys(settings.key_prefix)
+        self.store = ResultStore(self.client, keys=self.keys, ttl_s=settings.result_ttl_s)
+
+    def submit(self, path: Path, *, window_s: float | None, metadata: dict[str, str], idempotency_key: str,
+               progress: Callable[[int], None] | None = None) -> Batch:
+        """Validate the whole OpenAI Batch file and enqueue it (``lmdq-producer submit FILE``): all of it
+        or, on :class:`~lmdq.errors.SubmitRejected` / :class:`~lmdq.errors.UnknownModel`, nothing.
+        ``idempotency_key`` makes a re-run after a crash return the batch the first run made."""
+        from lmdq.producer.formats import InputFormat, InputLimits
+        from lmdq.producer.submit import SubmitOptions, submit_file
+
+        s = self.settings
+        opts = SubmitOptions(
+            model=s.api_model,
+            batch_size=s.batch_size,
+            metadata=metadata,
+            idempotency_key=idempotency_key,
+            completion_window_s=window_s,
+            known_models=s.known_models,
+            limits=InputLimits(max_line_bytes=s.max_line_bytes, max_requests=s.max_requests),
+            fmt=InputFormat.openai,
+            results_url=s.results_url,
+            prefix_groups=s.prefix_groups,
+            prefix_group_bytes=s.prefix_group_bytes,
+            memory_fraction=s.memory_headroom_fraction,
+        )
+        batch: Batch
+        batch, _created = submit_file(path, opts, client=self.client, keys=self.keys, ttl_s=s.result_ttl_s,
+                                      validate_progress=progress, enqueue_progress=progress,
+                                      max_job_bytes=s.max_job_bytes)
+        return batch
+
+    def get(self, batch_id: str) -> Batch | None:
+        """The batch (``lmdq-producer status``), or None once it is gone (purged, past its TTL)."""
+        from lmdq.errors import BatchNotFound
+
+        try:
+            return self.store.get_batch(batch_id)
+        except BatchNotFound:
+            return None
+
+    def get_many(self, batch_ids: Iterable[str]) -> dict[str, Batch]:
+        """Several batches in one round trip (a list page), by id; gone ones are left out."""
+        return {b.id: b for b in self.store.get_batches(batch_ids)}
+
+    def cancel(self, batch_id: str) -> Batch:
+        """``lmdq-producer cancel``: queued jobs off the queue, in-flight requests aborted."""
+        from lmdq.producer.cancel import cancel_batch
+
+        batch: Batch = cancel_batch(self.client, self.keys, batch_id, ttl_s=self.settings.result_ttl_s)
+        return batch
+
+    def openai_lines(self, batch: Batch) -> Iterator[tuple[bool, bytes]]:
+        """``lmdq-producer results --format openai``: one OpenAI Batch output line per request, in input
+        order, as ``(is_error, line)`` (errors go to the error file)."""
+        from lmdq.producer.export import iter_openai
+
+        lines: Iterator[tuple[bool, bytes]] = iter_openai(self.store, batch)
+        return lines
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except redis.RedisError:
+            return False

@@ -1,0 +1,512 @@
+"""Batches: OpenAI's batch object over an lmdq batch, with its own short life before and after it.
+
+An API batch is a Redis hash (``<prefix>:api:batch:<id>``) owned by a tenant. It is created at once
+(``validating``) and submitted in the background: the whole file is validated by lmdq's own submit
+(:mod:`lmdq.api.backend`), then either an lmdq batch exists (its id is recorded) or the API batch
+is ``failed`` with OpenAI's ``errors`` (line-numbered). A submission whose replica stopped is run
+again by any replica once its lease lapses; the idempotency key (the API batch id) makes the re-run
+return the batch the first run made, so nothing is enqueued twice.
+
+When the lmdq batch ends, a replica writes its OpenAI-format output and error files (finalizing)
+and records their ids; only then does the batch read ``completed`` / ``expired`` / ``cancelled``,
+so a client that sees a terminal status can always download the files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.typing import EncodableT, FieldT
+
+from lmdq.api.backend import Backend
+from lmdq.api.errors import bad_request, conflict, not_found
+from lmdq.api.files import FileStore
+from lmdq.api.paging import Page, page
+from lmdq.contract import Batch, BatchStatus
+from lmdq.errors import LmdqError, RedisRefused, SubmitRejected, UnknownModel
+from lmdq.logs import get_logger
+
+__all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
+
+log = get_logger("lmdq.api.batches")
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+_WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: a submission that keeps failing for reasons not about its file (a bug) gives up after this many runs
+MAX_SUBMIT_RUNS = 5
+_SUBMIT_LEASE_S = 60
+_FINALIZE_LEASE_S = 120
+_MAX_ERRORS = 100
+
+
+def parse_window(window: str) -> float:
+    """``24h`` (OpenAI's only value), or any ``<n>s|m|h|d``: requests not started by then expire."""
+    m = _WINDOW.match(window) if isinstance(window, str) else None
+    if not m or float(m.group(1)) <= 0:
+        raise bad_request(f"completion_window: expected a duration such as '24h' (or 90m, 7d), got {window!r}",
+                          param="completion_window")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    """OpenAI's metadata rules (at most 16 pairs, keys <= 64 and values <= 512 characters), lmdq's too."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise bad_request("metadata: expected an object of string values", param="metadata")
+    if len(metadata) > 16:
+        raise bad_request(f"metadata: expected at most 16 keys, got {len(metadata)}", param="metadata")
+    for k, v in metadata.items():
+        if len(k) > 64 or len(v) > 512:
+            raise bad_request(f"metadata: key {k[:64]!r}: keys are at most 64 and values at most 512 characters",
+                              param="metadata")
+    return dict(metadata)
+
+
+@dataclass
+class Record:
+    """The API batch hash, decoded (untrusted: a field that does not parse reads as missing)."""
+
+    id: str
+    tenant: str
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    window_s: float
+    metadata: dict[str, str]
+    created_at: int
+    state: str  # validating | failed | submitted
+    lmdq_id: str | None
+    errors: list[dict[str, Any]] | None
+    failed_at: int | None
+    cancel_requested_at: int | None
+    output_file_id: str | None
+    error_file_id: str | None
+    final_status: str | None
+    finalized_at: int | None
+    runs: int
+    output_ttl_s: int | None
+
+    @classmethod
+    def decode(cls, batch_id: str, raw: dict[Any, Any]) -> Record | None:
+        try:
+            d = {k.decode(): v.decode() for k, v in raw.items()}
+
+            def opt_int(name: str) -> int | None:
+                return int(float(d[name])) if d.get(name) else None
+
+            return cls(id=batch_id, tenant=d["tenant"], input_file_id=d["input_file_id"], endpoint=d["endpoint"],
+                       completion_window=d["completion_window"], window_s=float(d["window_s"]),
+                       metadata=json.loads(d.get("metadata") or "{}"), created_at=int(d["created_at"]),
+                       state=d["state"], lmdq_id=d.get("lmdq_id") or None,
+                       errors=json.loads(d["errors"]) if d.get("errors") else None, failed_at=opt_int("failed_at"),
+                       cancel_requested_at=opt_int("cancel_requested_at"),
+                       output_file_id=d.get("output_file_id") or None, error_file_id=d.get("error_file_id") or None,
+                       final_status=d.get("final_status") or None, finalized_at=opt_int("finalized_at"),
+                       runs=int(d.get("runs") or 0), output_ttl_s=int(d.get("output_ttl_s") or 0) or None)
+        except (KeyError, ValueError, UnicodeDecodeError):
+            return None
+
+
+def _int(t: float | None) -> int | None:
+    return int(t) if t is not None else None
+
+
+#: lmdq's input errors are ``<path>:<line>: field '<f>': <message>`` (lmdq.producer.formats.InputError)
+_ERROR_LINE = re.compile(r"^(?P<path>.*?):(?P<line>\d+): (?P<rest>.*)$")
+_FIELD = re.compile(r"^field '(?P<field>[^']*)': ")
+
+
+def _error_code(field: str | None, message: str) -> str:
+    """OpenAI's batch error codes where one fits, else ``invalid_request``."""
+    if field == "custom_id" and "unique" in message:
+        return "duplicate_custom_id"
+    if field == "url":
+        return "invalid_url"
+    if field in ("model", "body.model"):
+        return "mismatched_model"
+    if "JSON" in message or "json" in message:
+        return "invalid_json_line"
+    if field is not None:
+        return "invalid_request"
+    return "invalid_request"
+
+
+def errors_from(exc: LmdqError, path: Path, shown_as: str) -> list[dict[str, Any]]:
+    """OpenAI ``BatchError`` objects from an lmdq refusal: one per ``file:line`` error, the server's
+    path replaced by the uploaded file's name (no server paths in answers)."""
+    out: list[dict[str, Any]] = []
+    for raw in str(exc).splitlines():
+        text = raw.replace(str(path), shown_as)
+        m = _ERROR_LINE.match(raw)
+        line: int | None = None
+        rest = text
+        if m and m.group("path") == str(path):
+            line = int(m.group("line")) or None
+            rest = m.group("rest").replace(str(path), shown_as)
+        elif raw.startswith(f"{path}: "):
+            rest = raw[len(str(path)) + 2:].replace(str(path), shown_as)
+        f = _FIELD.match(rest)
+        field = f.group("field") if f else None
+        code = "model_not_found" if isinstance(exc, UnknownModel) else _error_code(field, rest)
+        if isinstance(exc, RedisRefused):
+            code = "capacity_exceeded"
+        out.append({"code": code, "message": rest, "param": field, "line": line})
+        if len(out) >= _MAX_ERRORS:
+            break
+    return out
+
+
+def _endpoint_errors(path: Path, endpoint: str, shown_as: str) -> list[dict[str, Any]]:
+    """Lines whose ``url`` is another endpoint than the batch's (OpenAI: every line must use it).
+    Lines lmdq cannot parse are left to lmdq's validation, which names what is wrong with them."""
+    out: list[dict[str, Any]] = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if b'"url"' not in raw:
+                continue
+            try:
+                url = json.loads(raw).get("url")
+            except (ValueError, AttributeError):
+                continue
+            if url in ENDPOINTS and url != endpoint:
+                out.append({"code": "invalid_url", "param": "url", "line": n,
+                            "message": f"{shown_as}:{n}: field 'url': expected {endpoint!r} (the batch's "
+                                       f"endpoint), got {url!r}"})
+                if len(out) >= _MAX_ERRORS:
+                    break
+    return out
+
+
+class ApiBatches:
+    def __init__(self, backend: Backend, files: FileStore, *, prefix: str, ttl_s: int,
+                 schedule: Callable[[Callable[[], None]], None]) -> None:
+        self.backend = backend
+        self.client: redis.Redis = backend.client
+        self.files = files
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.schedule = schedule
+
+    # ---- keys -------------------------------------------------------------------------------
+    def _key(self, batch_id: str) -> str:
+        return f"{self.prefix}:api:batch:{batch_id}"
+
+    def _index(self, tenant: str) -> str:
+        return f"{self.prefix}:api:tenant:{tenant}:batches"
+
+    def _open(self) -> str:
+        """API batches not yet final (validating, or submitted and output files not written)."""
+        return f"{self.prefix}:api:open"
+
+    def _lease(self, batch_id: str) -> str:
+        return f"{self.prefix}:api:lease:{batch_id}"
+
+    # ---- records ------------------------------------------------------------------------------
+    def _load(self, batch_id: str) -> Record | None:
+        raw = self.client.hgetall(self._key(batch_id))
+        return Record.decode(batch_id, raw) if raw else None
+
+    def get_record(self, tenant: str, batch_id: str) -> Record:
+        rec = self._load(batch_id) if batch_id.startswith("batch_") and len(batch_id) < 64 else None
+        if rec is None or rec.tenant != tenant:
+            raise not_found("batch", batch_id)
+        return rec
+
+    # ---- API operations -------------------------------------------------------------------------
+    def create(self, tenant: str, *, input_file_id: str, endpoint: str, completion_window: str,
+               metadata: Any, output_ttl_s: int | None = None) -> dict[str, Any]:
+        if endpoint not in ENDPOINTS:
+            raise bad_request(f"endpoint: expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+        window_s = parse_window(completion_window)
+        meta = check_metadata(metadata)
+        f = self.files.get(tenant, input_file_id)
+        if f.purpose != "batch":
+            raise bad_request(f"input_file_id: file {input_file_id!r} has purpose {f.purpose!r}, expected 'batch'",
+                              param="input_file_id")
+        batch_id = "batch_" + secrets.token_hex(12)
+        now = int(time.time())
+        with self.client.pipeline(transaction=True) as p:
+            p.hset(self._key(batch_id), mapping={
+                "tenant": tenant, "input_file_id": input_file_id, "endpoint": endpoint,
+                "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
+                "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0})
+            p.expire(self._key(batch_id), self.ttl_s)
+            p.zadd(self._index(tenant), {batch_id: now})
+            p.expire(self._index(tenant), self.ttl_s)
+            p.sadd(self._open(), batch_id)
+            p.execute()
+        log.info("batch created", batch=batch_id, tenant=tenant, input_file=input_file_id, endpoint=endpoint)
+        self.schedule(lambda: self.submit(batch_id))
+        return self.view(self.get_record(tenant, batch_id))
+
+    def retrieve(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        return self.view(self.get_record(tenant, batch_id))
+
+    def list_page(self, tenant: str, *, after: str | None, limit: int) -> Page[dict[str, Any]]:
+        def load(ids: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+            with self.client.pipeline(transaction=False) as p:
+                for i in ids:
+                    p.hgetall(self._key(i))
+                raws = p.execute()
+            recs = [Record.decode(i, raw) if raw else None for i, raw in zip(ids, raws)]
+            gone = [i for i, r in zip(ids, recs) if r is None or r.tenant != tenant]
+            mine = [r for r in recs if r is not None and r.tenant == tenant]
+            lmdq = self.backend.get_many(r.lmdq_id for r in mine if r.lmdq_id)
+            return [self.view(r, lmdq.get(r.lmdq_id) if r.lmdq_id else None, fetch=False) for r in mine], gone
+
+        return page(self.client, self._index(tenant), after=after, limit=limit, newest_first=True, load=load,
+                    what="batch")
+
+    def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        rec = self.get_record(tenant, batch_id)
+        shown = self.view(rec)
+        if shown["status"] in ("cancelling", "cancelled"):
+            return shown
+        if shown["status"] in ("completed", "failed", "expired", "finalizing"):
+            raise conflict(f"Cannot cancel a batch with status {shown['status']!r}.")
+        self.client.hsetnx(self._key(batch_id), "cancel_requested_at", int(time.time()))
+        rec = self.get_record(tenant, batch_id)  # the submission may have landed meanwhile
+        if rec.lmdq_id:
+            self.backend.cancel(rec.lmdq_id)
+        log.info("batch cancel requested", batch=batch_id, tenant=tenant)
+        return self.view(rec)
+
+    # ---- the OpenAI view ---------------------------------------------------------------------------
+    def view(self, rec: Record, b: Batch | None = None, *, fetch: bool = True) -> dict[str, Any]:
+        """OpenAI's ``batch`` object (``openai.types.Batch``)."""
+        if b is None and fetch and rec.lmdq_id:
+            b = self.backend.get(rec.lmdq_id)
+        counts = {"total": 0, "completed": 0, "failed": 0}
+        out: dict[str, Any] = {
+            "id": rec.id, "object": "batch", "endpoint": rec.endpoint, "errors": None,
+            "input_file_id": rec.input_file_id, "completion_window": rec.completion_window,
+            "status": "validating", "output_file_id": rec.output_file_id, "error_file_id": rec.error_file_id,
+            "created_at": rec.created_at, "in_progress_at": None,
+            "expires_at": rec.created_at + int(rec.window_s), "finalizing_at": None, "completed_at": None,
+            "failed_at": rec.failed_at, "expired_at": None, "cancelling_at": rec.cancel_requested_at,
+            "cancelled_at": None, "request_counts": counts, "metadata": rec.metadata or None,
+        }
+        if rec.state == "failed":
+            out["status"] = "failed"
+            out["errors"] = {"object": "list", "data": rec.errors or []}
+            return out
+        if rec.state == "validating":
+            out["status"] = "cancelling" if rec.cancel_requested_at else "validating"
+            return out
+        if b is None:  # submitted, but the lmdq batch is gone (purged, or past its TTL)
+            if rec.final_status:
+                out["status"] = rec.final_status
+                self._final_stamps(out, rec)
+                return out
+            out["status"] = "failed"
+            out["errors"] = {"object": "list", "data": [{"code": "batch_gone", "line": None, "param": None,
+                                                         "message": "the lmdq batch behind this batch was deleted"}]}
+            return out
+        c = b.request_counts
+        counts.update(total=c.total, completed=c.completed, failed=c.failed + c.cancelled + c.expired)
+        out["model"] = b.model
+        out["in_progress_at"] = _int(b.in_progress_at or b.queued_at)
+        out["expires_at"] = _int(b.expires_at) or out["expires_at"]
+        out["cancelling_at"] = _int(b.cancelling_at) or rec.cancel_requested_at
+        ended_at = _int(b.completed_at or b.expired_at or b.cancelled_at)
+        if rec.final_status:
+            out["status"] = rec.final_status
+            self._final_stamps(out, rec, ended_at)
+        elif b.status.terminal:  # ended; its output files are being written
+            out["status"] = "cancelling" if b.status is BatchStatus.cancelled else "finalizing"
+            if b.status is not BatchStatus.cancelled:
+                out["finalizing_at"] = ended_at
+        elif b.status is BatchStatus.cancelling or rec.cancel_requested_at:
+            out["status"] = "cancelling"
+        else:
+            out["status"] = "in_progress"
+        return out
+
+    @staticmethod
+    def _final_stamps(out: dict[str, Any], rec: Record, ended_at: int | None = None) -> None:
+        st = rec.final_status
+        if st == "completed":
+            out["finalizing_at"] = ended_at or rec.finalized_at
+            out["completed_at"] = rec.finalized_at
+        elif st == "expired":
+            out["finalizing_at"] = ended_at or rec.finalized_at
+            out["expired_at"] = rec.finalized_at
+        elif st == "cancelled":
+            out["cancelled_at"] = rec.finalized_at
+        elif st == "failed":
+            out["failed_at"] = rec.finalized_at
+
+    # ---- background work: submit, finalize ------------------------------------------------------------
+    def _take_lease(self, batch_id: str, ttl_s: int) -> str | None:
+        token = secrets.token_hex(8)
+        return token if self.client.set(self._lease(batch_id), token, nx=True, ex=ttl_s) else None
+
+    def _renew(self, batch_id: str, token: str, ttl_s: int) -> None:
+        if self.client.get(self._lease(batch_id)) == token.encode():
+            self.client.expire(self._lease(batch_id), ttl_s)
+
+    def _drop_lease(self, batch_id: str, token: str) -> None:
+        if self.client.get(self._lease(batch_id)) == token.encode():
+            self.client.delete(self._lease(batch_id))
+
+    def _fail(self, rec: Record, errors: list[dict[str, Any]]) -> None:
+        now = int(time.time())
+        with self.client.pipeline(transaction=True) as p:
+            p.hset(self._key(rec.id), mapping={"state": "failed", "errors": json.dumps(errors), "failed_at": now})
+            p.srem(self._open(), rec.id)
+            p.execute()
+        log.info("batch failed validation", batch=rec.id, tenant=rec.tenant, errors=len(errors))
+
+    def submit(self, batch_id: str) -> None:
+        """Validate and enqueue a ``validating`` batch (a background thread). Only one replica at a time
+        (a lease); a fault (Redis away, the process stopping) leaves it ``validating`` for a re-run."""
+        token = self._take_lease(batch_id, _SUBMIT_LEASE_S)
+        if token is None:
+            return
+        try:
+            rec = self._load(batch_id)
+            if rec is None or rec.state != "validating":
+                return
+            runs = int(self.client.hincrby(self._key(batch_id), "runs", 1))
+            if runs > MAX_SUBMIT_RUNS:
+                self._fail(rec, [{"code": "internal_error", "line": None, "param": None,
+                                  "message": f"the server could not submit this batch in {MAX_SUBMIT_RUNS} tries; "
+                                             "see lmdq-api's log"}])
+                return
+            self._submit(rec, token)
+        finally:
+            self._drop_lease(batch_id, token)
+
+    def _submit(self, rec: Record, token: str) -> None:
+        try:
+            frec = self.files.get(rec.tenant, rec.input_file_id)
+            path = self.files.path(rec.input_file_id)
+        except Exception:
+            self._fail(rec, [{"code": "invalid_file", "line": None, "param": "input_file_id",
+                              "message": f"input file {rec.input_file_id!r} no longer exists"}])
+            return
+        shown = frec.filename
+        try:
+            errors = _endpoint_errors(path, rec.endpoint, shown)
+        except OSError:
+            errors = [{"code": "invalid_file", "line": None, "param": "input_file_id",
+                       "message": f"input file {rec.input_file_id!r} can no longer be read"}]
+        if errors:
+            self._fail(rec, errors)
+            return
+        last = [time.monotonic()]
+
+        def progress(_n: int) -> None:  # a long validation keeps its lease
+            if time.monotonic() - last[0] > _SUBMIT_LEASE_S / 4:
+                last[0] = time.monotonic()
+                self._renew(rec.id, token, _SUBMIT_LEASE_S)
+
+        meta = dict(rec.metadata)
+        try:
+            batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta, idempotency_key=f"api-{rec.id}",
+                                        progress=progress)
+        except (SubmitRejected, UnknownModel, RedisRefused) as e:
+            self._fail(rec, errors_from(e, path, shown))
+            return
+        self.client.hset(self._key(rec.id), mapping={"state": "submitted", "lmdq_id": batch.id})
+        log.info("batch submitted", batch=rec.id, tenant=rec.tenant, lmdq_batch=batch.id,
+                 requests=batch.request_counts.total)
+        if self.client.hexists(self._key(rec.id), "cancel_requested_at"):
+            self.backend.cancel(batch.id)
+
+    def finalize(self, batch_id: str) -> None:
+        """Write an ended batch's output and error files, then show it ended (a background thread)."""
+        token = self._take_lease(batch_id, _FINALIZE_LEASE_S)
+        if token is None:
+            return
+        try:
+            rec = self._load(batch_id)
+            if rec is None or rec.state != "submitted" or rec.final_status or not rec.lmdq_id:
+                return
+            b = self.backend.get(rec.lmdq_id)
+            if b is None or not b.status.terminal:
+                return
+            out_id, err_id = self._write_outputs(rec, b, token)
+            now = int(time.time())
+            fields: dict[FieldT, EncodableT] = {"final_status": b.status.value, "finalized_at": now}
+            if out_id:
+                fields["output_file_id"] = out_id
+            if err_id:
+                fields["error_file_id"] = err_id
+            with self.client.pipeline(transaction=True) as p:
+                p.hset(self._key(batch_id), mapping=fields)
+                p.srem(self._open(), batch_id)
+                p.execute()
+            c = b.request_counts
+            log.info("batch finalized", batch=batch_id, tenant=rec.tenant, status=b.status.value, total=c.total,
+                     completed=c.completed, output_file=out_id, error_file=err_id)
+        finally:
+            self._drop_lease(batch_id, token)
+
+    def _write_outputs(self, rec: Record, b: Batch, token: str) -> tuple[str | None, str | None]:
+        """Both files in one pass over the results, in input order; an empty one is not kept (its id
+        stays null, as OpenAI's does)."""
+        fs = self.files
+        out_id, out, out_tmp = fs.open_new()
+        err_id, err, err_tmp = fs.open_new()
+        counts = [0, 0]
+        try:
+            for n, (is_error, line) in enumerate(self.backend.openai_lines(b), start=1):
+                (err if is_error else out).write(line)
+                counts[is_error] += 1
+                if n % 10_000 == 0:
+                    self._renew(rec.id, token, _FINALIZE_LEASE_S)
+            kept: list[str | None] = []
+            for fid, f, tmp, name, n in ((out_id, out, out_tmp, "output", counts[0]),
+                                         (err_id, err, err_tmp, "errors", counts[1])):
+                if n:
+                    fs.commit(fid, f, tmp, tenant=rec.tenant, filename=f"{rec.id}_{name}.jsonl",
+                              purpose="batch_output", ttl_s=rec.output_ttl_s)
+                    kept.append(fid)
+                else:
+                    fs.discard(f, tmp)
+                    kept.append(None)
+            return kept[0], kept[1]
+        except BaseException:
+            fs.discard(out, out_tmp)
+            fs.discard(err, err_tmp)
+            raise
+
+    def sweep_open(self) -> Iterator[Callable[[], None]]:
+        """The background work open batches need now: a submission no replica holds (its replica
+        stopped) and ended batches whose files are not written yet."""
+        ids = [x.decode() for x in self.client.smembers(self._open())]  # type: ignore[union-attr]
+        if not ids:
+            return
+        with self.client.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hgetall(self._key(i))
+                p.exists(self._lease(i))
+            got = p.execute()
+        recs = {i: (Record.decode(i, raw) if raw else None, bool(leased))
+                for i, raw, leased in zip(ids, got[0::2], got[1::2])}
+        gone = [i for i, (r, _) in recs.items() if r is None or r.state == "failed" or r.final_status]
+        if gone:
+            self.client.srem(self._open(), *gone)
+        submitted = {i: r for i, (r, _) in recs.items() if r is not None and r.state == "submitted" and r.lmdq_id}
+        lmdq = self.backend.get_many(r.lmdq_id for r in submitted.values() if r.lmdq_id)
+        for i, (r, leased) in recs.items():
+            if r is None or leased:
+                continue
+            if r.state == "validating":
+                yield lambda i=i: self.submit(i)  # type: ignore[misc]
+            elif i in submitted:
+                b = lmdq.get(r.lmdq_id or "")
+                if b is not None and b.status.terminal:
+                    yield lambda i=i: self.finalize(i)  # type: ignore[misc]

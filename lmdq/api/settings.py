@@ -1,0 +1,46 @@
+"""The API server's settings: ``LMDQ_*`` env vars, declared once each (tests/test_settings.py).
+
+The server submits batches exactly as ``lmdq-producer submit`` does, so it takes every producer
+setting (batch size, known models, input limits, results sink, TTL) from
+:class:`~lmdq.producer.settings.ProducerSettings` and adds only what HTTP needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+
+from lmdq.producer.settings import ProducerSettings
+
+__all__ = ["ApiSettings"]
+
+
+# lmdq.producer is installed from producer/ (package-dir), which mypy does not follow: Any to it
+class ApiSettings(ProducerSettings):  # type: ignore[misc]
+    api_host: str = Field(default="127.0.0.1", description="address lmdq-api listens on (0.0.0.0 in containers)")
+    api_port: int = Field(default=8000, ge=0, le=65535, description="port lmdq-api listens on (0: any free port)")
+    api_keys: SecretStr | None = Field(
+        default=None, description="API keys as comma-separated tenant:key pairs (LMDQ_API_KEYS); kept only hashed"
+    )
+    api_keys_file: Path | None = Field(
+        default=None, description="a file of tenant:key lines (LMDQ_API_KEYS_FILE; # comments), e.g. a mounted "
+        "Kubernetes Secret; read with LMDQ_API_KEYS, both may be given"
+    )
+    api_files_dir: Path = Field(
+        default=Path("lmdq-files"), description="folder uploaded files and batch output files are written to "
+        "(streamed, never held in memory); shared by every lmdq-api replica"
+    )
+    api_model: str | None = Field(
+        default=None, description="served model every batch runs on, whatever its lines' body.model says "
+        "(as `submit --model`); unset: the lines' body.model must be a known model"
+    )
+    api_max_upload_bytes: int = Field(default=8 << 30, ge=1, description="largest file POST /v1/files accepts")
+    api_file_ttl_s: int = Field(
+        default=30 * 24 * 3600, ge=60, description="how long uploaded and output files are kept (OpenAI's "
+        "expires_at; DELETE /v1/files/{id} removes one sooner)"
+    )
+    api_poll_interval_s: float = Field(
+        default=0.5, gt=0, le=60, description="how often the server looks for batches that ended (to write their "
+        "output files) and for submissions a stopped replica left half done"
+    )
