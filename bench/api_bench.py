@@ -61,6 +61,7 @@ class ApiProcess:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.files_dir = files_dir
         e = dict(os.environ)
         e.update({"LMDQ_REDIS_URL": redis_url, "LMDQ_KEY_PREFIX": prefix, "LMDQ_LOG_FORMAT": "json",
                   "LMDQ_API_KEYS": ",".join(f"{t}:{k}" for t, k in keys.items()),

@@ -242,7 +242,7 @@ class ApiBatches:
                 "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
                 "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0})
             p.expire(self._key(batch_id), self.ttl_s)
-            p.zadd(self._index(tenant), {batch_id: now})
+            p.zadd(self._index(tenant), {batch_id: time.time()})  # sub-second: a list keeps creation order
             p.expire(self._index(tenant), self.ttl_s)
             p.sadd(self._open(), batch_id)
             p.execute()

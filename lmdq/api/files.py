@@ -103,7 +103,7 @@ class FileStore:
                                                 "created_at": now, "purpose": purpose,
                                                 "expires_at": expires})
             p.expire(self._key(file_id), ttl_s)
-            p.zadd(self._index(tenant), {file_id: now})
+            p.zadd(self._index(tenant), {file_id: time.time()})  # sub-second: a list keeps creation order
             p.expire(self._index(tenant), max(ttl_s, self.ttl_s))
             p.execute()
         return rec
