@@ -25,7 +25,7 @@ import openai
 import pytest
 import redis
 from openai import OpenAI
-from openai.types import Batch, BatchError, FileObject
+from openai.types import Batch, BatchError, Completion, FileObject
 from openai.types.chat import ChatCompletion
 
 from lmdq.bench.api_bench import ApiProcess, write_batch_file
@@ -35,6 +35,7 @@ from tests.conftest import start_worker
 KEYS = {t: f"{t}-key-{uuid.uuid4().hex}" for t in ("alice", "bob", "pager", "poll", "mem")}
 SIM = ("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--burst")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
+EMBEDDED = "smollm2-135m-instruct"  # the model `lmdq-worker` serves with no --model (CPU, transformers)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def prefix() -> str:
 def api(redis_url: str, prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
     work = tmp_path_factory.mktemp("api")
     srv = ApiProcess(redis_url=redis_url, prefix=prefix, keys=KEYS, files_dir=work / "files", log=work / "api.log",
-                     env={"LMDQ_KNOWN_MODELS": '["sim"]'}).start()
+                     env={"LMDQ_KNOWN_MODELS": f'["sim", "{EMBEDDED}"]'}).start()
     try:
         yield srv
     finally:
@@ -138,6 +139,31 @@ def test_files_batches_retrieve_content_every_custom_id_once(api: ApiProcess, wo
         assert cc.object == "chat.completion" and cc.choices[0].message.content
     assert out.bytes == len(c.files.content(b.output_file_id).content)
     assert b.id in [x.id for x in c.batches.list()]
+
+
+@pytest.mark.model
+def test_the_embedded_model_answers_through_the_sdk(api: ApiProcess, worker_env: dict[str, str]) -> None:
+    """The same flow on real generation: the embedded CPU model, chat and completions endpoints."""
+    c = sdk(api, "alice")
+    chat = [chat_line("capital", "What is the capital of France? Answer in one word.", model=EMBEDDED,
+                      max_tokens=16)]
+    raw = [{"custom_id": "count", "method": "POST", "url": "/v1/completions",
+            "body": {"model": EMBEDDED, "prompt": "One, two, three,", "max_tokens": 4}}]
+    b1 = c.batches.create(input_file_id=upload(c, chat).id, endpoint="/v1/chat/completions", completion_window="24h")
+    b2 = c.batches.create(input_file_id=upload(c, raw).id, endpoint="/v1/completions", completion_window="24h")
+    until(c, b1.id, "in_progress")
+    until(c, b2.id, "in_progress")
+    assert start_worker("--burst", env=worker_env).wait(600) == 0
+    b1, b2 = until(c, b1.id, *TERMINAL), until(c, b2.id, *TERMINAL)
+    assert (b1.status, b2.status) == ("completed", "completed")
+    assert b1.output_file_id and b2.output_file_id
+    (line,) = [json.loads(x) for x in c.files.content(b1.output_file_id).text.splitlines()]
+    answer = ChatCompletion.model_validate(line["response"]["body"])
+    assert answer.model == EMBEDDED and "Paris" in (answer.choices[0].message.content or "")
+    (line,) = [json.loads(x) for x in c.files.content(b2.output_file_id).text.splitlines()]
+    done = Completion.model_validate(line["response"]["body"])
+    assert done.object == "text_completion" and done.choices[0].text and done.usage is not None
+    assert done.usage.completion_tokens == 4
 
 
 def test_completions_endpoint_and_a_mismatched_url(api: ApiProcess) -> None:
