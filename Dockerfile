@@ -80,6 +80,32 @@ HEALTHCHECK --interval=30s --timeout=5s --retries=3 \
 ENTRYPOINT ["rq-dashboard", "--json", "--bind", "0.0.0.0", "--port", "9181"]
 
 # ---------------------------------------------------------------------------------------------
+# api: lmdq-api, the OpenAI-compatible Files + Batches API (no GPU): the producer image plus the
+# lmdq[api] extra. The lock (constraints/producer.txt) pins every shared dependency; the extra's own
+# packages are pinned here until scripts/lock_images.py locks an api image too.
+FROM producer AS api
+USER 0:0
+# hadolint ignore=DL3013
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    for whl in /wheels/lmdq-*.whl; do \
+        pip install --no-cache-dir --constraint /etc/lmdq/constraints.txt "${whl}[blobs,api]" \
+            fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 python-multipart==0.0.34 h11==0.16.0 \
+            anyio==4.16.0 sniffio==1.3.1 opentelemetry-api==1.45.2; \
+    done \
+    && pip check \
+    && mkdir -p /files && chown 10001:10001 /files
+USER 10001:10001
+# Uploads and batch output files: mount a volume here (compose: `api-files`, Kubernetes: a PVC).
+ENV LMDQ_API_HOST=0.0.0.0 \
+    LMDQ_API_PORT=8000 \
+    LMDQ_API_FILES_DIR=/files
+VOLUME ["/files"]
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+ENTRYPOINT ["lmdq-api"]
+
+# ---------------------------------------------------------------------------------------------
 # CUDA variants: base image + the matching PyTorch build. `base` images carry only the CUDA
 # runtime bits the driver needs; CUDA libraries come as pip wheels with torch.
 FROM nvidia/cuda:12.6.3-base-ubuntu24.04 AS cuda-cu12

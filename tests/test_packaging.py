@@ -634,7 +634,7 @@ def render(overlay: str) -> list[dict[str, Any]]:
 def worker_containers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for d in docs:
-        if d["kind"] == "Deployment" and d["metadata"]["name"] != "lmdq-exporter":  # the exporter: no GPU
+        if d["kind"] == "Deployment" and d["metadata"]["name"] not in ("lmdq-exporter", "lmdq-api"):  # no GPU
             out += d["spec"]["template"]["spec"]["containers"]
         elif d["kind"] == "ScaledJob":
             out += d["spec"]["jobTargetRef"]["template"]["spec"]["containers"]
@@ -672,8 +672,8 @@ def test_overlay_burst_replaces_the_deployment() -> None:
     kinds = {d["kind"] for d in docs}
     assert "ScaledJob" in kinds
     assert not kinds & {"ScaledObject", "PodDisruptionBudget"}
-    # the worker Deployment is gone; the queue exporter (no GPU) stays
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"] == ["lmdq-exporter"]
+    # the worker Deployment is gone; the queue exporter and the API (no GPU) stay
+    assert sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Deployment") == ["lmdq-api", "lmdq-exporter"]
 
 
 def test_overlay_external_redis_drops_the_statefulset() -> None:
