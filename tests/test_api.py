@@ -239,6 +239,27 @@ def test_expired_window(api: ApiProcess, worker_env: dict[str, str], client: red
     assert {x["error"]["code"] for x in errs} == {"batch_expired"}
 
 
+def test_a_submission_a_stopped_replica_left_is_run_again_and_never_twice(api: ApiProcess, client: redis.Redis,
+                                                                        prefix: str) -> None:
+    """A replica that stops between enqueueing a batch and recording it leaves the batch ``validating``
+    with no lease: a replica runs the submission again, and the idempotency key (the API batch id)
+    returns the lmdq batch the first run made instead of enqueueing the file twice."""
+    c = sdk(api, "alice")
+    b = c.batches.create(input_file_id=upload(c, [chat_line("once", "x")]).id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    until(c, b.id, "in_progress")
+    first = lmdq_batch_id(client, prefix, b.id)
+    lmdq_batches = client.zcard(Keys(prefix).batches())
+    key = f"{prefix}:api:batch:{b.id}"
+    client.hset(key, "state", "validating")  # as the stopped replica left it
+    client.hdel(key, "lmdq_id")
+    client.sadd(f"{prefix}:api:open", b.id)
+    b = until(c, b.id, "in_progress")
+    assert lmdq_batch_id(client, prefix, b.id) == first
+    assert client.zcard(Keys(prefix).batches()) == lmdq_batches
+    assert b.request_counts is not None and b.request_counts.total == 1
+
+
 # ------------------------------------------------------------------ lists
 
 

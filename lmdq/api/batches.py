@@ -14,6 +14,7 @@ so a client that sees a terminal status can always download the files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -31,7 +32,7 @@ from lmdq.api.errors import bad_request, conflict, not_found
 from lmdq.api.files import FileStore
 from lmdq.api.paging import Page, page
 from lmdq.contract import Batch, BatchStatus
-from lmdq.errors import LmdqError, RedisRefused, SubmitRejected, UnknownModel
+from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
 from lmdq.logs import get_logger
 
 __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
@@ -118,6 +119,10 @@ class Record:
             return None
 
 
+def _text(v: object) -> str | None:
+    return v.decode() if isinstance(v, bytes) else None if v is None else str(v)
+
+
 def _int(t: float | None) -> int | None:
     return int(t) if t is not None else None
 
@@ -159,8 +164,6 @@ def errors_from(exc: LmdqError, path: Path, shown_as: str) -> list[dict[str, Any
         f = _FIELD.match(rest)
         field = f.group("field") if f else None
         code = "model_not_found" if isinstance(exc, UnknownModel) else _error_code(field, rest)
-        if isinstance(exc, RedisRefused):
-            code = "capacity_exceeded"
         out.append({"code": code, "message": rest, "param": field, "line": line})
         if len(out) >= _MAX_ERRORS:
             break
@@ -356,9 +359,15 @@ class ApiBatches:
         if self.client.get(self._lease(batch_id)) == token.encode():
             self.client.expire(self._lease(batch_id), ttl_s)
 
-    def _drop_lease(self, batch_id: str, token: str) -> None:
-        if self.client.get(self._lease(batch_id)) == token.encode():
-            self.client.delete(self._lease(batch_id))
+    def _drop_lease(self, batch_id: str, token: str, *, hold_s: int = 0) -> None:
+        """Release the lease, or with ``hold_s`` keep it that long: the back-off before a re-run of
+        work that raised (so a lasting fault is retried every so often, not in a tight loop)."""
+        with contextlib.suppress(redis.RedisError):  # Redis away: the lease lapses by itself
+            if self.client.get(self._lease(batch_id)) == token.encode():
+                if hold_s:
+                    self.client.expire(self._lease(batch_id), hold_s)
+                else:
+                    self.client.delete(self._lease(batch_id))
 
     def _fail(self, rec: Record, errors: list[dict[str, Any]]) -> None:
         now = int(time.time())
@@ -374,19 +383,27 @@ class ApiBatches:
         token = self._take_lease(batch_id, _SUBMIT_LEASE_S)
         if token is None:
             return
+        hold_s = 0
         try:
             rec = self._load(batch_id)
             if rec is None or rec.state != "validating":
                 return
             runs = int(self.client.hincrby(self._key(batch_id), "runs", 1))
             if runs > MAX_SUBMIT_RUNS:
+                last = self.client.hget(self._key(batch_id), "last_error")
                 self._fail(rec, [{"code": "internal_error", "line": None, "param": None,
-                                  "message": f"the server could not submit this batch in {MAX_SUBMIT_RUNS} tries; "
-                                             "see lmdq-api's log"}])
+                                  "message": f"the server could not submit this batch in {MAX_SUBMIT_RUNS} tries "
+                                             f"(last: {_text(last) or 'unknown'}); see lmdq-api's log"}])
                 return
-            self._submit(rec, token)
+            try:
+                self._submit(rec, token)
+            except Exception as e:  # a fault, not about the file: re-run after a back-off
+                hold_s = min(300, 5 * 2 ** runs)
+                with contextlib.suppress(redis.RedisError):
+                    self.client.hset(self._key(batch_id), "last_error", type(e).__name__)  # no text: may hold hosts
+                raise
         finally:
-            self._drop_lease(batch_id, token)
+            self._drop_lease(batch_id, token, hold_s=hold_s)
 
     def _submit(self, rec: Record, token: str) -> None:
         try:
@@ -416,7 +433,7 @@ class ApiBatches:
         try:
             batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta, idempotency_key=f"api-{rec.id}",
                                         progress=progress)
-        except (SubmitRejected, UnknownModel, RedisRefused) as e:
+        except (SubmitRejected, UnknownModel) as e:  # about the file: the batch fails, with its lines
             self._fail(rec, errors_from(e, path, shown))
             return
         self.client.hset(self._key(rec.id), mapping={"state": "submitted", "lmdq_id": batch.id})
@@ -430,12 +447,15 @@ class ApiBatches:
         token = self._take_lease(batch_id, _FINALIZE_LEASE_S)
         if token is None:
             return
+        hold_s = 30  # unless it ends well: a write that raised (disk full, Redis away) waits this long
         try:
             rec = self._load(batch_id)
             if rec is None or rec.state != "submitted" or rec.final_status or not rec.lmdq_id:
+                hold_s = 0
                 return
             b = self.backend.get(rec.lmdq_id)
             if b is None or not b.status.terminal:
+                hold_s = 0
                 return
             out_id, err_id = self._write_outputs(rec, b, token)
             now = int(time.time())
@@ -451,8 +471,9 @@ class ApiBatches:
             c = b.request_counts
             log.info("batch finalized", batch=batch_id, tenant=rec.tenant, status=b.status.value, total=c.total,
                      completed=c.completed, output_file=out_id, error_file=err_id)
+            hold_s = 0
         finally:
-            self._drop_lease(batch_id, token)
+            self._drop_lease(batch_id, token, hold_s=hold_s)
 
     def _write_outputs(self, rec: Record, b: Batch, token: str) -> tuple[str | None, str | None]:
         """Both files in one pass over the results, in input order; an empty one is not kept (its id
