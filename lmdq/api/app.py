@@ -239,6 +239,10 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     @app.post("/v1/files")
     async def create_file(request: Request, t: Tenant) -> dict[str, Any]:
         boundary = boundary_of(request.headers.get("content-type"))
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > settings.api_max_upload_bytes + (1 << 20):  # + the form's own
+            raise ApiError(413, f"file: larger than this server's limit of {settings.api_max_upload_bytes:,} bytes "
+                                "(LMDQ_API_MAX_UPLOAD_BYTES)", param="file")
         file_id, f, tmp = await run_in_threadpool(files.open_new)
         form = FormStream(boundary, f, max_bytes=settings.api_max_upload_bytes)
         try:
