@@ -400,3 +400,42 @@ def test_a_large_upload_is_streamed_not_held_in_memory(api: ApiProcess, tmp_path
             digest.update(chunk)
     assert digest.hexdigest() == hashlib.sha256(big.read_bytes()).hexdigest()
     c.files.delete(f.id)
+
+
+def test_an_upload_over_the_limit_is_413_and_leaves_nothing(redis_url: str, tmp_path: Path) -> None:
+    """Refused by its Content-Length (the SDK sends one) or, chunked, while it streams in: either way a
+    413 in OpenAI's shape, no file listed and no partial file left on disk."""
+    import http.client
+
+    key = "lim-" + uuid.uuid4().hex
+    files_dir = tmp_path / "files"
+    srv = ApiProcess(redis_url=redis_url, prefix=f"lim{uuid.uuid4().hex[:8]}", keys={"lim": key},
+                     files_dir=files_dir, log=tmp_path / "api.log",
+                     env={"LMDQ_API_MAX_UPLOAD_BYTES": "100000"}).start()
+    try:
+        c = OpenAI(base_url=srv.url + "/v1", api_key=key)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.files.create(file=("big.jsonl", b"x" * 300_000), purpose="batch")
+        assert e.value.status_code == 413 and e.value.param == "file"
+
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.putrequest("POST", "/v1/files")
+        conn.putheader("Authorization", f"Bearer {key}")
+        conn.putheader("Content-Type", "multipart/form-data; boundary=XyZ")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        head = (b'--XyZ\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n')
+        try:
+            for chunk in [head, *([b"y" * 65536] * 4)]:
+                conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            conn.send(b"0\r\n\r\n")
+        except OSError:
+            pass  # the server may answer and close before the rest is sent
+        resp = conn.getresponse()
+        assert resp.status == 413 and json.loads(resp.read())["error"]["param"] == "file"
+        conn.close()
+        assert list(c.files.list()) == []
+        assert [p.name for p in files_dir.iterdir()] == []
+    finally:
+        srv.stop()
