@@ -151,7 +151,7 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def run(upload_mb: int, clients: int, polls: int, redis_url: str | None) -> dict[str, Any]:
+def run(upload_mb: int, clients: int, polls: int, redis_url: str | None, submit: bool = False) -> dict[str, Any]:
     from openai import OpenAI
 
     key = "bench-" + "k" * 24
@@ -172,6 +172,17 @@ def run(upload_mb: int, clients: int, polls: int, redis_url: str | None) -> dict
                    server_peak_rss_mb_before=round(before / 2**20, 1), server_peak_rss_mb=round(after / 2**20, 1),
                    server_peak_rss_growth_mb=round((after - before) / 2**20, 1))
         big.unlink()
+        if submit:  # the uploaded file as a batch: lmdq validates and enqueues all of it in the server
+            t0 = time.perf_counter()
+            b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            for _ in range(36_000):  # bounded: an hour at most
+                b = sdk.batches.retrieve(b.id)
+                if b.status != "validating":
+                    break
+                time.sleep(0.1)
+            res.update(submit_status=b.status, submit_s=round(time.perf_counter() - t0, 1),
+                       submit_requests=b.request_counts.total if b.request_counts else 0,
+                       server_peak_rss_mb_after_submit=round(api.peak_rss_bytes() / 2**20, 1))
 
         small = work / "small.jsonl"
         write_batch_file(small, 20_000)
@@ -226,18 +237,24 @@ def main(
     clients: int = typer.Option(50, help="concurrent SDK clients polling batches.retrieve"),
     polls: int = typer.Option(40, help="retrieve calls per client"),
     redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
+    submit: bool = typer.Option(False, help="also submit the uploaded file as a batch (validation + enqueue "
+                                            "in the server) and report its time and the peak RSS after"),
 ) -> None:
-    res = run(upload_mb, clients, polls, redis_url)
+    res = run(upload_mb, clients, polls, redis_url, submit)
     rows = [
         ("upload", f"{res['upload_bytes'] / 1e6:,.0f} MB in {res['upload_s']} s ({res['upload_mb_per_s']} MB/s)"),
-        ("server peak RSS", f"{res['server_peak_rss_mb_before']} MB before -> {res['server_peak_rss_mb']} MB after "
-                            f"(target < 300 MB: {'ok' if res['target_peak_rss_under_300mb'] else 'MISSED'})"),
-        ("pollers", f"{clients} clients x {polls} retrieve = {res['poll_requests']} requests, "
-                    f"{res['poll_errors']} errors, status {','.join(res['poll_statuses'])}"),
+        ("peak RSS", f"{res['server_peak_rss_mb_before']} MB before -> {res['server_peak_rss_mb']} MB after "
+                     f"(target < 300 MB: {'ok' if res['target_peak_rss_under_300mb'] else 'MISSED'})"),
+        ("pollers", f"{clients} x {polls} retrieve = {res['poll_requests']} requests, "
+                    f"{res['poll_errors']} errors, {','.join(res['poll_statuses'])}"),
         ("poll latency", f"p50 {res['poll_p50_ms']} ms, p99 {res['poll_p99_ms']} ms, {res['poll_req_per_s']} req/s"),
     ]
+    if submit:
+        peak = res["server_peak_rss_mb_after_submit"]
+        rows.insert(2, ("submit", f"{res['submit_requests']:,} requests {res['submit_status']} in "
+                                  f"{res['submit_s']} s, peak RSS {peak} MB"))
     for name, text in rows:
-        print(f"{name:<16} {text}")
+        print(f"{name:<13} {text}")
     print(json.dumps(res))
 
 
