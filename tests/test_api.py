@@ -169,13 +169,14 @@ def test_the_embedded_model_answers_through_the_sdk(api: ApiProcess, worker_env:
 def test_completions_endpoint_and_a_mismatched_url(api: ApiProcess) -> None:
     """Every line must use the batch's endpoint: a /v1/completions line in a chat batch fails, with its line."""
     c = sdk(api, "alice")
-    rows = [chat_line("a", "x"),
-            {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"model": "sim", "prompt": "p"}}]
-    b = c.batches.create(input_file_id=upload(c, rows).id, endpoint="/v1/chat/completions", completion_window="24h")
+    other = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"model": "sim", "prompt": "p"}}
+    body = (json.dumps(chat_line("a", "x")) + "\n" + json.dumps(other) + "\n"
+            + json.dumps({**other, "custom_id": "c"}).replace("/", "\\/") + "\n").encode()  # JSON's escaped slashes
+    b = c.batches.create(input_file_id=upload(c, body).id, endpoint="/v1/chat/completions", completion_window="24h")
     b = until(c, b.id, *TERMINAL)
     assert b.status == "failed" and b.errors and b.errors.data
-    (err,) = b.errors.data
-    assert (err.line, err.param, err.code) == (2, "url", "invalid_url")
+    assert [(e.line, e.param, e.code) for e in b.errors.data] == [(2, "url", "invalid_url"), (3, "url", "invalid_url")]
+    assert "'/v1/completions'" in (b.errors.data[0].message or "")
 
 
 def test_bad_file_fails_with_line_numbered_errors(api: ApiProcess) -> None:
