@@ -440,3 +440,28 @@ def test_an_upload_over_the_limit_is_413_and_leaves_nothing(redis_url: str, tmp_
         assert [p.name for p in files_dir.iterdir()] == []
     finally:
         srv.stop()
+
+
+def test_output_files_from_a_results_sink(redis_url: str, tmp_path: Path, env: dict[str, str]) -> None:
+    """With LMDQ_RESULTS_URL the workers write results to JSONL shards and Redis keeps an index: the
+    output file is still every custom_id once, read back from the shards."""
+    key = "sink-" + uuid.uuid4().hex
+    pfx = f"sink{uuid.uuid4().hex[:8]}"
+    sink = tmp_path / "results"
+    srv = ApiProcess(redis_url=redis_url, prefix=pfx, keys={"sink": key}, files_dir=tmp_path / "files",
+                     log=tmp_path / "api.log", env={"LMDQ_KNOWN_MODELS": '["sim"]', "LMDQ_RESULTS_URL": str(sink)}
+                     ).start()
+    try:
+        c = OpenAI(base_url=srv.url + "/v1", api_key=key)
+        rows = [chat_line(f"s{i}", f"q {i}") for i in range(70)]
+        b = c.batches.create(input_file_id=upload(c, rows).id, endpoint="/v1/chat/completions",
+                             completion_window="24h")
+        until(c, b.id, "in_progress")
+        assert start_worker(*SIM, env={**env, "LMDQ_KEY_PREFIX": pfx, "LMDQ_RESULTS_URL": str(sink)}).wait(60) == 0
+        b = until(c, b.id, *TERMINAL)
+        assert b.status == "completed" and b.output_file_id
+        assert any(sink.rglob("*.jsonl*")), "the results went to the sink's shards"
+        lines = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+        assert [x["custom_id"] for x in lines] == [r["custom_id"] for r in rows]
+    finally:
+        srv.stop()

@@ -22,6 +22,14 @@ from lmdq.store import ResultStore
 __all__ = ["Backend"]
 
 
+def _absolute(url: str | None) -> str | None:
+    """A results folder made absolute, as ``lmdq-producer submit`` makes it: workers elsewhere share it
+    by that path (``s3://`` and ``file://`` URLs are kept)."""
+    if not url or "://" in url:
+        return url
+    return str(Path(url).expanduser().resolve())
+
+
 class Backend:
     """lmdq's batches, as the API server sees them."""
 
@@ -52,7 +60,7 @@ class Backend:
             known_models=s.known_models,
             limits=InputLimits(max_line_bytes=s.max_line_bytes, max_requests=s.max_requests),
             fmt=InputFormat.openai,
-            results_url=s.results_url,
+            results_url=_absolute(s.results_url),
             prefix_groups=s.prefix_groups,
             prefix_group_bytes=s.prefix_group_bytes,
             memory_fraction=s.memory_headroom_fraction,
