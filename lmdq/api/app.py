@@ -78,22 +78,33 @@ class _Worker:
         self._pending: set[str] = set()
         self._lock = threading.Lock()
 
-    def schedule(self, fn: Callable[[], None]) -> None:
-        self.pool.submit(self._guarded, fn)
+    def schedule(self, fn: Callable[[], None], key: str | None = None) -> None:
+        """Run ``fn`` on the pool; with ``key``, not again while an earlier one of that key waits or runs
+        (the loop finds the same open batch every poll; a busy pool must not pile up copies)."""
+        if key is not None:
+            with self._lock:
+                if key in self._pending:
+                    return
+                self._pending.add(key)
+        self.pool.submit(self._guarded, fn, key)
 
-    def _guarded(self, fn: Callable[[], None]) -> None:
+    def _guarded(self, fn: Callable[[], None], key: str | None) -> None:
         try:
             fn()
         except Exception as e:  # a fault: the batch stays open and the loop runs it again
             self.metrics.background_errors.inc()
             log.warning("background work failed; will retry", error_type=type(e).__name__, error=str(e)[:300])
+        finally:
+            if key is not None:
+                with self._lock:
+                    self._pending.discard(key)
 
     def _loop(self) -> None:
         last_sweep = 0.0
         while not self.stop.is_set():
             try:
-                for job in self.batches.sweep_open():
-                    self.schedule(job)
+                for key, job in self.batches.sweep_open():
+                    self.schedule(job, key)
                 if time.monotonic() - last_sweep > 600:
                     last_sweep = time.monotonic()
                     self.files.sweep()
@@ -148,9 +159,9 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     metrics = _Metrics()
     worker: _Worker | None = None
 
-    def schedule(fn: Callable[[], None]) -> None:
+    def schedule(fn: Callable[[], None], key: str) -> None:
         assert worker is not None
-        worker.schedule(fn)
+        worker.schedule(fn, key)
 
     batches = ApiBatches(be, files, prefix=settings.key_prefix, ttl_s=settings.result_ttl_s, schedule=schedule)
     worker = _Worker(batches, files, settings.api_poll_interval_s, metrics)

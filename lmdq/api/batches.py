@@ -15,6 +15,7 @@ so a client that sees a terminal status can always download the files.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import secrets
@@ -194,7 +195,7 @@ def _endpoint_errors(path: Path, endpoint: str, shown_as: str) -> list[dict[str,
 
 class ApiBatches:
     def __init__(self, backend: Backend, files: FileStore, *, prefix: str, ttl_s: int,
-                 schedule: Callable[[Callable[[], None]], None]) -> None:
+                 schedule: Callable[[Callable[[], None], str], None]) -> None:
         self.backend = backend
         self.client: redis.Redis = backend.client
         self.files = files
@@ -251,7 +252,7 @@ class ApiBatches:
             p.sadd(self._open(), batch_id)
             p.execute()
         log.info("batch created", batch=batch_id, tenant=tenant, input_file=input_file_id, endpoint=endpoint)
-        self.schedule(lambda: self.submit(batch_id))
+        self.schedule(functools.partial(self.submit, batch_id), f"submit:{batch_id}")
         return self.view(self.get_record(tenant, batch_id))
 
     def retrieve(self, tenant: str, batch_id: str) -> dict[str, Any]:
@@ -505,9 +506,9 @@ class ApiBatches:
             fs.discard(err, err_tmp)
             raise
 
-    def sweep_open(self) -> Iterator[Callable[[], None]]:
-        """The background work open batches need now: a submission no replica holds (its replica
-        stopped) and ended batches whose files are not written yet."""
+    def sweep_open(self) -> Iterator[tuple[str, Callable[[], None]]]:
+        """The background work open batches need now, as (key, work): a submission no replica holds
+        (its replica stopped) and ended batches whose files are not written yet."""
         ids = [x.decode() for x in self.client.smembers(self._open())]  # type: ignore[union-attr]
         if not ids:
             return
@@ -527,8 +528,8 @@ class ApiBatches:
             if r is None or leased:
                 continue
             if r.state == "validating":
-                yield lambda i=i: self.submit(i)  # type: ignore[misc]
+                yield f"submit:{i}", functools.partial(self.submit, i)
             elif i in submitted:
                 b = lmdq.get(r.lmdq_id or "")
                 if b is not None and b.status.terminal:
-                    yield lambda i=i: self.finalize(i)  # type: ignore[misc]
+                    yield f"finalize:{i}", functools.partial(self.finalize, i)
