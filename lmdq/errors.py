@@ -16,6 +16,7 @@ import redis
 from lmdq.redaction import redact_text
 
 __all__ = [
+    "IdempotencyConflict",
     "EXIT_CODES_HELP",
     "ExitCode",
     "LmdqError",
@@ -106,6 +107,10 @@ class SubmitRejected(LmdqError):
     """The input file was not accepted; nothing was enqueued."""
 
     exit_code = ExitCode.bad_input
+
+
+class IdempotencyConflict(SubmitRejected):
+    """An idempotency key already bound to a batch of another file or other options; nothing was enqueued."""
 
 
 class RetryRejected(LmdqError):

@@ -27,12 +27,29 @@ from rq.serializers import JSONSerializer
 
 from lmdq.contract import JOB_FUNCTION, BatchStatus, JobPayload
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobTooLarge, read_job
-from lmdq.keys import BatchField, Keys, rq_queue_key
+from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
 from lmdq.lease_scripts import CLAIM, HEARTBEAT, REAP, RELEASE
+from lmdq.wakeup import WAKE_LUA
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
 SERIALIZER = JSONSerializer()
+
+# KEYS: leases, owners, the right queue, its model's wake list.  ARGV: job id, worker.
+# Fenced like RELEASE: only the lease holder moves the job; the lease goes and the job is pushed to the
+# FRONT of the queue of the model its batch names, in one step (nothing between "off" and "on").
+_MOVE = WAKE_LUA + """
+local o = redis.call('HGET', KEYS[2], ARGV[1])
+if not o then return 0 end
+local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
+if w ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('LREM', inflight, 1, ARGV[1])
+redis.call('LPUSH', KEYS[3], ARGV[1])
+lmdq_wake(KEYS[4])
+return 1
+"""
 
 
 def generate(payload: dict[str, Any]) -> None:
@@ -124,6 +141,7 @@ class JobQueue:
         self._heartbeat = client.register_script(HEARTBEAT)
         self._release = client.register_script(RELEASE)
         self._reap = client.register_script(REAP)
+        self._move = client.register_script(_MOVE)
 
     # ---- producer side -----------------------------------------------------------------
     def stage(self, payload: dict[str, Any], *, queue: str, job_no: int, pipe: Any) -> str:
@@ -332,6 +350,28 @@ class JobQueue:
                 args=[claim.job_id, worker, mode, charge.value, "" if killer is None else killer],
             )
         )
+
+    def move_to_model(self, claim: Claim, *, worker: str, model: str, origin: str | None) -> str | None:
+        """Hand a held job of ANOTHER model to that model's queue (same priority as its ``origin``), atomically
+        with dropping this worker's lease. Returns the queue it went to, None when the lease was lost.
+
+        Why move, not fail: the job is genuine (it matches its batch record) and another model's workers
+        can answer it; it reached this worker only through a queue it does not belong on (pushed by hand,
+        or a queue name an older lmdq shared between two model names)."""
+        prio = (origin or "").rsplit(":", 1)[-1]
+        if prio not in ("high", "normal", "low"):
+            prio = "normal"
+        target = queue_name(model, prio, self.keys.prefix)
+        moved = self._move(keys=[self.keys.leases(), self.keys.lease_owner(), rq_queue_key(target),
+                                 self.keys.wake(model)], args=[claim.job_id, worker])
+        if not moved:
+            return None
+        if claim.job is not None:
+            try:
+                self.record_requeued([claim.job_id])
+            except redis.RedisError:
+                pass  # RQ's display records only
+        return target
 
     def record_end(self, claim: Claim, *, failed: str | None = None) -> None:
         """RQ's records of a job that ended (status, Finished/FailedJobRegistry), for rq info/dashboard."""

@@ -1,7 +1,9 @@
 """Every Redis key lmdq uses is built here, so the layout is visible (and greppable) in one place.
 
 RQ owns ``rq:*`` (queues, job hashes, registries): lmdq's queues are ordinary RQ queues named
-``lmdq:<model>:<priority>``, so ``rq info`` and rq-dashboard show them. lmdq's own state
+``lmdq:<model>:<priority>``, so ``rq info`` and rq-dashboard show them. ``<model>`` is the model name
+itself: :data:`MODEL_NAME_RULE` admits only characters that are safe in a key, so the name is its own
+key and two names can never share a queue (:func:`model_slug`). lmdq's own state
 (batches, results, leases) lives under ``LMDQ_KEY_PREFIX`` (default ``lmdq``).
 """
 
@@ -15,11 +17,16 @@ from rq.worker import Worker as _RqWorker
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from lmdq.contract import Priority
+from lmdq.errors import ExitCode, LmdqError
 
 __all__ = [
     "BATCH_COUNT_FIELDS",
     "BATCH_TIME_FIELDS",
     "BatchField",
+    "MAX_MODEL_NAME",
+    "MODEL_NAME_RULE",
+    "InvalidModelName",
+    "check_model_name",
     "WAKE_KEY_LUA",
     "Keys",
     "model_slug",
@@ -32,7 +39,14 @@ __all__ = [
     "rq_workers_key",
 ]
 
-_SLUG_BAD = re.compile(r"[^A-Za-z0-9._-]")
+MAX_MODEL_NAME = 128
+"""A model name is at most this long (HF ids are ``org/name``, both halves at most 96 characters)."""
+
+MODEL_NAME_RULE = "1-128 of A-Z a-z 0-9 . _ / -, starting with a letter or digit, case kept"
+"""The one rule for model names, as error messages and docs state it (:func:`check_model_name`)."""
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
+_KEY_SAFE = re.compile(r"[A-Za-z0-9._/-]")
 
 PRIORITY_ORDER = (Priority.high, Priority.normal, Priority.low)
 
@@ -62,6 +76,12 @@ class BatchField(str, Enum):
     cancelled_at = "cancelled_at"
     expired_at = "expired_at"
     expires_at = "expires_at"
+    #: what an idempotency key is bound to besides the batch (the file's bytes and the options)
+    fingerprint = "fingerprint"
+    #: seconds the batch's keys are kept once it has ended (``submit --result-ttl``)
+    ttl = "ttl"
+    #: the Redis key of the batch's idempotency binding (its TTL follows the batch's)
+    idempotency = "idempotency"
 
     def __str__(self) -> str:
         return self.value
@@ -92,13 +112,46 @@ end
 """
 """Lua: ``lmdq_wake_key(inflight)`` is :meth:`Keys.wake` of the model whose :meth:`Keys.inflight` list is
 ``inflight`` (nil for a name that is not one). The release and reap scripts know a job's model only by
-the in-flight list its owner entry names; a slug holds no ':', so the anchored pattern cannot match
-inside the prefix. (tests/test_idle.py checks it against :meth:`Keys.wake` on a real server.)"""
+the in-flight list its owner entry names; a slug holds no ':' (the name rule admits none, and
+:func:`model_slug` escapes one), so the anchored pattern cannot match inside the prefix.
+(tests/test_idle.py checks it against :meth:`Keys.wake` on a real server.)"""
+
+
+class InvalidModelName(LmdqError, ValueError):
+    """A model name outside :data:`MODEL_NAME_RULE`; the message is one line naming it and the rule."""
+
+    exit_code = ExitCode.bad_input
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it follows :data:`MODEL_NAME_RULE`, else :class:`InvalidModelName` saying why.
+
+    Why so narrow: the name is part of Redis keys (queues, in-flight and wake lists), KEDA trigger
+    list names and Prometheus labels. ``:`` is the key separator, ``*?[]`` are SCAN patterns, blanks
+    and control characters are typos; non-ASCII names (``通义千问``) are refused rather than escaped so
+    the name an operator types is exactly the key KEDA counts. Serve such a model under an ASCII
+    ``--served-model-name``."""
+    if not isinstance(name, str) or not name:
+        raise InvalidModelName(f"model name: expected {MODEL_NAME_RULE}; got an empty one")
+    if len(name) > MAX_MODEL_NAME:
+        raise InvalidModelName(f"model name {name[:40]!r}...: expected {MODEL_NAME_RULE}; got {len(name)} characters")
+    if not _MODEL_NAME.fullmatch(name):
+        bad = next((c for c in name if not _KEY_SAFE.fullmatch(c)), name[0])
+        raise InvalidModelName(f"model name {name!r}: expected {MODEL_NAME_RULE}; got {bad!r}")
+    return name
 
 
 def model_slug(model: str) -> str:
-    """A key-safe form of a model name ('HuggingFaceTB/SmolLM2' -> 'HuggingFaceTB_SmolLM2')."""
-    return _SLUG_BAD.sub("_", model)
+    """The model's part of its Redis keys: the name itself when it follows :data:`MODEL_NAME_RULE`.
+
+    Total and injective for ANY string, so a name that bypassed the check (a record written by an
+    older lmdq) still cannot share a queue with another: every character outside the rule, ``%``
+    included, is percent-encoded (UTF-8), and a valid name never holds a ``%``
+    ('org/model-x' and 'org_model-x' stay apart; 'a:b' -> 'a%3Ab')."""
+    if _MODEL_NAME.fullmatch(model):
+        return model
+    return "".join(c if _KEY_SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+                   for c in model)
 
 
 def queue_name(model: str, priority: Priority | str = Priority.normal, prefix: str = "lmdq") -> str:

@@ -47,7 +47,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry
 
 from lmdq.connection import Refusal, refusal
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
-from lmdq.errors import PurgeRefused, RedisRefused, RetryRejected, SubmitRejected
+from lmdq.errors import IdempotencyConflict, PurgeRefused, RedisRefused, RetryRejected, SubmitRejected
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.job_decode import JobRefused, decode_job
 from lmdq.jobs import JobQueue, job_id_for, job_id_prefix
@@ -55,7 +55,7 @@ from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.logs import get_logger
 from lmdq.registry import ModelRegistry
 from lmdq.replies import reply_text
-from lmdq.store import ResultStore
+from lmdq.store import RUNNING_TTL_S, ResultStore, staging_ttl
 from lmdq.wakeup import WAKE_LUA
 
 __all__ = ["BatchLedger", "Purged", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
@@ -71,8 +71,9 @@ _FETCH_CHUNK = 500
 """Jobs fetched per round trip when reading a batch's requests back for ``retry``."""
 
 # KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the model's wake list.
-# ARGV: queue key, chunk, now, ttl.
+# ARGV: queue key, chunk, now, running ttl.
 # Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
+# Every key of the batch takes the running TTL here (lmdq.store: TTLs count from the batch's end).
 _COMMIT = WAKE_LUA + f"""
 if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
 local n = redis.call('LLEN', KEYS[1])
@@ -80,7 +81,12 @@ local chunk = tonumber(ARGV[2])
 for s = 0, n - 1, chunk do
   local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
   redis.call('RPUSH', KEYS[2], unpack(ids))
+  for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[4]) end
 end
+redis.call('EXPIRE', KEYS[4], ARGV[4])
+local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
+local bid = string.match(KEYS[4], ':batch:([^:]+)$')
+if idem and bid and redis.call('GET', idem) == bid then redis.call('EXPIRE', idem, ARGV[4]) end
 redis.call('SADD', KEYS[3], ARGV[1])
 if redis.call('HGET', KEYS[4], '{F.status}') == '{BatchStatus.validating.value}' then
   redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
@@ -254,7 +260,7 @@ class BatchLedger:
         self.store = ResultStore(client, keys=keys, ttl_s=ttl_s)
         # the same cap the workers read jobs with (LMDQ_MAX_JOB_BYTES): staging refuses a job over it, and
         # retry reads its source jobs within it
-        self.jobs = JobQueue(client, keys=keys, job_ttl_s=ttl_s, max_job_bytes=max_job_bytes)
+        self.jobs = JobQueue(client, keys=keys, job_ttl_s=staging_ttl(ttl_s), max_job_bytes=max_job_bytes)
         self._commit = client.register_script(_COMMIT)
         self._find_prefix = client.register_script(_FIND_PREFIX)
         self._remove_prefix = client.register_script(_REMOVE_PREFIX)
@@ -283,17 +289,35 @@ class BatchLedger:
         return ModelRegistry(self.client, keys=self.keys).known() | set(extra)
 
     # ---- idempotency ------------------------------------------------------------------------
-    def bound_batch(self, idempotency_key: str) -> Batch | None:
-        """The batch ``idempotency_key`` is bound to, or None when it is free."""
+    def bound_batch(self, idempotency_key: str, *, fingerprint: str | None = None) -> Batch | None:
+        """The batch ``idempotency_key`` is bound to, or None when it is free.
+
+        With ``fingerprint`` (what the submit is: :func:`lmdq.producer.submit.submit_fingerprint`), a
+        bound batch recorded with a different one is refused (:class:`IdempotencyConflict`): the same
+        key with another file or other options would otherwise be dropped without a word. A batch with
+        no recorded fingerprint (made by an older lmdq) matches any."""
         existing = self.client.get(self.keys.idempotency(idempotency_key))
-        return self.get(reply_text(existing)) if existing else None
+        if not existing:
+            return None
+        batch_id = reply_text(existing)
+        with self.client.pipeline(transaction=False) as p:
+            p.hget(self.keys.batch(batch_id), F.fingerprint.value)
+            (theirs,) = p.execute()
+        batch = self.get(batch_id)
+        if fingerprint is not None and theirs is not None and reply_text(theirs) != fingerprint:
+            raise IdempotencyConflict(
+                f"--idempotency-key {idempotency_key!r} is bound to batch {batch_id} ({batch.status.value}), "
+                "submitted with a different file or options; nothing was enqueued. Use a new key, or "
+                f"`lmdq-producer status {batch_id}` for that batch"
+            )
+        return batch
 
     def bind_key(self, idempotency_key: str, batch_id: str) -> str | None:
         """Bind ``idempotency_key`` to ``batch_id`` unless it is bound already; returns the bound
         batch id then. SET NX, so two concurrent submits with one key cannot both enqueue."""
         key = self.keys.idempotency(idempotency_key)
         with self._refusals():
-            if self.client.set(key, batch_id, nx=True, ex=self.ttl_s):
+            if self.client.set(key, batch_id, nx=True, ex=staging_ttl(self.ttl_s)):
                 return None
         existing = self.client.get(key)
         if existing is None:  # it expired between the two calls: bind again
@@ -314,10 +338,11 @@ class BatchLedger:
             self._log.error("idempotency key not released", batch=batch_id, error=str(e))
 
     # ---- create, stage, commit, rollback ------------------------------------------------------
-    def create(self, batch: Batch) -> None:
-        """Write the batch record (status ``validating``: invisible to workers until commit)."""
+    def create(self, batch: Batch, *, fingerprint: str | None = None) -> None:
+        """Write the batch record (status ``validating``: invisible to workers until commit);
+        ``fingerprint``: what an idempotency key's later submits are compared with."""
         with self._refusals():
-            self.store.create_batch(batch)
+            self.store.create_batch(batch, extra={F.fingerprint.value: fingerprint} if fingerprint else None)
 
     def stage(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
@@ -375,7 +400,7 @@ class BatchLedger:
             n = self._commit(
                 keys=[self.keys.batch_jobs(batch.id), qkey, _RQ_QUEUES, self.keys.batch(batch.id),
                       self.keys.wake(batch.model)],
-                args=[qkey, 4000, time.time(), self.ttl_s],
+                args=[qkey, 4000, time.time(), RUNNING_TTL_S],
             )
         return max(0, int(n))
 
@@ -418,7 +443,7 @@ class BatchLedger:
 
     def enqueue(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
-        chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None,
+        chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None, fingerprint: str | None = None,
     ) -> Batch:
         """Create ``batch``, stage its jobs and commit them: all or nothing.
 
@@ -427,7 +452,7 @@ class BatchLedger:
         :class:`RedisRefused` line.
         """
         try:
-            self.create(batch)
+            self.create(batch, fingerprint=fingerprint)
             staged = self.stage(batch, requests, progress=progress, chunk_jobs=chunk_jobs, job_sizes=job_sizes)
             self.commit(batch, staged)
         except BaseException as e:

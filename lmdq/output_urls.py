@@ -22,7 +22,19 @@ from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
 
-__all__ = ["OutputPolicy", "OutputUrlRejected", "Place", "Scheme", "parse_output_url", "prefixes_from_csv"]
+from lmdq.errors import SubmitRejected
+from lmdq.redaction import redact_url
+
+__all__ = [
+    "OutputPolicy",
+    "OutputUrlRejected",
+    "Place",
+    "Scheme",
+    "check_submit_urls",
+    "parse_output_url",
+    "prefixes_from_csv",
+    "shown_output_url",
+]
 
 MAX_URL_CHARS = 2048
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -73,6 +85,39 @@ def shown(url: str) -> str:
         except ValueError:
             return "<unprintable URL>"
     return safe + ("..." if len(url) > 200 else "")
+
+
+def _has_credentials(url: str) -> bool:
+    """Whether a results/blob URL carries anything secret-shaped: user info (``s3://KEY:SECRET@bucket``)
+    or a query or fragment (``?X-Amz-Signature=...``, ``?token=...``). A plain folder path is not a URL:
+    an ``@`` in a path is just a character."""
+    if "://" not in url:
+        return False
+    netloc = url.split("://", 1)[1].split("/", 1)[0]
+    return "@" in netloc or "?" in url or "#" in url
+
+
+def check_submit_urls(results_url: str | None, blob_url: str | None) -> None:
+    """Refuse (:class:`SubmitRejected`, nothing enqueued) an output URL with credentials in it.
+
+    Why refuse instead of strip: the URL is stored in the batch record, copied into every job, shown by
+    ``status`` and logged by workers; a secret in it would be everywhere Redis is readable. Workers take
+    S3 credentials from their environment (``AWS_*``, an instance role), never from a batch."""
+    for flag, url in (("--results-url", results_url), ("--blob-url", blob_url)):
+        if url and _has_credentials(url):
+            raise SubmitRejected(
+                f"{flag}: {redact_url(url)!r} holds credentials (user info, a query or a fragment); nothing "
+                "was enqueued. Give workers S3 credentials through their environment (AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY, an instance role), not in the URL"
+            )
+
+
+def shown_output_url(url: str | None) -> str | None:
+    """A results/blob URL as ``status`` prints it: a folder as is, a URL redacted (a batch recorded by an
+    older lmdq may hold credentials)."""
+    if url is None or "://" not in url:
+        return url
+    return redact_url(url) if _has_credentials(url) else url
 
 
 def parse_output_url(url: object) -> Place:

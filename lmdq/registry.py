@@ -32,7 +32,9 @@ import redis
 from rq.version import VERSION as RQ_VERSION
 
 from lmdq.keys import (
+    MAX_MODEL_NAME,
     Keys,
+    check_model_name,
     queue_names,
     rq_worker_executions_key,
     rq_worker_key,
@@ -54,8 +56,6 @@ __all__ = [
     "redis_answers",
 ]
 
-MAX_MODEL_NAME = 512
-"""A batch's model name is at most this long (:class:`lmdq.contract.Batch`): a longer one could never be submitted."""
 MAX_NOTE = 200
 """An operator's note on a registered model: a reminder, not a document."""
 
@@ -123,7 +123,7 @@ class WorkerRegistry:
         self.client = client
         self.keys = keys
         self.name = name
-        self.model = model
+        self.model = check_model_name(model)
         #: the queues the worker drains, as RQ's record lists them
         self.queues = queue_names(model, keys.prefix)
         #: the worker hash outlives a missed beat by a second; a dead worker's record expires by itself
@@ -189,24 +189,6 @@ def _time(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return t if math.isfinite(t) and t >= 0 else None
-
-
-def check_model_name(name: str) -> str:
-    """The name an operator registers, or ValueError saying why not.
-
-    Refused: empty, longer than a batch's model name may be, surrounding blanks or control
-    characters. Each of these is a typo that would register a model no submit can ever name (a
-    trailing space, a pasted newline), which is worse than an error.
-    """
-    if not name:
-        raise ValueError("expected a model name, got an empty one")
-    if len(name) > MAX_MODEL_NAME:
-        raise ValueError(f"expected at most {MAX_MODEL_NAME} characters, got {len(name)}")
-    if name != name.strip():
-        raise ValueError(f"expected no leading or trailing blanks, got {name!r}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise ValueError(f"expected no control characters, got {name!r}")
-    return name
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,15 @@ output never duplicates, however often a request executes. With a results sink a
 leave the hash once they are in its shard (:mod:`lmdq.sink`); the request's bit in the batch's
 ``sealed`` bitmap then refuses the write HSETNX alone would accept.
 
-Every key a worker creates here takes what is left of the batch record's TTL (``submit
---result-ttl``), so a batch's keys expire together; a write for a batch with no record (purged,
-expired) is refused, so it cannot bring back counters without a TTL.
+Every key a worker creates here takes what is left of the batch record's TTL, so a batch's keys
+expire together; a write for a batch with no record (purged, expired) is refused, so it cannot bring
+back counters without a TTL.
+
+TTLs count from the END of a batch (``submit --result-ttl``, kept in the record's ``ttl`` field): while
+it runs, every key of the batch has :data:`RUNNING_TTL_S` (set at commit), so a batch that runs longer
+than its retention is never expired under its workers; the step that ends it (the last result, or a
+cancel) sets every key of the batch to ``ttl`` from that moment (``lmdq_batch_ended``). A submit cut
+short keeps :data:`STAGING_TTL_S` at least, so what a killed producer staged still goes by itself.
 """
 
 from __future__ import annotations
@@ -20,15 +26,54 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
+from rq.job import Job
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
 from lmdq.errors import BatchNotFound
 from lmdq.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys
 from lmdq.replies import reply_text
 
-__all__ = ["ResultStore"]
+_JOB_PREFIX = Job.redis_job_namespace_prefix
+
+__all__ = ["BATCH_ENDED_LUA", "RUNNING_TTL_S", "STAGING_TTL_S", "ResultStore", "staging_ttl"]
 
 F = BatchField
+
+RUNNING_TTL_S = 400 * 24 * 3600
+"""TTL of a running batch's keys (a bound, not a retention: a batch abandoned with no worker, or stuck,
+still leaves Redis by itself after this). The batch's own ``--result-ttl`` starts when it ends."""
+
+STAGING_TTL_S = 24 * 3600
+"""Least TTL of what a submit writes before its commit: a large file may take minutes to stage, longer
+than a short ``--result-ttl``; a producer killed mid-submit leaves nothing for longer than this."""
+
+
+def staging_ttl(ttl_s: int) -> int:
+    """The TTL of keys a submit writes before its commit (see :data:`STAGING_TTL_S`)."""
+    return max(int(ttl_s), STAGING_TTL_S)
+
+
+BATCH_ENDED_LUA = f"""
+local function lmdq_batch_ended(batch, fallback)
+  local ttl = tonumber(redis.call('HGET', batch, '{F.ttl}') or '') or tonumber(fallback)
+  for _, suffix in ipairs({{'', ':results', ':partials', ':shards', ':sealed', ':jobs'}}) do
+    redis.call('EXPIRE', batch .. suffix, ttl)
+  end
+  local jobs = batch .. ':jobs'
+  local n = redis.call('LLEN', jobs)
+  for s = 0, n - 1, 1000 do
+    for _, jid in ipairs(redis.call('LRANGE', jobs, s, s + 999)) do
+      redis.call('EXPIRE', '{_JOB_PREFIX}' .. jid, ttl)
+    end
+  end
+  local idem = redis.call('HGET', batch, '{F.idempotency}')
+  local id = string.match(batch, ':batch:([^:]+)$')
+  if idem and id and redis.call('GET', idem) == id then redis.call('EXPIRE', idem, ttl) end
+end
+"""
+"""Lua: ``lmdq_batch_ended(batch_key, fallback_ttl)`` starts the batch's retention: every key of the batch
+(record, results, partials, shard index, sealed bits, job list, job hashes, idempotency key) expires
+``ttl`` seconds from now. O(jobs), once per batch (about 1 µs a job)."""
 
 # The TTL a key the workers create takes: what is left of the batch record's own (so every key of a
 # batch goes at the same moment: submit's --result-ttl), or ARGV ttl when the record has none.
@@ -44,7 +89,7 @@ end
 # Refused (0): a duplicate (HSETNX), a request whose result is already in a shard (sealed bit: the
 # record was trimmed after the shard was written, see lmdq.sink), or a batch with no record (purged
 # or expired: writing would bring back counters without a TTL).
-_WRITE_RESULT = _BATCH_TTL + f"""
+_WRITE_RESULT = _BATCH_TTL + BATCH_ENDED_LUA + f"""
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 if redis.call('GETBIT', KEYS[4], ARGV[1]) == 1 then return 0 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
@@ -62,6 +107,7 @@ if b[1] and done >= tonumber(b[1]) then
     final = '{BatchStatus.cancelled.value}'
   elseif tonumber(b[5] or '0') > 0 then final = '{BatchStatus.expired.value}' end
   redis.call('HSET', KEYS[2], '{F.status}', final, final .. '_at', ARGV[4])
+  lmdq_batch_ended(KEYS[2], ARGV[5])
 end
 return 1
 """
@@ -76,14 +122,15 @@ if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], batch_ttl(K
 return 1
 """
 
-# KEYS: batch. ARGV: from-status list (comma separated), to-status, timestamp field, now
-_TRANSITION = f"""
+# KEYS: batch. ARGV: from-status list (comma separated), to-status, timestamp field, now, ttl, to is terminal
+_TRANSITION = BATCH_ENDED_LUA + f"""
 local st = redis.call('HGET', KEYS[1], '{F.status}')
 if not st then return nil end
 for s in string.gmatch(ARGV[1], '[^,]+') do
   if s == st then
     redis.call('HSET', KEYS[1], '{F.status}', ARGV[2])
     if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
+    if ARGV[6] == '1' then lmdq_batch_ended(KEYS[1], ARGV[5]) end
     return ARGV[2]
   end
 end
@@ -112,8 +159,11 @@ class ResultStore:
         self._transition = client.register_script(_TRANSITION)
 
     # ---- batches -------------------------------------------------------------------------
-    def create_batch(self, batch: Batch) -> None:
-        """Write a new batch record (status and counters as live hash fields), in one transaction."""
+    def create_batch(self, batch: Batch, *, extra: Mapping[str, str] | None = None) -> None:
+        """Write a new batch record (status and counters as live hash fields), in one transaction.
+
+        ``ttl`` (this store's TTL: how long the batch is kept once it ENDS) is recorded beside it; the key
+        itself has the staging TTL until the commit. ``extra``: more fields (the idempotency fingerprint)."""
         key = self.keys.batch(batch.id)
         # prefix_groups only when set: a batch in input order stays readable by workers older than the field
         quiet = set() if batch.prefix_groups else {"prefix_groups"}
@@ -126,9 +176,13 @@ class ResultStore:
             fields[f.value] = 0
         if batch.expires_at is not None:
             fields[F.expires_at.value] = batch.expires_at
+        fields[F.ttl.value] = int(self.ttl_s)
+        if batch.idempotency_key:
+            fields[F.idempotency.value] = self.keys.idempotency(batch.idempotency_key)
+        fields.update(extra or {})
         with self.client.pipeline(transaction=True) as p:
             p.hset(key, mapping=fields)
-            p.expire(key, self.ttl_s)
+            p.expire(key, staging_ttl(self.ttl_s))
             p.zadd(self.keys.batches(), {batch.id: batch.created_at})
             p.execute()
 
@@ -173,7 +227,8 @@ class ResultStore:
         ``stamp`` (a time field such as ``BatchField.cancelling_at``) is set to now with the move."""
         res = self._transition(
             keys=[self.keys.batch(batch_id)],
-            args=[",".join(s.value for s in from_), to.value, str(stamp), time.time()],
+            args=[",".join(s.value for s in from_), to.value, str(stamp), time.time(), self.ttl_s,
+                  "1" if to.terminal else "0"],
         )
         return res.decode() if isinstance(res, bytes) else res
 

@@ -174,6 +174,7 @@ def _check_url(url: str | None, flag: str) -> str | None:
 
 
 def _print_batch(b: Batch, as_json: bool) -> None:
+    b = _redacted(b)
     if as_json:
         typer.echo(b.model_dump_json())
         return
@@ -184,8 +185,17 @@ def _print_batch(b: Batch, as_json: bool) -> None:
     )
 
 
+def _redacted(b: Batch) -> Batch:
+    """The batch with its output URLs as they may be shown (lmdq.output_urls.shown_output_url)."""
+    from lmdq.output_urls import shown_output_url
+
+    return b.model_copy(update={"results_url": shown_output_url(b.results_url),
+                                "blob_url": shown_output_url(b.blob_url)})
+
+
 def _print_submitted(batch: Batch, created: bool, as_json: bool) -> None:
     """The batch id (or the batch as JSON, with ``created``) for submit and retry."""
+    batch = _redacted(batch)
     if as_json:
         out = json.loads(batch.model_dump_json())
         out["created"] = created
@@ -470,7 +480,7 @@ def list_(
     batches = _store().list_batches(limit)
     if as_json:
         for b in batches:
-            typer.echo(b.model_dump_json())
+            typer.echo(_redacted(b).model_dump_json())
         return
     out = Console()
     table = _batches_table(batches)

@@ -34,8 +34,9 @@ from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, Reques
 from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.headroom import DEFAULT_FRACTION, check_batch_fits
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
-from lmdq.keys import Keys
+from lmdq.keys import InvalidModelName, Keys, check_model_name
 from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
+from lmdq.output_urls import check_submit_urls
 from lmdq.producer.formats import (
     InputError,
     InputFormat,
@@ -51,6 +52,7 @@ from lmdq.producer.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 
 __all__ = [
     "SubmitOptions",
+    "submit_fingerprint",
     "enqueue_batch",
     "job_payloads",
     "new_batch_id",
@@ -358,6 +360,30 @@ def _planned_requests(
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
 
 
+def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
+    """What an idempotency key is bound to besides its batch: the file's bytes and every option that
+    shapes what is enqueued (model, params, priority, job size and grouping, metadata, completion window,
+    output URLs). A second submit with the same key must match it, or it is refused: its file would
+    otherwise be silently dropped. The bytes, not the parsed requests, so the check costs one read
+    at disk speed; the retention TTL is not part of it (it says how long, not what)."""
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError as e:
+        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
+    options = {
+        "model": opts.model, "params": opts.params.model_dump(mode="json", exclude_none=True),
+        "priority": Priority(opts.priority).value, "batch_size": opts.batch_size, "metadata": opts.metadata,
+        "completion_window_s": opts.completion_window_s, "results_url": opts.results_url,
+        "blob_url": opts.blob_url, "prefix_groups": opts.prefix_groups,
+        "prefix_group_bytes": opts.prefix_group_bytes if opts.prefix_groups else None,
+    }
+    h.update(b"\x00" + json.dumps(options, sort_keys=True).encode())
+    return f"file:{h.hexdigest()}"
+
+
 def enqueue_batch(
     batch: Batch,
     requests: Iterable[dict[str, Any]],
@@ -393,9 +419,12 @@ def submit_file(
         raise SubmitRejected(f"{path}:0: no such file")
     if opts.batch_size < 1:
         raise SubmitRejected(f"--batch-size: expected >= 1, got {opts.batch_size}")
+    check_submit_urls(opts.results_url, opts.blob_url)
     ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s, max_job_bytes=max_job_bytes)
+    fingerprint = None
     if opts.idempotency_key:
-        bound = ledger.bound_batch(opts.idempotency_key)
+        fingerprint = submit_fingerprint(path, opts)
+        bound = ledger.bound_batch(opts.idempotency_key, fingerprint=fingerprint)
         if bound is not None:
             return bound, False
 
@@ -405,6 +434,11 @@ def submit_file(
         raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
     seen, model, prefixes = _validate(path, opts, validate_progress)
+    try:
+        check_model_name(model)
+    except InvalidModelName as e:
+        where = "--model" if opts.model is not None else f"{path}: field 'body.model'"
+        raise SubmitRejected(f"{where}: {e}") from e
     total = seen.requests
     if total > opts.limits.max_requests:
         raise SubmitRejected(f"{path}: {total} requests, limit is {opts.limits.max_requests}")
@@ -451,7 +485,8 @@ def submit_file(
     if opts.idempotency_key:
         existing_id = ledger.bind_key(opts.idempotency_key, batch_id)
         if existing_id is not None:
-            return ledger.get(existing_id), False
+            bound = ledger.bound_batch(opts.idempotency_key, fingerprint=fingerprint)
+            return bound or ledger.get(existing_id), False
     if plan is not None and prefixes is not None:
         requests = _planned_requests(path, opts, seen, prefixes, plan)
     else:
@@ -460,7 +495,7 @@ def submit_file(
         if opts.after_validation is not None:
             opts.after_validation()
         batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
-                               job_sizes=plan.sizes if plan is not None else None)
+                               job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint)
     except BaseException:
         if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
             ledger.release_key(opts.idempotency_key, batch_id)

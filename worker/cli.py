@@ -69,6 +69,10 @@ def run(
 
         s.worker_name = default_worker_name()
     log = get_logger("lmdq.worker")
+    if s.served_model_name:
+        from lmdq.keys import check_model_name
+
+        check_model_name(s.served_model_name)  # before a model load of minutes: exit 2, one line
     ignored = unused_env(s.engine_name, os.environ)
     if ignored:
         log.warning("engine settings in the environment that this engine does not take; ignored",

@@ -32,7 +32,7 @@ import structlog
 from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.job_decode import OutputNotAllowed, decode_job
 from lmdq.jobs import Charge, Claim, JobQueue
-from lmdq.keys import Keys, queue_names
+from lmdq.keys import Keys, check_model_name, queue_names
 from lmdq.output_urls import OutputPolicy
 from lmdq.registry import WorkerRegistry
 from lmdq.store import ResultStore
@@ -92,7 +92,7 @@ class Worker:
                              max_job_bytes=settings.max_job_bytes)
         self.outputs = OutputPolicy.for_worker(settings.allowed_output_urls, settings.blob_url,
                                                settings.results_url)
-        self.model = engine.model_name
+        self.model = check_model_name(engine.model_name)  # the name is its queues' key: one rule for all
         self.queues = queue_names(self.model, self.keys.prefix)
         self.name = settings.worker_name or default_worker_name()
         self.registry = WorkerRegistry(client, keys=self.keys, name=self.name, model=self.model,
@@ -397,6 +397,14 @@ class Worker:
                 self._refuse(claim, str(e))
                 return
             claim.job = job
+            if payload.model != self.model:  # genuine (it matches its batch), but not this model's to answer
+                end = AttemptEnd(Outcome.refused)  # released here: _release leaves it alone
+                moved = with_reconnect(lambda: self.jobs.move_to_model(claim, worker=self.name, model=payload.model,
+                                                                       origin=job.origin),
+                                       on_retry=self._redis_retry)
+                jlog.warning("job of another model: moved to that model's queue, not run", its_model=payload.model,
+                             batch=payload.batch_id, queue=moved)
+                return
             held.batch_id = payload.batch_id
             held.n_requests = len(payload.requests)
             with self._slot:
