@@ -107,12 +107,44 @@ class BatchStatus(str, Enum):
         return self in (BatchStatus.completed, BatchStatus.failed, BatchStatus.cancelled, BatchStatus.expired)
 
 
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting (objects and arrays) a ``response_format`` JSON schema may have. Real schemas nest a few
+levels; a deeper one would only exhaust the stack of whatever walks it next (pydantic's serializer, the
+grammar compiler): refused as a field error, with the file and line, instead."""
+
+
+def _nesting(value: Any) -> int:
+    """How deeply ``value`` nests dicts and lists, walked without recursion (so any depth is safe)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            items: Any = v.values()
+        elif isinstance(v, list):
+            items = v
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > MAX_SCHEMA_DEPTH:
+            return deepest
+        stack.extend((x, d + 1) for x in items)
+    return deepest
+
+
 class ResponseFormat(_Strict):
     """Constrained output, as in LMDeploy's ``response_format`` / OpenAI's: a JSON schema or a regex."""
 
     type: Literal["json_schema", "json_object", "regex"]
     json_schema: dict[str, Any] | None = None
     regex: Annotated[str, Field(min_length=1, max_length=10_000)] | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _shallow(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and _nesting(v) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels of objects/arrays")
+        return v
 
     @model_validator(mode="after")
     def _payload(self) -> ResponseFormat:

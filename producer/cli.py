@@ -139,16 +139,12 @@ def _parse_window(s: str | None) -> float | None:
 
 
 def _result_ttl(flag: str | None, default_s: int, window_s: float | None) -> int:
-    """``--result-ttl`` (else LMDQ_RESULT_TTL_S): every key of the batch expires this long after submit,
-    so it must cover the batch's run (at least its completion window)."""
+    """``--result-ttl`` (else LMDQ_RESULT_TTL_S): every key of the batch expires this long after the batch
+    ENDS (lmdq.store), so any TTL covers the run, however long it takes or its completion window is."""
     ttl = _parse_duration(flag, "--result-ttl")
     ttl_s = default_s if ttl is None else int(ttl)
     if ttl_s < 60:
         raise typer.BadParameter(f"expected at least 60 seconds, got {flag!r}", param_hint="--result-ttl")
-    if window_s is not None and ttl_s < window_s:
-        raise typer.BadParameter(
-            f"{ttl_s}s is shorter than the completion window ({window_s:.0f}s): the batch and its results "
-            "would expire before it may end", param_hint="--result-ttl")
     return ttl_s
 
 
@@ -257,7 +253,7 @@ def submit(
     ] = None,
     result_ttl: Annotated[
         str | None,
-        typer.Option(help="how long the batch and its results are kept, counted from submit: e.g. 7d, 12h, 3600 "
+        typer.Option(help="how long the batch and its results are kept once it has ENDED: e.g. 7d, 12h, 3600 "
                           "(default LMDQ_RESULT_TTL_S, 7 days)"),
     ] = None,
     blob_url: Annotated[
@@ -281,7 +277,7 @@ def submit(
     if json_schema is not None:
         try:
             schema = json.loads(json_schema.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
             print(f"error: --json-schema: {json_schema}: expected a readable JSON file ({e})", file=sys.stderr)
             raise typer.Exit(2) from e
         raw_params["response_format"] = {"type": "json_schema", "json_schema": {"name": json_schema.stem,
