@@ -11,6 +11,7 @@ RQ's bookkeeping needs only if each is within its cap, the data is inflated with
 
 from __future__ import annotations
 
+import json
 import zlib
 from typing import Any
 
@@ -19,15 +20,21 @@ from redis.commands.core import Script
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from lmdq.contract import FORMAT_VERSION
 from lmdq.errors import SubmitRejected
 from lmdq.replies import reply_text
 
 __all__ = [
     "DEFAULT_MAX_JOB_BYTES",
+    "FORMAT_FIELD",
     "MAX_FIELD_BYTES",
+    "REQUESTS_FIELD",
     "JobRefused",
     "JobTooLarge",
+    "JobUndecodable",
+    "NotDecodable",
     "inflate",
+    "manifest",
     "read_job",
 ]
 
@@ -39,6 +46,21 @@ as JSON. 64 MiB is 2 MiB a request at the default batch size (a 128k-token promp
 leaves room for JSON's ``\\uXXXX`` escapes of non-ASCII text; batches of larger prompts should use a
 smaller ``--batch-size`` or raise the cap on producer and workers alike. The bound matters for memory:
 a decompressed job is parsed into Python objects (worst case ~20 bytes of objects per byte of JSON)."""
+
+FORMAT_FIELD = "lmdq_format"
+"""Job hash field: the payload's ``format_version``, readable before the data is inflated or parsed, so a
+worker refuses a job written by a newer lmdq by name (and answers its requests) instead of by accident."""
+
+REQUESTS_FIELD = "lmdq_requests"
+"""Job hash field: the job's requests as JSON ``[[index, custom_id], ...]`` (:func:`manifest`): what a worker
+needs to answer each request of a job whose data it cannot decode (over its LMDQ_MAX_JOB_BYTES, a newer
+format), so the batch still ends."""
+
+
+def manifest(requests: list[dict[str, Any]]) -> str:
+    """The :data:`REQUESTS_FIELD` value of a job's request dicts."""
+    return json.dumps([[r["index"], r["custom_id"]] for r in requests], ensure_ascii=False, separators=(",", ":"))
+
 
 MAX_FIELD_BYTES = 4096
 """Cap on every other job hash field read (origin, status, dates, description...): lmdq's are < 200 B."""
@@ -61,6 +83,7 @@ _FIELDS = (
     "failure_ttl",
     "ttl",
     "group_id",
+    FORMAT_FIELD,
 )
 
 # KEYS: job hash.  ARGV: cap for the first field, cap for the others, field names...
@@ -85,6 +108,12 @@ return out
 _READ_SCRIPT = Script(None, _READ.encode())  # type: ignore[arg-type]  # EVALSHA, re-loaded on NOSCRIPT
 
 
+class JobUndecodable(ValueError):
+    """Mixin: the job is refused because THIS worker cannot decode it (a newer format, data over its
+    LMDQ_MAX_JOB_BYTES), not because it is foreign: its requests deserve an answer
+    (:class:`lmdq.job_decode.UndecodableJob`)."""
+
+
 class JobRefused(ValueError):
     """The job is not something this worker will run (foreign, malformed, oversized, unsafe).
 
@@ -93,6 +122,10 @@ class JobRefused(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message if len(message) <= 1000 else f"{message[:600]} ...(cut)... {message[-300:]}")
+
+
+class NotDecodable(JobRefused, JobUndecodable):
+    """A :class:`JobRefused` for a job this worker cannot decode (see :class:`JobUndecodable`)."""
 
 
 class JobTooLarge(SubmitRejected):
@@ -118,10 +151,10 @@ def inflate(raw: bytes, max_bytes: int) -> bytes:
         out = d.decompress(raw, max_bytes + 1)
     except zlib.error:
         if len(raw) > max_bytes:
-            raise JobRefused(f"job data is {len(raw):,} bytes, over LMDQ_MAX_JOB_BYTES={max_bytes:,}") from None
+            raise NotDecodable(f"job data is {len(raw):,} bytes, over LMDQ_MAX_JOB_BYTES={max_bytes:,}") from None
         return raw
     if len(out) > max_bytes or d.unconsumed_tail:
-        raise JobRefused(
+        raise NotDecodable(
             f"job data inflates to more than LMDQ_MAX_JOB_BYTES={max_bytes:,} bytes "
             f"({len(raw):,} bytes compressed); stopped decompressing there"
         )
@@ -146,10 +179,18 @@ def read_job(
     if tag == "not_hash":
         raise JobRefused(f"job {job_id}: its key is a Redis {reply_text(got[1])}, not an RQ job hash")
     if tag == "too_large":
-        cap = max_job_bytes if reply_text(got[1]) == "data" else MAX_FIELD_BYTES
-        what = "LMDQ_MAX_JOB_BYTES" if reply_text(got[1]) == "data" else "the field cap"
-        raise JobRefused(f"job {job_id}: field {reply_text(got[1])!r} is {int(got[2]):,} bytes, over {what}={cap:,}")
+        is_data = reply_text(got[1]) == "data"
+        cap = max_job_bytes if is_data else MAX_FIELD_BYTES
+        what = "LMDQ_MAX_JOB_BYTES" if is_data else "the field cap"
+        cls = NotDecodable if is_data else JobRefused
+        raise cls(f"job {job_id}: field {reply_text(got[1])!r} is {int(got[2]):,} bytes, over {what}={cap:,}")
     fields = {name.encode(): v for name, v in zip(_FIELDS, got[1:]) if v is not None}
+    fmt = fields.pop(FORMAT_FIELD.encode(), None)
+    if fmt is not None:
+        version = reply_text(fmt)
+        if not version.isdigit() or int(version) > FORMAT_VERSION:
+            raise NotDecodable(f"job {job_id}: written in job format {version[:20]!r}, newer than this worker's "
+                               f"({FORMAT_VERSION}): upgrade lmdq on the workers")
     if b"data" not in fields:
         raise JobRefused(f"job {job_id}: no 'data' field (not an RQ job)")
     data = inflate(fields[b"data"], max_job_bytes)

@@ -19,6 +19,7 @@ A job failing any step raises :class:`JobRefused`: it is refused, never run and 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import redis
@@ -26,12 +27,20 @@ from pydantic import ValidationError
 from redis.commands.core import Script
 from rq.job import Job
 
-from lmdq.contract import Batch, JobPayload
-from lmdq.job_data import JobRefused
+from lmdq.contract import MAX_JOB_REQUESTS, Batch, JobPayload
+from lmdq.job_data import MAX_FIELD_BYTES, REQUESTS_FIELD, JobRefused, NotDecodable
 from lmdq.jobs import JobQueue, job_id_for
 from lmdq.output_urls import OutputPolicy, OutputUrlRejected
 
-__all__ = ["MAX_BATCH_RECORD_BYTES", "MAX_JOB_ID_CHARS", "JobRefused", "OutputNotAllowed", "decode_job"]
+__all__ = [
+    "MAX_BATCH_RECORD_BYTES",
+    "MAX_JOB_ID_CHARS",
+    "JobRefused",
+    "OutputNotAllowed",
+    "UndecodableJob",
+    "decode_job",
+    "undecodable",
+]
 
 
 class OutputNotAllowed(JobRefused):
@@ -44,6 +53,18 @@ class OutputNotAllowed(JobRefused):
         super().__init__(message)
         self.job = job
         self.payload = payload
+
+class UndecodableJob(JobRefused):
+    """A job of a live batch that this worker cannot decode (:class:`~lmdq.job_data.NotDecodable`: a newer
+    job format, data over its LMDQ_MAX_JOB_BYTES) but whose requests it can name from the job's manifest
+    (:data:`~lmdq.job_data.REQUESTS_FIELD`). Like :class:`OutputNotAllowed` its requests are answered (failed,
+    ``undecodable_job``, with the reason) so the batch ends; the job ends failed in RQ, never retried."""
+
+    def __init__(self, message: str, *, batch: Batch, requests: list[tuple[int, str]]) -> None:
+        super().__init__(message)
+        self.batch = batch
+        self.requests = requests
+
 
 MAX_JOB_ID_CHARS = 256
 """lmdq job ids are ``<batch id>-<job no>`` (37 characters); ids come off the queue list, untrusted too."""
@@ -73,7 +94,10 @@ def decode_job(
     Redis only): the URLs must still equal the batch record's, but no worker policy applies."""
     if len(job_id) > MAX_JOB_ID_CHARS:
         raise JobRefused(f"job id of {len(job_id):,} characters, over {MAX_JOB_ID_CHARS}")
-    job = queue.fetch_job(job_id)  # bounded: raises JobRefused for oversized / foreign hashes
+    try:
+        job = queue.fetch_job(job_id)  # bounded: raises JobRefused for oversized / foreign hashes
+    except NotDecodable as e:
+        raise undecodable(client, queue, job_id, str(e)) from e
     try:
         payload = queue.payload_of(job)
     except ValidationError as e:
@@ -105,6 +129,39 @@ def decode_job(
                                        payload=payload.model_copy(update={"results_url": None,
                                                                           "blob_url": None})) from e
     return job, payload.model_copy(update=urls) if urls else payload
+
+
+_JOB_ID = re.compile(r"^(batch_[0-9a-f]{24})-([0-9]{6,10})$")
+
+
+def undecodable(client: redis.Redis, queue: JobQueue, job_id: str, reason: str) -> JobRefused:
+    """The error for a job this worker cannot decode: :class:`UndecodableJob` when its id, batch record and
+    manifest say which requests of a live batch it holds (bounded reads, validated: untrusted), else a
+    plain :class:`JobRefused` (a foreign or forged job: nothing to answer)."""
+    m = _JOB_ID.match(job_id)
+    if m is None:
+        return JobRefused(reason)
+    try:
+        batch, total = _batch_record(client, queue, m.group(1))
+    except JobRefused:
+        return JobRefused(reason)
+    if int(m.group(2)) >= max(1, batch.num_jobs):
+        return JobRefused(f"{reason} (job {int(m.group(2))} is not one of the batch's {batch.num_jobs} jobs)")
+    key = Job.key_for(job_id)
+    cap = max(MAX_FIELD_BYTES, min(queue.max_job_bytes, 64 << 20))
+    if int(client.hstrlen(key, REQUESTS_FIELD)) > cap:
+        return JobRefused(f"{reason} (its request list is over {cap:,} bytes)")
+    raw = client.hget(key, REQUESTS_FIELD)
+    try:
+        pairs = json.loads(raw) if raw is not None else None
+        requests = [(int(i), str(c)) for i, c in pairs] if isinstance(pairs, list) else []
+    except (ValueError, TypeError, RecursionError):
+        requests = []
+    ok = (0 < len(requests) <= MAX_JOB_REQUESTS and len({i for i, _ in requests}) == len(requests)
+          and all(0 <= i < total and 0 < len(c) <= 512 for i, c in requests))
+    if not ok:
+        return JobRefused(f"{reason} (and it names no requests of batch {batch.id} to answer)")
+    return UndecodableJob(reason, batch=batch, requests=requests)
 
 
 def _batch_record(client: redis.Redis, queue: JobQueue, batch_id: str) -> tuple[Batch, int]:

@@ -25,8 +25,16 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from lmdq.contract import JOB_FUNCTION, BatchStatus, JobPayload
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobTooLarge, read_job
+from lmdq.contract import FORMAT_VERSION, JOB_FUNCTION, BatchStatus, JobPayload
+from lmdq.job_data import (
+    DEFAULT_MAX_JOB_BYTES,
+    FORMAT_FIELD,
+    MAX_FIELD_BYTES,
+    REQUESTS_FIELD,
+    JobTooLarge,
+    manifest,
+    read_job,
+)
 from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
 from lmdq.lease_scripts import CLAIM, HEARTBEAT, REAP, RELEASE
 from lmdq.wakeup import WAKE_LUA
@@ -34,6 +42,14 @@ from lmdq.wakeup import WAKE_LUA
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
 SERIALIZER = JSONSerializer()
+
+# KEYS: job hash, its batch's record.  Run last in the MULTI of every RQ bookkeeping write a worker makes
+# for a job (started, ended, re-queued): RQ's HSETs re-create a job hash that ``purge`` deleted, with no
+# TTL; with the batch gone, the re-created hash goes too.
+_DROP_ORPHAN = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 # KEYS: leases, owners, the right queue, its model's wake list.  ARGV: job id, worker.
 # Fenced like RELEASE: only the lease holder moves the job; the lease goes and the job is pushed to the
@@ -142,6 +158,7 @@ class JobQueue:
         self._release = client.register_script(RELEASE)
         self._reap = client.register_script(REAP)
         self._move = client.register_script(_MOVE)
+        self._drop_orphan = client.register_script(_DROP_ORPHAN)
 
     # ---- producer side -----------------------------------------------------------------
     def stage(self, payload: dict[str, Any], *, queue: str, job_no: int, pipe: Any) -> str:
@@ -165,6 +182,10 @@ class JobQueue:
         if len(job.data) > self.max_job_bytes:  # workers refuse it unread: say so now, before anything is visible
             raise JobTooLarge(job_no, len(job.data), self.max_job_bytes)
         job.save(pipeline=pipe)
+        # Plain fields beside RQ's, readable without inflating or parsing the data: the job's format, and
+        # which requests it answers, so a worker that cannot decode the data still answers each of them.
+        pipe.hset(job.key, mapping={FORMAT_FIELD: str(payload.get("format_version", FORMAT_VERSION)),
+                                    REQUESTS_FIELD: manifest(payload["requests"])})
         pipe.expire(job.key, self.job_ttl_s)
         pipe.rpush(self.keys.batch_jobs(payload["batch_id"]), job_id)
         return job_id
@@ -260,11 +281,18 @@ class JobQueue:
         if pipe is not None:
             claim.job.prepare_for_execution(worker, pipe)
             claim.execution = Execution.create(claim.job, ttl_s, pipe, worker_name=worker)
+            self._orphan_guard(claim.job_id, pipe)
             return
         with self.client.pipeline() as p:
             claim.job.prepare_for_execution(worker, p)
             claim.execution = Execution.create(claim.job, ttl_s, p, worker_name=worker)
+            self._orphan_guard(claim.job_id, p)
             p.execute()
+
+    def _orphan_guard(self, job_id: str, pipe: Any) -> None:
+        """Queue :data:`_DROP_ORPHAN` for ``job_id`` on ``pipe`` (after RQ's writes to the job hash)."""
+        batch_id = job_id.rsplit("-", 1)[0]
+        self._drop_orphan(keys=[Job.key_for(job_id), self.keys.batch(batch_id)], client=pipe)
 
     def mark_refused(self, job_id: str, reason: str, *, ttl_s: int) -> bool:
         """Record a refused (foreign) job as failed in RQ WITHOUT decoding or re-saving it.
@@ -392,6 +420,7 @@ class JobQueue:
                     job, self.job_ttl_s, p
                 )
             p.hset(job.key, "ended_at", _utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+            self._orphan_guard(claim.job_id, p)
             p.execute()
 
     def reap(self, *, limit: int = 200) -> list[tuple[str, str]]:
@@ -415,6 +444,7 @@ class JobQueue:
             with self.client.pipeline() as p:
                 job.set_status(JobStatus.QUEUED, pipeline=p)
                 StartedJobRegistry(job.origin, connection=self.client).remove_executions(job, pipeline=p)
+                self._orphan_guard(jid, p)
                 p.execute()
 
     def queue_depth(self, queues: Sequence[str]) -> int:

@@ -48,7 +48,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from lmdq.connection import Refusal, refusal
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
 from lmdq.errors import IdempotencyConflict, PurgeRefused, RedisRefused, RetryRejected, SubmitRejected
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
+from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
 from lmdq.job_decode import JobRefused, decode_job
 from lmdq.jobs import JobQueue, job_id_for, job_id_prefix
 from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
@@ -130,6 +130,19 @@ _RELEASE_KEY = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+def _manifest(raw: Any, total: int) -> list[tuple[int, str]] | None:
+    """A job's request manifest (:data:`lmdq.job_data.REQUESTS_FIELD`, untrusted), or None when missing or
+    not one: only indices of the batch and non-empty custom ids are kept."""
+    if raw is None:
+        return None
+    try:
+        pairs = json.loads(raw)
+        out = [(int(i), str(c)) for i, c in pairs]
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return [(i, c) for i, c in out if 0 <= i < total and 0 < len(c) <= 512]
 
 
 def new_batch_id() -> str:
@@ -510,10 +523,57 @@ class BatchLedger:
                     job = done[jid] if jid in done else self._write_cancelled(batch, jid, now)  # re-queued since
                     if job is not None:
                         self.client.hset(job.key, "status", JobStatus.CANCELED.value)
+            self._cancel_unheld(batch, now)
             b = self.get(batch_id)
             if b.request_counts.done >= b.request_counts.total and b.status is BatchStatus.cancelling:
                 self.store.transition(batch_id, [BatchStatus.cancelling], BatchStatus.cancelled, F.cancelled_at)
         return self.get(batch_id)
+
+    def in_flight(self, batch: Batch) -> int:
+        """Jobs of ``batch`` that something will still answer: on one of its model's queues, or held under a
+        live lease. 0 for a batch that has not ended means it is stuck (nothing will ever end it)."""
+        prefix = job_id_prefix(batch.id)
+        queued = sum(len(self._find_prefix(keys=[rq_queue_key(q)], args=[prefix]))
+                     for q in queue_names(batch.model, self.keys.prefix))
+        job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        sec, usec = self.client.time()
+        server_now = int(sec) + int(usec) / 1e6
+        live = 0
+        for start in range(0, len(job_ids), _FETCH_CHUNK):
+            scores = self.client.zmscore(self.keys.leases(), job_ids[start : start + _FETCH_CHUNK])
+            live += sum(1 for x in scores if x is not None and float(x) > server_now)
+        return queued + live
+
+    def _cancel_unheld(self, batch: Batch, now: float) -> None:
+        """``cancelled`` results for the requests of every job of the batch that no live lease holds and no
+        queue lists (those were handled above): a job a worker refused, one whose worker died with no
+        worker left to reap it. Without this, such a batch stayed ``cancelling`` for good. A job under a
+        live lease is left to its worker (it watches the cancelled set); a request that has a result keeps
+        it (the results script writes each request once)."""
+        job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        sec, usec = self.client.time()
+        server_now = int(sec) + int(usec) / 1e6
+        for start in range(0, len(job_ids), _FETCH_CHUNK):
+            chunk = job_ids[start : start + _FETCH_CHUNK]
+            with self.client.pipeline(transaction=False) as p:
+                p.zmscore(self.keys.leases(), chunk)
+                for jid in chunk:
+                    p.hget(Job.key_for(jid), REQUESTS_FIELD)
+                leases, *manifests = p.execute()
+            for jid, lease, raw in zip(chunk, leases, manifests):
+                if lease is not None and float(lease) > server_now:
+                    continue  # its worker aborts it and answers its requests
+                requests = _manifest(raw, batch.request_counts.total)
+                if requests is None:  # a job staged by an older lmdq: its payload says which requests
+                    job = self._write_cancelled(batch, jid, now)
+                    if job is not None:
+                        self.client.hset(job.key, "status", JobStatus.CANCELED.value)
+                    continue
+                self.store.write_results(
+                    Result(batch_id=batch.id, custom_id=cid, index=i, status=ResultStatus.cancelled, model=batch.model,
+                           timings=Timings(enqueued_at=batch.created_at, finished_at=now))
+                    for i, cid in requests
+                )
 
     def _write_cancelled(self, batch: Batch, job_id: str, now: float) -> Job | None:
         """Write ``cancelled`` results for a queued job's requests; returns the job, or None when it is

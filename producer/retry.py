@@ -49,13 +49,20 @@ def retry_batch(
         if bound is not None:
             return bound, False
     orig = ledger.get(batch_id)
+    stuck = False
     if not orig.status.terminal:
-        raise RetryRejected(
-            f"batch {batch_id!r} is {orig.status.value}; retry it once it has ended "
-            f"(`lmdq-producer status {batch_id} --watch`)"
-        )
+        held = ledger.in_flight(orig)
+        if held:
+            raise RetryRejected(
+                f"batch {batch_id!r} is {orig.status.value} with {held} job(s) queued or running; retry it once "
+                f"it has ended (`lmdq-producer status {batch_id} --watch`), or cancel it first"
+            )
+        # Stuck: nothing queued, nothing held, yet not ended (e.g. jobs refused by an older lmdq). End it
+        # (its unanswered requests become cancelled) and retry those with the failed ones.
+        orig = ledger.cancel(batch_id)
+        stuck = True
     statuses = {ResultStatus.failed}
-    if include_cancelled:
+    if include_cancelled or stuck:
         statuses.add(ResultStatus.cancelled)
     if include_expired:
         statuses.add(ResultStatus.expired)

@@ -30,7 +30,8 @@ import redis
 import structlog
 
 from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
-from lmdq.job_decode import OutputNotAllowed, decode_job
+from lmdq.contract import ErrorInfo, Result, ResultStatus, Timings
+from lmdq.job_decode import OutputNotAllowed, UndecodableJob, decode_job
 from lmdq.jobs import Charge, Claim, JobQueue
 from lmdq.keys import Keys, check_model_name, queue_names
 from lmdq.output_urls import OutputPolicy
@@ -386,6 +387,15 @@ class Worker:
                 )
             except RETRYABLE_ERRORS:
                 raise  # Redis is down, the job is not foreign: re-queued below, never refused
+            except UndecodableJob as e:  # genuine, but this worker cannot read it: answer each request, don't run
+                jlog.error("job this worker cannot decode: failing its requests (undecodable_job)", error=str(e),
+                           batch=e.batch.id, requests=len(e.requests))
+                self._counts["refused"] += 1
+                end = AttemptEnd(Outcome.refused)
+                claim.job = None
+                self._answer_undecodable(e)
+                self._refuse(claim, str(e))
+                return
             except OutputNotAllowed as e:  # genuine, but writes where this worker may not: answer, don't run
                 jlog.error("batch's output URL is not allowed on this worker: failing its requests", error=str(e))
                 job, payload, output_refusal = e.job, e.payload, str(e)
@@ -491,6 +501,17 @@ class Worker:
             jlog.warning("job not released (stopping while Redis refuses writes); its lease will expire")
         except Exception:  # noqa: BLE001
             jlog.exception("could not release job; its lease will expire and another worker retries it")
+
+    def _answer_undecodable(self, e: UndecodableJob) -> None:
+        """One ``failed`` result per request of a job no worker of this build can decode, so its batch ends
+        (exactly once: a request that has a result already keeps it). The reason says what to change;
+        ``lmdq-producer retry`` re-runs the requests once workers can read them."""
+        now = time.time()
+        results = [Result(batch_id=e.batch.id, custom_id=cid, index=i, status=ResultStatus.failed, model=e.batch.model,
+                          worker=self.name, error=ErrorInfo(code="undecodable_job", message=str(e)),
+                          timings=Timings(enqueued_at=e.batch.created_at, finished_at=now))
+                   for i, cid in e.requests]
+        with_reconnect(lambda: self.store.write_results(results), on_retry=self._redis_retry)
 
     def _refuse(self, claim: Claim, why: str) -> None:
         """Drop a foreign job from the queue: lease released, RQ marks it failed, nothing runs."""
