@@ -54,8 +54,8 @@ def retry_batch(
         held = ledger.in_flight(orig)
         if held:
             raise RetryRejected(
-                f"batch {batch_id!r} is {orig.status.value} with {held} job(s) queued or running; retry it once "
-                f"it has ended (`lmdq-producer status {batch_id} --watch`), or cancel it first"
+                f"batch {batch_id!r} is {orig.status.value}; retry it once it has ended (`lmdq-producer status "
+                f"{batch_id} --watch`), or cancel it first: {held} job(s) queued or running"
             )
         # Stuck: nothing queued, nothing held, yet not ended (e.g. jobs refused by an older lmdq). End it
         # (its unanswered requests become cancelled) and retry those with the failed ones.

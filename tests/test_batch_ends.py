@@ -137,7 +137,7 @@ def test_retry_still_refuses_a_batch_with_work_in_flight(tmp_path: Path, client:
 
     f = write_jsonl(tmp_path / "p.jsonl", _rows(3))
     batch = _submit(client, prefix, f, batch_size=3)
-    with pytest.raises(RetryRejected, match="1 job.s. queued or running"):
+    with pytest.raises(RetryRejected, match="cancel it first: 1 job.s. queued or running"):
         retry_batch(client, Keys(prefix), batch.id, ttl_s=3600)
 
 
