@@ -33,7 +33,7 @@ from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.contract import ErrorInfo, Result, ResultStatus, Timings
 from lmdq.job_decode import OutputNotAllowed, UndecodableJob, decode_job
 from lmdq.jobs import Charge, Claim, JobQueue
-from lmdq.keys import Keys, check_model_name, queue_names
+from lmdq.keys import InvalidModelName, Keys, check_model_name, queue_names
 from lmdq.output_urls import OutputPolicy
 from lmdq.registry import WorkerRegistry
 from lmdq.store import ResultStore
@@ -93,7 +93,11 @@ class Worker:
                              max_job_bytes=settings.max_job_bytes)
         self.outputs = OutputPolicy.for_worker(settings.allowed_output_urls, settings.blob_url,
                                                settings.results_url)
-        self.model = check_model_name(engine.model_name)  # the name is its queues' key: one rule for all
+        try:
+            self.model = check_model_name(engine.model_name)  # the name is its queues' key: one rule for all
+        except InvalidModelName as e:
+            raise InvalidModelName(f"{e}; serve the model under a name that follows it: --served-model-name "
+                                   "(LMDQ_SERVED_MODEL_NAME)") from None
         self.queues = queue_names(self.model, self.keys.prefix)
         self.name = settings.worker_name or default_worker_name()
         self.registry = WorkerRegistry(client, keys=self.keys, name=self.name, model=self.model,
