@@ -16,7 +16,7 @@ import redis
 from lmdq.contract import Batch, BatchStatus, Priority, Request, RequestCounts, ResultStatus
 from lmdq.errors import RetryRejected
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
-from lmdq.keys import Keys
+from lmdq.keys import InvalidModelName, Keys, check_model_name
 from lmdq.ledger import BatchLedger, new_batch_id
 
 __all__ = ["retry_batch"]
@@ -44,11 +44,19 @@ def retry_batch(
     False when ``idempotency_key`` matched an existing batch. Source jobs are read within
     ``max_job_bytes`` (LMDQ_MAX_JOB_BYTES), like a worker reads them."""
     ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s, max_job_bytes=max_job_bytes)
+    # what the key is bound to: this batch retried with these options (another batch or options: refused)
+    fingerprint = (f"retry:{batch_id}:cancelled={include_cancelled}:expired={include_expired}:"
+                   f"priority={priority.value if priority else ''}")
     if idempotency_key:
-        bound = ledger.bound_batch(idempotency_key)
+        bound = ledger.bound_batch(idempotency_key, fingerprint=fingerprint)
         if bound is not None:
             return bound, False
     orig = ledger.get(batch_id)
+    try:
+        check_model_name(orig.model)
+    except InvalidModelName as e:
+        raise RetryRejected(f"batch {batch_id!r}: {e}; no worker can serve it (submit its file again under "
+                            "a valid --model)") from e
     stuck = False
     if not orig.status.terminal:
         held = ledger.in_flight(orig)
@@ -102,7 +110,7 @@ def retry_batch(
     if idempotency_key:  # bound only once the batch record is known to be valid
         existing_id = ledger.bind_key(idempotency_key, new_id)
         if existing_id is not None:
-            return ledger.get(existing_id), False
+            return ledger.bound_batch(idempotency_key, fingerprint=fingerprint) or ledger.get(existing_id), False
     requests = (_as_dict(i, r) for i, r in enumerate(ledger.source_requests(orig, indices)))
     # enqueue undoes everything (idempotency key included) if reading the originals fails midway
-    return ledger.enqueue(batch, requests), True
+    return ledger.enqueue(batch, requests, fingerprint=fingerprint if idempotency_key else None), True

@@ -160,3 +160,22 @@ def test_purge_force_leaves_no_key_without_a_ttl(tmp_path: Path, client: redis.R
     jq.record_requeued([held[0].job_id])
     no_ttl = [key for key in client.scan_iter("*") if batch.id.encode() in key and client.ttl(key) == -1]
     assert no_ttl == []
+
+
+def test_retry_key_reused_for_another_batch_is_refused(tmp_path: Path, redis_url: str, client: redis.Redis,
+                                                       prefix: str) -> None:
+    import pytest
+
+    from lmdq.errors import IdempotencyConflict
+
+    rows = [{"custom_id": f"r{i}", "prompt": f"q {i} [[sim:error]]" if i == 1 else f"q {i}"} for i in range(3)]
+    a = _submit(client, prefix, write_jsonl(tmp_path / "a.jsonl", rows), batch_size=3)
+    b = _submit(client, prefix, write_jsonl(tmp_path / "b.jsonl", rows), batch_size=3)
+    _worker(client, redis_url, prefix)
+    first, created = retry_batch(client, Keys(prefix), a.id, ttl_s=3600, idempotency_key="redo")
+    again, created_again = retry_batch(client, Keys(prefix), a.id, ttl_s=3600, idempotency_key="redo")
+    assert created and not created_again and again.id == first.id
+    with pytest.raises(IdempotencyConflict, match=f"bound to batch {first.id}"):
+        retry_batch(client, Keys(prefix), b.id, ttl_s=3600, idempotency_key="redo")
+    with pytest.raises(IdempotencyConflict):
+        retry_batch(client, Keys(prefix), a.id, ttl_s=3600, idempotency_key="redo", include_cancelled=True)

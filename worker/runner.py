@@ -30,7 +30,7 @@ import redis
 import structlog
 
 from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
-from lmdq.contract import ErrorInfo, Result, ResultStatus, Timings
+from lmdq.contract import BatchStatus, ErrorInfo, Result, ResultStatus, Timings
 from lmdq.job_decode import OutputNotAllowed, UndecodableJob, decode_job
 from lmdq.jobs import Charge, Claim, JobQueue
 from lmdq.keys import InvalidModelName, Keys, check_model_name, queue_names
@@ -511,8 +511,12 @@ class Worker:
         (exactly once: a request that has a result already keeps it). The reason says what to change;
         ``lmdq-producer retry`` re-runs the requests once workers can read them."""
         now = time.time()
-        results = [Result(batch_id=e.batch.id, custom_id=cid, index=i, status=ResultStatus.failed, model=e.batch.model,
-                          worker=self.name, error=ErrorInfo(code="undecodable_job", message=str(e)),
+        status = with_reconnect(lambda: self.client.hget(self.keys.batch(e.batch.id), "status"),
+                                on_retry=self._redis_retry)
+        cancelled = status in (BatchStatus.cancelling.value.encode(), BatchStatus.cancelled.value.encode())
+        error = None if cancelled else ErrorInfo(code="undecodable_job", message=str(e))
+        results = [Result(batch_id=e.batch.id, custom_id=cid, index=i, model=e.batch.model, worker=self.name,
+                          status=ResultStatus.cancelled if cancelled else ResultStatus.failed, error=error,
                           timings=Timings(enqueued_at=e.batch.created_at, finished_at=now))
                    for i, cid in e.requests]
         with_reconnect(lambda: self.store.write_results(results), on_retry=self._redis_retry)
