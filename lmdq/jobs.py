@@ -243,6 +243,16 @@ class JobQueue:
             server_now=int(sec) + int(usec) / 1e6,
         )
 
+    def lease_now(self) -> float:
+        """Now on the clock leases are stamped with: the Redis server's TIME, plus the offset the lease
+        scripts keep in ``<leases>:clock`` when the server's clock has stepped back (if they keep one), so
+        a caller judging "is this lease live?" agrees with the reaper."""
+        with self.client.pipeline(transaction=False) as p:
+            p.time()
+            p.hget(f"{self.keys.leases()}:clock", "offset")
+            (sec, usec), offset = p.execute()
+        return int(sec) + int(usec) / 1e6 + (_float(offset) or 0.0)
+
     def forget(self, job_id: str) -> None:
         """Delete an ended job's hash (its payload: the prompts). Only for a job whose results are all
         in a shard and none is to be retried (``retry`` reads failed requests back from job payloads):

@@ -536,8 +536,7 @@ class BatchLedger:
         queued = sum(len(self._find_prefix(keys=[rq_queue_key(q)], args=[prefix]))
                      for q in queue_names(batch.model, self.keys.prefix))
         job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
-        sec, usec = self.client.time()
-        server_now = int(sec) + int(usec) / 1e6
+        server_now = self.jobs.lease_now()
         live = 0
         for start in range(0, len(job_ids), _FETCH_CHUNK):
             scores = self.client.zmscore(self.keys.leases(), job_ids[start : start + _FETCH_CHUNK])
@@ -551,8 +550,7 @@ class BatchLedger:
         live lease is left to its worker (it watches the cancelled set); a request that has a result keeps
         it (the results script writes each request once)."""
         job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
-        sec, usec = self.client.time()
-        server_now = int(sec) + int(usec) / 1e6
+        server_now = self.jobs.lease_now()
         for start in range(0, len(job_ids), _FETCH_CHUNK):
             chunk = job_ids[start : start + _FETCH_CHUNK]
             with self.client.pipeline(transaction=False) as p:
