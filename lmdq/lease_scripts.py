@@ -18,9 +18,33 @@ __all__ = ["CLAIM", "HEARTBEAT", "REAP", "RELEASE"]
 # Lease times are the Redis server's clock (TIME), never a worker's: a worker whose clock runs behind
 # or ahead must not lease for too short a time nor reap live leases. (TIME before writes needs
 # script effects replication, the default since Redis 5.)
+#
+# And that clock never runs backwards: a step back of the Redis host's clock (NTP correcting a clock
+# that ran ahead, a failover to a replica whose clock is behind) would otherwise leave every lease
+# stamped before it that much further in the future, so a dead worker's jobs would wait out the
+# step (an hour back: an hour unreaped). The lease clock is TIME plus an offset that grows by every
+# step back seen: ``<leases>:clock`` keeps the last TIME read and the offset, so lease time only
+# ever advances by elapsed server time. (A step forward is not undone: it expires leases early,
+# which re-runs work, never loses it.) The key is derived from the leases key, beside it.
+#
+# Its first write is a ZREM of a member that never exists: under maxmemory + noeviction Redis refuses
+# a script only at its FIRST write when that command may grow memory (HSET, ZADD), and a ZREM cannot,
+# so the clock (and the heartbeat's lease extensions after it) go through when Redis is full: a worker
+# holding finished results through an out-of-memory episode keeps its leases instead of having its
+# jobs reaped and re-run.
 _NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREM', KEYS[1], '\\0lmdq-oom-guard')
+local now
+do
+  local t = redis.call('TIME')
+  local raw = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  local clock = KEYS[1] .. ':clock'
+  local seen = redis.call('HMGET', clock, 'raw', 'offset')
+  local last, offset = tonumber(seen[1]), tonumber(seen[2]) or 0
+  if last and raw < last then offset = offset + (last - raw) end
+  redis.call('HSET', clock, 'raw', raw, 'offset', offset)
+  now = raw + offset
+end
 """
 
 # KEYS: leases, owners, runs, charges, crashes, inflight list, queue1..n.  ARGV: ttl, worker, max jobs
@@ -46,13 +70,9 @@ if #out == 0 then return false end
 return out
 """
 
-# KEYS: leases, owners.  ARGV: ttl, worker, ids...
-# Under maxmemory + noeviction Redis refuses a script's FIRST write when that command may grow memory
-# (ZADD); a ZREM of a member that never exists is a write that cannot, after which the lease
-# extensions go through: a worker holding finished results through an out-of-memory episode keeps
-# its leases instead of having its jobs reaped and re-run.
+# KEYS: leases, owners.  ARGV: ttl, worker, ids...  (:data:`_NOW`'s first write keeps it going under
+# maxmemory: see above.)
 HEARTBEAT = _NOW + """
-redis.call('ZREM', KEYS[1], '\\0lmdq-oom-guard')
 local lost = {}
 for i = 3, #ARGV do
   local o = redis.call('HGET', KEYS[2], ARGV[i])
