@@ -1,7 +1,10 @@
 """Redis connections from a URL: checked URLs, timeouts on every client, and ONE retry policy.
 
 ``redis://`` and ``rediss://`` (TLS) URLs with user/password are passed to redis-py once they are
-known to mean what they say. A malformed URL, a wrong password or an unreachable server becomes one
+known to mean what they say. ``redis+sentinel://`` (``rediss+sentinel://``: TLS) names Redis
+Sentinels and a service instead of a server: the client asks the sentinels for the current primary
+at every (re)connect, through redis-py's Sentinel client, so a failover needs no human (see
+:func:`parse_sentinel_url` and docs/deploy.md). A malformed URL, a wrong password or an unreachable server becomes one
 :class:`RedisUnavailable` line naming the redacted URL, not a traceback.
 
 Retries live in one place. The client itself only reconnects once, at once, when a pooled
@@ -22,19 +25,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
+from redis import BlockingConnectionPool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
 
 from lmdq.errors import RedisUnavailable
 from lmdq.redaction import redact_text, redact_url
 from lmdq.settings import CommonSettings
 
 __all__ = [
-    "RETRYABLE_ERRORS", "Refusal", "RetryPolicy", "check_redis_url", "connect", "redact_url", "refusal",
-    "with_reconnect",
+    "RETRYABLE_ERRORS", "Refusal", "RetryPolicy", "SentinelTarget", "check_redis_url", "connect", "parse_sentinel_url",
+    "redact_url", "refusal", "server_address", "with_reconnect",
 ]
 
 T = TypeVar("T")
@@ -77,8 +82,19 @@ def refusal(err: BaseException) -> Refusal | None:
             return kind
     return None
 
-_SCHEMES = ("redis", "rediss", "unix")
-_URL_FORM = "expected redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix:///path/to/socket"
+_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+_SCHEMES = ("redis", "rediss", "unix", *_SENTINEL_SCHEMES)
+# Forms shown in messages are examples that parse as URLs and hold no '@': the CLI passes every message
+# through redact_text, which reads a scheme:// up to the line's last '@' as one URL (a password may
+# hold spaces), so a template like "redis://[[user]:password@]host" after a URL would hide both.
+_URL_FORM = ("expected redis://host:6379/0, rediss://host:6380/0 (TLS), unix:///run/redis.sock or "
+             "redis+sentinel://host1:26379,host2:26379/mymaster (a password goes before the host: "
+             "':PASSWORD' and an at sign)")
+_SENTINEL_FORM = ("expected redis+sentinel://host1:26379,host2:26379/mymaster or .../mymaster/0 (sentinels, "
+                  "then the service they monitor, then the database)")
+_SENTINEL_OPTIONS = frozenset({"sentinel_username", "sentinel_password"})
+_SERVICE = re.compile(r"[A-Za-z0-9._\-]{1,128}")
+DEFAULT_SENTINEL_PORT = 26379
 _HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+")
 
 _NO_SUCH_NAME = frozenset(
@@ -213,7 +229,10 @@ def check_redis_url(url: str) -> None:
     if not sep:
         raise bad(_URL_FORM)
     if scheme.lower() not in _SCHEMES:
-        raise bad(f"the scheme is not redis, rediss or unix; {_URL_FORM}")
+        raise bad(f"the scheme is not redis, rediss, unix or redis+sentinel; {_URL_FORM}")
+    if scheme.lower() in _SENTINEL_SCHEMES:
+        parse_sentinel_url(url)
+        return
     at = rest.rfind("@")
     host_and_tail = rest[at + 1:] if at >= 0 else rest
     end = min((i for i in (host_and_tail.find(c) for c in "/?#") if i >= 0), default=len(host_and_tail))
@@ -228,8 +247,8 @@ def check_redis_url(url: str) -> None:
     try:
         port = parts.port
     except ValueError:
-        raise bad("the port is not a number from 1 to 65535 (a password goes before the host: "
-                  "redis://:password@host:port)") from None
+        raise bad("the port is not a number from 1 to 65535 (a password goes before the host: ':PASSWORD' "
+                  "and an at sign)") from None
     if parts.fragment:
         raise bad("it has a '#fragment' (a '#' in a password must be written %23)")
     if scheme.lower() == "unix":
@@ -244,6 +263,134 @@ def check_redis_url(url: str) -> None:
         raise bad("the port is not a number from 1 to 65535")
     if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]{1,5}", parts.path):
         raise bad("the path is not a database number (e.g. /0)")
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a ``redis+sentinel://`` URL says: where the sentinels are and which service they watch."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+    ssl: bool = False
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]``, checked.
+
+    The user and password (percent-encoded) are the Redis servers' (primary and replicas); sentinels
+    that require a password of their own get it from the ``sentinel_password`` (and
+    ``sentinel_username``) query option. A sentinel's port defaults to 26379. ``rediss+sentinel``
+    connects to the servers and the sentinels with TLS. Raises :class:`RedisUnavailable` naming the
+    redacted URL and the problem, never a part of the URL.
+    """
+    shown = redact_url(url)
+
+    def bad(why: str) -> RedisUnavailable:
+        return RedisUnavailable(f"invalid Redis Sentinel URL {shown!r}: {why}")
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in _SENTINEL_SCHEMES:
+        raise bad(_SENTINEL_FORM)
+    if any(c <= " " or c == "\x7f" for c in url):
+        raise bad("it holds spaces or control characters (percent-encode them in a password)")
+    at = rest.rfind("@")
+    userinfo, after = (rest[:at], rest[at + 1:]) if at >= 0 else ("", rest)
+    if any(c in userinfo for c in "/?#"):
+        raise bad("the user name or password holds '/', '?' or '#': percent-encode them ('/' is %2F, '?' %3F, "
+                  "'#' %23)")
+    end = min((i for i in (after.find(c) for c in "/?#") if i >= 0), default=len(after))
+    hosts, tail = after[:end], after[end:]
+    if "#" in tail:
+        raise bad("it has a '#fragment' (a '#' in a password must be written %23)")
+    path, _, query = tail.partition("?")
+    sentinels: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, port = item, DEFAULT_SENTINEL_PORT
+        head, colon, port_text = item.rpartition(":")
+        if colon and not item.endswith("]"):
+            if not re.fullmatch(r"[0-9]{1,5}", port_text) or not 0 < int(port_text) < 65536:
+                raise bad("a sentinel's port is not a number from 1 to 65535 (a password goes before the first "
+                          "host: ':PASSWORD' and an at sign)")
+            host, port = head, int(port_text)
+        if not host or not _HOST.fullmatch(host):
+            raise bad(f"a sentinel has no valid host; {_SENTINEL_FORM}")
+        sentinels.append((host.strip("[]"), port))
+    parts = [p for p in path.split("/")[1:]] if path else []
+    if not parts or not parts[0]:
+        raise bad(f"no service name (the name the sentinels monitor, e.g. /mymaster); {_SENTINEL_FORM}")
+    if not _SERVICE.fullmatch(parts[0]):
+        raise bad("the service name may hold only letters, digits, '.', '_' and '-' (at most 128)")
+    if len(parts) > 2 or (len(parts) == 2 and not re.fullmatch(r"[0-9]{1,5}", parts[1])):
+        raise bad("after the service name only a database number may follow (e.g. /mymaster/0)")
+    options: dict[str, str] = {}
+    for item in query.split("&") if query else []:
+        key, eq, value = item.partition("=")
+        if key not in _SENTINEL_OPTIONS or not eq:
+            raise bad("the only query options are sentinel_username=... and sentinel_password=...")
+        options[key] = unquote(value)
+    user, colon, password = userinfo.partition(":")
+    if userinfo and not colon:  # redis+sentinel://S3cret@host: the "user name" is the password
+        raise bad("the URL has a user name but no password (a password alone is written ':PASSWORD' before the "
+                  "at sign)")
+    return SentinelTarget(
+        sentinels=tuple(sentinels), service=parts[0], db=int(parts[1]) if len(parts) == 2 else 0,
+        username=unquote(user) or None, password=unquote(password) if colon else None,
+        sentinel_username=options.get("sentinel_username") or None,
+        sentinel_password=options.get("sentinel_password") or None,
+        ssl=scheme.lower().startswith("rediss"),
+    )
+
+
+class _DemotionAware:
+    """redis-py drops a Sentinel connection whose server answers a plain command with READONLY (the
+    primary was demoted), so the next connect asks the sentinels again; but a write inside a Lua script
+    or a pipeline arrives as a ResponseError that merely quotes READONLY, and the connection would keep
+    talking to the replica. Here that is a ConnectionError too: the pool reconnects to the new primary
+    and the callers' ordinary retry re-runs the call (nothing was written: a replica takes no write)."""
+
+    connection_pool: Any
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.ResponseError as e:
+            if self.connection_pool.is_master and refusal(e) is Refusal.read_only:
+                self.disconnect()  # type: ignore[attr-defined]
+                raise redis.ConnectionError("the Redis primary was demoted to a replica (READONLY): "
+                                            "reconnecting to the new primary") from e
+            raise
+
+
+class _SentinelConnection(_DemotionAware, SentinelManagedConnection):
+    pass
+
+
+class _SentinelSSLConnection(_DemotionAware, SentinelManagedSSLConnection):
+    pass
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """A Sentinel pool that makes a thread wait for a free connection (as :func:`connect`'s
+    ``max_connections`` promises) instead of failing with "Too many connections"."""
+
+
+def server_address(client: redis.Redis) -> str:
+    """host:port (or socket path) of the client's server, for messages: never the URL, so never a
+    password. A Sentinel client names its service and the primary it last connected to."""
+    pool = client.connection_pool
+    if isinstance(pool, SentinelConnectionPool):
+        addr = pool.master_address
+        at = f" (primary {addr[0]}:{addr[1]})" if addr else ""
+        return f"Sentinel service {pool.service_name!r}{at}"
+    kw = pool.connection_kwargs
+    if kw.get("path"):
+        return str(kw["path"])
+    return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
 
 
 def connect(
@@ -299,6 +446,8 @@ def connect(
         if notice is not None:
             notice.stop()
         probe.close()
+        if isinstance(probe.connection_pool, SentinelConnectionPool):
+            probe.connection_pool.sentinel_manager.close()
     return client
 
 
@@ -351,6 +500,8 @@ def _client(url: str, shown: str, connect_timeout_s: float, socket_timeout_s: fl
         "health_check_interval": 30,
         **({} if url[:5].lower() == "unix:" else {"socket_keepalive": True}),  # TCP only
     }
+    if url.partition("://")[0].lower() in _SENTINEL_SCHEMES:
+        return _sentinel_client(parse_sentinel_url(url), kw, max_connections, socket_timeout_s)
     try:
         if max_connections is None:
             return redis.Redis.from_url(url, **kw)
@@ -361,6 +512,28 @@ def _client(url: str, shown: str, connect_timeout_s: float, socket_timeout_s: fl
         return client
     except (ValueError, TypeError) as e:  # a bad query option: redis-py names the option, not its value
         raise RedisUnavailable(f"invalid Redis URL {shown!r}: {_said(e)}") from None
+
+
+def _sentinel_client(t: SentinelTarget, kw: dict[str, Any], max_connections: int | None,
+                     socket_timeout_s: float) -> redis.Redis:
+    """A client of the service's current primary: every new connection asks the sentinels where it is,
+    and a connection to a primary demoted to replica (READONLY) is dropped as a ConnectionError, so the
+    callers' ordinary reconnect (:func:`with_reconnect`) lands on the new primary."""
+    tls = {"ssl": True} if t.ssl else {}
+    sentinel_kw: dict[str, Any] = {
+        "socket_connect_timeout": kw["socket_connect_timeout"], "socket_timeout": kw["socket_timeout"],
+        "socket_keepalive": True, "retry": _ReconnectOnce(), **tls,
+        **({"username": t.sentinel_username} if t.sentinel_username else {}),
+        **({"password": t.sentinel_password} if t.sentinel_password else {}),
+    }
+    sentinel = Sentinel(list(t.sentinels), sentinel_kwargs=sentinel_kw)  # type: ignore[no-untyped-call]
+    conn_kw: dict[str, Any] = {**kw, "db": t.db, "username": t.username, "password": t.password,
+                               "connection_class": _SentinelSSLConnection if t.ssl else _SentinelConnection}
+    if max_connections is not None:
+        conn_kw.update(connection_pool_class=_BlockingSentinelPool, max_connections=max(1, max_connections),
+                       timeout=socket_timeout_s)
+    client: redis.Redis = sentinel.master_for(t.service, **conn_kw)  # type: ignore[no-untyped-call]
+    return client
 
 
 def _auth_hint(url: str) -> str:

@@ -45,7 +45,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 
-from lmdq.connection import Refusal, refusal
+from lmdq.connection import Refusal, refusal, server_address
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
 from lmdq.errors import IdempotencyConflict, PurgeRefused, RedisRefused, RetryRejected, SubmitRejected
 from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
@@ -188,11 +188,8 @@ def job_payloads(
 
 
 def _where(client: redis.Redis) -> str:
-    """host:port (or socket path) of the client's server: never the URL, so never a password."""
-    kw = client.connection_pool.connection_kwargs
-    if kw.get("path"):
-        return str(kw["path"])
-    return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
+    """Where the client's server is, for messages: never the URL, so never a password."""
+    return server_address(client)
 
 
 _ENQUEUE_OUTCOME = "nothing was enqueued"

@@ -38,7 +38,8 @@ _HARMLESS_QUERY_KEYS = frozenset({
 _NAMED_QUERY_KEYS = _HARMLESS_QUERY_KEYS | frozenset({"password", "username", "client_name"})
 # For free text: a scheme and '://' (the URL parser below decides how much of the rest is URL).
 _URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]{0,15}://")
-_KNOWN_SCHEMES = frozenset({"redis", "rediss", "unix", "file", "s3", "s3a", "gs", "http", "https"})
+_KNOWN_SCHEMES = frozenset({"redis", "rediss", "unix", "file", "s3", "s3a", "gs", "http", "https",
+                            "redis+sentinel", "rediss+sentinel"})
 _ALREADY_UNPARSEABLE = re.compile(r"<unparseable (?:[A-Za-z][A-Za-z0-9+.\-]{0,15} )?URL>")
 _URL_END = re.compile(r"[\s'\"<>,;(){}]")
 
@@ -108,9 +109,10 @@ def _redact(url: str) -> str:
     after = rest[at + 1:] if userinfo else rest
     end = min((i for i in (after.find(c) for c in "/?#") if i >= 0), default=len(after))
     host_port, tail = after[:end], after[end:]
-    m = _HOST_PORT.fullmatch(host_port)
-    if m is None or (m.group("port") is not None and not m.group("host")):
-        return _unparseable(scheme)
+    for hp in host_port.split(",") if scheme.lower().endswith("+sentinel") else [host_port]:  # host,host,...
+        m = _HOST_PORT.fullmatch(hp)
+        if m is None or (m.group("port") is not None and not m.group("host")):
+            return _unparseable(scheme)
     path, _, fragment_part = tail.partition("#")
     path, qmark, query = path.partition("?")
     if not _PLAIN_PATH.fullmatch(path):

@@ -122,7 +122,7 @@ def test_redact_text_hides_every_url_in_free_text() -> None:
         ("redis://user:QzKx@127.0.0.1:abc/0", "the port is not a number"),
         ("redis://QzJxWv:6379x/0", "the port is not a number"),
         ("redis://h:0/0", "from 1 to 65535"),
-        ("http://u:QzKx@h", "the scheme is not redis, rediss or unix"),
+        ("http://u:QzKx@h", "the scheme is not redis, rediss, unix or redis+sentinel"),
         ("redis://:QzKx@/0", "no valid host"),
         ("redis://:QzKx@h:6379/zz", "not a database number"),
         ("redis://:QzKx@h:6379/0#QzKx", "fragment"),
