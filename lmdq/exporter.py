@@ -7,38 +7,48 @@ vanished exactly when it mattered. The exporter holds no GPU and runs at 1 repli
 queue, so queue-level series exist once, also at zero workers; workers keep their own series
 (tokens, requests, latency, engine health: :mod:`lmdq.worker.health`).
 
-Every series is read at scrape time (a custom collector, no background thread), in two pipelined
-round trips whatever the number of models. Redis content is untrusted: names are decoded with
-replacement, counts that are not integers count 0, and the number of models, workers and batches
-read per scrape is capped. A Redis that is away makes the scrape answer ``lmdq_exporter_redis_up 0``
-(and nothing else), never an HTTP error: the exporter never exits because of Redis.
+Redis is read by ONE collector thread every ``LMDQ_EXPORTER_INTERVAL_S`` (:class:`SnapshotCollector`),
+never by a scrape: a scrape serves the last snapshot and its age, so any number of scrapers cost
+Redis nothing and answer at once, and a frozen Redis cannot hold them. A read walks the model and
+queue sets with short SCAN calls within a budget (:data:`SCAN_CALLS`), then takes two pipelined
+round trips whatever the number of models; the whole read has ``LMDQ_EXPORTER_READ_TIMEOUT_S`` of
+Redis time. Redis content is untrusted: names are decoded with replacement, counts that are not
+integers count 0, and the number of models, workers and batches read is capped. A Redis that is
+away, or a read still waiting past its budget, makes the scrape answer ``lmdq_exporter_redis_up 0``
+(and no queue series: stale depth must not drive an autoscaler), never an HTTP error: the exporter
+never exits because of Redis.
 
 Series (``model`` is the served name, as the workers label theirs):
 
-=================================== ======================================================
-``lmdq_queue_depth{model,priority}`` jobs waiting in the model's RQ queue of that priority
-``lmdq_jobs_running{model}``        jobs claimed by workers and not yet released
-``lmdq_workers{model}``             live workers (heartbeat record present)
-``lmdq_batches{status}``            the newest ``LMDQ_EXPORTER_MAX_BATCHES`` batches by status
-``lmdq_exporter_redis_up``          1 when the last scrape read Redis
-``lmdq_exporter_scrape_seconds``    how long reading Redis took
-=================================== ======================================================
+======================================== ====================================================
+``lmdq_queue_depth{model,priority}``     jobs waiting in the model's RQ queue of that priority
+``lmdq_jobs_running{model}``             jobs claimed by workers and not yet released
+``lmdq_workers{model}``                  live workers (heartbeat record present)
+``lmdq_batches{status}``                 the newest ``LMDQ_EXPORTER_MAX_BATCHES`` batches by status
+``lmdq_exporter_redis_up``               1 when the last read succeeded and none is overdue
+``lmdq_exporter_snapshot_age_seconds``   seconds since the served snapshot's read began
+``lmdq_exporter_scrape_seconds``         how long the last read of Redis took
+``lmdq_exporter_truncated``              1 when the last read stopped at its SCAN budget
+======================================== ====================================================
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import redis
 import structlog
 import typer
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from pydantic import Field
 
@@ -49,8 +59,8 @@ from lmdq.keys import PRIORITY_ORDER, BatchField, Keys, model_slug, queue_name, 
 from lmdq.replies import reply_text
 from lmdq.settings import CommonSettings
 
-__all__ = ["EXPORTER_FLAGS", "ExporterSettings", "ModelStats", "QueueCollector", "Snapshot", "load_settings", "main",
-           "read_snapshot", "run", "serve"]
+__all__ = ["EXPORTER_FLAGS", "ExporterSettings", "ModelStats", "QueueCollector", "ReadTimedOut", "Snapshot",
+           "SnapshotCollector", "View", "load_settings", "main", "read_snapshot", "run", "serve"]
 
 log = structlog.get_logger("lmdq.exporter")
 
@@ -68,7 +78,14 @@ class ExporterSettings(CommonSettings):
     exporter_host: str = Field(default="0.0.0.0", description="address the /metrics server binds")
     exporter_port: int = Field(default=8000, ge=0, le=65535, description="port of /metrics (0: any free port)")
     exporter_max_batches: int = Field(
-        default=1000, ge=0, le=1_000_000, description="newest batches counted in lmdq_batches per scrape")
+        default=1000, ge=0, le=1_000_000, description="newest batches counted in lmdq_batches per read")
+    exporter_interval_s: float = Field(
+        default=5.0, gt=0, le=3600, description="seconds between two reads of Redis (ONE collector thread, "
+        "whatever the number of scrapers; scrapes serve the last read and never touch Redis)")
+    exporter_read_timeout_s: float = Field(
+        default=3.0, gt=0, le=300, description="Redis time one read may take: a read still waiting past it "
+        "(a frozen Redis) makes lmdq_exporter_redis_up 0. Interval + this stays under Prometheus' 10 s "
+        "scrape timeout")
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,8 @@ class ModelStats:
 class Snapshot:
     models: list[ModelStats]
     batches: dict[str, int] = field(default_factory=dict)
+    #: the read stopped at its SCAN budget or the model cap: some models may be missing
+    truncated: bool = False
 
 
 
@@ -112,17 +131,58 @@ def _slugs_of_queues(members: Any, prefix: str) -> set[str]:
     return out
 
 
-def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000) -> Snapshot:
-    """Everything the exporter serves, in two pipelined round trips."""
+SCAN_COUNT = 500
+"""Elements asked of Redis per HSCAN/SSCAN call: each call is short, so the exporter never holds Redis
+for long, however many (junk) names it holds."""
+SCAN_CALLS = 20
+"""SCAN calls per key and collection at most (the SCAN budget): a set too large to walk in that many
+calls is read partially (``lmdq_exporter_truncated`` says so), never at the cost of Redis' time."""
+
+
+class ReadTimedOut(redis.TimeoutError):
+    """One collection's Redis time ran past its budget (``LMDQ_EXPORTER_READ_TIMEOUT_S``)."""
+
+
+def _scan(client: redis.Redis, kind: str, key: str, budget: Callable[[], None]) -> tuple[list[Any], bool]:
+    """Members of a hash (``kind='hscan'``: its fields) or set (``'sscan'``) in at most
+    :data:`SCAN_CALLS` short calls; returns them and whether the walk was cut short."""
+    out: list[Any] = []
+    cursor: int = 0
+    for _ in range(SCAN_CALLS):
+        if kind == "hscan":
+            cursor, fields = client.hscan(key, cursor, count=SCAN_COUNT)  # no NOVALUES: Redis < 7.4
+            out.extend(fields)
+        else:
+            cursor, got = client.sscan(key, cursor, count=SCAN_COUNT)
+            out.extend(got)
+        budget()
+        if int(cursor) == 0:
+            return out, False
+    return out, True
+
+
+def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000,
+                  timeout_s: float | None = None) -> Snapshot:
+    """Everything the exporter serves: SCAN walks within :data:`SCAN_CALLS` calls, then two pipelined
+    round trips whatever the number of models. With ``timeout_s``, a read whose Redis time passes it
+    raises :class:`ReadTimedOut` between two calls (each call is bounded by the client's socket
+    timeout)."""
+    started = time.monotonic()
+
+    def budget() -> None:
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            raise ReadTimedOut(f"reading Redis took longer than {timeout_s:g} s")
+
+    served, cut_models = _scan(client, "hscan", keys.models(), budget)
+    queues, cut_queues = _scan(client, "sscan", _RQ_QUEUES, budget)
     with client.pipeline(transaction=False) as p:
-        p.hkeys(keys.models())
-        p.smembers(_RQ_QUEUES)
         p.srandmember(keys.workers(), MAX_WORKERS)
         if max_batches > 0:
             p.zrevrange(keys.batches(), 0, max_batches - 1)
-        served, queues, workers, *newest = p.execute()
+        workers, *newest = p.execute()
+    budget()
     names: dict[str, str] = {}  # slug -> served name (the label workers use)
-    for raw in sorted(served)[:MAX_MODELS]:
+    for raw in sorted(set(served))[:MAX_MODELS]:
         name = reply_text(raw)
         names.setdefault(model_slug(name), name)
     for slug in sorted(_slugs_of_queues(queues, keys.prefix)):
@@ -142,6 +202,7 @@ def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000) -
         for b in batch_ids:
             p.hget(keys.batch(b), BatchField.status.value)
         out = p.execute()
+    budget()
     n_prio = len(PRIORITY_ORDER)
     per_model = n_prio + 1
     live: Counter[str] = Counter()
@@ -161,71 +222,194 @@ def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000) -
             running=_int(row[n_prio]),
             workers=live[slug],
         ))
-    return Snapshot(models=models, batches={s: statuses[s] for s in _STATUSES})
+    return Snapshot(models=models, batches={s: statuses[s] for s in _STATUSES},
+                    truncated=cut_models or cut_queues or len(served) > MAX_MODELS)
 
 
-class QueueCollector(Collector):
-    """Reads a :class:`Snapshot` at every scrape and turns it into gauges."""
+@dataclass(frozen=True)
+class View:
+    """What a scrape serves: the last good snapshot (or None), whether Redis is up, and ages."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, max_batches: int = 1000) -> None:
+    snapshot: Snapshot | None
+    up: bool
+    #: seconds since the served snapshot's read began (None: no snapshot yet)
+    age_s: float | None
+    #: seconds the last finished read took
+    took_s: float
+
+
+class SnapshotCollector:
+    """ONE thread that reads Redis every ``interval_s`` and keeps the last snapshot; scrapes only look.
+
+    Why: read at scrape time, every scrape was a Redis read under a lock, so 200 scrapers queued for
+    seconds behind each other and a frozen Redis held every one for a socket timeout (Prometheus gave
+    up at 10 s and never saw ``redis_up 0``). Now a scrape costs no Redis command and answers at
+    once, and Redis is read once per interval whatever the number of scrapers.
+
+    Redis is judged down when the last read failed, or when a read has been running longer than
+    ``timeout_s`` (a frozen Redis: the read is still waiting on its socket), so ``redis_up`` turns
+    0 at most ``interval_s + timeout_s`` after Redis stops answering. ``clock`` is monotonic time
+    (a test may pass its own).
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, *, max_batches: int = 1000, interval_s: float = 5.0,
+                 timeout_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.keys = keys
         self.max_batches = max_batches
-        self._lock = threading.Lock()  # one Redis read at a time, however many scrapers
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._snapshot: Snapshot | None = None
+        self._read_at: float | None = None  # when the served snapshot's read began
+        self._ok = False
+        self._took = 0.0
+        self._reading_since: float | None = None
         self._failing = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reads = 0  # finished reads, good or not (tests wait on it)
+
+    def collect_once(self) -> bool:
+        """One read of Redis; True when it gave a new snapshot."""
+        t0 = self._clock()
+        with self._lock:
+            self._reading_since = t0
+        try:
+            snap = read_snapshot(self.client, self.keys, max_batches=self.max_batches, timeout_s=self.timeout_s)
+        except (redis.RedisError, OSError) as e:
+            with self._lock:
+                self._ok, self._took, self._reading_since = False, self._clock() - t0, None
+                self.reads += 1
+            if not self._failing:  # one line per outage, not one per read
+                log.warning("exporter.redis_unavailable", error=f"{type(e).__name__}: {e}")
+            self._failing = True
+            return False
+        with self._lock:
+            self._snapshot, self._read_at, self._ok = snap, t0, True
+            self._took, self._reading_since = self._clock() - t0, None
+            self.reads += 1
+        if self._failing:
+            log.info("exporter.redis_back")
+        self._failing = False
+        return True
+
+    def view(self) -> View:
+        """The state a scrape serves (no Redis call)."""
+        now = self._clock()
+        with self._lock:
+            stuck = self._reading_since is not None and now - self._reading_since > self.timeout_s
+            age = None if self._read_at is None else now - self._read_at
+            return View(snapshot=self._snapshot, up=self._ok and not stuck, age_s=age, took_s=self._took)
+
+    def start(self) -> None:
+        """Read now, then every ``interval_s`` on a daemon thread (the first read is done on return)."""
+        self.collect_once()
+        self._thread = threading.Thread(target=self._loop, name="lmdq-exporter-collector", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.collect_once()
+            except Exception:  # noqa: BLE001 - the collector must outlive anything Redis sends
+                log.exception("exporter.collect_crashed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 5)
+
+
+class QueueCollector(Collector):
+    """Turns the :class:`SnapshotCollector`'s last snapshot into gauges at each scrape, without
+    touching Redis. Every family is declared on every scrape, empty while Redis is down (stale
+    queue depth must not drive an autoscaler), so dashboards and alerts always find the names."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, *, max_batches: int = 1000, interval_s: float = 5.0,
+                 timeout_s: float = 3.0) -> None:
+        self.snapshots = SnapshotCollector(client, keys, max_batches=max_batches, interval_s=interval_s,
+                                           timeout_s=timeout_s)
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("lmdq_exporter_redis_up", "1 when the last scrape read Redis.")
-        took = GaugeMetricFamily("lmdq_exporter_scrape_seconds", "Seconds the last scrape spent reading Redis.")
-        t0 = time.monotonic()
-        with self._lock:
-            try:
-                snap = read_snapshot(self.client, self.keys, max_batches=self.max_batches)
-            except (redis.RedisError, OSError) as e:
-                if not self._failing:  # one line per outage, not one per scrape
-                    log.warning("exporter.redis_unavailable", error=f"{type(e).__name__}: {e}")
-                self._failing = True
-                up.add_metric([], 0.0)
-                yield up
-                return
-            if self._failing:
-                log.info("exporter.redis_back")
-            self._failing = False
-        up.add_metric([], 1.0)
-        took.add_metric([], time.monotonic() - t0)
+        v = self.snapshots.view()
+        up = GaugeMetricFamily("lmdq_exporter_redis_up",
+                               "1 when the last read of Redis succeeded and no read is overdue.")
+        up.add_metric([], 1.0 if v.up else 0.0)
+        age = GaugeMetricFamily("lmdq_exporter_snapshot_age_seconds",
+                                "Seconds since the read of the last good snapshot began (grows while Redis is away).")
+        if v.age_s is not None:
+            age.add_metric([], v.age_s)
+        took = GaugeMetricFamily("lmdq_exporter_scrape_seconds", "Seconds the last read of Redis took.")
+        took.add_metric([], v.took_s)
+        truncated = GaugeMetricFamily("lmdq_exporter_truncated",
+                                      "1 when the last read hit its SCAN budget or model cap (series may be missing).")
         depth = GaugeMetricFamily("lmdq_queue_depth", "Jobs waiting in the model's queue of this priority.",
                                   labels=["model", "priority"])
         running = GaugeMetricFamily("lmdq_jobs_running", "Jobs claimed by workers and not yet released.",
                                     labels=["model"])
         workers = GaugeMetricFamily("lmdq_workers", "Live workers of the model (heartbeat record present).",
                                     labels=["model"])
-        for m in snap.models:
-            for prio, n in m.depth.items():
-                depth.add_metric([m.model, prio], float(n))
-            running.add_metric([m.model], float(m.running))
-            workers.add_metric([m.model], float(m.workers))
         batches = GaugeMetricFamily("lmdq_batches", "Batches by status, among the newest LMDQ_EXPORTER_MAX_BATCHES.",
                                     labels=["status"])
-        for status, n in snap.batches.items():
-            batches.add_metric([status], float(n))
-        yield from (up, took, depth, running, workers, batches)
+        snap = v.snapshot
+        if v.up and snap is not None:
+            truncated.add_metric([], 1.0 if snap.truncated else 0.0)
+            for m in snap.models:
+                for prio, n in m.depth.items():
+                    depth.add_metric([m.model, prio], float(n))
+                running.add_metric([m.model], float(m.running))
+                workers.add_metric([m.model], float(m.workers))
+            for status, n in snap.batches.items():
+                batches.add_metric([status], float(n))
+        yield from (up, age, took, truncated, depth, running, workers, batches)
+
+
+class _Server(ThreadingWSGIServer):
+    """/metrics over HTTP, a thread per scrape; a deep accept queue, so 200 scrapers connecting at
+    once are accepted at once instead of retrying their SYNs (the stdlib default queue is 5)."""
+
+    request_queue_size = 1024
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+        """No access log on stderr: scrapes are not events."""
 
 
 def serve(s: ExporterSettings) -> tuple[Any, int]:
-    """Start the /metrics server (daemon thread); returns (server, bound port)."""
-    client = connect(s.redis_url, settings=s, check=False)  # a Redis that is away shows as redis_up 0
+    """Read Redis once, start the collector thread and the /metrics server (daemon threads); returns
+    (server, bound port). ``server.collector`` is the :class:`SnapshotCollector`."""
+    # The collector's connection: every reply within the read budget (a frozen Redis is given up on
+    # after LMDQ_EXPORTER_READ_TIMEOUT_S, not a full socket timeout); a Redis that is away shows as
+    # redis_up 0, it never stops the exporter.
+    budget = min(s.redis_socket_timeout_s, s.exporter_read_timeout_s)
+    conn = s.model_copy(update={"redis_socket_timeout_s": budget,
+                                "redis_connect_timeout_s": min(s.redis_connect_timeout_s, budget)})
+    client = connect(s.redis_url, settings=conn, check=False)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(QueueCollector(client, Keys(s.key_prefix), max_batches=s.exporter_max_batches))
-    server, _thread = start_http_server(s.exporter_port, addr=s.exporter_host, registry=registry)
+    queue = QueueCollector(client, Keys(s.key_prefix), max_batches=s.exporter_max_batches,
+                           interval_s=s.exporter_interval_s, timeout_s=budget)
+    registry.register(queue)
+    queue.snapshots.start()
+    family, host = (socket.AF_INET6, s.exporter_host.strip("[]")) if ":" in s.exporter_host else (
+        socket.AF_INET, s.exporter_host)
+    server_class = type("_BoundServer", (_Server,), {"address_family": family})
+    server: Any = make_server(host, s.exporter_port, make_wsgi_app(registry), server_class,
+                              handler_class=_QuietHandler)
+    server.collector = queue.snapshots
+    threading.Thread(target=server.serve_forever, name="lmdq-exporter-http", daemon=True).start()
     port = int(server.server_address[1])
     log.info("exporter.serving", host=s.exporter_host, port=port, redis=redact_url(s.redis_url),
-             prefix=s.key_prefix)
+             prefix=s.key_prefix, interval_s=s.exporter_interval_s, read_timeout_s=budget)
     return server, port
 
 
 EXPORTER_FLAGS = [
     FlagSpec(key=name, flat=name.removeprefix("exporter_"), info=ExporterSettings.model_fields[name])
-    for name in ("exporter_host", "exporter_port", "exporter_max_batches")
+    for name in ("exporter_host", "exporter_port", "exporter_max_batches", "exporter_interval_s",
+                 "exporter_read_timeout_s")
 ]
 
 
@@ -254,6 +438,7 @@ def run(s: ExporterSettings) -> None:
     while not stop.wait(3600):
         pass
     server.shutdown()
+    server.collector.stop()
     log.info("exporter.stopped")
 
 
@@ -263,7 +448,8 @@ def command(
     redis_url: Annotated[str | None, typer.Option(help="env LMDQ_REDIS_URL, then REDIS_URL")] = None,
 ) -> None:
     """Serve queue depth, running jobs, live workers and batch counts per model on /metrics, read
-    from Redis at each scrape. Run ONE per Redis (it needs no GPU; it works at zero workers)."""
+    from Redis every --interval-s by one collector. Run ONE per Redis (it needs no GPU; it works at
+    zero workers)."""
     from lmdq.logs import configure_logging
 
     s = load_settings(**flags, **({"redis_url": redis_url} if redis_url else {}))

@@ -674,8 +674,8 @@ def models_remove(
 @model_options(EXPORTER_FLAGS, into="flags")
 def exporter(flags: dict[str, Any]) -> None:
     """Serve queue metrics (depth, running jobs, live workers, batches per model) on /metrics for
-    Prometheus, read from Redis at each scrape. Run ONE per Redis: it needs no GPU and works at zero
-    workers (deploy/base/exporter.yaml)."""
+    Prometheus, read from Redis every --interval-s by one collector (scrapes never wait on Redis). Run
+    ONE per Redis: it needs no GPU and works at zero workers (deploy/base/exporter.yaml)."""
     from lmdq.exporter import load_settings, run
 
     run(load_settings(**flags, redis_url=_settings().redis_url))
