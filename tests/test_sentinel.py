@@ -31,6 +31,7 @@ from lmdq.store import ResultStore
 from tests.conftest import free_port, redis_server_binary, run_cli, start_worker
 from tests.faultkit import SIM, assert_exactly_once, events, no_traceback, submit, wait_for
 from tests.helpers import write_jsonl
+from tests.test_exporter import fresh, start_exporter
 
 SERVICE = "lmdqtest"
 
@@ -167,7 +168,8 @@ def test_worker_and_producer_ride_two_failovers_with_nothing_lost(tmp_path: Path
     until repointed by hand. Batch A runs through SENTINEL FAILOVER (a -> b; the demoted a answers
     READONLY on the worker's open connections) while ``status --watch`` waits on it; batch B,
     submitted after it, runs through SIGKILL of the new primary (b -> a). The same URL all along:
-    both batches complete exactly once, every request attempt 1 (a failover charges nothing)."""
+    both batches complete exactly once, every request attempt 1 (a failover charges nothing), and the
+    exporter started before the first failover serves both batches from the last primary."""
     url = sentinels.url()
     env = {**os.environ, "LMDQ_REDIS_URL": url, "LMDQ_KEY_PREFIX": prefix, "LMDQ_LOG_FORMAT": "json",
            "LMDQ_HEALTH_PORT": "0", "PYTHONUNBUFFERED": "1", "LMDQ_REDIS_WAIT_S": "60"}
@@ -178,6 +180,8 @@ def test_worker_and_producer_ride_two_failovers_with_nothing_lost(tmp_path: Path
     log = tmp_path / "worker.log"
     w = start_worker(*SIM, "--sim-step-ms", "15", "--heartbeat-ttl", "5", "--worker-name", "w", env=env, log=log)
     procs.append(w)
+    exporter_port = free_port()
+    procs.append(start_exporter(env, exporter_port, tmp_path / "exporter.log", interval_s="0.2"))
     watch = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "status", bid_a, "--watch",
                               "--json", "--interval", "0.2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     procs.append(watch)
@@ -210,6 +214,8 @@ def test_worker_and_producer_ride_two_failovers_with_nothing_lost(tmp_path: Path
         assert store["a"].get_batch(bid).status is BatchStatus.completed
         res = assert_exactly_once(client, prefix, bid, ids)
         assert all(r.status.value == "completed" and r.attempt == 1 for r in res)
+    m = fresh(exporter_port)  # the exporter, on the same URL, reads the primary of the moment
+    assert m[("lmdq_batches", (("status", "completed"),))] == 2
     w.send_signal(signal.SIGTERM)
     assert w.wait(60) == 0
     no_traceback(log)
