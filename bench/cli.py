@@ -307,6 +307,26 @@ def sink(
     _emit(res, output)
 
 
+@app.command()
+def exporter(
+    batches: Annotated[int, typer.Option(help="batch records in Redis")] = 10_000,
+    scrapes: Annotated[int, typer.Option(help="concurrent scrapes each way")] = 200,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server (commands are "
+                                                       "counted server-wide: give only a private one)")] = None,
+    output: Annotated[Path | None, typer.Option("-o")] = None,
+) -> None:
+    """Concurrent /metrics scrapes, Redis read at each scrape vs the exporter's snapshot, side by side;
+    the LAST line is JSON."""
+    from lmdq.bench.exporter_bench import run_exporter_bench, table
+    from lmdq.bench.local_redis import local_redis
+
+    with local_redis(redis_url) as url:
+        res = run_exporter_bench(url, batches=batches, scrapes=scrapes,
+                                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(table(res))
+    _emit(res, output)
+
+
 def main() -> None:
     run_cli(app)
 

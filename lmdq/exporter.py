@@ -60,7 +60,8 @@ from lmdq.replies import reply_text
 from lmdq.settings import CommonSettings
 
 __all__ = ["EXPORTER_FLAGS", "ExporterSettings", "ModelStats", "QueueCollector", "ReadTimedOut", "Snapshot",
-           "SnapshotCollector", "View", "load_settings", "main", "read_snapshot", "run", "serve"]
+           "SnapshotCollector", "View", "load_settings", "main", "read_snapshot", "run", "serve",
+           "start_metrics_server"]
 
 log = structlog.get_logger("lmdq.exporter")
 
@@ -378,6 +379,16 @@ class _QuietHandler(WSGIRequestHandler):
         """No access log on stderr: scrapes are not events."""
 
 
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
+    """/metrics of ``registry`` on ``host:port`` (IPv6 when the host has a ':'), served by a daemon
+    thread, a thread per scrape; returns (server, bound port)."""
+    family, bind = (socket.AF_INET6, host.strip("[]")) if ":" in host else (socket.AF_INET, host)
+    server_class = type("_BoundServer", (_Server,), {"address_family": family})
+    server: Any = make_server(bind, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="lmdq-exporter-http", daemon=True).start()
+    return server, int(server.server_address[1])
+
+
 def serve(s: ExporterSettings) -> tuple[Any, int]:
     """Read Redis once, start the collector thread and the /metrics server (daemon threads); returns
     (server, bound port). ``server.collector`` is the :class:`SnapshotCollector`."""
@@ -393,14 +404,8 @@ def serve(s: ExporterSettings) -> tuple[Any, int]:
                            interval_s=s.exporter_interval_s, timeout_s=budget)
     registry.register(queue)
     queue.snapshots.start()
-    family, host = (socket.AF_INET6, s.exporter_host.strip("[]")) if ":" in s.exporter_host else (
-        socket.AF_INET, s.exporter_host)
-    server_class = type("_BoundServer", (_Server,), {"address_family": family})
-    server: Any = make_server(host, s.exporter_port, make_wsgi_app(registry), server_class,
-                              handler_class=_QuietHandler)
+    server, port = start_metrics_server(registry, s.exporter_host, s.exporter_port)
     server.collector = queue.snapshots
-    threading.Thread(target=server.serve_forever, name="lmdq-exporter-http", daemon=True).start()
-    port = int(server.server_address[1])
     log.info("exporter.serving", host=s.exporter_host, port=port, redis=redact_url(s.redis_url),
              prefix=s.key_prefix, interval_s=s.exporter_interval_s, read_timeout_s=budget)
     return server, port

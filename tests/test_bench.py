@@ -113,3 +113,14 @@ def test_prefix_bench_with_two_workers_against_two_raw_halves_on_the_sim(env: di
     assert [(x["part"], x["n"], x["tokens"]) for x in d["split_parts"]] == [(0, 20, 80), (1, 20, 80)]
     assert d["lmdq"]["tokens"] == 160 and d["workers"] == 2
     assert d["ratio"] == round(d["lmdq_tok_s"] / d["split_tok_s"], 4)
+
+
+def test_exporter_bench_reports_both_ways_side_by_side(env: dict[str, str]) -> None:
+    p = run_cli("bench", "exporter", "--batches", "2000", "--scrapes", "40", env=env, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    lines = p.stdout.decode().strip().splitlines()
+    assert any(ln.startswith("at_scrape") for ln in lines) and any(ln.startswith("snapshot") for ln in lines)
+    out = json.loads(lines[-1])
+    assert out["batches"] == 2000 and out["at_scrape"]["scrapes"] == out["snapshot"]["scrapes"] == 40
+    assert out["snapshot"]["redis_commands_per_scrape"] == 0  # exact: scrapes never touch Redis
+    assert out["at_scrape"]["redis_commands_per_scrape"] >= 1  # the old way: a read per scrape
