@@ -31,7 +31,13 @@ import redis
 from redis import BlockingConnectionPool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 
 from lmdq.errors import RedisUnavailable
 from lmdq.redaction import redact_text, redact_url
@@ -374,6 +380,32 @@ class _SentinelSSLConnection(_DemotionAware, SentinelManagedSSLConnection):
     pass
 
 
+class _Sentinel(Sentinel):
+    """redis-py's Sentinel client, saying in one short line why no primary was found: its own message
+    is the repr of every sentinel's client (a screen of connection settings per sentinel), which the
+    worker would log at every retry."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        problems: list[str] = []
+        for i, sentinel in enumerate(self.sentinels):
+            kw = sentinel.connection_pool.connection_kwargs
+            where = f"{kw.get('host')}:{kw.get('port')}"
+            try:
+                masters: Any = sentinel.sentinel_masters()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                problems.append(f"{where}: {type(e).__name__}: {e}")
+                continue
+            state = masters.get(service_name)
+            if not state:
+                problems.append(f"{where}: monitors no service {service_name!r}")
+            elif not self.check_master_state(state, service_name):  # type: ignore[no-untyped-call]
+                problems.append(f"{where}: the primary it knows is down or not a primary")
+            else:
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]  # ask it first next time
+                return str(state["ip"]), int(state["port"])
+        raise MasterNotFoundError(f"no sentinel names a primary for {service_name!r} ({'; '.join(problems)})")
+
+
 class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """A Sentinel pool that makes a thread wait for a free connection (as :func:`connect`'s
     ``max_connections`` promises) instead of failing with "Too many connections"."""
@@ -526,7 +558,7 @@ def _sentinel_client(t: SentinelTarget, kw: dict[str, Any], max_connections: int
         **({"username": t.sentinel_username} if t.sentinel_username else {}),
         **({"password": t.sentinel_password} if t.sentinel_password else {}),
     }
-    sentinel = Sentinel(list(t.sentinels), sentinel_kwargs=sentinel_kw)  # type: ignore[no-untyped-call]
+    sentinel = _Sentinel(list(t.sentinels), sentinel_kwargs=sentinel_kw)  # type: ignore[no-untyped-call]
     conn_kw: dict[str, Any] = {**kw, "db": t.db, "username": t.username, "password": t.password,
                                "connection_class": _SentinelSSLConnection if t.ssl else _SentinelConnection}
     if max_connections is not None:

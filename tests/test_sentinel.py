@@ -250,3 +250,16 @@ def test_a_demoted_primary_is_left_even_when_READONLY_comes_from_a_script(sentin
     with pytest.raises(redis.ConnectionError):
         client.set(f"{prefix}:k", "v")
     client.close()
+
+
+def test_unreachable_sentinels_are_one_short_line(tmp_path: Path) -> None:
+    """No sentinel answers: exit 3 and one line naming each sentinel and why (redis-py's own message
+    is every sentinel client's repr, a screen of connection settings per sentinel)."""
+    dead = [free_port(), free_port()]
+    url = f"redis+sentinel://:S3cret@127.0.0.1:{dead[0]},127.0.0.1:{dead[1]}/mymaster"
+    p = run_cli("producer", "status", "batch_x", env={**os.environ, "LMDQ_REDIS_URL": url, "LMDQ_REDIS_WAIT_S": "0"},
+                timeout=60)
+    err = p.stderr.decode().strip()
+    assert p.returncode == 3 and len(err.splitlines()) == 1 and len(err) < 400, err
+    assert "no sentinel names a primary for 'mymaster'" in err and f"127.0.0.1:{dead[1]}" in err
+    assert "S3cret" not in err and "Traceback" not in err
