@@ -35,7 +35,8 @@ _HARMLESS_QUERY_KEYS = frozenset({
     "ssl_check_hostname", "ssl_min_version",
 })
 # Query keys shown by name (their values are always hidden): naming them helps, hiding them buys nothing.
-_NAMED_QUERY_KEYS = _HARMLESS_QUERY_KEYS | frozenset({"password", "username", "client_name"})
+_NAMED_QUERY_KEYS = _HARMLESS_QUERY_KEYS | frozenset({"password", "username", "client_name", "sentinel_password",
+                                                   "sentinel_username"})
 # For free text: a scheme and '://' (the URL parser below decides how much of the rest is URL).
 _URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]{0,15}://")
 _KNOWN_SCHEMES = frozenset({"redis", "rediss", "unix", "file", "s3", "s3a", "gs", "http", "https",
