@@ -4,8 +4,8 @@
 known to mean what they say. ``redis+sentinel://`` (``rediss+sentinel://``: TLS) names Redis
 Sentinels and a service instead of a server: the client asks the sentinels for the current primary
 at every (re)connect, through redis-py's Sentinel client, so a failover needs no human (see
-:func:`parse_sentinel_url` and docs/deploy.md). A malformed URL, a wrong password or an unreachable server becomes one
-:class:`RedisUnavailable` line naming the redacted URL, not a traceback.
+:func:`parse_sentinel_url` and docs/deploy.md). A malformed URL, a wrong password or an unreachable
+server becomes one :class:`RedisUnavailable` line naming the redacted URL, not a traceback.
 
 Retries live in one place. The client itself only reconnects once, at once, when a pooled
 connection was dropped (a restarted Redis, an idle connection cut by a proxy): that is not a backoff
@@ -326,7 +326,7 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
         if not host or not _HOST.fullmatch(host):
             raise bad(f"a sentinel has no valid host; {_SENTINEL_FORM}")
         sentinels.append((host.strip("[]"), port))
-    parts = [p for p in path.split("/")[1:]] if path else []
+    parts = path.split("/")[1:] if path else []
     if not parts or not parts[0]:
         raise bad(f"no service name (the name the sentinels monitor, e.g. /mymaster); {_SENTINEL_FORM}")
     if not _SERVICE.fullmatch(parts[0]):
