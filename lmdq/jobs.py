@@ -249,9 +249,11 @@ class JobQueue:
         a caller judging "is this lease live?" agrees with the reaper."""
         with self.client.pipeline(transaction=False) as p:
             p.time()
-            p.hget(f"{self.keys.leases()}:clock", "offset")
-            (sec, usec), offset = p.execute()
-        return int(sec) + int(usec) / 1e6 + (_float(offset) or 0.0)
+            p.hmget(f"{self.keys.leases()}:clock", ["raw", "offset"])
+            (sec, usec), (last, offset) = p.execute()
+        raw = int(sec) + int(usec) / 1e6
+        # as the lease scripts' _NOW: a step back not yet seen by a script counts from the last reading
+        return max(raw, _float(last) or 0.0) + (_float(offset) or 0.0)
 
     def forget(self, job_id: str) -> None:
         """Delete an ended job's hash (its payload: the prompts). Only for a job whose results are all
