@@ -137,7 +137,7 @@ class Worker:
         """Counters the worker logs when it stops (``duplicates``: finals the store already had)."""
         w = self.writer.stats
         return {**self._counts, "results": w["results"], "duplicates": w["duplicates"],
-                "store_episodes": w["store_episodes"]}
+                "store_episodes": w["store_episodes"], **self.sink.stats}
 
     # ---- lifecycle ----------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
