@@ -267,3 +267,49 @@ def test_folder_sink_that_fills_then_recovers_frees_redis_and_leaves_no_tmp(
     assert len(back) >= 1 and len(failing) == len(back)  # one warning per episode, one recovery line
     print(f"\n[sink-folder] scheduled_at_fill>=3 sealed_before_recovery={before} shards={len(shards)} "
           f"episodes={len(failing)} results={len(got)} tmp_left=0")
+
+
+# ---- the retry schedule: read back from Redis, so untrusted ------------------------------------
+
+
+def test_sweeper_retries_only_real_jobs_of_allowed_sinks(tmp_path: Path, client: redis.Redis, prefix: str) -> None:
+    """A due entry is written and sealed; one of a purged batch, a forged member, forged data or a
+    batch whose sink this worker may not write are never written (the last stays scheduled for a
+    worker that may); a claimed entry is not handed to a second sweeper while its lease runs."""
+    import structlog
+
+    from lmdq.output_urls import OutputPolicy
+    from lmdq.sink import PendingShard, add_pending, claim_pending, pending_keys
+    from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink
+
+    keys = Keys(prefix)
+    store = ResultStore(client, keys=keys)
+    ok_url, other_url = str(tmp_path / "ok"), str(tmp_path / "other")
+
+    def batch(bid: str, url: str) -> None:
+        store.create_batch(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=2,
+                                 request_counts=RequestCounts(total=2), created_at=time.time(), results_url=url))
+        for i in (0, 1):
+            store.write_result(Result(batch_id=bid, custom_id=f"c{i}", index=i, status=ResultStatus.completed,
+                                      text=f"a{i}", model="m"))
+
+    good, outside, gone = ("batch_" + c * 24 for c in "abc")
+    batch(good, ok_url)
+    batch(outside, other_url)
+    for bid in (good, outside, gone):
+        add_pending(client, keys, PendingShard(batch_id=bid, job_no=0, ranges=[(0, 1)]), 0)
+    z, h = pending_keys(keys)
+    client.zadd(z, {"../../etc:0": 0, f"{good}:7": 0})
+    client.hset(h, f"{good}:7", '{"r": [[0, 99]]}')  # indices outside the batch
+    sink = ResultsSink(client, keys, store=store, outputs=OutputPolicy([ok_url]), log=structlog.get_logger(),
+                       timeout_s=10, retry_max_s=1, ttl_s=3600, stopping=threading.Event())
+    assert sink.sweep_once(ahead_s=EVERY_ENTRY_S) == 4  # the forged member was dropped when claimed
+    assert (tmp_path / "ok" / good / "results-000000.jsonl").is_file()
+    assert not client.exists(keys.results(good)) and client.hlen(keys.shards(good)) == 1
+    assert not (tmp_path / "other").exists() and client.hlen(keys.results(outside)) == 2
+    assert [m.decode() for m in client.zrange(z, 0, -1)] == [f"{outside}:0"]  # kept for a worker that may
+    assert client.hkeys(h) == [f"{outside}:0".encode()]
+    # a claimed entry is leased: a second sweep right away does not get it
+    assert [p.member for p in claim_pending(client, keys, limit=10, lease_s=60, ahead_s=EVERY_ENTRY_S)] == \
+        [f"{outside}:0"]
+    assert claim_pending(client, keys, limit=10, lease_s=60) == []
