@@ -54,6 +54,10 @@ SWEEP_BATCH = 16
 EVERY_ENTRY_S = 1e12
 """``ahead_s`` that makes a sweep take every scheduled entry, however far ahead (a burst worker's last)."""
 
+SWEEP_EVERY_S = 5.0
+"""How often a sweeper looks for due entries (one Lua call; at most the retry cap): an idle worker's
+Redis cost stays a handful of commands a second."""
+
 FIRST_RETRY_S = 1.0
 """The first retry's delay; then doubling (jittered) up to ``LMDQ_SINK_RETRY_MAX_S``."""
 
@@ -108,7 +112,7 @@ class ResultsSink:
         return entry
 
     # ---- the sweeper ----------------------------------------------------------------------------
-    def sweep_loop(self, stop: threading.Event, tick_s: float = 1.0) -> None:
+    def sweep_loop(self, stop: threading.Event, tick_s: float = SWEEP_EVERY_S) -> None:
         """The sweeper thread: retry due shard writes until the worker stops."""
         while not stop.wait(min(tick_s, self.policy.cap_s)):
             try:
