@@ -313,3 +313,43 @@ def test_sweeper_retries_only_real_jobs_of_allowed_sinks(tmp_path: Path, client:
     assert [p.member for p in claim_pending(client, keys, limit=10, lease_s=60, ahead_s=EVERY_ENTRY_S)] == \
         [f"{outside}:0"]
     assert claim_pending(client, keys, limit=10, lease_s=60) == []
+
+
+def test_put_cancelled_at_shutdown_is_not_taken_for_a_success(
+        proxy: HangProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's probe: an S3 PUT stuck on the wire whose coroutine is cancelled (what the S3
+    library's clean-up does at interpreter exit) makes fsspec's ``pipe_file`` return None, as a
+    success does. ``put_bytes`` must not return: its HEAD finds no object."""
+    import asyncio
+
+    import fsspec.asyn
+
+    for k, v in {**AWS_ENV, "LMDQ_S3_ENDPOINT_URL": proxy.url}.items():
+        monkeypatch.setenv(k, v)
+    store = BlobStore.from_url(f"s3://{BUCKET}/cancel", timeout_s=30.0)
+    proxy.hang()
+    out: dict[str, object] = {}
+
+    def put() -> None:
+        try:
+            out["returned"] = store.put_bytes("batch_x/results-000000.jsonl", b'{"index": 0}\n')
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            out["raised"] = e
+
+    t = threading.Thread(target=put, daemon=True)
+    t.start()
+    assert proxy.holding.wait(30), "the PUT never reached the endpoint"
+
+    async def cancel_all() -> None:
+        me = asyncio.current_task()
+        for task in asyncio.all_tasks():
+            if task is not me:
+                task.cancel()
+
+    asyncio.run_coroutine_threadsafe(cancel_all(), fsspec.asyn.get_loop()).result(10)
+    proxy.release()  # the confirmation (HEAD) gets its answer at once
+    t.join(40)
+    assert "returned" not in out, out
+    assert isinstance(out.get("raised"), OSError), out  # not found, or found with the wrong size
+    with pytest.raises(FileNotFoundError):
+        store.fs.info(f"{BUCKET}/cancel/batch_x/results-000000.jsonl")
