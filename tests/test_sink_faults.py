@@ -353,3 +353,38 @@ def test_put_cancelled_at_shutdown_is_not_taken_for_a_success(
     assert isinstance(out.get("raised"), OSError), out  # not found, or found with the wrong size
     with pytest.raises(FileNotFoundError):
         store.fs.info(f"{BUCKET}/cancel/batch_x/results-000000.jsonl")
+
+
+def test_a_sweep_tries_a_hung_sink_once_not_once_per_entry(
+        proxy: HangProxy, client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three jobs of one batch wait for a sink that hangs: one sweep tries the first (bounded by the
+    timeout), reschedules the other two untried, and keeps every record in Redis."""
+    import structlog
+
+    from lmdq.output_urls import OutputPolicy
+    from lmdq.sink import PendingShard, add_pending
+    from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink
+
+    for k, v in {**AWS_ENV, "LMDQ_S3_ENDPOINT_URL": proxy.url}.items():
+        monkeypatch.setenv(k, v)
+    keys = Keys(prefix)
+    store = ResultStore(client, keys=keys)
+    url = f"s3://{BUCKET}/sweep"
+    bid = "batch_" + "d" * 24
+    store.create_batch(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=1,
+                             request_counts=RequestCounts(total=3), created_at=time.time(), results_url=url))
+    for i in range(3):
+        store.write_result(Result(batch_id=bid, custom_id=f"c{i}", index=i, status=ResultStatus.completed,
+                                  text="a", model="m"))
+        add_pending(client, keys, PendingShard(batch_id=bid, job_no=i, ranges=[(i, i)]), 0)
+    sink = ResultsSink(client, keys, store=store, outputs=OutputPolicy([url]), log=structlog.get_logger(),
+                       timeout_s=1.0, retry_max_s=1, ttl_s=3600, stopping=threading.Event())
+    proxy.hang()
+    assert sink.sweep_once(ahead_s=EVERY_ENTRY_S) == 3
+    assert sink.stats["shard_failures"] == 1 and proxy.holding.is_set()
+    assert pending_count(client, keys) == 3 and client.hlen(keys.results(bid)) == 3
+    proxy.release()
+    while sink.sweep_once(ahead_s=EVERY_ENTRY_S):
+        pass
+    assert pending_count(client, keys) == 0 and not client.exists(keys.results(bid))
+    assert sink.stats["shards_retried"] == 3

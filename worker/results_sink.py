@@ -125,16 +125,21 @@ class ResultsSink:
 
     def sweep_once(self, *, ahead_s: float = 0.0, limit: int = SWEEP_BATCH) -> int:
         """Try up to ``limit`` due entries of the retry schedule (and those due within ``ahead_s``);
-        returns how many were claimed."""
+        returns how many were claimed. A sink that fails once in a pass is not tried again in it: its
+        other entries are rescheduled untried, so a pass costs one timeout per sink that is down, not
+        one per entry."""
         claimed = claim_pending(self.client, self.keys, limit=limit, ahead_s=ahead_s,
                                 lease_s=2 * self.timeout_s + 5)
-        for p in claimed:
-            if self.closed.is_set():
+        down: set[str] = set()
+        for k, p in enumerate(claimed):
+            if self.closed.is_set() or self.stopping.is_set():
+                for rest in claimed[k:]:  # not tried: due again at once, for whichever worker runs
+                    add_pending(self.client, self.keys, rest, 0.0)
                 break
-            self._retry(p)
+            self._retry(p, down)
         return len(claimed)
 
-    def _retry(self, p: PendingShard) -> None:
+    def _retry(self, p: PendingShard, down: set[str]) -> None:
         try:
             batch = self.store.get_batch(p.batch_id)
         except BatchNotFound:
@@ -151,12 +156,16 @@ class ResultsSink:
             # a sink this worker may not write to: left to a worker that may (same schedule)
             add_pending(self.client, self.keys, p, self.policy.delay(p.tries))
             return
+        if url in down:
+            add_pending(self.client, self.keys, p, self.policy.delay(p.tries))
+            return
         try:
             flush_shard(self.client, self.keys, p.batch_id, p.job_no, url, p.indices(), ttl_s=self.ttl_s,
                         timeout_s=self.timeout_s, cancel=self.closed)
         except redis.RedisError:
             raise  # the claim lapses after its lease: the entry is tried again
         except Exception as e:  # noqa: BLE001 - the sink failed again: later, with a longer delay
+            down.add(url)
             nxt = p.model_copy(update={"tries": p.tries + 1})
             add_pending(self.client, self.keys, nxt, self.policy.delay(p.tries + 1))
             self._failed(url, e, self.log.bind(batch=p.batch_id), job=p.job_no, tries=nxt.tries)

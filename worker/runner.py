@@ -323,13 +323,20 @@ class Worker:
 
     def _sweep_before_exit(self) -> None:
         """A burst worker may be the last one running: it tries every scheduled shard write once before
-        it exits (those still failing stay scheduled, their results readable in Redis)."""
-        try:
-            left = pending_count(self.client, self.keys)
-            if left:
-                self.sink.sweep_once(ahead_s=EVERY_ENTRY_S, limit=left)
-        except redis.RedisError as e:
-            self._redis_retry(e, 0.0)
+        it exits (those still failing stay scheduled, their results readable in Redis). A signal ends
+        the attempt at once: the drain that follows closes the sink, and nothing is lost by stopping."""
+        def sweep() -> None:
+            try:
+                left = pending_count(self.client, self.keys)
+                if left:
+                    self.sink.sweep_once(ahead_s=EVERY_ENTRY_S, limit=left)
+            except redis.RedisError as e:
+                self._redis_retry(e, 0.0)
+
+        t = threading.Thread(target=sweep, name="lmdq-sink-last-sweep", daemon=True)
+        t.start()
+        while t.is_alive() and not self._stop.is_set():
+            t.join(0.2)
 
     def _redis_retry(self, e: Exception, delay: float) -> None:
         """One warning per outage (at most one per ``_REDIS_WARN_EVERY_S``), not one per retry: the
