@@ -68,9 +68,16 @@ __all__ = ["PendingShard", "ShardEntry", "add_pending", "claim_pending", "drop_p
 _MAX_ENTRY_BYTES = 1 << 20
 """An index entry larger than this is not lmdq's (a job holds at most ``MAX_JOB_REQUESTS``)."""
 
+_OOM_GUARD = "redis.call('HDEL', KEYS[2], '\\0lmdq-oom-guard')\n"
+"""A script's first write decides whether Redis, full under ``maxmemory`` + ``noeviction``, runs it: a
+command that may grow memory (HSET, ZADD, SETBIT) is refused, one that cannot (HDEL of a field that
+never exists) is not, and lets the rest through (the same guard as lmdq.lease_scripts' heartbeat). A
+seal frees far more than it adds, and the retry schedule is what frees the rest once the sink answers:
+both must work in a Redis filled by the very records they are there to move out."""
+
 # KEYS: results, shards index, sealed bitmap, batch.  ARGV: job_no, entry JSON, ttl, index1, index2, ...
 # 1: sealed now; 0: sealed already (another flush won); -1: a record is missing (purged/expired batch).
-_SEAL = _BATCH_TTL + """
+_SEAL = _BATCH_TTL + _OOM_GUARD + """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
 if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 for i = 4, #ARGV do
@@ -211,8 +218,14 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
 
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 
-# KEYS: schedule zset, data hash. ARGV: member, data JSON, delay_s.
-_ADD = _NOW + """
+# KEYS: schedule zset, data hash, the batch's shard index. ARGV: member, data JSON, delay_s, job_no.
+# 0 (and the entry removed): the job is sealed already (another flush landed meanwhile).
+_ADD = _NOW + _OOM_GUARD + """
+if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 1 then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  return 0
+end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
@@ -220,7 +233,7 @@ return 1
 
 # KEYS: schedule zset, data hash. ARGV: max entries, lease_s, ahead_s (also take entries due that much
 # later). Returns member, data, member, data, ...
-_CLAIM = _NOW + """
+_CLAIM = _NOW + _OOM_GUARD + """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[3]), 'LIMIT', 0, tonumber(ARGV[1]))
 local out = {}
 for _, m in ipairs(due) do
@@ -229,6 +242,13 @@ for _, m in ipairs(due) do
   out[#out + 1] = redis.call('HGET', KEYS[2], m) or ''
 end
 return out
+"""
+
+# KEYS: schedule zset, data hash. ARGV: member. (A script, not MULTI: Redis 6 refuses a MULTI under OOM.)
+_DROP = _OOM_GUARD + """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
 """
 
 _MEMBER = re.compile(BATCH_ID_PATTERN.rstrip("$") + r":([0-9]{1,10})$")
@@ -261,9 +281,11 @@ def pending_keys(keys: Keys) -> tuple[str, str]:
 
 
 def add_pending(client: redis.Redis, keys: Keys, p: PendingShard, delay_s: float) -> None:
-    """Schedule ``p``'s shard write to be tried again in ``delay_s`` (replacing any earlier schedule)."""
+    """Schedule ``p``'s shard write to be tried again in ``delay_s`` (replacing any earlier schedule),
+    unless the job is sealed by now (two sweeps of one entry: the one that failed must not bring
+    back what the other finished)."""
     z, h = pending_keys(keys)
-    client.eval(_ADD, 2, z, h, p.member, p.data(), f"{delay_s:.3f}")
+    client.eval(_ADD, 3, z, h, keys.shards(p.batch_id), p.member, p.data(), f"{delay_s:.3f}", p.job_no)
 
 
 def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float, ahead_s: float = 0.0
@@ -288,11 +310,9 @@ def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float
 
 
 def drop_pending(client: redis.Redis, keys: Keys, member: str) -> None:
+    """Take ``member`` off the retry schedule (its shard landed, or it can never be written)."""
     z, h = pending_keys(keys)
-    pipe = client.pipeline(transaction=True)
-    pipe.zrem(z, member)
-    pipe.hdel(h, member)
-    pipe.execute()
+    client.eval(_DROP, 2, z, h, member)
 
 
 def pending_count(client: redis.Redis, keys: Keys) -> int:

@@ -104,6 +104,13 @@ def _log_lines(path: Path) -> list[dict[str, object]]:
 # ---- unit level: one bounded call, one flush ---------------------------------------------------
 
 
+def _warm(url: str, timeout_s: float) -> None:
+    """One write through the endpoint first: the S3 client's session and connection exist before the
+    hang, so a 1 s timeout is spent waiting on the hung endpoint, not on a cold start (loaded CI)."""
+    store = BlobStore.from_url(url, timeout_s=timeout_s)  # fsspec caches the filesystem per options
+    store.fs.pipe_file(f"{store.root}/warm/x", b"x")  # unbounded: a cold start may take its time
+
+
 def test_bounded_call_times_out_and_is_abandoned_on_cancel() -> None:
     gate = threading.Event()
     with pytest.raises(SinkTimeout, match="LMDQ_SINK_TIMEOUT_S"):
@@ -133,10 +140,11 @@ def test_flush_to_a_hung_s3_seals_nothing_and_keeps_the_records(
     for i in (0, 1):
         store.write_result(Result(batch_id=b, custom_id=f"c{i}", index=i, status=ResultStatus.completed,
                                   text=f"answer {i}", model="m"))
+    _warm(url, 1.0)
     proxy.hang()
     with pytest.raises(SinkTimeout):
         flush_job(client, keys, payload, timeout_s=1.0)
-    assert proxy.holding.is_set()  # the PUT really was on the wire, stuck
+    assert proxy.holding.wait(30)  # the PUT really was on the wire, stuck
     assert client.hlen(keys.results(b)) == 2 and not client.exists(keys.shards(b))
     proxy.release()
     entry = flush_job(client, keys, payload, timeout_s=20.0)
@@ -379,12 +387,52 @@ def test_a_sweep_tries_a_hung_sink_once_not_once_per_entry(
         add_pending(client, keys, PendingShard(batch_id=bid, job_no=i, ranges=[(i, i)]), 0)
     sink = ResultsSink(client, keys, store=store, outputs=OutputPolicy([url]), log=structlog.get_logger(),
                        timeout_s=1.0, retry_max_s=1, ttl_s=3600, stopping=threading.Event())
+    _warm(url, 1.0)
     proxy.hang()
     assert sink.sweep_once(ahead_s=EVERY_ENTRY_S) == 3
-    assert sink.stats["shard_failures"] == 1 and proxy.holding.is_set()
+    assert sink.stats["shard_failures"] == 1 and proxy.holding.wait(30)
     assert pending_count(client, keys) == 3 and client.hlen(keys.results(bid)) == 3
     proxy.release()
     while sink.sweep_once(ahead_s=EVERY_ENTRY_S):
         pass
     assert pending_count(client, keys) == 0 and not client.exists(keys.results(bid))
     assert sink.stats["shards_retried"] == 3
+
+
+def test_a_full_redis_is_freed_when_the_sink_answers(tmp_path: Path, client: redis.Redis, prefix: str) -> None:
+    """Redis full (``maxmemory`` + ``noeviction``: every write that may grow memory refused) with a job
+    whose shard could not be written: its retry is scheduled and, once the sink answers, the sweep
+    claims it, writes the shard and seals the job, which is what frees Redis (issue 29: a batch stalled
+    until the sink returned, and then only because nothing was full)."""
+    import structlog
+
+    from lmdq.output_urls import OutputPolicy
+    from lmdq.sink import PendingShard, add_pending
+    from lmdq.worker.results_sink import ResultsSink
+
+    keys = Keys(prefix)
+    store = ResultStore(client, keys=keys)
+    url = str(tmp_path / "sink")
+    bid = "batch_" + "e" * 24
+    store.create_batch(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=2,
+                             request_counts=RequestCounts(total=2), created_at=time.time(), results_url=url))
+    for i in (0, 1):
+        store.write_result(Result(batch_id=bid, custom_id=f"c{i}", index=i, status=ResultStatus.completed,
+                                  text="x" * 2000, model="m"))
+    sink = ResultsSink(client, keys, store=store, outputs=OutputPolicy([url]), log=structlog.get_logger(),
+                       timeout_s=10, retry_max_s=1, ttl_s=3600, stopping=threading.Event())
+    old = client.config_get("maxmemory")["maxmemory"], client.config_get("maxmemory-policy")["maxmemory-policy"]
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            client.set(f"{prefix}:probe", "x")  # full indeed
+        add_pending(client, keys, PendingShard(batch_id=bid, job_no=0, ranges=[(0, 1)]), 0)
+        assert sink.sweep_once() == 1
+        assert sink.stats["shards_retried"] == 1 and pending_count(client, keys) == 0
+        assert not client.exists(keys.results(bid)) and client.hlen(keys.shards(bid)) == 1
+    finally:
+        client.config_set("maxmemory", old[0])
+        client.config_set("maxmemory-policy", old[1])
+    assert [json.loads(x)["index"] for x in (tmp_path / "sink" / bid / "results-000000.jsonl").read_text().split()] \
+        == [0, 1]
