@@ -37,6 +37,14 @@ class CommonSettings(BaseSettings):
         """``LMDQ_RESULTS_URL=none`` (or empty) is the same as not setting it."""
         return None if v is None or v.strip().lower() in ("", "none") else v.strip()
 
+    sink_timeout_s: float = Field(
+        default=60.0, gt=0, le=3600, description="longest wait for one results-sink or blob-store call (a "
+        "shard's write + its confirmation, a read); past it the call counts as failed and is retried later"
+    )
+    sink_retry_max_s: float = Field(
+        default=60.0, gt=0, le=3600, description="cap of the jittered, doubling delay between retries of a "
+        "shard write that failed (its results stay in Redis until it lands)"
+    )
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     log_level: str = "INFO"
     max_job_bytes: int = Field(

@@ -8,12 +8,15 @@ its worker:
 
 1. reads the job's final results back from Redis, in index order;
 2. writes them as ONE shard ``<URL>/<batch_id>/results-<job_no:06d>.jsonl`` (the exact bytes that
-   were in Redis, one line per request);
-3. only then, in ONE Lua call (:data:`_SEAL`): adds the job's :class:`ShardEntry` (shard name, the
-   job's request indices as ranges, counts per status) to the batch's index hash
-   (``Keys.shards``), sets the requests' bits in the batch's ``sealed`` bitmap, and DELETES their
-   records from the results hash. A completed request then costs Redis one bit plus its share of
-   one entry per job (~100 bytes / 32 requests), instead of a ~1 KB record.
+   were in Redis, one line per request) and confirms it durable: an S3 PUT checked by a HEAD of the
+   right size, a folder write fsynced, renamed and its folder fsynced
+   (:meth:`lmdq.blobs.BlobStore.put_bytes`), each bounded by ``LMDQ_SINK_TIMEOUT_S``;
+3. only then, and never once its worker is past the drain deadline, in ONE Lua call
+   (:data:`_SEAL`): adds the job's :class:`ShardEntry` (shard name, the job's request indices as
+   ranges, counts per status) to the batch's index hash (``Keys.shards``), sets the requests' bits
+   in the batch's ``sealed`` bitmap, and DELETES their records from the results hash. A completed
+   request then costs Redis one bit plus its share of one entry per job (~100 bytes / 32
+   requests), instead of a ~1 KB record.
 
 Why the shard is built from Redis and not from what the worker holds in memory: a re-run job (the
 worker died, or a request had already been answered by a previous attempt) only regenerates the
@@ -34,8 +37,10 @@ Exactly once, case by case:
   change once written), and the seal is fenced on the index entry: the second is a no-op.
 
 Step 3 is atomic, so a job's records are either all in Redis (shard not trusted yet, maybe absent)
-or all in its shard (entry present). If the shard cannot be written (sink unreachable), the full
-records simply stay in Redis and are served from there. Readers (:func:`iter_records`) take each
+or all in its shard (entry present). If the shard cannot be written (sink unreachable, full, slower
+than the timeout), the full records stay in Redis and are served from there, and the job goes on a
+fleet-wide retry schedule (:func:`add_pending`) that every worker's sweeper works through until the
+write lands and the job is sealed (``lmdq.worker.results_sink``). Readers (:func:`iter_records`) take each
 request from Redis or from its job's shard accordingly, in input order, whatever the job layout.
 """
 
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -51,19 +57,27 @@ from typing import Any
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmdq.contract import Batch, JobPayload, ResultStatus
+from lmdq.contract import BATCH_ID_PATTERN, Batch, JobPayload, ResultStatus
 from lmdq.errors import ResultsUnavailable
 from lmdq.keys import Keys
 from lmdq.store import _BATCH_TTL, ResultStore
 
-__all__ = ["ShardEntry", "flush_job", "iter_records", "read_index", "shard_key"]
+__all__ = ["PendingShard", "ShardEntry", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard",
+           "iter_records", "pending_count", "pending_keys", "ranges_of", "read_index", "shard_key"]
 
 _MAX_ENTRY_BYTES = 1 << 20
 """An index entry larger than this is not lmdq's (a job holds at most ``MAX_JOB_REQUESTS``)."""
 
+_OOM_GUARD = "redis.call('HDEL', KEYS[2], '\\0lmdq-oom-guard')\n"
+"""A script's first write decides whether Redis, full under ``maxmemory`` + ``noeviction``, runs it: a
+command that may grow memory (HSET, ZADD, SETBIT) is refused, one that cannot (HDEL of a field that
+never exists) is not, and lets the rest through (the same guard as lmdq.lease_scripts' heartbeat). A
+seal frees far more than it adds, and the retry schedule is what frees the rest once the sink answers:
+both must work in a Redis filled by the very records they are there to move out."""
+
 # KEYS: results, shards index, sealed bitmap, batch.  ARGV: job_no, entry JSON, ttl, index1, index2, ...
 # 1: sealed now; 0: sealed already (another flush won); -1: a record is missing (purged/expired batch).
-_SEAL = _BATCH_TTL + """
+_SEAL = _BATCH_TTL + _OOM_GUARD + """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
 if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 for i = 4, #ARGV do
@@ -102,13 +116,7 @@ class ShardEntry(BaseModel):
 
     @classmethod
     def of(cls, shard: str, indices: Iterable[int], statuses: Iterable[ResultStatus]) -> ShardEntry:
-        runs: list[tuple[int, int]] = []
-        for i in sorted(indices):
-            if runs and runs[-1][1] == i - 1:
-                runs[-1] = (runs[-1][0], i)
-            else:
-                runs.append((i, i))
-        return cls(shard=shard, ranges=runs, counts=dict(Counter(statuses)))
+        return cls(shard=shard, ranges=ranges_of(indices), counts=dict(Counter(statuses)))
 
     def indices(self) -> Iterator[int]:
         for lo, hi in self.ranges:
@@ -119,6 +127,17 @@ class ShardEntry(BaseModel):
 
     def encode(self) -> str:
         return self.model_dump_json(exclude_defaults=True)
+
+
+def ranges_of(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Inclusive ``[first, last]`` runs of the sorted ``indices``."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
 
 
 def shard_key(batch_id: str, job_no: int) -> str:
@@ -133,34 +152,50 @@ def _status(raw: bytes) -> ResultStatus:
         raise ValueError(f"not a result record: {type(e).__name__}") from e
 
 
-def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: int = 7 * 24 * 3600
-              ) -> ShardEntry | None:
+def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: int = 7 * 24 * 3600,
+              timeout_s: float | None = None, cancel: threading.Event | None = None) -> ShardEntry | None:
     """Write the job's shard, then seal it: index entry in, per-request records out (module doc).
 
     Returns the job's entry (also when an earlier flush sealed it), or None when the job has no
     results URL, is not complete yet, or its batch is gone. ``ttl_s`` is only the fallback TTL for a
-    batch record without one.
+    batch record without one. A sink error propagates and nothing is sealed: see :func:`flush_shard`.
     """
     if not payload.results_url:
         return None
-    from lmdq.blobs import BlobStore
+    return flush_shard(client, keys, payload.batch_id, payload.job_no, payload.results_url,
+                       sorted(r.index for r in payload.requests), ttl_s=ttl_s, timeout_s=timeout_s, cancel=cancel)
 
-    bid, job = payload.batch_id, str(payload.job_no)
+
+def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, results_url: str,
+                indices: list[int], *, ttl_s: int = 7 * 24 * 3600, timeout_s: float | None = None,
+                cancel: threading.Event | None = None) -> ShardEntry | None:
+    """:func:`flush_job` for one job given by its batch, number, sink and (sorted) request indices:
+    what a sweeper knows of a job whose shard write failed (:func:`add_pending`).
+
+    The seal runs only after :meth:`lmdq.blobs.BlobStore.put_bytes` confirmed the shard durable, and
+    never once ``cancel`` is set (the worker is past its drain deadline: what it has not confirmed by
+    then stays in Redis). Every storage call is bounded by ``timeout_s`` (``LMDQ_SINK_TIMEOUT_S``).
+    """
+    from lmdq.blobs import BlobStore, SinkAbandoned
+
+    bid, job = batch_id, str(job_no)
     ikey = keys.shards(bid)
     done = client.hget(ikey, job)
     if done is not None:
         return _entry(done)
-    indices = sorted(r.index for r in payload.requests)
     got = client.hmget(keys.results(bid), indices)
     if any(v is None for v in got):
         return None
     vals: list[bytes] = [v for v in got if isinstance(v, bytes)]
-    key = shard_key(bid, payload.job_no)
+    key = shard_key(bid, job_no)
     entry = ShardEntry.of(key.rsplit("/", 1)[1], indices, (_status(v) for v in vals))
     # Compact records (what workers before the shard index left after writing the shard) mean the
     # shard is complete already: seal the job without rewriting it from them.
     if all(_stored_at(v) is None for v in vals):
-        BlobStore.from_url(payload.results_url).put_bytes(key, b"".join(v + b"\n" for v in vals))
+        BlobStore.from_url(results_url, timeout_s=timeout_s, cancel=cancel).put_bytes(
+            key, b"".join(v + b"\n" for v in vals))
+    if cancel is not None and cancel.is_set():
+        raise SinkAbandoned(f"seal of {key}: not done (the worker is past its drain deadline)")
     sealed = client.eval(_SEAL, 4, keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid),
                          job, entry.encode(), ttl_s, *indices)
     if int(sealed) < 0:
@@ -169,6 +204,120 @@ def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: in
         again = client.hget(ikey, job)
         return _entry(again) if again is not None else None
     return entry
+
+
+# ---- shard writes that failed: retried until they land ----------------------------------------
+#
+# A job whose shard could not be written keeps its full records in Redis (readable there) and gets
+# one entry in a fleet-wide retry schedule: a zset (member ``<batch id>:<job no>``, score the next
+# try, Redis server time) and a hash (member -> the job's request ranges and tries so far). Every
+# worker's sweeper claims due entries (:data:`_CLAIM` pushes them one lease ahead, so two sweepers do
+# not try the same one at once; a sweeper that dies lets its claim lapse) and retries them with the
+# capped, jittered backoff of lmdq.connection.RetryPolicy. A successful write seals the job (freeing
+# Redis) and removes its entry; an entry whose batch is gone is dropped.
+
+_NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
+
+# KEYS: schedule zset, data hash, the batch's shard index. ARGV: member, data JSON, delay_s, job_no.
+# 0 (and the entry removed): the job is sealed already (another flush landed meanwhile).
+_ADD = _NOW + _OOM_GUARD + """
+if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 1 then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS: schedule zset, data hash. ARGV: max entries, lease_s, ahead_s (also take entries due that much
+# later). Returns member, data, member, data, ...
+_CLAIM = _NOW + _OOM_GUARD + """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[3]), 'LIMIT', 0, tonumber(ARGV[1]))
+local out = {}
+for _, m in ipairs(due) do
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), m)
+  out[#out + 1] = m
+  out[#out + 1] = redis.call('HGET', KEYS[2], m) or ''
+end
+return out
+"""
+
+# KEYS: schedule zset, data hash. ARGV: member. (A script, not MULTI: Redis 6 refuses a MULTI under OOM.)
+_DROP = _OOM_GUARD + """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+_MEMBER = re.compile(BATCH_ID_PATTERN.rstrip("$") + r":([0-9]{1,10})$")
+
+
+class PendingShard(BaseModel):
+    """One job whose shard is still to be written (read back from Redis: validated)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_id: str = Field(pattern=BATCH_ID_PATTERN)
+    job_no: int = Field(ge=0, le=10**9)
+    ranges: list[tuple[int, int]] = Field(min_length=1)
+    tries: int = Field(default=0, ge=0)
+
+    @property
+    def member(self) -> str:
+        return f"{self.batch_id}:{self.job_no}"
+
+    def indices(self) -> list[int]:
+        return [i for lo, hi in self.ranges for i in range(lo, hi + 1)]
+
+    def data(self) -> str:
+        return json.dumps({"r": self.ranges, "n": self.tries}, separators=(",", ":"))
+
+
+def pending_keys(keys: Keys) -> tuple[str, str]:
+    """The retry schedule's zset and data hash (fleet-wide, one pair per key prefix)."""
+    return f"{keys.prefix}:sink:pending", f"{keys.prefix}:sink:pending-data"
+
+
+def add_pending(client: redis.Redis, keys: Keys, p: PendingShard, delay_s: float) -> None:
+    """Schedule ``p``'s shard write to be tried again in ``delay_s`` (replacing any earlier schedule),
+    unless the job is sealed by now (two sweeps of one entry: the one that failed must not bring
+    back what the other finished)."""
+    z, h = pending_keys(keys)
+    client.eval(_ADD, 3, z, h, keys.shards(p.batch_id), p.member, p.data(), f"{delay_s:.3f}", p.job_no)
+
+
+def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float, ahead_s: float = 0.0
+                  ) -> list[PendingShard]:
+    """Up to ``limit`` entries due now (or within ``ahead_s``), each pushed ``lease_s`` ahead (ours to
+    try meanwhile). Entries that are not lmdq's are removed (they could never be retried)."""
+    z, h = pending_keys(keys)
+    raw = client.eval(_CLAIM, 2, z, h, limit, f"{lease_s:.3f}", f"{ahead_s:.3f}")
+    out: list[PendingShard] = []
+    for m, d in zip(raw[0::2], raw[1::2]):
+        member = m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m)
+        got = _MEMBER.fullmatch(member)
+        try:
+            if got is None or not isinstance(d, bytes) or len(d) > _MAX_ENTRY_BYTES:
+                raise ValueError("not an lmdq entry")
+            data = json.loads(d)
+            out.append(PendingShard(batch_id=member.split(":", 1)[0], job_no=int(got[1]), ranges=data["r"],
+                                    tries=data.get("n", 0)))
+        except (ValueError, KeyError, TypeError, ValidationError):
+            drop_pending(client, keys, member)
+    return out
+
+
+def drop_pending(client: redis.Redis, keys: Keys, member: str) -> None:
+    """Take ``member`` off the retry schedule (its shard landed, or it can never be written)."""
+    z, h = pending_keys(keys)
+    client.eval(_DROP, 2, z, h, member)
+
+
+def pending_count(client: redis.Redis, keys: Keys) -> int:
+    """Shard writes waiting to be retried, fleet-wide."""
+    return int(client.zcard(pending_keys(keys)[0]))
 
 
 def _entry(raw: Any) -> ShardEntry | None:

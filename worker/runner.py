@@ -36,6 +36,7 @@ from lmdq.jobs import Charge, Claim, JobQueue
 from lmdq.keys import InvalidModelName, Keys, check_model_name, queue_names
 from lmdq.output_urls import OutputPolicy
 from lmdq.registry import WorkerRegistry
+from lmdq.sink import pending_count
 from lmdq.store import ResultStore
 from lmdq.wakeup import WakeUp
 from lmdq.worker.admission import Admission, EngineGate
@@ -44,7 +45,7 @@ from lmdq.worker.engines.base import Engine
 from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_writer import ResultWriter, WriteAbandoned, is_store_refusal
-from lmdq.worker.results_sink import all_completed, flush_results
+from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink, all_completed
 from lmdq.worker.settings import WorkerSettings
 
 __all__ = ["Worker", "default_worker_name"]
@@ -117,6 +118,9 @@ class Worker:
         self._dead: str | None = None  # why the engine is gone, once it is
         self.log = log.bind(worker=self.name, model=self.model)
         self.writer = ResultWriter(self.store, log=self.log, give_up=self._give_up)
+        self.sink = ResultsSink(client, self.keys, store=self.store, outputs=self.outputs, log=self.log,
+                                timeout_s=settings.sink_timeout_s, retry_max_s=settings.sink_retry_max_s,
+                                ttl_s=settings.result_ttl_s, stopping=self._stop, on_retry=self._redis_retry)
         self.attempt = JobAttempt(engine=engine, jobs=self.jobs, store=self.store, writer=self.writer,
                                   settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock,
                                   request_done=self._request_done)
@@ -133,7 +137,7 @@ class Worker:
         """Counters the worker logs when it stops (``duplicates``: finals the store already had)."""
         w = self.writer.stats
         return {**self._counts, "results": w["results"], "duplicates": w["duplicates"],
-                "store_episodes": w["store_episodes"]}
+                "store_episodes": w["store_episodes"], **self.sink.stats}
 
     # ---- lifecycle ----------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -161,6 +165,9 @@ class Worker:
         self.registry.register(pid=os.getpid())
         hb = threading.Thread(target=self._heartbeat_loop, name="lmdq-heartbeat", daemon=True)
         hb.start()
+        # Shard writes that failed (here or on any worker) are retried until they land: lmdq.worker.results_sink
+        threading.Thread(target=self.sink.sweep_loop, args=(self._stop,), name="lmdq-sink-sweeper",
+                         daemon=True).start()
         if self.s.idle_wait_s > 0 and not self.s.burst:  # a burst worker exits when idle instead
             wakeup = WakeUp(self.client, keys=self.keys, model=self.model, block_s=self.s.idle_wait_s)
             self.idle = IdleWaiter(wakeup, self._slot, log=self.log)
@@ -273,6 +280,8 @@ class Worker:
         self._stop.set()
 
     def _teardown(self) -> None:
+        if self.s.burst and not self._stop.is_set() and self._dead is None:
+            self._sweep_before_exit()
         if self.health:
             self.health.mark_draining()
         with self._slot:
@@ -280,6 +289,9 @@ class Worker:
                 deadline = time.monotonic() + self.s.drain_timeout_s
                 while self._held and time.monotonic() < deadline and not self._force.is_set() and self._dead is None:
                     self._slot.wait(0.2)
+            # The drain is over: a shard not confirmed by now is not waited for, and nothing seals any
+            # more; those jobs keep their results in Redis (lmdq.worker.results_sink).
+            self.sink.close()
             if self._held:
                 if self._dead is None:
                     self.log.warning("drain timeout: aborting and re-queueing held jobs", jobs=list(self._held))
@@ -303,10 +315,28 @@ class Worker:
         except redis.RedisError:
             pass
         self.engine.close()
+        self.sink.report_shutdown()
         if self._dead is not None:
             self.log.error(f"engine died: {self._dead}; exiting so the supervisor restarts the worker",
                            exit_code=EXIT_ENGINE_DEAD, requeued=self._counts["requeued"])
         self.log.info("worker stopped", **self.stats)
+
+    def _sweep_before_exit(self) -> None:
+        """A burst worker may be the last one running: it tries every scheduled shard write once before
+        it exits (those still failing stay scheduled, their results readable in Redis). A signal ends
+        the attempt at once: the drain that follows closes the sink, and nothing is lost by stopping."""
+        def sweep() -> None:
+            try:
+                left = pending_count(self.client, self.keys)
+                if left:
+                    self.sink.sweep_once(ahead_s=EVERY_ENTRY_S, limit=left)
+            except redis.RedisError as e:
+                self._redis_retry(e, 0.0)
+
+        t = threading.Thread(target=sweep, name="lmdq-sink-last-sweep", daemon=True)
+        t.start()
+        while t.is_alive() and not self._stop.is_set():
+            t.join(0.2)
 
     def _redis_retry(self, e: Exception, delay: float) -> None:
         """One warning per outage (at most one per ``_REDIS_WARN_EVERY_S``), not one per retry: the
@@ -429,8 +459,7 @@ class Worker:
             end = self.attempt.run(held, payload, job, jlog, output_refusal=output_refusal)
             if end.outcome in (Outcome.done, Outcome.failed) and payload.results_url \
                     and held.abort_reason is not AbortReason.lost:
-                held.forget = all_completed(flush_results(self.client, self.keys, payload, jlog,
-                                                          on_retry=self._redis_retry, ttl_s=self.s.result_ttl_s))
+                held.forget = all_completed(self.sink.flush(payload, jlog))
             self._counts["jobs"] += 1
         except WriteAbandoned as e:
             jlog.warning("stopping while Redis refuses writes: job left to its lease, another worker re-runs it",
