@@ -233,6 +233,55 @@ def _prefix_fleet(cfg: Any, workers: int, engine: str, model: str | None, random
 
 
 @app.command()
+@model_options(engine_flag_specs(), into="engine_settings")
+def e2e(
+    engine_settings: dict[str, Any],
+    engine: Annotated[EngineName, typer.Option(help="lmdeploy (the benchmark) or sim (a CPU check of the bench)")
+                      ] = "lmdeploy",
+    model: Annotated[str | None, typer.Option(help="model folder")] = None,
+    random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
+    tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
+    workload: Annotated[str, typer.Option(help="mixed (completion, ignore_eos) | chat (real chat, stops at EOS)")
+                        ] = "mixed",
+    n: Annotated[int, typer.Option(help="prompts per batch")] = 1024,
+    batches: Annotated[int, typer.Option(min=1, help="batches a side (the first reported apart)")] = 3,
+    batch_size: Annotated[int, typer.Option(help="requests per job (submit --batch-size)")] = 32,
+    min_input: Annotated[int, typer.Option(help="mixed: shortest prompt, tokens")] = 32,
+    max_input: Annotated[int, typer.Option(help="mixed: longest prompt, tokens")] = 512,
+    min_output: Annotated[int, typer.Option(help="mixed: fewest new tokens")] = 16,
+    max_output: Annotated[int, typer.Option(help="mixed: most new tokens")] = 1024,
+    chat_max_new_tokens: Annotated[int, typer.Option(help="chat: max_new_tokens of every request")] = 384,
+    raw_warmup: Annotated[bool, typer.Option(help="run the worker's warm-up on the raw side too")] = True,
+    workdir: Annotated[Path | None, typer.Option(help="keep the workload, the logs and raw.json here")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
+) -> None:
+    """Real CLIs (an lmdq-worker process, an lmdq-producer submit process per batch) vs a raw pipe() process
+    on the same prompts; the LAST line printed is a JSON object (lmdq.bench.e2e)."""
+    from lmdq.bench.e2e import E2EConfig, run_e2e
+    from lmdq.bench.local_redis import local_redis
+
+    model_path, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
+    model_path = model_path or engine
+    cfg = E2EConfig(engine=engine, workload=workload, n=n, batches=batches, batch_size=batch_size, min_input=min_input,
+                    max_input=max_input, min_output=min_output, max_output=max_output,
+                    chat_max_new_tokens=chat_max_new_tokens, raw_warmup=raw_warmup)
+    with local_redis(redis_url) as url:
+        res = run_e2e(cfg, model=model_path, engine_settings=engine_settings, redis_url=url, work=workdir,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    res = {"model": model_name or model_path, "engine_settings": engine_settings, **res}
+    print(f"{'batch':>6s} {'raw tok/s':>10s} {'lmdq tok/s':>11s} {'lmdq/raw':>9s}")
+    for b, (r, q) in enumerate(zip(res["raw"]["batches"], res["lmdq"]["batches"])):
+        print(f"{b:>6d} {r['tok_s']:>10,.0f} {q['tok_s']:>11,.0f} {q['tok_s'] / r['tok_s']:>9.3f}")
+    later = f"{res['ratio_later']:.3f}" if res.get("ratio_later") else "n/a"
+    print(f"first batch {res['ratio_first']:.3f}, later batches {later}, all {res['ratio_all']:.3f}; start to "
+          f"ready: raw {res['raw']['ready_s']} s, lmdq {res['lmdq']['ready_s']} s")
+    keep = ["model", "workload", "n", "batches", "ratio_first", "ratio_later", "ratio_all", "raw_first_tok_s",
+            "lmdq_first_tok_s", "raw_later_tok_s", "lmdq_later_tok_s"]
+    _emit({k: res.get(k) for k in keep} | {"detail": res}, output)
+
+
+@app.command()
 def producer(
     lines: Annotated[int, typer.Option(help="lines in the generated JSONL")] = 100_000,
     batch_size: Annotated[int, typer.Option()] = 32,

@@ -82,6 +82,12 @@ class BatchField(str, Enum):
     ttl = "ttl"
     #: the Redis key of the batch's idempotency binding (its TTL follows the batch's)
     idempotency = "idempotency"
+    #: progressive staging (BatchLedger.enqueue with first_jobs): jobs / requests visible so far, when the
+    #: last job became visible, and why staging was abandoned part-way (then the batch is cancelled)
+    visible_jobs = "visible_jobs"
+    visible_requests = "visible_requests"
+    staged_at = "staged_at"
+    staging_failed = "staging_failed"
 
     def __str__(self) -> str:
         return self.value

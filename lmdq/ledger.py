@@ -55,7 +55,7 @@ from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.logs import get_logger
 from lmdq.registry import ModelRegistry
 from lmdq.replies import reply_text
-from lmdq.store import RUNNING_TTL_S, ResultStore, staging_ttl
+from lmdq.store import BATCH_ENDED_LUA, RUNNING_TTL_S, ResultStore, staging_ttl
 from lmdq.wakeup import WAKE_LUA
 
 __all__ = ["BatchLedger", "Purged", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
@@ -95,6 +95,68 @@ redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 if n > 0 then lmdq_wake(KEYS[5]) end
 return n
+"""
+
+# Progressive staging: the batch's staged jobs from ``visible_jobs`` up to ARGV[2] become visible.
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the model's wake list.
+# ARGV: queue key, jobs visible after this call, requests visible after this call, now, running ttl, '1' for
+# the last call (every job is visible). Returns the jobs made visible, -1 when they were already (a re-sent
+# call), -2 when the batch is no longer live (cancelled while it was being staged: nothing more is pushed).
+# TTLs as _COMMIT's: what is visible (job hashes, record, job list, idempotency key) takes the running TTL.
+_COMMIT_UPTO = WAKE_LUA + f"""
+local st = redis.call('HGET', KEYS[4], '{F.status}')
+if st ~= '{BatchStatus.validating.value}' and st ~= '{BatchStatus.queued.value}'
+   and st ~= '{BatchStatus.in_progress.value}' then return -2 end
+local have = tonumber(redis.call('HGET', KEYS[4], '{F.visible_jobs}') or '0')
+local upto = tonumber(ARGV[2])
+if have >= upto then return -1 end
+local ids = redis.call('LRANGE', KEYS[1], have, upto - 1)
+for s = 1, #ids, 4000 do
+  redis.call('RPUSH', KEYS[2], unpack(ids, s, math.min(s + 3999, #ids)))
+end
+for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[5]) end
+redis.call('EXPIRE', KEYS[4], ARGV[5])
+local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
+local bid = string.match(KEYS[4], ':batch:([^:]+)$')
+if idem and bid and redis.call('GET', idem) == bid then redis.call('EXPIRE', idem, ARGV[5]) end
+redis.call('SADD', KEYS[3], ARGV[1])
+if st == '{BatchStatus.validating.value}' then
+  redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
+end
+if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 0 then redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[4]) end
+redis.call('HSET', KEYS[4], '{F.visible_jobs}', upto, '{F.visible_requests}', ARGV[3])
+if ARGV[6] == '1' then redis.call('HSET', KEYS[4], '{F.staged_at}', ARGV[4]) end
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+if #ids > 0 then lmdq_wake(KEYS[5]) end
+return #ids
+"""
+
+# A batch whose progressive staging stopped part-way: the requests never made visible count as cancelled
+# (once: fenced on staging_failed) and the batch moves to cancelling (cancelled when nothing else is left).
+# KEYS: batch hash, cancelled set. ARGV: batch id, reason, now, ttl. Returns the requests counted, -1 when
+# counted already, -2 when the batch is fully staged (nothing to count) or has no progressive record.
+_ABANDON = BATCH_ENDED_LUA + f"""
+if redis.call('HEXISTS', KEYS[1], '{F.staged_at}') == 1 then return -2 end
+if redis.call('HEXISTS', KEYS[1], '{F.visible_jobs}') == 0 then return -2 end
+if redis.call('HSETNX', KEYS[1], '{F.staging_failed}', ARGV[2]) == 0 then return -1 end
+local b = redis.call('HMGET', KEYS[1], '{F.total}', '{F.visible_requests}', '{F.status}')
+local unqueued = tonumber(b[1] or '0') - tonumber(b[2] or '0')
+if unqueued > 0 then redis.call('HINCRBY', KEYS[1], '{F.cancelled}', unqueued) end
+local st = b[3]
+if st == '{BatchStatus.validating.value}' or st == '{BatchStatus.queued.value}'
+   or st == '{BatchStatus.in_progress.value}' then
+  redis.call('HSET', KEYS[1], '{F.status}', '{BatchStatus.cancelling.value}', '{F.cancelling_at}', ARGV[3])
+  st = '{BatchStatus.cancelling.value}'
+end
+redis.call('SADD', KEYS[2], ARGV[1])
+local c = redis.call('HMGET', KEYS[1], '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}')
+local done = 0
+for i = 1, 4 do done = done + tonumber(c[i] or '0') end
+if st == '{BatchStatus.cancelling.value}' and done >= tonumber(b[1] or '0') then
+  redis.call('HSET', KEYS[1], '{F.status}', '{BatchStatus.cancelled.value}', '{F.cancelled_at}', ARGV[3])
+  lmdq_batch_ended(KEYS[1], ARGV[4])
+end
+return unqueued
 """
 
 # KEYS: queue list.  ARGV: id prefix.  Returns the removed ids. One pass that rebuilds the list
@@ -275,6 +337,8 @@ class BatchLedger:
         self._find_prefix = client.register_script(_FIND_PREFIX)
         self._remove_prefix = client.register_script(_REMOVE_PREFIX)
         self._release_key = client.register_script(_RELEASE_KEY)
+        self._commit_upto = client.register_script(_COMMIT_UPTO)
+        self._abandon = client.register_script(_ABANDON)
         self._log = get_logger("lmdq.ledger")
 
     @contextmanager
@@ -454,13 +518,22 @@ class BatchLedger:
     def enqueue(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None, fingerprint: str | None = None,
+        first_jobs: int | None = None, after_first_commit: Callable[[], None] | None = None,
     ) -> Batch:
         """Create ``batch``, stage its jobs and commit them: all or nothing.
 
         Any failure before the commit (a bad request source, Redis out of memory, Ctrl-C) rolls
         everything back, idempotency key included, and re-raises; a refused write is raised as one
         :class:`RedisRefused` line.
+
+        ``first_jobs``: progressive instead (:meth:`_enqueue_progressively`): the first ``first_jobs`` jobs
+        become visible as soon as they are staged, then every ``chunk_jobs``, so workers start while the
+        rest is staged; ``after_first_commit`` is called once, right after the first jobs became visible.
         """
+        if first_jobs is not None:
+            return self._enqueue_progressively(batch, requests, progress=progress, chunk_jobs=chunk_jobs,
+                                               job_sizes=job_sizes, first_jobs=first_jobs,
+                                               after_first_commit=after_first_commit, fingerprint=fingerprint)
         try:
             self.create(batch, fingerprint=fingerprint)
             staged = self.stage(batch, requests, progress=progress, chunk_jobs=chunk_jobs, job_sizes=job_sizes)
@@ -470,6 +543,116 @@ class BatchLedger:
                 self._rollback_quietly(batch)
                 raise
         return self.get(batch.id)
+
+    def _enqueue_progressively(
+        self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None, chunk_jobs: int,
+        job_sizes: Sequence[int] | None, first_jobs: int, after_first_commit: Callable[[], None] | None,
+        fingerprint: str | None = None,
+    ) -> Batch:
+        """Stage and make visible in steps: the GPU does not wait for the whole batch to be staged.
+
+        Only requests the caller has validated may come in (submit validates the whole file first and
+        checks every request of its second pass against the first): "a bad line enqueues nothing" holds.
+        A failure before the first jobs are visible rolls everything back as :meth:`enqueue` does. A
+        failure after (the file changed, Redis refused a write, Ctrl-C) cannot un-run visible jobs, so the
+        batch ends cancelled (:meth:`abandon`): staged-but-invisible jobs are deleted, queued ones get
+        ``cancelled`` results, running ones are aborted by their workers, the never-queued requests count
+        as cancelled, and ``staging_failed`` says why; the error is re-raised with that added."""
+        queue = queue_name(batch.model, batch.priority, self.keys.prefix)
+        qkey = rq_queue_key(queue)
+        total = batch.request_counts.total
+        jobs = reqs = visible = visible_reqs = 0
+        try:
+            self.create(batch, fingerprint=fingerprint)
+            with self._refusals(), self.client.pipeline(transaction=False) as pipe:
+                next_commit = max(1, first_jobs)
+                for payload in job_payloads(requests, batch_id=batch.id, model=batch.model, params=batch.params,
+                                            batch_size=batch.batch_size, results_url=batch.results_url,
+                                            blob_url=batch.blob_url, job_sizes=job_sizes):
+                    reqs += len(payload["requests"])
+                    if reqs > total or jobs >= batch.num_jobs:
+                        raise SubmitRejected(f"batch {batch.id}: more requests than the {total} its record counts")
+                    self.jobs.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
+                    jobs += 1
+                    if jobs == next_commit and jobs < batch.num_jobs:
+                        pipe.execute()
+                        first = visible == 0
+                        self._make_visible(batch, qkey, jobs, reqs, last=False)
+                        visible, visible_reqs = jobs, reqs
+                        next_commit = jobs + max(1, chunk_jobs)
+                        if progress:
+                            progress(jobs)
+                        if first and after_first_commit is not None:
+                            after_first_commit()
+                pipe.execute()
+            if reqs != total or jobs != batch.num_jobs:
+                raise SubmitRejected(f"batch {batch.id}: staged {reqs} requests in {jobs} jobs, its record counts "
+                                     f"{total} in {batch.num_jobs}")
+            self._make_visible(batch, qkey, jobs, reqs, last=True)
+            if progress:
+                progress(jobs)
+        except BaseException as e:
+            if visible == 0 and not self._commit_landed(batch, e):
+                self._rollback_quietly(batch)
+                raise
+            err = self._abandoned(batch, e, visible, visible_reqs)
+            if err is e:
+                raise
+            raise err from e
+        return self.get(batch.id)
+
+    def _make_visible(self, batch: Batch, qkey: str, jobs: int, reqs: int, *, last: bool) -> None:
+        with self._refusals("the batch was cancelled"):
+            n = self._commit_upto(
+                keys=[self.keys.batch_jobs(batch.id), qkey, _RQ_QUEUES, self.keys.batch(batch.id),
+                      self.keys.wake(batch.model)],
+                args=[qkey, jobs, reqs, time.time(), RUNNING_TTL_S, "1" if last else "0"],
+            )
+        if int(n) == -2:
+            raise SubmitRejected(f"batch {batch.id} was cancelled while it was being staged")
+
+    def _abandoned(self, batch: Batch, err: BaseException, visible: int, visible_reqs: int) -> BaseException:
+        """Cancel a batch whose staging stopped after ``visible`` jobs were visible; the error to raise."""
+        # the error's own text may say "nothing was enqueued", which is no longer true: the rest of the message says
+        reason = (str(err) or type(err).__name__).replace(f"; {_ENQUEUE_OUTCOME}", "").replace(_ENQUEUE_OUTCOME,
+                                                                                                "staging stopped")
+        try:
+            self.abandon(batch.id, reason)
+            outcome = "it was cancelled"
+        except (redis.RedisError, RedisRefused, SubmitRejected) as e2:
+            self._log.error("could not cancel the part-staged batch", batch=batch.id, error=str(e2))
+            outcome = f"cancel it with `lmdq-producer cancel {batch.id}` once Redis accepts writes"
+        total = batch.request_counts.total
+        what = (f"{reason}. Staging stopped after {visible} of {batch.num_jobs} jobs of batch {batch.id} were "
+                f"queued ({visible_reqs:,} of {total:,} requests): {outcome} (queued requests cancelled, running "
+                f"ones aborted, finished ones kept; the other {total - visible_reqs:,} were never queued)")
+        if isinstance(err, RedisRefused):
+            return RedisRefused(what)
+        if isinstance(err, (SubmitRejected, redis.RedisError)):
+            return SubmitRejected(what)
+        return err  # Ctrl-C and the like: the batch is cancelled all the same, the error stays what it was
+
+    def abandon(self, batch_id: str, reason: str) -> Batch:
+        """End a batch whose progressive staging stopped part-way: delete its never-visible jobs, count their
+        requests as cancelled and cancel the rest (:meth:`cancel`). Also what ``cancel`` does for such a batch
+        (a submit killed mid-staging). Idempotent."""
+        raw = self.client.hmget(self.keys.batch(batch_id), [F.visible_jobs.value, F.staged_at.value])
+        if raw[0] is None or raw[1] is not None:
+            return self.cancel(batch_id)
+        visible = int(raw[0])
+        batch = self.get(batch_id)
+        listed = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch_id), visible, -1)]
+        gone = {job_id_for(batch_id, n) for n in range(visible, batch.num_jobs)} | set(listed)
+        with self._refusals("the batch is left part-staged"):
+            with self.client.pipeline(transaction=False) as p:
+                keys = [Job.key_for(j) for j in sorted(gone)]
+                for start in range(0, len(keys), 1000):
+                    p.delete(*keys[start : start + 1000])
+                p.ltrim(self.keys.batch_jobs(batch_id), 0, visible - 1)
+                p.execute()
+            self._abandon(keys=[self.keys.batch(batch_id), self.keys.cancelled()],
+                          args=[batch_id, reason[:2000], time.time(), self.ttl_s])
+        return self.cancel(batch_id)
 
     def _commit_landed(self, batch: Batch, err: BaseException) -> bool:
         """After a failure: did the commit run anyway (a connection dropped after it executed)?"""
@@ -502,6 +685,11 @@ class BatchLedger:
         batch = self.get(batch_id)
         if batch.status.terminal:
             return batch
+        staging = self.client.hmget(self.keys.batch(batch_id), [F.visible_jobs.value, F.staged_at.value])
+        if staging[0] is not None and staging[1] is None:  # a submit stopped mid-staging: its other requests too
+            with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
+                self._abandon(keys=[self.keys.batch(batch_id), self.keys.cancelled()],
+                              args=[batch_id, "cancelled while it was being staged", time.time(), self.ttl_s])
         with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
             self.store.transition(
                 batch_id,

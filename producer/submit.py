@@ -1,16 +1,22 @@
 """Submit a prompt file as one batch: validate the WHOLE file, then stage and commit its jobs.
 
 Two streaming passes keep memory flat however large the file is: pass 1 validates every line
-and keeps only an 8-byte hash per custom_id (duplicates are confirmed by a targeted re-scan);
-pass 2 re-reads the file and the batch ledger (:mod:`lmdq.ledger`) stages its jobs and makes them
-all visible at once. A failure before that commit deletes what was staged, so a batch is either
-fully enqueued or not at all.
+and keeps only two 8-byte hashes per request (its custom_id's, duplicates being confirmed by a
+targeted re-scan, and its whole content's); pass 2 re-reads the file and the batch ledger
+(:mod:`lmdq.ledger`) stages its jobs. Nothing is visible before the WHOLE file validated, so a bad
+line enqueues nothing. Then the first ``first_jobs`` jobs become visible as soon as they are staged
+and workers start on them while submit stages the rest (issue 27: on the H200 the GPU sat idle for
+the 1.6-2.4 s a submit of 1,024 lines took): a failure before that deletes what was staged; a failure
+after it (the file changed, Redis refused a write) ends the batch cancelled, with the reason
+(:meth:`lmdq.ledger.BatchLedger.abandon`).
 
 Reading the file twice is only safe if it is the same file both times: pass 1 fingerprints it
 (size, mtime_ns, and a running hash of every request it accepted, line numbers included) and
-pass 2 must see exactly that again. Lines appended, cut or edited in between make the submit fail
-with exit 2 and nothing visible, instead of enqueueing requests that were never validated (or a
-batch that can never complete because some of its counted requests never arrive).
+pass 2 must see exactly that again: every request is compared with its pass-1 hash BEFORE it is staged
+(the first jobs are visible before pass 2 ends), and the size, mtime and running hash at the end. Lines
+appended, cut or edited in between make the submit fail with exit 2, instead of enqueueing requests
+that were never validated (or a batch that can never complete because some of its counted requests
+never arrive).
 """
 
 from __future__ import annotations
@@ -90,6 +96,12 @@ class SubmitOptions:
     after_validation: Callable[[], None] | None = None
     #: told each warning about the file (one line per kind, with a count: never one per line)
     on_warning: Callable[[str], None] | None = None
+    #: jobs made visible as soon as they are staged, before the rest is (then every ``chunk_jobs``): the
+    #: GPU starts while submit stages the rest (lmdq.ledger.BatchLedger.enqueue). None = all at once
+    first_jobs: int | None = 8
+    #: called once, right after the first jobs became visible and before the rest is staged (tests run a
+    #: worker, edit the file or make Redis refuse here: deterministically, not by racing a process)
+    after_first_commit: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,9 @@ class _Fingerprint:
     digest: bytes
     #: the digest is order-free (:class:`_SumDigest`): pass 2 may read the requests in group order
     order_free: bool = False
+    #: an 8-byte hash of every accepted request, by index: pass 2 checks each request BEFORE it is staged,
+    #: since with progressive staging the first jobs are visible before pass 2 has read the whole file
+    per_request: array[int] = field(default_factory=lambda: array("Q"), compare=False)
 
 
 def _h64(s: str) -> int:
@@ -130,9 +145,9 @@ class _SumDigest:
 _MESSAGES_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
 
 
-def _feed(h: Any, item: ParsedLine) -> None:
-    """Add one accepted request to the running hash: everything that goes into its job (prompt or
-    messages, params, endpoint, custom_id, model) and its line number. Free-text fields are
+def _feed(h: Any, item: ParsedLine) -> int:
+    """Add one accepted request to the running hash and return its own 8-byte hash: everything that goes
+    into its job (prompt or messages, params, endpoint, custom_id, model) and its line number. Free-text fields are
     length-prefixed so no two different requests feed the same bytes; one encode and one update
     a line keep it near a quarter of the parse cost (``repr(item)`` cost about as much as parsing)."""
     text = item.prompt if item.prompt is not None else _MESSAGES_JSON.encode(item.messages)
@@ -141,7 +156,9 @@ def _feed(h: Any, item: ParsedLine) -> None:
     cid = item.custom_id
     line = (f"{item.line_no}|{item.endpoint.value}|{len(cid)}:{cid}|{len(model)}:{model}|{len(text)}:{text}|"
             f"{params}\n")
-    h.update(line.encode("utf-8", "surrogatepass"))  # json.loads can yield lone surrogates
+    data = line.encode("utf-8", "surrogatepass")  # json.loads can yield lone surrogates
+    h.update(data)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def _stat(path: Path) -> tuple[int, int]:
@@ -163,6 +180,7 @@ def _validate(
     raises SubmitRejected listing file:line errors."""
     errors: list[str] = []
     hashes = array("Q")
+    per_request = array("Q")
     n = 0
     model = opts.model
     model_line = 0
@@ -192,7 +210,7 @@ def _validate(
                     )
                     continue
             hashes.append(_h64(item.custom_id))
-            _feed(running, item)
+            per_request.append(_feed(running, item))
             if prefixes is not None:
                 prefixes.add(offset, item)
             sampling.add(item)
@@ -211,7 +229,7 @@ def _validate(
     if model is None:  # unreachable: a missing model is one of the errors above
         raise SubmitRejected(f"{path}:0: no model given: pass --model NAME")
     seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
-                        order_free=prefixes is not None)
+                        order_free=prefixes is not None, per_request=per_request)
     return seen, model, prefixes
 
 
@@ -317,7 +335,8 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
                 raise _changed(path, f"now {item}")
             if index >= seen.requests:
                 raise _changed(path, f"it now has more than the {seen.requests} requests validated")
-            _feed(running, item)
+            if _feed(running, item) != seen.per_request[index]:
+                raise _changed(path, f"line {item.line_no} is not what was validated")
             n += 1
             yield _request_dict(index, item)
         if n != seen.requests:
@@ -353,7 +372,8 @@ def _planned_requests(
                                        limits=opts.limits)
                 if isinstance(item, InputError):
                     raise _changed(path, f"now {item}")
-                _feed(running, item)
+                if _feed(running, item) != seen.per_request[index]:
+                    raise _changed(path, f"line {item.line_no} is not what was validated")
                 yield _request_dict(index, item)
         _check_read_whole(path, seen, running)
     except OSError as e:
@@ -495,7 +515,8 @@ def submit_file(
         if opts.after_validation is not None:
             opts.after_validation()
         batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
-                               job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint)
+                               job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
+                               first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit)
     except BaseException:
         if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
             ledger.release_key(opts.idempotency_key, batch_id)

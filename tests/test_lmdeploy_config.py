@@ -140,6 +140,7 @@ NON_DEFAULT = {
     "chat_template": ("llama3", None),             # pipeline's chat_template_config (resolve_chat_template)
     "raw": (True, None),                           # LMDeployEngine.raw: stream_infer's do_preprocess
     "stream_from_new_tokens": (0, None),            # LMDeployEngine.streams: stream_infer's stream_response
+    "warmup_requests": (0, None),                  # LMDeployEngine.warm_up, before the worker reports ready
 }
 PYTORCH_ONLY = {"eager_mode", "mp_engine", "num_gpu_blocks"}
 

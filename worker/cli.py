@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Annotated, Any
 
@@ -11,8 +12,10 @@ import typer
 from lmdq.cli_options import model_options
 from lmdq.connection import connect, redact_url
 from lmdq.errors import run_cli
+from lmdq.log_relay import install_relay
 from lmdq.logs import configure_logging, get_logger, route_child_logs
 from lmdq.registry import redis_answers
+from lmdq.tqdm_events import install as install_tqdm_events
 from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
 from lmdq.worker.settings import load_worker_settings
 
@@ -61,8 +64,13 @@ def run(
         "redis_url": redis_url,
     }
     s = load_worker_settings(**{k: v for k, v in flags.items() if v is not None}, **engine_settings)
-    configure_logging(s.log_format, s.log_level)
-    route_child_logs(s.log_format, s.log_level)  # LMDeploy's spawned engine process logs JSON too
+    # JSON unless a terminal, decided on the real stderr, before the relay puts a pipe behind it
+    fmt = "json" if s.log_format == "json" or (s.log_format == "auto" and not sys.stderr.isatty()) else "console"
+    if fmt == "json":
+        install_relay()  # any line a library or an engine child writes to fd 1/2 comes out as JSON too
+    configure_logging(fmt, s.log_level)
+    route_child_logs(fmt, s.log_level)  # LMDeploy's spawned engine process logs JSON too
+    install_tqdm_events()  # LMDeploy's and transformers' progress bars: structured events, not terminal text
     if not s.worker_name:
         # One name for logs, Redis records and metrics labels.
         from lmdq.worker.runner import default_worker_name
@@ -100,6 +108,10 @@ def run(
     load_s = time.monotonic() - t0
     log.info("engine loaded", engine=eng.name, backend=eng.backend, model=eng.model_name, load_s=round(load_s, 2),
              config=s.engine_config.model_dump(mode="json"))
+    warm_up = getattr(eng, "warm_up", None)
+    if warm_up is not None:  # before /readyz turns ready: the first batch runs at full speed (issue 27)
+        log.info("engine warmed up", **warm_up())
+        load_s = time.monotonic() - t0
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
     if health is not None:
         health.set_engine_loaded(load_s)

@@ -118,6 +118,12 @@ class LMDeployConfig(ModelEngineConfig):
                     "come back whole; 0 = stream all; none = 1024 on TurboMind, 0 on PyTorch",
     )
 
+    warmup_requests: int = Field(
+        default=64, ge=0, le=4096,
+        description="requests of mixed lengths run through the engine before the worker reports ready, so "
+                    "the first batch does not pay kernel compilation and first-use costs; 0 = off",
+    )
+
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v: str) -> str:

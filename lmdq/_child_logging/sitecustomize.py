@@ -25,6 +25,9 @@ def _configure() -> None:
         from lmdq.logs import configure_logging
 
         configure_logging(fmt, os.environ.get("LMDQ_CHILD_LOG_LEVEL", "INFO"))
+        from lmdq.tqdm_events import install as install_tqdm_events
+
+        install_tqdm_events()  # LMDeploy's weight-loading and warm-up bars: progress events, not raw text
         structlog.contextvars.bind_contextvars(pid=os.getpid())  # tells the child's lines apart
     except Exception as e:  # never stop a child from starting over its logging
         print(f"lmdq: child logging not configured: {type(e).__name__}: {e}", file=sys.stderr)

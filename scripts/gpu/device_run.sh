@@ -14,8 +14,12 @@
 # of the documents) on the random 8B shape; PREFIX_ARGS adds flags (e.g. "--docs 300"); and `faults` (carry 1-wheels, tok)
 # for tests/gpu/test_faults_gpu.py: engine / worker SIGKILL on the random 8B shape. FAULTS_K=engine_sigkill
 # or FAULTS_K=worker_sigkill runs one half (a fresh machine builds the model first: ~2 calls of 600 s).
+# `e2e` (issue 27): lmdq-bench e2e, the real CLIs (lmdq-worker, lmdq-producer submit processes) vs a raw pipe()
+# process on the same prompts, 3 batches a side. E2E_BACKEND=pytorch|turbomind (turbomind: tm parts carried
+# before), E2E_WORKLOAD=mixed (random 8B shape: carry gpu-bundle/tok on a fresh machine) | chat (SmolLM2: after
+# `suite` converted it); E2E_PROFILE=1 also profiles one submit of the workload (scripts/gpu/submit_profile.py).
 set -uo pipefail
-stage=${1:?stage bench|setup|suite|tp|parity|faults|prefix|tm|tmsuite|tmbench}
+stage=${1:?stage bench|setup|suite|tp|parity|faults|prefix|tm|tmsuite|tmbench|e2e}
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
@@ -43,7 +47,26 @@ tm_env() {  # TurboMind's CUDA 12 libraries (kept off sys.path) + the host's NCC
   [ -f /root/tm_env.sh ] && . /root/tm_env.sh
   python3 -c "import lmdeploy.turbomind as t; print('turbomind available:', t.is_available(), t._import_error or '')"
 }
+e2e() {  # e2e NAME BACKEND WORKLOAD
+  local name=$1 backend=$2 wl=$3 args
+  if [ "$wl" = chat ]; then args=(--model "$M" --dtype float16 --workload chat --n "${E2E_N:-2048}")
+  else args=(--random-llama8b /root/llama8b --tokenizer-from gpu-bundle/tok --workload mixed --n "${E2E_N:-1024}"); fi
+  timeout $(( ${E2E_TIMEOUT:-585} - SECONDS )) python3 -m lmdq.bench e2e --backend "$backend" "${args[@]}" \
+    --batches "${E2E_BATCHES:-3}" --workdir "/tmp/e2e_$name" -o "$OUT/e2e_$name.json" > "$OUT/e2e_$name.log" 2>&1
+  echo "e2e $name rc=$?"
+  cp "/tmp/e2e_$name/worker.log" "$OUT/e2e_${name}_worker.log" 2>/dev/null
+  cp "/tmp/e2e_$name/raw.log" "$OUT/e2e_${name}_raw.log" 2>/dev/null
+  grep -E "^ +[0-9]+ |^first batch|^raw batch|^lmdq batch|^lmdq: worker|Error|error" "$OUT/e2e_$name.log" | tail -14
+  if [ "${E2E_PROFILE:-0}" = 1 ]; then
+    python3 scripts/gpu/submit_profile.py "/tmp/e2e_$name/workload.jsonl" "$OUT/submit_profile_$name.txt" 2>&1 | tail -8
+  fi
+}
 case $stage in
+  e2e)
+    [ "${E2E_ENV:-0}" = 1 ] && env_txt
+    if [ "${E2E_BACKEND:-pytorch}" = turbomind ]; then tm_env > "$OUT/tm_env.log" 2>&1; tail -1 "$OUT/tm_env.log"; fi
+    e2e "${E2E_BACKEND:-pytorch}_${E2E_WORKLOAD:-mixed}" "${E2E_BACKEND:-pytorch}" "${E2E_WORKLOAD:-mixed}"
+    ;;
   tm|tmsuite|tmbench)
     tm_env > "$OUT/tm_env.log" 2>&1; tail -2 "$OUT/tm_env.log"  # not in a pipe: it exports LD_LIBRARY_PATH
     grep -E "parts:|OK|verified" "$OUT/setup_tm.log" | tail -3
@@ -52,7 +75,8 @@ case $stage in
       env_txt
       timeout "${SUITE_TIMEOUT:-540}" python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
         2>&1 | grep -v DEBUG > "$OUT/gpu_suite_both.log"
-      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|turbomind (generation|all)|backend auto" "$OUT/gpu_suite_both.log" | tail -40
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|turbomind (generation|all)|backend auto|progress bars as" \
+        "$OUT/gpu_suite_both.log" | tail -40
     elif [ "$run" = bench ]; then
       [ "${TM_BENCH:-1}" = 1 ] && EFF_TIMEOUT=${TM_EFF_TIMEOUT:-280} eff tm_turbomind 1 --backend turbomind --repeat 2 --skip-naive
       [ "${PT_BENCH:-1}" = 1 ] && EFF_TIMEOUT=${PT_EFF_TIMEOUT:-280} eff tm_pytorch 1 --backend pytorch --repeat 1 --skip-naive
@@ -91,9 +115,10 @@ case $stage in
     env_txt
     timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -o cache_dir=/tmp/pyc -rA 2>&1 \
       | grep -v DEBUG > "$OUT/gpu_suite.log"
-    grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests" "$OUT/gpu_suite.log" | tail -22
+    grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests|progress bars as events" "$OUT/gpu_suite.log" \
+      | tail -24
     # anything failed: the same tests again with the engine loop in-process, to tell mp-engine issues apart
-    if grep -qE "^(FAILED|ERROR)" "$OUT/gpu_suite.log"; then
+    if [ "${RERUN:-1}" = 1 ] && grep -qE "^(FAILED|ERROR)" "$OUT/gpu_suite.log"; then
       LMDQ_MP_ENGINE=0 timeout 150 python3 -m pytest tests/gpu/test_lmdeploy_gpu.py --lf -v -s -o cache_dir=/tmp/pyc \
         -rA 2>&1 | grep -v DEBUG > "$OUT/gpu_suite_inproc_rerun.log"
       echo "--- rerun with LMDQ_MP_ENGINE=0:"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_suite_inproc_rerun.log" | tail -8

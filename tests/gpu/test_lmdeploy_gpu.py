@@ -253,8 +253,17 @@ def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, gpu_backe
         lines = [ln for ln in (tmp_path / "worker.log").read_text().splitlines() if ln.strip()]
         bad = [ln for ln in lines if not ln.lstrip().startswith("{")]
         assert not bad, bad[:5]
-        others = {d.get("pid") for d in map(json.loads, lines)} - {None, w.pid}
+        docs = [json.loads(ln) for ln in lines]
+        others = {d.get("pid") for d in docs} - {None, w.pid}
         print(f"worker.log: {len(lines)} JSON lines, other processes' pids: {sorted(others)}")
+        # Issue 27: LMDeploy's tqdm bars (weight loading, CUDA-graph warm-up) come as progress events, anything
+        # written to the descriptors directly is wrapped (foreign), and the engine is warmed up before ready.
+        bars = sorted({str(d.get("desc")) for d in docs if d.get("logger") == "tqdm"})
+        foreign = [d["event"] for d in docs if d.get("foreign")]
+        warm = next(d for d in docs if d.get("event") == "engine warmed up")
+        assert warm["warmup_finished"] == warm["warmup_requests"] > 0, warm
+        print(f"progress bars as events: {bars}; foreign lines wrapped: {len(foreign)} {foreign[:3]}; "
+              f"warm-up: {warm['warmup_requests']} requests, {warm['warmup_tokens']} tokens in {warm['warmup_s']} s")
     finally:
         if w is not None and w.poll() is None:
             w.kill()

@@ -305,6 +305,43 @@ class LMDeployEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.pipe.async_engine.tokenizer.encode(text, add_bos=False))
 
+    def warm_up(self) -> dict[str, Any]:
+        """Run ``warmup_requests`` requests through :meth:`stream` before the worker reports ready.
+
+        Why: a fresh engine's first batch ran at 0.90 of a raw ``pipe()`` on the H200 (issue 27), while
+        its second ran at full speed. What a batch meets first, and pays once: Triton kernels compiled
+        for the prefill and decode shapes it sees (LMDeploy's PyTorch engine captures CUDA graphs at
+        start, but compiles its attention/KV/rotary kernels on first use), the chat template's Jinja
+        compile, the detokenizer and the per-request Python paths of this adapter. So the warm-up meets
+        what the scheduler will: prompts of 8 to 2,048 tokens (chunked prefill past
+        ``max_prefill_token_num``), chat and raw, many requests in one call so decoding steps run at every
+        batch size from ``warmup_requests`` down to 1 as they finish at different lengths (8-36 tokens).
+        Returns what it cost (logged by the worker, in ``docs/performance.md``)."""
+        n = int(self.config.warmup_requests)
+        if n <= 0:
+            return {"warmup_requests": 0}
+        from lmdq.contract import Endpoint, GenerationParams
+
+        session_len = int(getattr(self.pipe.backend_config, "session_len", None) or 4096)
+        lengths = [min(x, max(8, session_len - 64)) for x in (8, 32, 128, 512, 2048)]
+        reqs = []
+        for i in range(n):
+            words = " ".join(f"w{(i * 31 + j) % 997}" for j in range(lengths[i % len(lengths)] // 2))
+            params = GenerationParams(max_new_tokens=8 + (i % 8) * 4, ignore_eos=True)
+            if i % 2:
+                reqs.append(EngineRequest(index=i, messages=[{"role": "user", "content": words}],
+                                          endpoint=Endpoint.chat, params=params))
+            else:
+                reqs.append(EngineRequest(index=i, prompt=words, endpoint=Endpoint.completion, params=params))
+        t0 = time.monotonic()
+        tokens = finished = 0
+        for ev in self.stream(reqs, threading.Event()):
+            if ev.finish_reason is not None:
+                finished += 1
+                tokens += ev.generate_token_len
+        return {"warmup_requests": n, "warmup_finished": finished, "warmup_tokens": tokens,
+                "warmup_s": round(time.monotonic() - t0, 2)}
+
     @staticmethod
     def _prompt(r: EngineRequest, preprocess: bool) -> Any:
         """What stream_infer gets. It refuses a list mixing strings and message lists, so with

@@ -1,0 +1,255 @@
+"""``lmdq-bench e2e``: the real CLIs as separate processes against a raw ``pipe()``, same prompts, one run.
+
+What a user compares: their own script calling ``pipe(prompts)`` on a loaded pipeline, against lmdq as
+deployed: an ``lmdq-worker`` process already up (``/readyz`` 200) and, per batch, an ``lmdq-producer
+submit`` process started on the same JSONL. lmdq's time for a batch runs from the moment its submit
+process is *started* (interpreter start, imports, validation and staging included: the GPU waits for
+all of it) to the last result stored (the batch's ``completed_at``, stamped by the Lua that stores it).
+The raw side's time is the ``pipe()`` call alone. Both sides run ``--batches`` batches one after the
+other on one warm engine each (the raw side gets the worker's warm-up too, unless ``--no-raw-warmup``),
+and the first batch is reported apart: with KEDA scaling from zero every worker's first batch is a
+first batch. The two sides run one after the other (one GPU), the raw side first.
+
+Workloads (``--workload``): ``mixed`` — completion prompts of 32-512 tokens, 16-1,024 new tokens each,
+``ignore_eos`` (for the random Llama-3-8B shape: every request decodes exactly its budget); ``chat`` —
+varied chat questions, greedy, stopping at EOS (for the real SmolLM2 chat model), up to
+``--chat-max-new-tokens`` each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmdq.connection import connect
+from lmdq.contract import Result
+from lmdq.keys import Keys
+from lmdq.store import ResultStore
+
+__all__ = ["E2EConfig", "make_workload", "run_e2e", "summarize"]
+
+_TOPICS = ["the ocean", "volcanoes", "the Roman empire", "photosynthesis", "black holes", "bees", "jazz",
+           "the printing press", "glaciers", "the immune system", "chess", "electric cars", "coffee", "deserts",
+           "the moon landing", "rainforests", "vaccines", "bridges", "the internet", "tea", "whales",
+           "earthquakes", "the piano", "recycling", "the stock market", "dinosaurs", "solar panels", "trains",
+           "honey", "castles", "the human heart", "clouds"]
+_ASKS = ["Write a short story about {t}.", "Explain {t} to a ten-year-old.", "List five facts about {t}.",
+         "Write a poem about {t}.", "What are the pros and cons of {t}?", "Describe the history of {t}.",
+         "Give me three questions a teacher could ask about {t}, with answers.",
+         "Write a product description inspired by {t}."]
+
+
+@dataclass
+class E2EConfig:
+    engine: str = "lmdeploy"
+    workload: str = "mixed"
+    n: int = 1024
+    batches: int = 3
+    batch_size: int = 32
+    min_input: int = 32
+    max_input: int = 512
+    min_output: int = 16
+    max_output: int = 1024
+    chat_max_new_tokens: int = 384
+    raw_warmup: bool = True
+    seed: int = 0
+    timeout_s: float = 1200.0
+
+
+def make_workload(cfg: E2EConfig, model: str, path: Path) -> dict[str, Any]:
+    """Write the JSONL both sides read; returns what it holds (prompts, token budgets)."""
+    rnd = random.Random(cfg.seed)
+    lines = []
+    budget = 0
+    if cfg.workload == "mixed":
+        decode: Any = None
+        if cfg.engine != "sim":  # the sim counts words as tokens
+            from transformers import AutoTokenizer
+
+            decode = AutoTokenizer.from_pretrained(model).decode
+        for i in range(cfg.n):
+            k = rnd.randint(cfg.min_input, cfg.max_input)
+            out = rnd.randint(cfg.min_output, cfg.max_output)
+            ids = [rnd.randrange(100, 40000) for _ in range(k)]
+            text = decode(ids) if decode else " ".join(f"w{x}" for x in ids)
+            budget += out
+            lines.append({"custom_id": f"m{i}", "endpoint": "completion", "prompt": text,
+                          "params": {"max_new_tokens": out, "ignore_eos": True, "do_sample": False}})
+    elif cfg.workload == "chat":
+        for i in range(cfg.n):
+            ask = _ASKS[i % len(_ASKS)].format(t=_TOPICS[(i // len(_ASKS)) % len(_TOPICS)])
+            if i >= len(_ASKS) * len(_TOPICS):  # past the 256 distinct questions: vary the wording too
+                ask = f"{ask} (variant {i // (len(_ASKS) * len(_TOPICS))})"
+            budget += cfg.chat_max_new_tokens
+            lines.append({"custom_id": f"c{i}", "messages": [{"role": "user", "content": ask}],
+                          "params": {"max_new_tokens": cfg.chat_max_new_tokens, "do_sample": False}})
+    else:
+        raise ValueError(f"--workload: expected mixed or chat, got {cfg.workload!r}")
+    with path.open("w") as f:
+        for d in lines:
+            f.write(json.dumps(d) + "\n")
+    return {"workload": cfg.workload, "n": cfg.n, "max_new_tokens_sum": budget}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _engine_env(engine_settings: dict[str, Any]) -> dict[str, str]:
+    return {f"LMDQ_{k.upper()}": (str(v).lower() if isinstance(v, bool) else str(v))
+            for k, v in engine_settings.items()}
+
+
+def run_raw(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
+            log: Any) -> dict[str, Any]:
+    spec = {"engine": cfg.engine, "model": model, "engine_settings": engine_settings, "workload": str(workload),
+            "batches": cfg.batches,
+            "warmup": cfg.raw_warmup, "output": str(work / "raw.json")}
+    (work / "raw_spec.json").write_text(json.dumps(spec))
+    log(f"raw: python -m lmdq.bench.raw_pipe ({cfg.batches} batches of {cfg.n})")
+    with (work / "raw.log").open("wb") as out:
+        p = subprocess.run([sys.executable, "-m", "lmdq.bench.raw_pipe", str(work / "raw_spec.json")],
+                           stdout=out, stderr=subprocess.STDOUT, timeout=cfg.timeout_s)
+    if p.returncode != 0:
+        raise RuntimeError(f"raw side exited {p.returncode}: {(work / 'raw.log').read_text()[-3000:]}")
+    res: dict[str, Any] = json.loads((work / "raw.json").read_text())
+    return res
+
+
+def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"lmdq-worker exited {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"lmdq-worker not ready after {timeout_s:.0f} s")
+
+
+def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
+             redis_url: str, log: Any) -> dict[str, Any]:
+    """One lmdq-worker process (ready first), then per batch one lmdq-producer submit process."""
+    port = _free_port()
+    env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_ENGINE": cfg.engine,
+           "LMDQ_SERVED_MODEL_NAME": "bench", "LMDQ_HEALTH_PORT": str(port), "LMDQ_LOG_FORMAT": "json",
+           **({"LMDQ_MODEL": model} if cfg.engine != "sim" else {}), **_engine_env(engine_settings)}
+    client = connect(redis_url)
+    store = ResultStore(client, keys=Keys(env.get("LMDQ_KEY_PREFIX", "lmdq")))
+    t_start = time.monotonic()
+    wlog = (work / "worker.log").open("wb")
+    w = subprocess.Popen([sys.executable, "-m", "lmdq.worker"], env=env, stdout=wlog, stderr=subprocess.STDOUT)
+    batches = []
+    try:
+        _wait_ready(port, w, cfg.timeout_s)
+        ready_s = round(time.monotonic() - t_start, 2)
+        log(f"lmdq: worker ready in {ready_s} s (load + warm-up)")
+        for b in range(cfg.batches):
+            t0 = time.time()
+            sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(workload), "--model", "bench",
+                                  "--batch-size", str(cfg.batch_size)], env=env, capture_output=True,
+                                 timeout=cfg.timeout_s)
+            t_sub = time.time()
+            if sub.returncode != 0:
+                raise RuntimeError(f"submit exited {sub.returncode}: {sub.stderr.decode()[-2000:]}")
+            bid = sub.stdout.decode().strip().splitlines()[-1]
+            end = time.monotonic() + cfg.timeout_s
+            while True:
+                batch = store.get_batch(bid)
+                if batch.status.terminal:
+                    break
+                if w.poll() is not None or time.monotonic() > end:
+                    raise RuntimeError(f"batch {bid} not done (worker exit {w.poll()})")
+                time.sleep(0.05)
+            rows = [Result.model_validate_json(raw) for _, raw in store.iter_results(bid, cfg.n, partial=False) if raw]
+            toks = sum(r.generate_token_len for r in rows)
+            done = batch.completed_at or max(r.timings.finished_at or 0 for r in rows)
+            secs = done - t0
+            not_done = sum(1 for r in rows if r.status.value != "completed")
+            batches.append({"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
+                            "results": len(rows), "not_completed": not_done,
+                            "first_visible_s": round((batch.queued_at or t0) - t0, 3),
+                            "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid})
+            log(f"lmdq batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible after "
+                f"{batches[-1]['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s)")
+    finally:
+        if w.poll() is None:
+            w.send_signal(signal.SIGTERM)
+            try:
+                w.wait(120)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait(30)
+        wlog.close()
+    lines = [ln for ln in (work / "worker.log").read_text(errors="replace").splitlines() if ln.strip()]
+    non_json = [ln for ln in lines if not _json_object(ln)]
+    return {"ready_s": ready_s, "batches": batches, "worker_exit": w.returncode, "worker_log_lines": len(lines),
+            "worker_log_non_json": len(non_json), "worker_log_non_json_sample": non_json[:3],
+            "warmup": _warmup_event(lines)}
+
+
+def _json_object(line: str) -> dict[str, Any] | None:
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _warmup_event(lines: list[str]) -> dict[str, Any] | None:
+    """The worker's "engine warmed up" log line (what the warm-up cost), if any."""
+    for ln in lines:
+        d = _json_object(ln)
+        if d and d.get("event") == "engine warmed up":
+            return {k: v for k, v in d.items() if k.startswith("warmup")}
+    return None
+
+
+def _rate(batches: list[dict[str, Any]]) -> float | None:
+    secs = sum(b["s"] for b in batches)
+    return round(sum(b["tokens"] for b in batches) / secs, 1) if secs else None
+
+
+def summarize(raw: dict[str, Any], lmdq: dict[str, Any]) -> dict[str, Any]:
+    """First batch apart, later batches together (their tokens over their seconds), per batch too."""
+    rb, lb = raw["batches"], lmdq["batches"]
+    out: dict[str, Any] = {
+        "raw_first_tok_s": rb[0]["tok_s"], "lmdq_first_tok_s": lb[0]["tok_s"],
+        "ratio_first": round(lb[0]["tok_s"] / rb[0]["tok_s"], 4),
+        "raw_later_tok_s": _rate(rb[1:]), "lmdq_later_tok_s": _rate(lb[1:]),
+        "ratio_per_batch": [round(x["tok_s"] / y["tok_s"], 4) for x, y in zip(lb, rb)],
+    }
+    if out["raw_later_tok_s"] and out["lmdq_later_tok_s"]:
+        out["ratio_later"] = round(out["lmdq_later_tok_s"] / out["raw_later_tok_s"], 4)
+    out["ratio_all"] = round((_rate(lb) or 0) / (_rate(rb) or 1), 4)
+    return out
+
+
+def run_e2e(cfg: E2EConfig, *, model: str, engine_settings: dict[str, Any], redis_url: str, work: Path | None = None,
+            log: Any = print) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="lmdq-e2e-") as d:
+        wd = work or Path(d)
+        wd.mkdir(parents=True, exist_ok=True)
+        workload = wd / "workload.jsonl"
+        info = make_workload(cfg, model, workload)
+        raw = run_raw(cfg, model, workload, engine_settings, wd, log)
+        lmdq = run_lmdq(cfg, model, workload, engine_settings, wd, redis_url, log)
+    return {**info, "batches": cfg.batches, "batch_size": cfg.batch_size, "raw": raw, "lmdq": lmdq,
+            **summarize(raw, lmdq)}

@@ -1,0 +1,92 @@
+"""The raw side of ``lmdq-bench e2e``: one process, one LMDeploy pipeline, ``pipe(prompts)`` per batch.
+
+Run by :mod:`lmdq.bench.e2e` as ``python -m lmdq.bench.raw_pipe SPEC.json`` so it owns the GPU alone, as a
+user's own script would: the pipeline is built exactly as the worker builds it (the same settings and
+flags, through :func:`lmdq.worker.engine_factory.build_engine`), then each batch is ONE plain
+``pipe(prompts, gen_config=[...])`` call on the same JSONL lmdq submits. The spec's ``warmup`` runs the
+worker's own warm-up (:meth:`LMDeployEngine.warm_up`) first, so both sides start their first batch warm.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_workload", "main"]
+
+
+def load_workload(path: Path) -> tuple[list[Any], list[dict[str, Any]], bool]:
+    """(prompts, per-request params, chat) from a bench JSONL: every line a ``messages`` line (chat) or
+    every line a ``prompt`` completion line."""
+    prompts: list[Any] = []
+    params: list[dict[str, Any]] = []
+    kinds = set()
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        d = json.loads(line)
+        kinds.add("messages" in d)
+        prompts.append(d["messages"] if "messages" in d else d["prompt"])
+        params.append(d.get("params", {}))
+    if len(kinds) != 1:
+        raise ValueError(f"{path}: mixes chat and completion lines")
+    return prompts, params, kinds.pop()
+
+
+def _one_call(eng: Any, prompts: list[Any], params: list[dict[str, Any]], chat: bool) -> list[Any]:
+    """LMDeploy: ONE ``pipe(prompts, gen_config=[...])`` call. Other engines (the sim, in CPU tests of this
+    bench): all prompts in one ``engine.stream`` call, the final events kept."""
+    from lmdq.contract import Endpoint, GenerationParams
+
+    if hasattr(eng, "pipe"):
+        from lmdq.worker.engines.lmdeploy_engine import build_gen_config
+
+        gens = [build_gen_config(GenerationParams(**p).resolved()) for p in params]
+        return list(eng.pipe(prompts, gen_config=gens, do_preprocess=chat))
+    import threading
+
+    from lmdq.worker.engines.base import EngineRequest
+
+    reqs = [EngineRequest(index=i, messages=p if chat else None, prompt=None if chat else p,
+                          endpoint=Endpoint.chat if chat else Endpoint.completion, params=GenerationParams(**kw))
+            for i, (p, kw) in enumerate(zip(prompts, params))]
+    return [ev for ev in eng.stream(reqs, threading.Event()) if ev.finish_reason is not None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    from lmdq.worker.engine_factory import build_engine
+    from lmdq.worker.settings import load_worker_settings
+
+    t0 = time.monotonic()
+    engine = spec.get("engine", "lmdeploy")
+    s = load_worker_settings(engine=engine, model=spec["model"] if engine != "sim" else None,
+                             served_model_name="bench", **spec.get("engine_settings", {}))
+    eng: Any = build_engine(s)
+    out: dict[str, Any] = {"load_s": round(time.monotonic() - t0, 2), "backend": eng.backend}
+    if spec.get("warmup", True) and hasattr(eng, "warm_up"):
+        out["warmup"] = eng.warm_up()
+    out["ready_s"] = round(time.monotonic() - t0, 2)
+    prompts, params, chat = load_workload(Path(spec["workload"]))
+    batches = []
+    for b in range(int(spec["batches"])):
+        t = time.perf_counter()
+        res = _one_call(eng, prompts, params, chat)
+        secs = time.perf_counter() - t
+        toks = sum(int(r.generate_token_len) for r in res)
+        bad = sum(1 for r in res if r.finish_reason not in ("stop", "length"))
+        batches.append({"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
+                        "not_finished": bad})
+        print(f"raw batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s", file=sys.stderr,
+              flush=True)
+    out["batches"] = batches
+    eng.close()
+    Path(spec["output"]).write_text(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
