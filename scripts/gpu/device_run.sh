@@ -43,12 +43,19 @@ eff() {  # eff NAME TP EXTRA... (a --backend in EXTRA wins over the --backend py
 }
 tm_env() {  # TurboMind's CUDA 12 libraries (kept off sys.path) + the host's NCCL; see turbomind_host.sh
   for d in gpu-bundle/tm-*; do [ -d "$d" ] && bash "$d/turbomind_host.sh" gpu-bundle >> "$OUT/setup_tm.log" 2>&1; done
-  tail -1 "$OUT/setup_tm.log" 2>/dev/null | grep -q "^export LD_LIBRARY_PATH" && tail -1 "$OUT/setup_tm.log" > /root/tm_env.sh
+  # the install prints the export once; later parts' runs append their "parts: 9/9" after it (session 6)
+  grep -q "^export LD_LIBRARY_PATH" "$OUT/setup_tm.log" 2>/dev/null \
+    && grep "^export LD_LIBRARY_PATH" "$OUT/setup_tm.log" | tail -1 > /root/tm_env.sh
   [ -f /root/tm_env.sh ] && . /root/tm_env.sh
   python3 -c "import lmdeploy.turbomind as t; print('turbomind available:', t.is_available(), t._import_error or '')"
 }
 e2e() {  # e2e NAME BACKEND WORKLOAD
   local name=$1 backend=$2 wl=$3 args
+  # Byte-compile what the processes import, as any pip install or image does: the wheels here are installed
+  # --no-compile and the host writes no .pyc, so every Python start compiled ~350 modules (session 6: most
+  # of submit's 1.5-1.9 s before its first jobs were visible; docs/performance.md). E2E_COMPILE=0: as then.
+  [ "${E2E_COMPILE:-1}" = 1 ] && python3 -m compileall -q -j 0 /root/site "$PWD/lmdq" "$PWD/producer" "$PWD/worker" \
+    "$PWD/bench" > /dev/null 2>&1
   if [ "$wl" = chat ]; then args=(--model "$M" --dtype float16 --workload chat --n "${E2E_N:-2048}")
   else args=(--random-llama8b /root/llama8b --tokenizer-from gpu-bundle/tok --workload mixed --n "${E2E_N:-1024}"); fi
   timeout $(( ${E2E_TIMEOUT:-585} - SECONDS )) python3 -m lmdq.bench e2e --backend "$backend" "${args[@]}" \

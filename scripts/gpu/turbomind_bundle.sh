@@ -23,7 +23,9 @@ unzip -q "$work"/whl/lmdeploy-0.18.0-*.whl 'lmdeploy/turbomind/_turbomind*' 'lmd
 unzip -q -j "$work"/whl/nvidia_cublas_cu12-*.whl 'nvidia/cublas/lib/libcublas.so.12' 'nvidia/cublas/lib/libcublasLt.so.12' \
   -d "$work/tree/cu12/lib"
 unzip -q -j "$work"/whl/nvidia_cuda_runtime_cu12-*.whl 'nvidia/cuda_runtime/lib/libcudart.so.12' -d "$work/tree/cu12/lib"
-(cd "$work/tree" && find . -type f -print0 | sort -z | xargs -0 sha256sum > MANIFEST.sha256)
+# written beside the tree, then moved in: a manifest created inside it would list itself (session 6: FAILED)
+(cd "$work/tree" && find . -type f -print0 | sort -z | xargs -0 sha256sum > ../MANIFEST.sha256)
+mv "$work/MANIFEST.sha256" "$work/tree/MANIFEST.sha256"
 tar -C "$work/tree" -cf - . | xz -T"${XZ_THREADS:-2}" -6 > "$work/turbomind.tar.xz"
 rm -rf "$D"/tm-*
 (cd "$work" && split -b "${TM_PART_MB:-58}M" -d -a 2 turbomind.tar.xz tm.part.)
