@@ -383,7 +383,7 @@ class Batch:
         return self.to_arrow().to_pandas()
 
     def to_parquet(self, path: str | Path) -> int:
-        """Write the final results to a Parquet file, streamed (one row group per 20,000 results);
+        """Write the final results to a Parquet file, streamed (one row group per 10,000 results);
         returns the rows written."""
         from lmdq.client_export import write_parquet
 

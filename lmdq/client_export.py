@@ -19,7 +19,7 @@ from lmdq.errors import LmdqError
 
 __all__ = ["CHUNK_ROWS", "RESULT_COLUMNS", "record_batches", "result_schema", "write_parquet"]
 
-CHUNK_ROWS = 20_000
+CHUNK_ROWS = 10_000
 """Results per record batch / Parquet row group."""
 
 #: (column, Arrow type, what it holds). ``logprobs`` is nested; ``tensors`` is the JSON of the refs.

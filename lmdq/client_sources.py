@@ -34,7 +34,7 @@ __all__ = ["FileSource", "RowSource", "classify", "spool"]
 
 FILE_FORMATS = {"text": InputFormat.text, "jsonl": InputFormat.jsonl, "openai": InputFormat.openai}
 TABULAR_FORMATS = ("parquet", "csv")
-ARROW_BATCH_ROWS = 65_536
+ARROW_BATCH_ROWS = 16_384
 """Rows per record batch read from Parquet/CSV (bounds memory: one batch of the mapped columns)."""
 
 
