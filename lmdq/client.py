@@ -322,7 +322,11 @@ class Batch:
     def as_completed(self, *, timeout: float | None = None, poll_interval: float = 0.05,
                      max_interval: float = 1.0) -> Iterator[Result]:
         """Yield each final result as it is stored, while the batch runs, until every request has one
-        (the order is completion order, roughly). WaitTimeout after ``timeout`` seconds."""
+        (roughly completion order). WaitTimeout after ``timeout`` seconds.
+
+        A poll reads the batch's counters (one Redis call); only when they moved does it look for the
+        new records, from the first request not yielded yet and only until it found as many as the
+        counters say were added, so a poll costs little however large the batch."""
         info = self.info()
         total = info.request_counts.total
         seen = bytearray(total)
@@ -330,18 +334,19 @@ class Batch:
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = poll_interval
         while yielded < total:
+            need = info.request_counts.done - yielded
             new = 0
-            for i, raw in self._new_records(info, seen):
-                seen[i] = 1
-                new += 1
-                yield Result.model_validate_json(raw)
-            yielded += new
+            if need > 0:
+                for i, raw in self._new_records(info, seen, need):
+                    seen[i] = 1
+                    new += 1
+                    yield Result.model_validate_json(raw)
+                yielded += new
             if yielded >= total:
                 return
             if new == 0:
-                info = self.info(patient=True)
-                if info.status.terminal and not any(True for _ in self._new_records(info, seen)):
-                    return  # ended without a result for every request (purged or expired keys)
+                if info.status.terminal:
+                    return  # ended without a result for every request (its keys purged or expired)
                 if deadline is not None and time.monotonic() > deadline:
                     raise WaitTimeout(f"batch {self.id} still {info.status.value} after {timeout}s "
                                       f"({yielded}/{total} results)")
@@ -349,24 +354,34 @@ class Batch:
                 interval = min(max_interval, interval * 2)
             else:
                 interval = poll_interval
+            info = self.info(patient=True)
 
-    def _new_records(self, info: BatchInfo, seen: bytearray) -> Iterator[tuple[int, bytes]]:
-        """(index, final record) of requests not in ``seen`` that have one now."""
+    def _new_records(self, info: BatchInfo, seen: bytearray, need: int) -> Iterator[tuple[int, bytes]]:
+        """(index, final record) of up to ``need`` requests not in ``seen`` that have one now."""
         store = self.client._store()
-        if info.results_url:  # records move to shards: read through the sink (O(batch) a poll)
+        found = 0
+        if info.results_url:  # records move to shards: read through the sink (a pass over the batch)
             from lmdq.sink import iter_records
 
             for i, raw in iter_records(store, info, partial=False):
                 if raw is not None and not seen[i]:
                     yield i, raw
+                    found += 1
+                    if found >= need:
+                        return
             return
-        pending = [i for i in range(len(seen)) if not seen[i]]
         key = store.keys.results(self.id)
-        for s in range(0, len(pending), 2000):
-            idx = pending[s:s + 2000]
+        lo = max(0, seen.find(0))
+        for s in range(lo, len(seen), 2000):
+            idx = [i for i in range(s, min(len(seen), s + 2000)) if not seen[i]]
+            if not idx:
+                continue
             for i, raw in zip(idx, store.client.hmget(key, idx)):
                 if raw is not None:
                     yield i, raw
+                    found += 1
+            if found >= need:
+                return
 
     # ---- Arrow / pandas / Parquet ---------------------------------------------------------------
     def to_arrow(self) -> Any:

@@ -18,6 +18,7 @@ number of rows, whatever the source; the spool is deleted when the submit return
 
 from __future__ import annotations
 
+import json
 import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,15 +28,17 @@ from typing import IO, Any
 
 from lmdq.errors import SubmitRejected
 from lmdq.producer.formats import InputFormat
-from lmdq.producer.formats.records import ParsedLine
-from lmdq.producer.formats.tabular import ColumnMap, RowError, chunked, iter_row_requests
+from lmdq.producer.formats.tabular import ColumnMap, RowError, RowMapper, chunked
+from lmdq.producer.formats.validation import _MAX_CUSTOM_ID
 
 __all__ = ["FileSource", "RowSource", "classify", "spool"]
 
 FILE_FORMATS = {"text": InputFormat.text, "jsonl": InputFormat.jsonl, "openai": InputFormat.openai}
 TABULAR_FORMATS = ("parquet", "csv")
-ARROW_BATCH_ROWS = 16_384
-"""Rows per record batch read from Parquet/CSV (bounds memory: one batch of the mapped columns)."""
+ARROW_BATCH_ROWS = 4096
+"""Rows per record batch read from Parquet/CSV: the reader decodes this many rows of the mapped columns
+at a time, on this thread (``use_threads=False``: decoding is not the bottleneck, the per-row checks are,
+and a thread pool's buffers would only raise the peak)."""
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,11 @@ class FileSource:
 
 @dataclass(frozen=True)
 class RowSource:
-    """Rows to validate and spool: ``name`` is what errors call the source."""
+    """Rows to validate and spool: ``name`` is what errors call the source; a chunk is a list of rows or
+    a pyarrow RecordBatch."""
 
     name: str
-    chunks: Iterable[Sequence[Any]]
+    chunks: Iterable[Any]
 
 
 def _need_pyarrow(what: str) -> Any:
@@ -81,11 +85,12 @@ def _columns_for(names: Sequence[str], cmap: ColumnMap, name: str) -> list[str]:
     return [c for c in names if c in wanted]
 
 
-def _reader_chunks(reader: Any, cmap: ColumnMap, name: str) -> Iterator[list[dict[str, Any]]]:
+def _reader_chunks(reader: Any, cmap: ColumnMap, name: str) -> Iterator[Any]:
+    """The reader's record batches, only the columns a request is made of."""
     cols = _columns_for(list(reader.schema.names), cmap, name)
     for batch in reader:
         if batch.num_rows:
-            yield batch.select(cols).to_pylist()
+            yield batch.select(cols)
 
 
 def _arrow_reader(source: Any) -> Any | None:
@@ -121,14 +126,13 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
             pf = pq.ParquetFile(path)
             cols = _columns_for(list(pf.schema_arrow.names), cmap, name)
 
-            def parquet_chunks() -> Iterator[list[dict[str, Any]]]:
-                for batch in pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=cols):
-                    yield batch.to_pylist()
+            def parquet_chunks() -> Iterator[Any]:
+                yield from pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=cols, use_threads=False)
 
             return RowSource(name, parquet_chunks())
         import pyarrow.csv as pcsv
 
-        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=8 << 20))
+        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False))
         return RowSource(name, _reader_chunks(reader, cmap, name))
     except (OSError, pa.ArrowException) as e:
         raise SubmitRejected(f"{path}:0: cannot read the {fmt} file: {e}") from e
@@ -160,32 +164,80 @@ def classify(source: Any, *, fmt: str | None, cmap: ColumnMap) -> FileSource | R
                          f"{type(source).__name__}")
 
 
-try:
-    from orjson import dumps as _orjson_dumps
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False).encode
 
-    def _dumps(obj: dict[str, Any]) -> bytes:
-        out: bytes = _orjson_dumps(obj)
+
+def _line(obj: dict[str, Any]) -> bytes:
+    """One spool line: the row's lmdq JSONL object, which parses back to exactly the request validated."""
+    return _ENCODE(obj).encode("utf-8", "surrogatepass") + b"\n"
+
+
+class _FastPath:
+    """Record batches of the common shape (a string prompt column, a string or integer id column,
+    numeric parameter columns) checked column-wise: each parameter value is validated once per distinct
+    value (by the row parser itself), each prompt and id by a few C-level checks, and the row's JSONL
+    object is built without the per-row parser. Any doubt (a value the checks do not pass) sends the
+    whole record batch to the row parser, which names the row and column exactly as it always does."""
+
+    _NUMERIC = frozenset({"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                          "repetition_penalty", "random_seed", "logprobs"})
+
+    def __init__(self, cmap: ColumnMap, mapper: RowMapper, schema: Any) -> None:
+        import pyarrow.types as t
+
+        from lmdq.producer.formats.jsonl import PARAM_ALIASES
+
+        self.mapper = mapper
+        self.prompt = cmap.prompt_column
+        self.id = cmap.id_column
+        self.endpoint = cmap.endpoint.value if cmap.endpoint is not None else None
+        self.params = cmap.params
+        self.seen: dict[str, set[Any]] = {c: set() for c in self.params}
+        names = {PARAM_ALIASES.get(p, p) for p in self.params.values()}
+        self.ok = (
+            self.prompt is not None and self.prompt in schema.names
+            and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
+            and (self.id is None or (self.id in schema.names and (
+                t.is_string(schema.field(self.id).type) or t.is_large_string(schema.field(self.id).type)
+                or t.is_integer(schema.field(self.id).type))))
+            and names <= self._NUMERIC and len(names) == len(self.params)
+            and not {"min_new_tokens", "max_new_tokens"} <= names
+            and all(c in schema.names and (t.is_integer(schema.field(c).type) or t.is_floating(schema.field(c).type))
+                    for c in self.params)
+        )
+
+    def lines(self, batch: Any, row0: int) -> list[tuple[str, bytes]] | None:
+        """(custom_id, spool line) per row of ``batch``, or None when some row needs the row parser."""
+        prompts = batch.column(self.prompt).to_pylist()
+        ids = batch.column(self.id).to_pylist() if self.id is not None else range(row0, row0 + len(prompts))
+        pcols = [(p, c, batch.column(c).to_pylist()) for c, p in self.params.items()]
+        probe: dict[str, Any] = {self.prompt: "x"} if self.id is None else {self.prompt: "x", self.id: "x"}
+        for _, c, values in pcols:
+            fresh = set(values) - self.seen[c]
+            fresh.discard(None)
+            for v in fresh:  # the row parser decides each distinct value once
+                if isinstance(self.mapper({**probe, c: v}, 0), RowError):
+                    return None
+            if len(self.seen[c]) < 10_000:  # a column of (nearly) unique values is checked per batch instead
+                self.seen[c] |= fresh
+        out: list[tuple[str, bytes]] = []
+        ep = self.endpoint
+        for k, prompt in enumerate(prompts):
+            cid = ids[k]
+            if type(cid) is int:
+                cid = str(cid)
+            elif type(cid) is not str or not cid or len(cid) > _MAX_CUSTOM_ID:
+                return None
+            if type(prompt) is not str or not prompt or prompt.isspace():
+                return None
+            obj: dict[str, Any] = {"custom_id": cid, "prompt": prompt}
+            params = {p: values[k] for p, _, values in pcols if values[k] is not None}
+            if params:
+                obj["params"] = params
+            if ep is not None:
+                obj["endpoint"] = ep
+            out.append((cid, _line(obj)))
         return out
-except ImportError:  # pragma: no cover
-    import json
-
-    def _dumps(obj: dict[str, Any]) -> bytes:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
-
-
-def _line(item: ParsedLine) -> bytes:
-    d: dict[str, Any] = {"custom_id": item.custom_id}
-    if item.messages is not None:
-        d["messages"] = item.messages
-    else:
-        d["prompt"] = item.prompt
-    if item.params is not None:
-        p = item.params.model_dump(exclude_none=True)
-        if p:
-            d["params"] = p
-    if item.endpoint.value != "chat":
-        d["endpoint"] = item.endpoint.value
-    return _dumps(d) + b"\n"
 
 
 def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20, max_requests: int = 10_000_000,
@@ -198,22 +250,42 @@ def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 
 
     errors: list[str] = []
     hashes = array("Q")
+    mapper = RowMapper(src.name, cmap)
+    fast: _FastPath | None = None
     n = 0
-    for item in iter_row_requests(src.name, src.chunks, cmap):
-        if isinstance(item, RowError):
-            errors.append(str(item))
+    for chunk in src.chunks:
+        done: list[tuple[str, bytes]] | None = None
+        if not isinstance(chunk, list):  # a RecordBatch
+            if fast is None:
+                fast = _FastPath(cmap, mapper, chunk.schema)
+            done = fast.lines(chunk, n) if fast.ok and not errors else None
+            if done is None:
+                chunk = chunk.to_pylist()
+        if done is not None:
+            for cid, line in done:
+                out.write(line)
+                hashes.append(_h64(cid))
+            n += len(done)
+        else:
+            for row in chunk:
+                item = mapper(row, n)
+                n += 1
+                if isinstance(item, RowError):
+                    errors.append(str(item))
+                    if len(errors) >= max_errors:
+                        break
+                    continue
+                if not errors:
+                    parsed, obj = item
+                    out.write(_line(obj))
+                    hashes.append(_h64(parsed.custom_id))
             if len(errors) >= max_errors:
                 errors.append(f"{src.name}: stopping after {max_errors} errors")
                 break
-            continue
-        n += 1
         if n > max_requests:
             raise SubmitRejected(f"{src.name}: too many requests: the limit is {max_requests:,} per batch")
-        if not errors:
-            out.write(_line(item))
-            hashes.append(_h64(item.custom_id))
-        if progress is not None and n % 5000 == 0:
-            progress(n)
+        if progress is not None:
+            progress(n - n % 5000)
     if not errors and n == 0:
         errors.append(f"{src.name}: no rows (expected at least one request)")
     if not errors:
@@ -228,8 +300,6 @@ def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 
 
 def _name_duplicates(path: str, dup: set[int], name: str, cmap: ColumnMap, max_errors: int) -> list[str]:
     """Re-read the spool for the rows whose id hashes collided, naming both rows of each duplicate."""
-    import json
-
     from lmdq.producer.submit import _h64
 
     column = cmap.id_column or "custom_id"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -447,6 +448,10 @@ def exporter(flags: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    # A CLI run streams Parquet/CSV a record batch at a time: pyarrow's system allocator hands freed
+    # batches back, its default (mimalloc) keeps them, ~40 MB more peak RSS over 1 M rows. Set before
+    # anything imports pyarrow; an explicit ARROW_DEFAULT_MEMORY_POOL wins.
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
     run_cli(app)
 
 

@@ -337,3 +337,25 @@ def test_producer_cli_makes_no_redis_or_store_call() -> None:
     assert not below, below
     assert not called & _REDIS_COMMANDS, called & _REDIS_COMMANDS
     assert "lmdq.client" in imported
+
+
+def test_the_column_wise_fast_path_spools_exactly_what_the_row_parser_does(tmp_path: Path) -> None:
+    """Arrow record batches of the common shape skip the per-row parser; the spool must be the same bytes."""
+    from lmdq.client_sources import classify, spool
+    from lmdq.producer.formats.tabular import ColumnMap
+
+    rows = [{"qid": f"id-{i}", "question": f"q {i} \u00e9\u4e2d \"quoted\"\n", "temperature": [None, 0.0, 0.7][i % 3],
+             "max_tokens": 5 + i % 2} for i in range(10_000)]
+    cmap = ColumnMap(prompt_column="question", id_column="qid", params_columns=["temperature", "max_tokens"])
+    from lmdq.client_sources import _FastPath
+    from lmdq.producer.formats.tabular import RowMapper
+
+    table = pa.Table.from_pylist(rows)
+    fast = _FastPath(cmap, RowMapper("t", cmap), table.schema)
+    assert fast.ok and fast.lines(table.to_batches()[0], 0) is not None  # the fast path does take these rows
+    out = {}
+    for kind, src in (("arrow", pa.Table.from_pylist(rows)), ("rows", rows)):
+        with (tmp_path / kind).open("wb") as f:
+            assert spool(classify(src, fmt=None, cmap=cmap), cmap, f) == 10_000
+        out[kind] = (tmp_path / kind).read_bytes()
+    assert out["arrow"] == out["rows"] and out["rows"].count(b"\n") == 10_000

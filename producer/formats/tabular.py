@@ -35,7 +35,7 @@ from lmdq.contract import Endpoint
 from lmdq.producer.formats.jsonl import _parse_jsonl
 from lmdq.producer.formats.records import ParsedLine, _got, _LineError
 
-__all__ = ["ColumnMap", "RowError", "iter_row_requests"]
+__all__ = ["ColumnMap", "RowError", "RowMapper", "chunked", "iter_row_requests"]
 
 ROW_CHUNK = 4096
 """Items of a Python iterable converted per chunk."""
@@ -109,7 +109,7 @@ class ColumnMap:
         return out + list(self.params)
 
 
-class _Mapper:
+class RowMapper:
     """One row (a dict of columns, or a string) -> a ParsedLine or a RowError."""
 
     def __init__(self, name: str, cmap: ColumnMap) -> None:
@@ -140,18 +140,22 @@ class _Mapper:
             return self.param_src.get(name, field)
         return field
 
-    def __call__(self, row: Any, row_no: int) -> ParsedLine | RowError:
+    def __call__(self, row: Any, row_no: int) -> tuple[ParsedLine, dict[str, Any]] | RowError:
+        """The request and the lmdq JSONL object it was parsed from (custom_id filled in), or the error."""
         try:
-            return self._parse(row, row_no)
+            obj = self._object(row)
+            item = _parse_jsonl(obj, row_no)
         except _LineError as e:
             return RowError(self.name, row_no, self.column_of(e.field), e.message)
+        obj["custom_id"] = item.custom_id
+        return item, obj
 
-    def _parse(self, row: Any, row_no: int) -> ParsedLine:
+    def _object(self, row: Any) -> dict[str, Any]:
         if isinstance(row, str):
             obj: dict[str, Any] = {"custom_id": None, "prompt": row}
             if self.endpoint:
                 obj["endpoint"] = self.endpoint
-            return _parse_jsonl(obj, row_no)
+            return obj
         if not isinstance(row, Mapping):
             raise _LineError(None, f"expected a string or a dict, got {_got(row)}")
         cm = self.cmap
@@ -188,7 +192,7 @@ class _Mapper:
         ep = self.endpoint or (row.get("endpoint") if not self.explicit else None)
         if ep is not None:
             obj["endpoint"] = ep
-        return _parse_jsonl(obj, row_no)
+        return obj
 
     def _render(self, row: Mapping[str, Any]) -> str:
         assert self.cmap.template is not None
@@ -215,9 +219,11 @@ def _messages(cell: Any) -> Any:
     return cell
 
 
-def iter_row_requests(name: str, chunks: Iterable[Sequence[Any]], cmap: ColumnMap) -> Iterator[ParsedLine | RowError]:
-    """A ParsedLine or a RowError per row of ``chunks`` (lists of rows), in order; rows numbered from 0."""
-    mapper = _Mapper(name, cmap)
+def iter_row_requests(name: str, chunks: Iterable[Sequence[Any]], cmap: ColumnMap
+                      ) -> Iterator[tuple[ParsedLine, dict[str, Any]] | RowError]:
+    """Per row of ``chunks`` (lists of rows), in order, rows numbered from 0: (the request, the lmdq JSONL
+    object that parses to it) or a RowError."""
+    mapper = RowMapper(name, cmap)
     row_no = 0
     for chunk in chunks:
         for row in chunk:
