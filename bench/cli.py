@@ -289,6 +289,8 @@ def producer(
     output: Annotated[Path | None, typer.Option("-o")] = None,
     tabular_rows: Annotated[int, typer.Option(help="rows of the 3-column Parquet file submitted beside the same "
                                                    "rows as JSONL, then exported to Parquet (0: skip)")] = 0,
+    rounds: Annotated[int, typer.Option(min=1, help="alternated submits of each with --tabular-rows; the best of "
+                                                    "each is reported")] = 2,
 ) -> None:
     """Submit a generated JSONL and export its results: requests/s both ways, peak RSS, Redis bytes/result;
     with --tabular-rows, Parquet vs JSONL submit side by side and results -o out.parquet."""
@@ -299,7 +301,8 @@ def producer(
     with local_redis(redis_url) as url:
         res = run_producer_bench(lines=lines, batch_size=batch_size, redis_url=url, log=say) if lines else {}
         if tabular_rows:
-            res["tabular"] = run_tabular_bench(rows=tabular_rows, batch_size=batch_size, redis_url=url, log=say)
+            res["tabular"] = run_tabular_bench(rows=tabular_rows, batch_size=batch_size, redis_url=url, log=say,
+                                               rounds=rounds)
     _emit(res, output)
 
 

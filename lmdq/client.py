@@ -158,10 +158,6 @@ class Client:
             return Batch(self, info.id, created=created, info=info)
         if opts.model is None:
             raise InvalidArgument("model: expected the served model name (model=...)")
-        if opts.idempotency_key:  # a matched key: nothing to read
-            bound = self._ledger().bound_batch(opts.idempotency_key)
-            if bound is not None:
-                return Batch(self, bound.id, created=False, info=bound)
         with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:

@@ -98,10 +98,13 @@ def _arrow_reader(source: Any) -> Any | None:
     mod = type(source).__module__.split(".")[0]
     if mod == "datasets" and hasattr(source, "with_format"):  # a Hugging Face Dataset: its Arrow table
         pa = _need_pyarrow("a Hugging Face dataset")
-        table = source.with_format("arrow")[:0]
-        batches = (t.to_batches()[0] if t.num_rows else None
-                   for t in source.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS))
-        return pa.RecordBatchReader.from_batches(table.schema, (b for b in batches if b is not None))
+        arrow = source.with_format("arrow")
+
+        def hf_batches() -> Iterator[Any]:
+            for table in arrow.iter(batch_size=ARROW_BATCH_ROWS):
+                yield from table.to_batches()
+
+        return pa.RecordBatchReader.from_batches(arrow[:0].schema, hf_batches())
     if hasattr(source, "__arrow_c_stream__"):
         pa = _need_pyarrow(type(source).__name__)
         return pa.RecordBatchReader.from_stream(source)

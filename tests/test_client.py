@@ -71,7 +71,14 @@ def _sources(tmp_path: Path) -> dict[str, Any]:
     def gen() -> Iterator[dict[str, Any]]:
         yield from (dict(r) for r in rows)
 
-    return {
+    out: dict[str, Any] = {}
+    try:
+        import datasets  # not a CI dependency: covered where it is installed
+
+        out["HF Dataset"] = datasets.Dataset.from_list(rows)
+    except ImportError:
+        pass
+    return out | {
         "jsonl file": jsonl,
         "parquet file": tmp_path / "d.parquet",
         "csv file": str(tmp_path / "d.csv"),
