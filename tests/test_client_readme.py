@@ -1,5 +1,6 @@
 """README's Python API example, executed as written (a fresh interpreter, the code block verbatim)
-against a real redis-server and a real worker on the embedded model (CPU)."""
+against a real redis-server and a real worker on the embedded model (CPU); examples/client_dataframe.py
+as a user runs it."""
 
 from __future__ import annotations
 
@@ -58,3 +59,27 @@ def test_readme_python_example_runs_as_written(tmp_path: Path, env: dict[str, st
     t = pq.read_table(tmp_path / "answers.parquet")
     assert t.column("custom_id").to_pylist() == ["fr", "jp"]
     assert "Paris" in t.column("text").to_pylist()[0]  # greedy: the answer the engine tests pin too
+
+
+def test_examples_client_dataframe_runs(tmp_path: Path, env: dict[str, str], client: redis.Redis, prefix: str,
+                                        procs: list[subprocess.Popen[bytes]]) -> None:
+    """examples/client_dataframe.py as a user runs it, against a sim worker serving the example's model name."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    pytest.importorskip("pandas")
+    from lmdq.worker.default_model import DEFAULT_MODEL_NAME
+
+    procs.append(start_worker("--engine", "sim", "--served-model-name", DEFAULT_MODEL_NAME, "--sim-step-ms", "1",
+                              env=env, log=tmp_path / "worker.log"))
+    registry = ModelRegistry(client, keys=Keys(prefix))
+    deadline = time.monotonic() + 120
+    while DEFAULT_MODEL_NAME not in registry.known():
+        assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
+        time.sleep(0.1)
+    out = tmp_path / "answers.parquet"
+    p = subprocess.run([sys.executable, str(ROOT / "examples/client_dataframe.py"), str(out)], cwd=tmp_path, env=env,
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert "wrote 4 results" in p.stdout.decode()
+    t = pq.read_table(out)
+    assert t.column("custom_id").to_pylist() == ["fr", "jp", "it", "de"]
+    assert t.column("generate_token_len").to_pylist() == [24, 24, 16, 16]  # the per-row params column
