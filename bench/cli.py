@@ -287,14 +287,22 @@ def producer(
     batch_size: Annotated[int, typer.Option()] = 32,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o")] = None,
+    tabular_rows: Annotated[int, typer.Option(help="rows of the 3-column Parquet file submitted beside the same "
+                                                   "rows as JSONL, then exported to Parquet (0: skip)")] = 0,
+    rounds: Annotated[int, typer.Option(min=1, help="alternated submits of each with --tabular-rows; the best of "
+                                                    "each is reported")] = 2,
 ) -> None:
-    """Submit a generated JSONL and export its results: requests/s both ways, peak RSS, Redis bytes/result."""
+    """Submit a generated JSONL and export its results: requests/s both ways, peak RSS, Redis bytes/result;
+    with --tabular-rows, Parquet vs JSONL submit side by side and results -o out.parquet."""
     from lmdq.bench.local_redis import local_redis
-    from lmdq.bench.producer_bench import run_producer_bench
+    from lmdq.bench.producer_bench import run_producer_bench, run_tabular_bench
 
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     with local_redis(redis_url) as url:
-        res = run_producer_bench(lines=lines, batch_size=batch_size, redis_url=url,
-                                 log=lambda m: print(m, file=sys.stderr, flush=True))
+        res = run_producer_bench(lines=lines, batch_size=batch_size, redis_url=url, log=say) if lines else {}
+        if tabular_rows:
+            res["tabular"] = run_tabular_bench(rows=tabular_rows, batch_size=batch_size, redis_url=url, log=say,
+                                               rounds=rounds)
     _emit(res, output)
 
 

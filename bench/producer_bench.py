@@ -36,6 +36,13 @@ def _gen_file(path: Path, lines: int) -> int:
 
 def _run(args: list[str], env: dict[str, str]) -> tuple[float, int, bytes]:
     """(seconds, peak RSS bytes of THIS child, stdout) of one CLI subprocess, via wait4."""
+    secs, rss, out, _cpu = _run_cpu(args, env)
+    return secs, rss, out
+
+
+def _run_cpu(args: list[str], env: dict[str, str]) -> tuple[float, int, bytes, float]:
+    """:func:`_run` plus the child's CPU seconds (user + system): on a shared machine the wall time
+    of two runs depends on what else ran meanwhile, their CPU time much less."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", *args], env=env, cwd=ROOT, stdout=out, stderr=err)
@@ -46,7 +53,108 @@ def _run(args: list[str], env: dict[str, str]) -> tuple[float, int, bytes]:
         err.seek(0)
         if p.returncode != 0:
             raise RuntimeError(f"producer {args[0]} failed: {err.read().decode()[-2000:]}")
-        return secs, int(usage.ru_maxrss) * 1024, out.read()
+        return secs, int(usage.ru_maxrss) * 1024, out.read(), usage.ru_utime + usage.ru_stime
+
+
+_QUESTION = "Question {i}: in one sentence, what does item {i} of the nightly evaluation set test?"
+
+
+def _gen_tabular(parquet: Path | str, jsonl: Path | str, rows: int, chunk: int = 100_000) -> None:
+    """The same ``rows`` as a 3-column Parquet file (qid, question, max_new_tokens) and as lmdq JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("qid", pa.string()), ("question", pa.string()), ("max_new_tokens", pa.int64())])
+    with pq.ParquetWriter(parquet, schema) as w, open(jsonl, "w") as j:
+        for s in range(0, rows, chunk):
+            ids = [f"q-{i:08d}" for i in range(s, min(rows, s + chunk))]
+            qs = [_QUESTION.format(i=i) for i in range(s, min(rows, s + chunk))]
+            mx = [64 + i % 64 for i in range(s, min(rows, s + chunk))]
+            w.write_table(pa.table([ids, qs, mx], schema=schema))
+            j.writelines(json.dumps({"custom_id": c, "prompt": q, "params": {"max_new_tokens": m}}) + "\n"
+                         for c, q, m in zip(ids, qs, mx))
+
+
+def _in_child(fn: str, *args: Any) -> None:
+    """Run one of this module's functions in a child process: the bench process stays small, so the
+    CLI children it forks start small (a forked child's peak RSS counts the parent's pages it had
+    before exec), and pyarrow is never imported here."""
+    code = f"from lmdq.bench.producer_bench import {fn}; from pathlib import Path; {fn}(*{args!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def _check_parquet_results(path: Path | str, rows: int) -> None:
+    """Every result there, in input order, each under its own id (read a row group at a time)."""
+    import pyarrow.parquet as pq
+
+    n = 0
+    for rb in pq.ParquetFile(path).iter_batches(columns=["custom_id", "row"], batch_size=100_000):
+        ids, idx = rb.column(0).to_pylist(), rb.column(1).to_pylist()
+        if idx != list(range(n, n + len(idx))) or ids != [f"q-{i:08d}" for i in idx]:
+            raise RuntimeError(f"{path}: results out of order or under the wrong ids near row {n}")
+        n += len(idx)
+    if n != rows:
+        raise RuntimeError(f"{path}: {n} results, expected {rows}")
+
+
+def run_tabular_bench(*, rows: int, batch_size: int, redis_url: str, log: Callable[[str], None],
+                      rounds: int = 2) -> dict[str, Any]:
+    """A ``rows``-row 3-column Parquet file vs the same rows as JSONL through ``lmdq-producer submit``
+    (rows/s and peak RSS side by side; ``rounds`` alternated runs each, the best rate of each side),
+    then ``results -o out.parquet`` of as many results."""
+    client = connect(redis_url)
+    prefix = f"ptab{rows}"
+    env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_KEY_PREFIX": prefix, "LMDQ_LOG_FORMAT": "json"}
+    common = ["--model", "bench", "--allow-unknown-model", "--json", "--batch-size", str(batch_size)]
+    with tempfile.TemporaryDirectory() as d:
+        parquet, jsonl = Path(d) / "rows.parquet", Path(d) / "rows.jsonl"
+        _in_child("_gen_tabular", str(parquet), str(jsonl), rows)
+        log(f"generated {rows:,} rows: Parquet {parquet.stat().st_size / 1e6:.1f} MB, "
+            f"JSONL {jsonl.stat().st_size / 1e6:.1f} MB")
+        parquet_args = ["submit", str(parquet), "--prompt-column", "question", "--id-column", "qid",
+                        "--params-column", "max_new_tokens", *common]
+        runs: dict[str, list[tuple[float, int, bytes, float]]] = {"jsonl": [], "parquet": []}
+        for r in range(rounds):  # alternated, so a load spike on the shared machine hits both sides
+            for kind, args in (("jsonl", ["submit", str(jsonl), *common]), ("parquet", parquet_args)):
+                runs[kind].append(_run_cpu(args, env))
+                w, rss_b, _, cpu = runs[kind][-1]
+                log(f"round {r + 1} submit {kind:<7}: {rows / w:,.0f} rows/s wall, {rows / cpu:,.0f} rows per "
+                    f"CPU-s, peak RSS {rss_b / 2**20:.0f} MiB")
+                if kind == "jsonl" or r < rounds - 1:
+                    client.delete(*client.keys(f"{prefix}:*") or ["-"])
+        batch = json.loads(runs["parquet"][-1][2])
+        j_s, p_s = min(x[0] for x in runs["jsonl"]), min(x[0] for x in runs["parquet"])
+        j_cpu, p_cpu = min(x[3] for x in runs["jsonl"]), min(x[3] for x in runs["parquet"])
+        j_rss, p_rss = max(x[1] for x in runs["jsonl"]), max(x[1] for x in runs["parquet"])
+        log(f"submit JSONL   : {rows / j_s:,.0f} rows/s, {rows / j_cpu:,.0f} rows/CPU-s, peak RSS "
+            f"{j_rss / 2**20:.0f} MiB")
+        log(f"submit Parquet : {rows / p_s:,.0f} rows/s, {rows / p_cpu:,.0f} rows/CPU-s, peak RSS "
+            f"{p_rss / 2**20:.0f} MiB ({j_s / p_s:.2f}x JSONL's rate, {j_cpu / p_cpu:.2f}x per CPU-s)")
+        store = ResultStore(client, keys=Keys(prefix))
+        now = time.time()
+        text = "The item tests a routine evaluation example and its expected answer in one sentence."
+        store.write_results(
+            Result(batch_id=batch["id"], custom_id=f"q-{i:08d}", index=i, status=ResultStatus.completed, text=text,
+                   finish_reason=FinishReason.stop, input_token_len=31, generate_token_len=17, model="bench",
+                   backend="sim", worker="bench-worker", attempt=1,
+                   timings=Timings(enqueued_at=now, started_at=now, first_token_at=now, finished_at=now))
+            for i in range(rows))
+        out_file = Path(d) / "out.parquet"
+        e_s, e_rss, _ = _run(["results", batch["id"], "-o", str(out_file)], env)
+        _in_child("_check_parquet_results", str(out_file), rows)
+        log(f"results -o .parquet: {rows / e_s:,.0f} results/s, peak RSS {e_rss / 2**20:.0f} MiB, "
+            f"{out_file.stat().st_size / 1e6:.1f} MB; order and ids checked")
+    client.delete(*client.keys(f"{prefix}:*") or ["-"])
+    return {
+        "rows": rows, "batch_size": batch_size,
+        "submit_jsonl_rows_s": round(rows / j_s), "submit_parquet_rows_s": round(rows / p_s),
+        "parquet_rate_vs_jsonl": round(j_s / p_s, 3), "rounds": rounds,
+        "submit_jsonl_rows_per_cpu_s": round(rows / j_cpu), "submit_parquet_rows_per_cpu_s": round(rows / p_cpu),
+        "parquet_cpu_rate_vs_jsonl": round(j_cpu / p_cpu, 3),
+        "submit_jsonl_peak_rss_mib": round(j_rss / 2**20), "submit_parquet_peak_rss_mib": round(p_rss / 2**20),
+        "results_parquet_per_s": round(rows / e_s), "results_parquet_peak_rss_mib": round(e_rss / 2**20),
+        "results_parquet_order_and_ids_checked": True,
+    }
 
 
 def run_producer_bench(*, lines: int, batch_size: int, redis_url: str, log: Callable[[str], None]) -> dict[str, Any]:

@@ -15,6 +15,8 @@ import json
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import typer
@@ -43,6 +45,10 @@ class FlagSpec:
     aliases: tuple[str, ...] = ()
     #: Appended to the field's description (e.g. which engines take the setting).
     note: str = ""
+    #: The flag's own type where the command line spells the value differently from the field (``--metadata
+    #: k=v`` repeated for a dict, a path for a JSON schema); ``parse`` turns the flag's value into the field's.
+    cli_type: Any = None
+    parse: Callable[[Any], Any] | None = None
 
 
 def _base_type(annotation: Any) -> Any:
@@ -66,12 +72,14 @@ def _default_text(info: FieldInfo) -> str | None:
         default = info.json_schema_extra.get("engine_default")
     if default is None or default is ... or isinstance(default, BaseModel):
         return None
+    if isinstance(default, Enum):
+        return str(default.value)
     return str(default).lower() if isinstance(default, bool) else str(default)
 
 
 def _parameter(spec: FlagSpec) -> tuple[inspect.Parameter, Callable[[Any], Any]]:
     """The signature parameter for ``spec`` and how its raw value becomes the field's value."""
-    base = _base_type(spec.info.annotation)
+    base = spec.cli_type if spec.cli_type is not None else _base_type(spec.info.annotation)
     help_ = " ".join(x for x in (spec.info.description or "", spec.note) if x) or None
     shown = _default_text(spec.info)
     convert: Callable[[Any], Any] = lambda v: v  # noqa: E731
@@ -88,10 +96,13 @@ def _parameter(spec: FlagSpec) -> tuple[inspect.Parameter, Callable[[Any], Any]]
                 return json.loads(v)
             except ValueError as exc:
                 raise typer.BadParameter(f"expected a JSON object: {exc}", param_hint=name) from exc
-    elif base in (int, float, str) or get_origin(base) in (Literal, list):
+    elif base in (int, float, str, Path) or get_origin(base) in (Literal, list) or (
+            isinstance(base, type) and issubclass(base, Enum)):
         decls, annotation = (name, *spec.aliases), base | None
     else:
         raise TypeError(f"{spec.flat}: no option type for {base!r}")
+    if spec.parse is not None:
+        convert = spec.parse
     option = typer.Option(*decls, help=help_, show_default=shown if shown is not None else False)
     param = inspect.Parameter(spec.key, inspect.Parameter.KEYWORD_ONLY, default=None,
                               annotation=Annotated[annotation, option])

@@ -23,6 +23,7 @@ __all__ = [
     "run_cli",
     "BadSetting",
     "BatchNotFound",
+    "InvalidArgument",
     "RedisRefused",
     "RedisUnavailable",
     "ResultsUnavailable",
@@ -30,6 +31,7 @@ __all__ = [
     "RetryRejected",
     "SubmitRejected",
     "UnknownModel",
+    "WaitTimeout",
 ]
 
 
@@ -148,3 +150,14 @@ class BadSetting(LmdqError, ValueError):
     validates settings keeps catching it as one."""
 
     exit_code = ExitCode.bad_input
+
+
+class InvalidArgument(LmdqError, ValueError):
+    """An argument of an lmdq call (a CLI flag, a Python keyword) with a bad value; nothing was done.
+    A ValueError too, as Python callers expect of a bad argument."""
+
+    exit_code = ExitCode.bad_input
+
+
+class WaitTimeout(LmdqError, TimeoutError):
+    """A wait (``Batch.wait``, ``as_completed``, ``results --wait --timeout``) gave up before the batch ended."""

@@ -102,6 +102,9 @@ class SubmitOptions:
     #: called once, right after the first jobs became visible and before the rest is staged (tests run a
     #: worker, edit the file or make Redis refuse here: deterministically, not by racing a process)
     after_first_commit: Callable[[], None] | None = None
+    #: what the batch record calls its input (a DataFrame, a Parquet file) when ``path`` is the
+    #: client's spool of it (lmdq.client_sources)
+    input_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -483,7 +486,7 @@ def submit_file(
             id=batch_id,
             model=model,
             status=BatchStatus.validating,
-            input_file=str(path),
+            input_file=opts.input_name or str(path),
             priority=opts.priority,
             batch_size=opts.batch_size,
             num_jobs=num_jobs,

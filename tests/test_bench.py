@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_cli
 
 
@@ -35,6 +37,19 @@ def test_producer_bench_reports_both_ways(redis_url: str, env: dict[str, str]) -
     for k in ("submit_req_s", "results_per_s", "results_openai_per_s", "submit_peak_rss_mib", "results_peak_rss_mib",
               "redis_bytes_per_queued_request", "redis_bytes_per_result"):
         assert out[k] > 0, k
+
+
+def test_producer_bench_tabular_reports_parquet_and_jsonl_side_by_side(redis_url: str, env: dict[str, str]) -> None:
+    pytest.importorskip("pyarrow")
+    p = run_cli("bench", "producer", "--lines", "0", "--tabular-rows", "3000", "--batch-size", "50", "--redis-url",
+                redis_url, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    out = json.loads(p.stdout.decode().strip().splitlines()[-1])["tabular"]
+    assert out["rows"] == 3000 and out["results_parquet_order_and_ids_checked"] is True
+    for k in ("submit_jsonl_rows_s", "submit_parquet_rows_s", "parquet_rate_vs_jsonl", "submit_jsonl_peak_rss_mib",
+              "submit_parquet_peak_rss_mib", "results_parquet_per_s", "results_parquet_peak_rss_mib"):
+        assert out[k] > 0, k
+    assert "submit Parquet :" in p.stderr.decode() and "x JSONL's rate" in p.stderr.decode()
 
 
 def test_fleet_bench_reports_rates_costs_and_idle_cost() -> None:

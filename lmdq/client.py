@@ -1,0 +1,428 @@
+"""``lmdq.Client`` and ``lmdq.Batch``: lmdq as a Python library (the CLIs are thin clients of it).
+
+::
+
+    import lmdq
+
+    client = lmdq.Client()                        # LMDQ_* settings, as the CLIs read them
+    batch = client.submit(df, model="llama-8b", prompt_column="question", id_column="qid",
+                          max_new_tokens=256, temperature=0.7)
+    for r in batch.as_completed():                # each result as it is stored
+        print(r.custom_id, r.text)
+    batch.to_parquet("answers.parquet")           # one documented schema (lmdq.client_export)
+
+``submit``'s options are the CLI's flags, declared once in :mod:`lmdq.client_options`; its sources
+(paths, iterables, Arrow objects) are described in :mod:`lmdq.client_sources`. Every error is an
+:class:`lmdq.errors.LmdqError`; the CLIs turn one into its documented exit code.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lmdq.client_options import Spell, resolve
+from lmdq.contract import Batch as BatchInfo
+from lmdq.contract import BatchStatus, Endpoint, Priority, RequestCounts, Result
+from lmdq.errors import BadSetting, InvalidArgument, LmdqError, WaitTimeout
+from lmdq.producer.formats.tabular import ColumnMap
+from lmdq.producer.settings import ProducerSettings
+from lmdq.registry import MAX_NOTE
+
+__all__ = ["MAX_NOTE", "Batch", "BatchInfo", "Client"]
+
+T = TypeVar("T")
+Progress = Callable[[int], None]
+
+
+def _python_name(name: str) -> str:
+    return name
+
+
+def load_settings() -> ProducerSettings:
+    """The ``LMDQ_*`` settings; a bad one is one line naming the variable (not its value: it may be
+    a URL with a password): BadSetting, exit 2."""
+    from pydantic import ValidationError
+
+    try:
+        return ProducerSettings()
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{_env_name(err['loc'])}: {err['msg']}" for err in e.errors(include_input=False, include_url=False)
+        )
+        raise BadSetting(f"invalid setting {problems}") from None
+
+
+def _env_name(loc: tuple[int | str, ...]) -> str:
+    name = str(loc[0]) if loc else "?"
+    return name if name.upper().startswith("LMDQ_") else f"LMDQ_{name.upper()}"
+
+
+class Client:
+    """A connection to one lmdq deployment (its Redis and key prefix).
+
+    ``redis_url`` None: ``LMDQ_REDIS_URL``, then ``REDIS_URL``, then localhost, as the CLIs do.
+    The connection is made at the first call that needs it (with lmdq's timeouts and start-up wait);
+    one Client is safe to share between threads."""
+
+    def __init__(self, redis_url: str | None = None, *, settings: ProducerSettings | None = None,
+                 on_slow: Callable[[str], None] | None = None) -> None:
+        self.settings = settings if settings is not None else load_settings()
+        if redis_url:
+            self.settings.redis_url = redis_url
+        self._on_slow = on_slow
+        self._redis: Any = None
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    @property
+    def redis(self) -> Any:
+        """The redis-py client (made on first use)."""
+        if self._redis is None:
+            from lmdq.connection import connect
+
+            self._redis = connect(self.settings.redis_url, settings=self.settings, on_slow=self._on_slow)
+        return self._redis
+
+    @property
+    def keys(self) -> Any:
+        from lmdq.keys import Keys
+
+        return Keys(self.settings.key_prefix)
+
+    def _store(self) -> Any:
+        from lmdq.store import ResultStore
+
+        return ResultStore(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s)
+
+    def _ledger(self) -> Any:
+        from lmdq.ledger import BatchLedger
+
+        return BatchLedger(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s,
+                           max_job_bytes=self.settings.max_job_bytes)
+
+    # ---- batches ------------------------------------------------------------------------------
+    def submit(
+        self,
+        source: Any,
+        *,
+        model: str | None = None,
+        format: str | None = None,  # noqa: A002 - the word users know (pandas, pyarrow)
+        prompt_column: str | None = None,
+        messages_column: str | None = None,
+        id_column: str | None = None,
+        params_columns: Sequence[str] | Mapping[str, str] | None = None,
+        template: str | None = None,
+        endpoint: Endpoint | str | None = None,
+        on_warning: Callable[[str], None] | None = None,
+        validate_progress: Progress | None = None,
+        enqueue_progress: Progress | None = None,
+        spell: Spell = _python_name,
+        **options: Any,
+    ) -> Batch:
+        """Validate ``source`` completely, then enqueue it as one batch (all or nothing).
+
+        ``source``: a path (txt / JSONL / OpenAI Batch JSONL / Parquet / CSV), an iterable of str or
+        dict rows, or an Arrow-speaking object (pyarrow Table / RecordBatchReader, pandas / polars
+        DataFrame, HF Dataset). ``model``: the served model name (an OpenAI file's ``body.model``
+        when omitted). The column options map tabular rows to requests (:mod:`lmdq.producer.formats
+        .tabular`). ``options``: exactly ``lmdq-producer submit``'s flags, by their Python names
+        (``max_new_tokens=``, ``temperature=``, ``batch_size=``, ``priority=``, ``metadata=``,
+        ``idempotency_key=``, ``results_url=``, ``result_ttl=``, ``completion_window=``, ...).
+
+        Raises SubmitRejected (bad input: the first bad rows named by row and column; nothing was
+        enqueued), UnknownModel, RedisRefused, RedisUnavailable."""
+        from lmdq.client_sources import FileSource, classify, spool
+        from lmdq.producer import submit as submit_mod
+        from lmdq.producer.formats import InputFormat
+
+        notes = on_warning if on_warning is not None else _warn
+        opts, ttl_s = resolve(options, self.settings, model=model, spell=spell,
+                              on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
+        try:
+            cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
+                             params_columns=params_columns, template=template,
+                             endpoint=Endpoint(endpoint) if endpoint is not None else None)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        src = classify(source, fmt=format, cmap=cmap)
+        kw = {"client": self.redis, "keys": self.keys, "ttl_s": ttl_s, "validate_progress": validate_progress,
+              "enqueue_progress": enqueue_progress, "max_job_bytes": self.settings.max_job_bytes}
+        if isinstance(src, FileSource):
+            opts.fmt = src.fmt
+            # through the module, so a test's hook on submit_file (edits between the passes) applies
+            info, created = submit_mod.submit_file(src.path, opts, **kw)
+            return Batch(self, info.id, created=created, info=info)
+        if opts.model is None:
+            raise InvalidArgument("model: expected the served model name (model=...)")
+        with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
+            path = Path(d) / "rows.jsonl"
+            with path.open("wb") as f:
+                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress)
+            opts.fmt = InputFormat.jsonl
+            opts.input_name = src.name
+            try:
+                info, created = submit_mod.submit_file(path, opts, **kw)
+            except LmdqError as e:  # the spool is an implementation detail: name the source
+                e.args = (str(e).replace(f"{path}:0: ", f"{src.name}: ").replace(str(path), src.name),)
+                raise
+        return Batch(self, info.id, created=created, info=info)
+
+    def batch(self, batch_id: str) -> Batch:
+        """The batch ``batch_id`` (BatchNotFound if there is none, or it expired)."""
+        info = self._store().get_batch(batch_id)
+        return Batch(self, batch_id, info=info)
+
+    def batches(self, limit: int = 20) -> list[Batch]:
+        """The newest ``limit`` batches, newest first."""
+        return [Batch(self, b.id, info=b) for b in self._store().list_batches(limit)]
+
+    def purge(self, batch_id: str, *, force: bool = False) -> Any:
+        """Delete a batch from Redis now (record, results, jobs); returns what was deleted
+        (:class:`lmdq.ledger.Purged`). PurgeRefused for a running batch unless ``force``."""
+        return self._ledger().purge(batch_id, force=force)
+
+    # ---- models -------------------------------------------------------------------------------
+    def register_models(self, names: Sequence[str], *, note: str | None = None, spell: Spell = _python_name
+                        ) -> list[bool]:
+        """Register served model names so submit accepts them with no worker running; per name, whether
+        it was new (adding one again replaces its note)."""
+        from lmdq.registry import MAX_NOTE, ModelRegistry, check_model_name
+
+        for name in names:
+            try:
+                check_model_name(name)
+            except ValueError as e:
+                raise InvalidArgument(f"{spell('names')}: {e}") from e
+        if note is not None and len(note) > MAX_NOTE:
+            raise InvalidArgument(f"{spell('note')}: expected at most {MAX_NOTE} characters, got {len(note)}")
+        registry = ModelRegistry(self.redis, keys=self.keys)
+        return [registry.add(name, note=note) for name in names]
+
+    def models(self) -> tuple[list[Any], float]:
+        """(registered and served models as :class:`lmdq.registry.ModelInfo`, Redis' clock now)."""
+        from lmdq.registry import ModelRegistry
+
+        registry = ModelRegistry(self.redis, keys=self.keys)
+        return registry.models(), registry.now()
+
+    def remove_model(self, name: str) -> Any:
+        """Forget a model (:class:`lmdq.registry.RemovedModel`); LmdqError when it was unknown."""
+        from lmdq.registry import ModelRegistry
+
+        removed = ModelRegistry(self.redis, keys=self.keys).remove(name)
+        if not (removed.registered or removed.seen):
+            raise LmdqError(f"unknown model {name!r}: not registered and never served; nothing removed")
+        return removed
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}" if not message.startswith("note: ") else message, file=sys.stderr)
+
+
+class Batch:
+    """A submitted batch: its id and what can be done with it. Cheap: it holds no results."""
+
+    def __init__(self, client: Client, batch_id: str, *, created: bool = True, info: BatchInfo | None = None) -> None:
+        self.client = client
+        self.id = batch_id
+        #: False when an idempotency key matched an existing batch (nothing was enqueued)
+        self.created = created
+        self._info = info
+
+    def __repr__(self) -> str:
+        return f"lmdq.Batch({self.id!r})"
+
+    # ---- state --------------------------------------------------------------------------------
+    def info(self, *, patient: bool = False, on_retry: Callable[[Exception, float], None] | None = None
+             ) -> BatchInfo:
+        """The batch record now (status, counts, params, timestamps). ``patient``: a Redis that restarts
+        meanwhile is waited for under lmdq's retry policy (about 2 minutes) instead of raising."""
+        def get() -> BatchInfo:
+            info: BatchInfo = self.client._store().get_batch(self.id)
+            return info
+
+        if patient:
+            from lmdq.connection import with_reconnect
+
+            self._info = with_reconnect(get, on_retry=on_retry)
+        else:
+            self._info = get()
+        return self._info
+
+    @property
+    def last_info(self) -> BatchInfo:
+        """The record as last read (no Redis call)."""
+        return self._info if self._info is not None else self.info()
+
+    def status(self) -> BatchStatus:
+        """The batch's status now."""
+        return self.info().status
+
+    def counts(self) -> RequestCounts:
+        """Request counts now (total, completed, failed, cancelled, expired)."""
+        return self.info().request_counts
+
+    def wait(self, timeout: float | None = None, progress: bool = True, *, poll_interval: float = 0.25) -> BatchInfo:
+        """Block until the batch ends; returns its final record. A progress bar on a terminal or in a
+        notebook when ``progress``, silent otherwise. WaitTimeout (exit 1) after ``timeout`` seconds."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        show = progress and (console.is_terminal or console.is_jupyter)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        b = self.info()
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, disable=not show, transient=False) as prog:
+            task = prog.add_task(b.status.value, total=b.request_counts.total, completed=b.request_counts.done)
+            while not b.status.terminal:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise WaitTimeout(f"batch {self.id} still {b.status.value} after {timeout}s "
+                                      f"({b.request_counts.done}/{b.request_counts.total} done)")
+                time.sleep(poll_interval)
+                b = self.info(patient=True)
+                prog.update(task, completed=b.request_counts.done, description=b.status.value)
+        return b
+
+    # ---- results ------------------------------------------------------------------------------
+    def _raw_records(self, *, partial: bool = False) -> Iterator[bytes]:
+        from lmdq.sink import iter_records
+
+        info = self.info()
+        for _, raw in iter_records(self.client._store(), info, partial=partial):
+            if raw is not None:
+                yield raw
+
+    def results(self, *, partial: bool = False) -> Iterator[Result]:
+        """The results stored so far, in input order (call :meth:`wait` first for all of them);
+        ``partial``: requests still running give their in-progress record."""
+        for raw in self._raw_records(partial=partial):
+            yield Result.model_validate_json(raw)
+
+    def lines(self, fmt: str = "lmdq") -> Iterator[tuple[bool, bytes]]:
+        """Output lines in input order as ``(is_error, line)``: lmdq records (partials included) or
+        OpenAI Batch output lines (final results only; is_error as OpenAI's error file takes them)."""
+        from lmdq.producer.export import iter_lmdq_lines, iter_openai
+
+        store, info = self.client._store(), self.info()
+        if fmt == "openai":
+            yield from iter_openai(store, info)
+        else:
+            for line in iter_lmdq_lines(store, info):
+                yield False, line
+
+    def as_completed(self, *, timeout: float | None = None, poll_interval: float = 0.05,
+                     max_interval: float = 1.0) -> Iterator[Result]:
+        """Yield each final result as it is stored, while the batch runs, until every request has one
+        (roughly completion order). WaitTimeout after ``timeout`` seconds.
+
+        A poll reads the batch's counters (one Redis call); only when they moved does it look for the
+        new records, from the first request not yielded yet and only until it found as many as the
+        counters say were added, so a poll costs little however large the batch."""
+        info = self.info()
+        total = info.request_counts.total
+        seen = bytearray(total)
+        yielded = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        interval = poll_interval
+        while yielded < total:
+            need = info.request_counts.done - yielded
+            new = 0
+            if need > 0:
+                for i, raw in self._new_records(info, seen, need):
+                    seen[i] = 1
+                    new += 1
+                    yield Result.model_validate_json(raw)
+                yielded += new
+            if yielded >= total:
+                return
+            if new == 0:
+                if info.status.terminal:
+                    return  # ended without a result for every request (its keys purged or expired)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise WaitTimeout(f"batch {self.id} still {info.status.value} after {timeout}s "
+                                      f"({yielded}/{total} results)")
+                time.sleep(interval)
+                interval = min(max_interval, interval * 2)
+            else:
+                interval = poll_interval
+            info = self.info(patient=True)
+
+    def _new_records(self, info: BatchInfo, seen: bytearray, need: int) -> Iterator[tuple[int, bytes]]:
+        """(index, final record) of up to ``need`` requests not in ``seen`` that have one now."""
+        store = self.client._store()
+        found = 0
+        if info.results_url:  # records move to shards: read through the sink (a pass over the batch)
+            from lmdq.sink import iter_records
+
+            for i, raw in iter_records(store, info, partial=False):
+                if raw is not None and not seen[i]:
+                    yield i, raw
+                    found += 1
+                    if found >= need:
+                        return
+            return
+        key = store.keys.results(self.id)
+        lo = max(0, seen.find(0))
+        for s in range(lo, len(seen), 2000):
+            idx = [i for i in range(s, min(len(seen), s + 2000)) if not seen[i]]
+            if not idx:
+                continue
+            for i, raw in zip(idx, store.client.hmget(key, idx)):
+                if raw is not None:
+                    yield i, raw
+                    found += 1
+            if found >= need:
+                return
+
+    # ---- Arrow / pandas / Parquet ---------------------------------------------------------------
+    def to_arrow(self) -> Any:
+        """The final results as a pyarrow Table (schema: :data:`lmdq.client_export.RESULT_COLUMNS`)."""
+        import pyarrow as pa
+
+        from lmdq.client_export import record_batches, schema_with_batch
+
+        schema = schema_with_batch(self.info().model_dump_json())
+        return pa.Table.from_batches(list(record_batches(self._raw_records())), schema=schema)
+
+    def to_pandas(self) -> Any:
+        """:meth:`to_arrow` as a pandas DataFrame."""
+        return self.to_arrow().to_pandas()
+
+    def to_parquet(self, path: str | Path) -> int:
+        """Write the final results to a Parquet file, streamed (one row group per 10,000 results);
+        returns the rows written."""
+        from lmdq.client_export import write_parquet
+
+        return write_parquet(Path(path), self._raw_records(), batch_json=self.info().model_dump_json())
+
+    # ---- cancel / retry / purge -------------------------------------------------------------------
+    def cancel(self) -> BatchInfo:
+        """Take the batch's queued jobs off the queue and abort what workers hold; returns the record
+        (``cancelled``, or ``cancelling`` until its workers finish)."""
+        from lmdq.producer.cancel import cancel_batch
+
+        c = self.client
+        self._info = cancel_batch(c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s)
+        return self._info
+
+    def retry(self, *, include_cancelled: bool = False, include_expired: bool = False,
+              priority: Priority | str | None = None, idempotency_key: str | None = None) -> Batch:
+        """Resubmit the failed requests (and optionally cancelled/expired ones) as a NEW batch, same
+        custom_ids and params. RetryRejected when there is nothing to retry."""
+        from lmdq.producer.retry import retry_batch
+
+        c = self.client
+        info, created = retry_batch(
+            c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s, max_job_bytes=c.settings.max_job_bytes,
+            include_cancelled=include_cancelled, include_expired=include_expired,
+            priority=Priority(priority) if priority is not None else None, idempotency_key=idempotency_key)
+        return Batch(c, info.id, created=created, info=info)
+
+    def purge(self, *, force: bool = False) -> Any:
+        """:meth:`Client.purge` of this batch."""
+        return self.client.purge(self.id, force=force)

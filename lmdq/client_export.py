@@ -1,0 +1,144 @@
+"""A batch's results as Arrow: ONE schema (:data:`RESULT_COLUMNS`) for ``to_arrow``, ``to_pandas``,
+``to_parquet`` and ``lmdq-producer results -o out.parquet``.
+
+One row per request that has a final result, in input order (``row`` is the request's 0-based input
+position, the index a DataFrame source had). Records are converted a chunk at a time
+(:data:`CHUNK_ROWS`) and a Parquet file is written one row group per chunk, so exporting 1 M results
+holds one chunk, not the batch. The batch's own record (id, model, params, metadata) goes into the
+file's key-value metadata under ``lmdq.batch``, not into a column repeated on every row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from lmdq.errors import LmdqError
+
+__all__ = ["CHUNK_ROWS", "RESULT_COLUMNS", "record_batches", "result_schema", "write_parquet"]
+
+CHUNK_ROWS = 10_000
+"""Results per record batch / Parquet row group."""
+
+#: (column, Arrow type, what it holds). ``logprobs`` is nested; ``tensors`` is the JSON of the refs.
+RESULT_COLUMNS: list[tuple[str, str, str]] = [
+    ("custom_id", "string", "the request's id (id_column, a file's custom_id, else its row number)"),
+    ("row", "int64", "0-based input position (Result.index)"),
+    ("status", "string", "completed | failed | cancelled | expired"),
+    ("text", "string", "the generated text"),
+    ("finish_reason", "string", "stop | length | error | abort (null when it never ran)"),
+    ("input_token_len", "int64", "prompt tokens"),
+    ("generate_token_len", "int64", "generated tokens"),
+    ("error_code", "string", "null unless failed/cancelled/expired"),
+    ("error_message", "string", "null unless failed/cancelled/expired"),
+    ("model", "string", "served model name"),
+    ("backend", "string", "engine backend that ran it"),
+    ("worker", "string", "worker name"),
+    ("attempt", "int32", "attempt that produced the result (1 = first)"),
+    ("endpoint", "string", "chat | completion"),
+    ("enqueued_at", "float64", "unix seconds"),
+    ("started_at", "float64", "unix seconds"),
+    ("first_token_at", "float64", "unix seconds"),
+    ("finished_at", "float64", "unix seconds"),
+    ("logprobs", "list<struct<token_id: int64, logprob: float64, top: list<struct<token_id: int64, "
+                 "logprob: float64>>>>", "per generated token, when logprobs were asked for"),
+    ("tensors", "string", "JSON of the tensor references (logits, hidden states) in the blob store"),
+]
+
+
+def _pa() -> Any:
+    try:
+        import pyarrow
+
+        return pyarrow
+    except ImportError:
+        raise LmdqError("Arrow/Parquet output needs pyarrow: pip install 'lmdq[data]'") from None
+
+
+def result_schema() -> Any:
+    """The pyarrow schema of :data:`RESULT_COLUMNS`."""
+    pa = _pa()
+    top = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())]))
+    lp = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()), ("top", top)]))
+    types = {"string": pa.string(), "int64": pa.int64(), "int32": pa.int32(), "float64": pa.float64()}
+    return pa.schema([(name, lp if name == "logprobs" else types[t]) for name, t, _ in RESULT_COLUMNS])
+
+
+try:
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover
+    _loads = json.loads
+
+
+def _columns(raws: list[bytes]) -> dict[str, list[Any]]:
+    cols: dict[str, list[Any]] = {name: [] for name, _, _ in RESULT_COLUMNS}
+    for raw in raws:
+        r = _loads(raw)
+        t = r.get("timings") or {}
+        err = r.get("error") or {}
+        cols["custom_id"].append(r["custom_id"])
+        cols["row"].append(r["index"])
+        cols["status"].append(r["status"])
+        cols["text"].append(r.get("text", ""))
+        cols["finish_reason"].append(r.get("finish_reason"))
+        cols["input_token_len"].append(r.get("input_token_len", 0))
+        cols["generate_token_len"].append(r.get("generate_token_len", 0))
+        cols["error_code"].append(err.get("code"))
+        cols["error_message"].append(err.get("message"))
+        cols["model"].append(r.get("model"))
+        cols["backend"].append(r.get("backend"))
+        cols["worker"].append(r.get("worker"))
+        cols["attempt"].append(r.get("attempt", 1))
+        cols["endpoint"].append(r.get("endpoint", "chat"))
+        for k in ("enqueued_at", "started_at", "first_token_at", "finished_at"):
+            cols[k].append(t.get(k))
+        lps = r.get("logprobs")
+        cols["logprobs"].append(None if lps is None else [
+            {"token_id": x["token_id"], "logprob": x["logprob"],
+             "top": [{"token_id": i, "logprob": v} for i, v in x.get("top", [])]} for x in lps])
+        tensors = r.get("tensors")
+        cols["tensors"].append(None if tensors is None else json.dumps(tensors, sort_keys=True))
+    return cols
+
+
+def record_batches(records: Iterable[bytes], chunk: int = CHUNK_ROWS) -> Iterator[Any]:
+    """Final result records (raw JSON, input order) -> record batches of :func:`result_schema`."""
+    pa = _pa()
+    schema = result_schema()
+    buf: list[bytes] = []
+    for raw in records:
+        buf.append(raw)
+        if len(buf) >= chunk:
+            yield pa.RecordBatch.from_pydict(_columns(buf), schema=schema)
+            buf = []
+    if buf:
+        yield pa.RecordBatch.from_pydict(_columns(buf), schema=schema)
+
+
+def schema_with_batch(batch_json: str) -> Any:
+    return result_schema().with_metadata({"lmdq.batch": batch_json})
+
+
+def write_parquet(path: Path, records: Iterable[bytes], *, batch_json: str) -> int:
+    """Stream ``records`` into a Parquet file at ``path`` (one row group per chunk); returns the rows.
+
+    Written to ``path``.tmp and renamed when complete, so a failed export never leaves a truncated
+    file under the name a pipeline reads."""
+    import pyarrow.parquet as pq
+
+    _pa()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    try:
+        with pq.ParquetWriter(tmp, schema_with_batch(batch_json), compression="zstd") as w:
+            for rb in record_batches(records):
+                w.write_batch(rb)
+                n += rb.num_rows
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return n

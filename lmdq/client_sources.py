@@ -1,0 +1,323 @@
+"""What :meth:`lmdq.Client.submit` accepts as a source, and how each kind is read.
+
+* A path (``str`` or ``os.PathLike``): ``.txt`` / ``.jsonl`` (lmdq or OpenAI Batch lines, told apart by
+  the first line) go to the file pipeline as they always did; ``.parquet`` and ``.csv`` are read by
+  pyarrow, a record batch / row group at a time, only the mapped columns. ``format=`` overrides the
+  suffix: ``text``, ``jsonl``, ``openai``, ``parquet``, ``csv``.
+* Anything that speaks Arrow: an object with ``__arrow_c_stream__`` (pyarrow Table and
+  RecordBatchReader, pandas >= 2.2 and polars DataFrames, DuckDB relations ...), a pyarrow
+  RecordBatch, a Hugging Face ``datasets.Dataset`` (read through its Arrow table, batch by batch).
+* Any other iterable of ``str`` (one prompt each) or ``dict`` (one row each), consumed once, in chunks.
+
+Rows of the last two kinds, and tabular files, are validated one by one as they stream
+(:mod:`lmdq.producer.formats.tabular`) into a *spool*: an lmdq JSONL file on local disk (``TMPDIR``)
+holding the validated requests, which the file pipeline then submits with its rules (whole-batch
+validation, duplicate ids, prefix groups, Redis headroom, all or nothing). Memory stays flat in the
+number of rows, whatever the source; the spool is deleted when the submit returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from lmdq.errors import SubmitRejected
+from lmdq.producer.formats import InputFormat
+from lmdq.producer.formats.tabular import ColumnMap, RowError, RowMapper, chunked
+from lmdq.producer.formats.validation import _MAX_CUSTOM_ID
+
+__all__ = ["FileSource", "RowSource", "classify", "spool"]
+
+FILE_FORMATS = {"text": InputFormat.text, "jsonl": InputFormat.jsonl, "openai": InputFormat.openai}
+TABULAR_FORMATS = ("parquet", "csv")
+ARROW_BATCH_ROWS = 4096
+"""Rows per record batch read from Parquet/CSV: the reader decodes this many rows of the mapped columns
+at a time, on this thread (``use_threads=False``: decoding is not the bottleneck, the per-row checks are,
+and a thread pool's buffers would only raise the peak)."""
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """A prompt file for the file pipeline (txt / JSONL / OpenAI Batch JSONL)."""
+
+    path: Path
+    fmt: InputFormat | None
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Rows to validate and spool: ``name`` is what errors call the source; a chunk is a list of rows or
+    a pyarrow RecordBatch."""
+
+    name: str
+    chunks: Iterable[Any]
+
+
+def _need_pyarrow(what: str) -> Any:
+    try:
+        import pyarrow
+
+        return pyarrow
+    except ImportError:
+        raise SubmitRejected(f"{what} needs pyarrow: pip install 'lmdq[data]'") from None
+
+
+def _columns_for(names: Sequence[str], cmap: ColumnMap, name: str) -> list[str]:
+    """The source's columns a request is made of; a mapped column the source lacks is refused now."""
+    missing = [c for c in cmap.columns() if c not in names]
+    if missing:
+        shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+        raise SubmitRejected(f"{name}: column {missing[0]!r} not found; the source has: {shown or '(no columns)'}")
+    wanted = set(cmap.columns())
+    if not (cmap.prompt_column or cmap.messages_column or cmap.template):
+        defaults = [c for c in ("prompt", "messages") if c in names]
+        if not defaults:
+            raise SubmitRejected(f"{name}: no 'prompt' or 'messages' column; pass prompt_column=, "
+                                 f"messages_column= or template= (the source has: {', '.join(names[:20])})")
+        wanted |= {c for c in ("prompt", "messages", "params", "endpoint") if c in names}
+    if not cmap.id_column and "custom_id" in names:
+        wanted.add("custom_id")
+    return [c for c in names if c in wanted]
+
+
+def _reader_chunks(reader: Any, cmap: ColumnMap, name: str) -> Iterator[Any]:
+    """The reader's record batches, only the columns a request is made of."""
+    cols = _columns_for(list(reader.schema.names), cmap, name)
+    for batch in reader:
+        if batch.num_rows:
+            yield batch.select(cols)
+
+
+def _arrow_reader(source: Any) -> Any | None:
+    """A pyarrow RecordBatchReader over ``source`` if it speaks Arrow, else None."""
+    mod = type(source).__module__.split(".")[0]
+    if mod == "datasets" and hasattr(source, "with_format"):  # a Hugging Face Dataset: its Arrow table
+        pa = _need_pyarrow("a Hugging Face dataset")
+        arrow = source.with_format("arrow")
+
+        def hf_batches() -> Iterator[Any]:
+            for table in arrow.iter(batch_size=ARROW_BATCH_ROWS):
+                yield from table.to_batches()
+
+        return pa.RecordBatchReader.from_batches(arrow[:0].schema, hf_batches())
+    if hasattr(source, "__arrow_c_stream__"):
+        pa = _need_pyarrow(type(source).__name__)
+        return pa.RecordBatchReader.from_stream(source)
+    if hasattr(source, "__arrow_c_array__"):  # a RecordBatch
+        pa = _need_pyarrow(type(source).__name__)
+        return pa.table(source).to_reader()
+    if mod == "pandas" and hasattr(source, "to_dict"):  # pandas < 2.2 has no __arrow_c_stream__
+        pa = _need_pyarrow("a pandas DataFrame")
+        return pa.Table.from_pandas(source, preserve_index=False).to_reader()
+    return None
+
+
+def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
+    name = str(path)
+    if not path.is_file():
+        raise SubmitRejected(f"{path}:0: no such file")
+    pa = _need_pyarrow(f"a {fmt} file")
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            pf = pq.ParquetFile(path)
+            cols = _columns_for(list(pf.schema_arrow.names), cmap, name)
+
+            def parquet_chunks() -> Iterator[Any]:
+                yield from pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=cols, use_threads=False)
+
+            return RowSource(name, parquet_chunks())
+        import pyarrow.csv as pcsv
+
+        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False))
+        return RowSource(name, _reader_chunks(reader, cmap, name))
+    except (OSError, pa.ArrowException) as e:
+        raise SubmitRejected(f"{path}:0: cannot read the {fmt} file: {e}") from e
+
+
+def classify(source: Any, *, fmt: str | None, cmap: ColumnMap) -> FileSource | RowSource:
+    """Tell what ``source`` is (see the module's docstring)."""
+    if fmt is not None and fmt not in (*FILE_FORMATS, *TABULAR_FORMATS):
+        raise SubmitRejected(f"format: expected one of {', '.join((*FILE_FORMATS, *TABULAR_FORMATS))}, got {fmt!r}")
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        kind = fmt or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
+        if kind in TABULAR_FORMATS:
+            return _tabular_file(path, kind, cmap)
+        if cmap != ColumnMap():
+            raise SubmitRejected(f"{path}: column options (prompt_column=, id_column=, template= ...) apply to "
+                                 "Parquet, CSV, Arrow and Python rows, not to a prompt file")
+        return FileSource(path, FILE_FORMATS[kind] if kind else None)
+    if isinstance(source, (bytes, dict)):
+        raise SubmitRejected(f"source: expected a path, an iterable of rows or an Arrow-speaking object, got "
+                             f"{type(source).__name__}")
+    reader = _arrow_reader(source)
+    if reader is not None:
+        name = type(source).__name__
+        return RowSource(name, _reader_chunks(reader, cmap, name))
+    if isinstance(source, Iterable):
+        return RowSource("rows", chunked(source))
+    raise SubmitRejected(f"source: expected a path, an iterable of rows or an Arrow-speaking object, got "
+                         f"{type(source).__name__}")
+
+
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False).encode
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    """One spool line: the row's lmdq JSONL object, which parses back to exactly the request validated."""
+    return _ENCODE(obj).encode("utf-8", "surrogatepass") + b"\n"
+
+
+class _FastPath:
+    """Record batches of the common shape (a string prompt column, a string or integer id column,
+    numeric parameter columns) checked column-wise: each parameter value is validated once per distinct
+    value (by the row parser itself), each prompt and id by a few C-level checks, and the row's JSONL
+    object is built without the per-row parser. Any doubt (a value the checks do not pass) sends the
+    whole record batch to the row parser, which names the row and column exactly as it always does."""
+
+    _NUMERIC = frozenset({"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                          "repetition_penalty", "random_seed", "logprobs"})
+
+    def __init__(self, cmap: ColumnMap, mapper: RowMapper, schema: Any) -> None:
+        import pyarrow.types as t
+
+        from lmdq.producer.formats.jsonl import PARAM_ALIASES
+
+        self.mapper = mapper
+        self.prompt = cmap.prompt_column
+        self.id = cmap.id_column
+        self.endpoint = cmap.endpoint.value if cmap.endpoint is not None else None
+        self.params = cmap.params
+        self.seen: dict[str, set[Any]] = {c: set() for c in self.params}
+        names = {PARAM_ALIASES.get(p, p) for p in self.params.values()}
+        self.ok = (
+            self.prompt is not None and self.prompt in schema.names
+            and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
+            and (self.id is None or (self.id in schema.names and (
+                t.is_string(schema.field(self.id).type) or t.is_large_string(schema.field(self.id).type)
+                or t.is_integer(schema.field(self.id).type))))
+            and names <= self._NUMERIC and len(names) == len(self.params)
+            and not {"min_new_tokens", "max_new_tokens"} <= names
+            and all(c in schema.names and (t.is_integer(schema.field(c).type) or t.is_floating(schema.field(c).type))
+                    for c in self.params)
+        )
+
+    def lines(self, batch: Any, row0: int) -> list[tuple[str, bytes]] | None:
+        """(custom_id, spool line) per row of ``batch``, or None when some row needs the row parser."""
+        prompts = batch.column(self.prompt).to_pylist()
+        ids = batch.column(self.id).to_pylist() if self.id is not None else range(row0, row0 + len(prompts))
+        pcols = [(p, c, batch.column(c).to_pylist()) for c, p in self.params.items()]
+        probe: dict[str, Any] = {self.prompt: "x"} if self.id is None else {self.prompt: "x", self.id: "x"}
+        for _, c, values in pcols:
+            fresh = set(values) - self.seen[c]
+            fresh.discard(None)
+            for v in fresh:  # the row parser decides each distinct value once
+                if isinstance(self.mapper({**probe, c: v}, 0), RowError):
+                    return None
+            if len(self.seen[c]) < 10_000:  # a column of (nearly) unique values is checked per batch instead
+                self.seen[c] |= fresh
+        out: list[tuple[str, bytes]] = []
+        ep = self.endpoint
+        for k, prompt in enumerate(prompts):
+            cid = ids[k]
+            if type(cid) is int:
+                cid = str(cid)
+            elif type(cid) is not str or not cid or len(cid) > _MAX_CUSTOM_ID:
+                return None
+            if type(prompt) is not str or not prompt or prompt.isspace():
+                return None
+            obj: dict[str, Any] = {"custom_id": cid, "prompt": prompt}
+            params = {p: values[k] for p, _, values in pcols if values[k] is not None}
+            if params:
+                obj["params"] = params
+            if ep is not None:
+                obj["endpoint"] = ep
+            out.append((cid, _line(obj)))
+        return out
+
+
+def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20, max_requests: int = 10_000_000,
+          progress: Callable[[int], None] | None = None) -> int:
+    """Validate every row of ``src`` into ``out`` (lmdq JSONL, one line per row: line n is row n-1).
+
+    Returns the rows written; raises SubmitRejected naming the first bad rows (up to ``max_errors``)
+    or the duplicate ids, having read the whole source (a file's submit shows every problem too)."""
+    from lmdq.producer.submit import _duplicate_hashes, _h64
+
+    errors: list[str] = []
+    hashes = array("Q")
+    mapper = RowMapper(src.name, cmap)
+    fast: _FastPath | None = None
+    n = 0
+    for chunk in src.chunks:
+        done: list[tuple[str, bytes]] | None = None
+        if not isinstance(chunk, list):  # a RecordBatch
+            if fast is None:
+                fast = _FastPath(cmap, mapper, chunk.schema)
+            done = fast.lines(chunk, n) if fast.ok and not errors else None
+            if done is None:
+                chunk = chunk.to_pylist()
+        if done is not None:
+            for cid, line in done:
+                out.write(line)
+                hashes.append(_h64(cid))
+            n += len(done)
+        else:
+            for row in chunk:
+                item = mapper(row, n)
+                n += 1
+                if isinstance(item, RowError):
+                    errors.append(str(item))
+                    if len(errors) >= max_errors:
+                        break
+                    continue
+                if not errors:
+                    parsed, obj = item
+                    out.write(_line(obj))
+                    hashes.append(_h64(parsed.custom_id))
+            if len(errors) >= max_errors:
+                errors.append(f"{src.name}: stopping after {max_errors} errors")
+                break
+        if n > max_requests:
+            raise SubmitRejected(f"{src.name}: too many requests: the limit is {max_requests:,} per batch")
+        if progress is not None:
+            progress(n - n % 5000)
+    if not errors and n == 0:
+        errors.append(f"{src.name}: no rows (expected at least one request)")
+    if not errors:
+        dup = _duplicate_hashes(hashes)
+        if dup:
+            out.flush()
+            errors.extend(_name_duplicates(out.name, dup, src.name, cmap, max_errors))
+    if errors:
+        raise SubmitRejected("\n".join(errors))
+    return n
+
+
+def _name_duplicates(path: str, dup: set[int], name: str, cmap: ColumnMap, max_errors: int) -> list[str]:
+    """Re-read the spool for the rows whose id hashes collided, naming both rows of each duplicate."""
+    from lmdq.producer.submit import _h64
+
+    column = cmap.id_column or "custom_id"
+    first: dict[str, int] = {}
+    out: list[str] = []
+    with open(path, "rb") as f:
+        for row, line in enumerate(f):
+            cid = json.loads(line)["custom_id"]
+            if _h64(cid) not in dup:
+                continue
+            if cid in first:
+                out.append(f"{name}: row {row}: column '{column}': expected a unique id, {cid!r} already used "
+                           f"on row {first[cid]}")
+                if len(out) >= max_errors:
+                    break
+            else:
+                first[cid] = row
+    return out

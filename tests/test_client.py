@@ -1,0 +1,368 @@
+"""The Python API (lmdq.Client / lmdq.Batch) in-process, against a real redis-server and a real lmdq
+worker (sim engine, in a thread of this process): every source kind gives the same results; as_completed
+yields while later jobs of the batch have not started (a gate on the engine and its step counter, no
+wall clock); a DataFrame with a bad row names row and column and enqueues nothing; cancel and retry;
+Parquet / Arrow / pandas results with one schema; producer/cli.py makes no Redis or store call."""
+
+from __future__ import annotations
+
+import ast
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import lmdq
+from lmdq.contract import BatchStatus, ResultStatus
+from lmdq.keys import queue_name, rq_queue_key
+from lmdq.producer.settings import ProducerSettings
+from tests.conftest import ROOT
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+pd = pytest.importorskip("pandas")
+
+N = 7
+QUESTIONS = [f"question number {i}: what comes after {i}?" for i in range(N)]
+IDS = [f"q{i:02d}" for i in range(N)]
+
+
+@pytest.fixture()
+def api(redis_url: str, prefix: str) -> lmdq.Client:
+    return lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix))
+
+
+def _worker(redis_url: str, prefix: str, engine: Any = None, **settings: Any) -> Any:
+    from lmdq.worker.engines.sim import SimEngine
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
+
+    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, **settings)
+    return Worker(engine=engine or SimEngine(model_name="sim", step_ms=0), client=redis.Redis.from_url(redis_url),
+                  settings=s)
+
+
+def drain(redis_url: str, prefix: str) -> None:
+    """Run a burst worker until the queue is empty (every queued job done)."""
+    assert _worker(redis_url, prefix, burst=True).run() == 0
+
+
+def _answers(batch: lmdq.Batch) -> list[tuple[str, int, str, str]]:
+    return [(r.custom_id, r.index, r.status.value, r.text) for r in batch.results()]
+
+
+# ---------------------------------------------------------------- every source kind, same results
+
+
+def _sources(tmp_path: Path) -> dict[str, Any]:
+    rows = [{"qid": q, "question": t, "max_new_tokens": 3 + i % 3} for i, (q, t) in enumerate(zip(IDS, QUESTIONS))]
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=3)  # several row groups
+    pd.DataFrame(rows).to_csv(tmp_path / "d.csv", index=False)
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps({"custom_id": r["qid"], "prompt": r["question"],
+                                         "params": {"max_new_tokens": r["max_new_tokens"]}}) + "\n" for r in rows))
+    import polars as pl
+
+    def gen() -> Iterator[dict[str, Any]]:
+        yield from (dict(r) for r in rows)
+
+    out: dict[str, Any] = {}
+    try:
+        import datasets  # not a CI dependency: covered where it is installed
+
+        out["HF Dataset"] = datasets.Dataset.from_list(rows)
+    except ImportError:
+        pass
+    return out | {
+        "jsonl file": jsonl,
+        "parquet file": tmp_path / "d.parquet",
+        "csv file": str(tmp_path / "d.csv"),
+        "list of dicts": rows,
+        "generator of dicts": gen(),
+        "pyarrow Table": table,
+        "RecordBatchReader": pa.RecordBatchReader.from_batches(table.schema, table.to_batches(max_chunksize=2)),
+        "pandas DataFrame": pd.DataFrame(rows),
+        "polars DataFrame": pl.DataFrame(rows),
+    }
+
+
+def test_every_source_kind_gives_the_same_results(api: lmdq.Client, tmp_path: Path, redis_url: str,
+                                                  prefix: str) -> None:
+    batches: dict[str, lmdq.Batch] = {}
+    for kind, src in _sources(tmp_path).items():
+        columns: dict[str, Any] = {} if kind == "jsonl file" else {
+            "prompt_column": "question", "id_column": "qid", "params_columns": ["max_new_tokens"]}
+        batches[kind] = api.submit(src, model="sim", allow_unknown_model=True, batch_size=2, **columns)
+    drain(redis_url, prefix)
+    expected = _answers(batches["jsonl file"])
+    assert [a[0] for a in expected] == IDS and {a[2] for a in expected} == {"completed"}
+    for kind, b in batches.items():
+        assert b.status() is BatchStatus.completed, kind
+        assert _answers(b) == expected, kind
+        assert [r.generate_token_len for r in b.results()] == [3 + i % 3 for i in range(N)], kind
+    assert batches["pandas DataFrame"].info().input_file == "DataFrame"
+
+
+def test_strings_dicts_and_templates(api: lmdq.Client, redis_url: str, prefix: str) -> None:
+    plain = api.submit(iter(QUESTIONS), model="sim", allow_unknown_model=True, max_new_tokens=4)
+    templated = api.submit(({"n": i} for i in range(N)), model="sim", allow_unknown_model=True, max_new_tokens=4,
+                           template="question number {n}: what comes after {n}?")
+    jsonl_like = api.submit([{"prompt": q} for q in QUESTIONS], model="sim", allow_unknown_model=True,
+                            max_new_tokens=4)
+    drain(redis_url, prefix)
+    a, b, c = _answers(plain), _answers(templated), _answers(jsonl_like)
+    assert a == b == c and [x[0] for x in a] == [str(i) for i in range(N)]  # no id column: the row number
+
+
+# ---------------------------------------------------------------- bad rows: row and column, nothing enqueued
+
+
+def _nothing_enqueued(client: redis.Redis, prefix: str) -> None:
+    assert client.keys(f"{prefix}:*") == []
+    assert client.llen(rq_queue_key(queue_name("sim", "normal", prefix))) == 0
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"question": "   "}, "row 4: column 'question': expected some text, got only whitespace"),
+    ({"question": None}, "row 4: column 'question': expected a value, got null"),
+    ({"temperature": 9.0}, "row 4: column 'temperature': expected a number from 0.0 to 2.0, got 9.0"),
+    ({"qid": "q01"}, "row 4: column 'qid': expected a unique id, 'q01' already used on row 1"),
+])
+def test_dataframe_with_a_bad_row_names_row_and_column_and_enqueues_nothing(
+        api: lmdq.Client, client: redis.Redis, prefix: str, bad: dict[str, Any], says: str) -> None:
+    rows = [{"qid": q, "question": t, "temperature": 0.5} for q, t in zip(IDS, QUESTIONS)]
+    rows[4].update(bad)
+    df = pd.DataFrame(rows)
+    with pytest.raises(lmdq.SubmitRejected) as e:
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid",
+                   params_columns=["temperature"])
+    assert str(e.value).startswith(f"DataFrame: {says}"), str(e.value)
+    assert e.value.exit_code == 2
+    _nothing_enqueued(client, prefix)
+
+
+def test_a_missing_column_and_a_bad_option_are_refused_before_reading(api: lmdq.Client, client: redis.Redis,
+                                                                     prefix: str) -> None:
+    df = pd.DataFrame({"question": QUESTIONS})
+    with pytest.raises(lmdq.SubmitRejected, match="column 'qid' not found; the source has: question"):
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid")
+    with pytest.raises(lmdq.SubmitRejected, match="^result_ttl: expected at least 60 seconds"):
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", result_ttl=5)
+    with pytest.raises(lmdq.SubmitRejected, match="^max_new_tokens: "):
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", max_new_tokens=0)
+    with pytest.raises(TypeError, match="max_tokens_typo"):
+        api.submit(df, model="sim", prompt_column="question", max_tokens_typo=3)
+    with pytest.raises(lmdq.UnknownModel):
+        api.submit(df, model="nobody-serves-this", prompt_column="question")
+    _nothing_enqueued(client, prefix)
+
+
+def test_a_generator_is_streamed_not_held(api: lmdq.Client, prefix: str) -> None:
+    """The generator is consumed chunk by chunk: the submit reads it as it goes (the spool), it never
+    asks for a length, and it reads all of it before anything is visible."""
+    pulled: list[int] = []
+
+    def rows() -> Iterator[str]:
+        for i in range(20_000):
+            pulled.append(i)
+            yield f"prompt {i}"
+
+    b = api.submit(rows(), model="sim", allow_unknown_model=True, batch_size=1000)
+    assert len(pulled) == 20_000 and b.counts().total == 20_000 and b.status() is BatchStatus.queued
+
+
+# ---------------------------------------------------------------- as_completed while the batch runs
+
+
+class GatedSim:
+    """A sim engine whose second and later ``stream`` calls (jobs) wait for ``gate``: while the test holds
+    it, no later job of the batch can start, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        from lmdq.worker.engines.sim import SimEngine
+
+        self.inner = SimEngine(model_name="sim", step_ms=0)
+        self.gate = threading.Event()
+        self.started: list[list[str]] = []  # prompts of each job that reached the engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def stream(self, requests: Sequence[Any], abort: threading.Event) -> Iterator[Any]:
+        if self.started and not self.gate.wait(60):
+            raise RuntimeError("gate never opened")
+        self.started.append([r.prompt for r in requests])
+        yield from self.inner.stream(requests, abort)
+
+
+def test_as_completed_yields_while_later_jobs_have_not_started(api: lmdq.Client, redis_url: str,
+                                                               prefix: str) -> None:
+    b = api.submit([{"custom_id": f"r{i}", "prompt": f"p{i}"} for i in range(4)], model="sim",
+                   allow_unknown_model=True, batch_size=1, max_new_tokens=5)
+    engine = GatedSim()
+    w = _worker(redis_url, prefix, engine=engine, jobs_in_flight=1)
+    th = threading.Thread(target=w.run, daemon=True)
+    th.start()
+    try:
+        it = b.as_completed(timeout=60)
+        first = next(it)
+        # the gate is still shut: only the first job ever reached the engine, and it ran exactly its 5 steps
+        assert first.custom_id == "r0" and first.status is ResultStatus.completed
+        assert engine.started == [["p0"]]
+        assert engine.inner.steps == 5
+        assert b.status() is not BatchStatus.completed and b.counts().done == 1
+        engine.gate.set()
+        rest = list(it)
+        assert sorted(r.custom_id for r in rest) == ["r1", "r2", "r3"]
+        assert b.status() is BatchStatus.completed
+    finally:
+        engine.gate.set()
+        w.stop()
+        th.join(30)
+
+
+# ---------------------------------------------------------------- cancel and retry
+
+
+def test_cancel_then_retry_through_the_api(api: lmdq.Client, redis_url: str, prefix: str) -> None:
+    b = api.submit([f"prompt {i}" for i in range(12)], model="sim", allow_unknown_model=True, batch_size=4,
+                   max_new_tokens=3, metadata={"run": "nightly"})
+    info = b.cancel()  # no worker: every job was still queued
+    assert info.status is BatchStatus.cancelled and info.request_counts.cancelled == 12
+    assert {r.status for r in b.results()} == {ResultStatus.cancelled}
+    with pytest.raises(lmdq.RetryRejected):
+        b.retry()  # nothing failed: cancelled requests only with include_cancelled
+    again = b.retry(include_cancelled=True)
+    assert again.id != b.id and again.created and again.counts().total == 12
+    drain(redis_url, prefix)
+    assert again.wait(timeout=30, progress=False).status is BatchStatus.completed
+    assert [r.custom_id for r in again.results()] == [str(i) for i in range(12)]
+    assert api.batch(again.id).info().metadata["retry_of"] == b.id
+    assert {x.id for x in api.batches(limit=5)} == {b.id, again.id}
+    with pytest.raises(lmdq.BatchNotFound):
+        api.batch("batch_000000000000000000000000")
+
+
+def test_idempotency_key_returns_the_same_batch(api: lmdq.Client) -> None:
+    a = api.submit(["x", "y"], model="sim", allow_unknown_model=True, idempotency_key="nightly-1")
+    b = api.submit(["x", "y"], model="sim", allow_unknown_model=True, idempotency_key="nightly-1")
+    assert a.id == b.id and a.created and not b.created
+
+
+# ---------------------------------------------------------------- results as Arrow, pandas, Parquet
+
+
+def test_results_as_arrow_pandas_and_parquet(api: lmdq.Client, tmp_path: Path, redis_url: str,
+                                             prefix: str) -> None:
+    from lmdq.client_export import RESULT_COLUMNS, result_schema
+
+    rows = [{"qid": q, "question": t} for q, t in zip(IDS, QUESTIONS)]
+    rows[2]["question"] = "[[sim:error]] this one fails"
+    b = api.submit(pd.DataFrame(rows), model="sim", allow_unknown_model=True, prompt_column="question",
+                   id_column="qid", max_new_tokens=4, logprobs=2)
+    drain(redis_url, prefix)
+    t = b.to_arrow()
+    assert t.schema.equals(result_schema()) and [c for c, _, _ in RESULT_COLUMNS] == t.column_names
+    assert t.column("custom_id").to_pylist() == IDS and t.column("row").to_pylist() == list(range(N))
+    assert t.column("status").to_pylist()[2] == "failed" and t.column("error_code").to_pylist()[2]
+    lp = t.column("logprobs").to_pylist()[0]
+    assert len(lp) == 4 and len(lp[0]["top"]) == 2  # nested: one struct per generated token
+    df = b.to_pandas()
+    assert list(df["text"]) == [r.text for r in b.results()]
+    out = tmp_path / "out.parquet"
+    assert b.to_parquet(out) == N
+    back = pq.read_table(out)
+    assert back.equals(t) and json.loads(back.schema.metadata[b"lmdq.batch"])["id"] == b.id
+    assert not (tmp_path / "out.parquet.tmp").exists()
+
+
+def test_cli_submit_parquet_and_results_to_parquet(tmp_path: Path, env: dict[str, str], redis_url: str,
+                                                   prefix: str) -> None:
+    from tests.conftest import run_cli
+
+    rows = [{"qid": q, "question": t, "split": "test"} for q, t in zip(IDS, QUESTIONS)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
+    p = run_cli("lmdq.producer", "submit", str(tmp_path / "data.parquet"), "--prompt-column", "question",
+                "--id-column", "qid", "--model", "sim", "--allow-unknown-model", "--max-new-tokens", "3", env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    bid = p.stdout.decode().strip()
+    drain(redis_url, prefix)
+    p = run_cli("lmdq.producer", "results", bid, "-o", str(tmp_path / "out.parquet"), env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    t = pq.read_table(tmp_path / "out.parquet")
+    assert t.column("custom_id").to_pylist() == IDS and set(t.column("status").to_pylist()) == {"completed"}
+    rows[3]["question"] = ""
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    p = run_cli("lmdq.producer", "submit", str(tmp_path / "bad.parquet"), "--prompt-column", "question",
+                "--model", "sim", "--allow-unknown-model", env=env)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and f"{tmp_path / 'bad.parquet'}: row 3: column 'question': expected a non-empty" in err
+
+
+# ---------------------------------------------------------------- the CLI is a thin client
+
+
+#: Modules that talk to Redis or a results store, or hold submit/cancel/retry logic: the CLI reaches
+#: them only through lmdq.Client.
+_BELOW_THE_API = {"redis", "rq", "lmdq.connection", "lmdq.store", "lmdq.ledger", "lmdq.registry", "lmdq.keys",
+                  "lmdq.sink", "lmdq.jobs", "lmdq.producer.submit", "lmdq.producer.retry", "lmdq.producer.cancel",
+                  "lmdq.producer.export", "lmdq.producer.formats", "lmdq.headroom", "lmdq.guided"}
+_REDIS_COMMANDS = {"hget", "hset", "hgetall", "hmget", "lrange", "llen", "rpush", "zadd", "zrevrange",
+                   "pipeline", "execute", "eval", "evalsha", "register_script", "keys", "scan", "delete",
+                   "get_batch", "list_batches", "iter_results", "write_result", "enqueue", "purge_batch"}
+
+
+def _cli_imports_and_calls(source: str) -> tuple[set[str], set[str]]:
+    tree = ast.parse(source)
+    imported: set[str] = set()
+    called: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+            imported |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            called.add(node.func.attr)
+    return imported, called
+
+
+def test_the_check_below_can_fail() -> None:
+    imported, called = _cli_imports_and_calls(
+        "from lmdq.store import ResultStore\nimport redis\ndef f(c):\n    c.hgetall('k')\n")
+    assert {"lmdq.store", "redis"} <= imported and "hgetall" in called
+
+
+def test_producer_cli_makes_no_redis_or_store_call() -> None:
+    imported, called = _cli_imports_and_calls((ROOT / "producer/cli.py").read_text())
+    below = {m for m in imported if any(m == b or m.startswith(b + ".") for b in _BELOW_THE_API)}
+    assert not below, below
+    assert not called & _REDIS_COMMANDS, called & _REDIS_COMMANDS
+    assert "lmdq.client" in imported
+
+
+def test_the_column_wise_fast_path_spools_exactly_what_the_row_parser_does(tmp_path: Path) -> None:
+    """Arrow record batches of the common shape skip the per-row parser; the spool must be the same bytes."""
+    from lmdq.client_sources import classify, spool
+    from lmdq.producer.formats.tabular import ColumnMap
+
+    rows = [{"qid": f"id-{i}", "question": f"q {i} \u00e9\u4e2d \"quoted\"\n", "temperature": [None, 0.0, 0.7][i % 3],
+             "max_tokens": 5 + i % 2} for i in range(10_000)]
+    cmap = ColumnMap(prompt_column="question", id_column="qid", params_columns=["temperature", "max_tokens"])
+    from lmdq.client_sources import _FastPath
+    from lmdq.producer.formats.tabular import RowMapper
+
+    table = pa.Table.from_pylist(rows)
+    fast = _FastPath(cmap, RowMapper("t", cmap), table.schema)
+    assert fast.ok and fast.lines(table.to_batches()[0], 0) is not None  # the fast path does take these rows
+    out = {}
+    for kind, src in (("arrow", pa.Table.from_pylist(rows)), ("rows", rows)):
+        with (tmp_path / kind).open("wb") as f:
+            assert spool(classify(src, fmt=None, cmap=cmap), cmap, f) == 10_000
+        out[kind] = (tmp_path / kind).read_bytes()
+    assert out["arrow"] == out["rows"] and out["rows"].count(b"\n") == 10_000
