@@ -88,6 +88,8 @@ class BatchField(str, Enum):
     visible_requests = "visible_requests"
     staged_at = "staged_at"
     staging_failed = "staging_failed"
+    #: generated tokens of the batch's final results so far (progress' tokens/s; absent before the first)
+    output_tokens = "output_tokens"
 
     def __str__(self) -> str:
         return self.value

@@ -7,22 +7,24 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, BinaryIO, TypeVar
 
 import typer
 from rich import box
 from rich.console import Console
 from rich.measure import Measurement
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from lmdq.cli_options import FlagSpec, model_options
 from lmdq.connection import connect, redact_url, with_reconnect
-from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority
+from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, Result
 from lmdq.errors import EXIT_CODES_HELP, BadSetting, LmdqError, run_cli
 from lmdq.exporter import EXPORTER_FLAGS
 from lmdq.keys import Keys
 from lmdq.logs import configure_logging
+from lmdq.producer.export import is_openai_error, to_openai
+from lmdq.producer.progress import DEFAULT_INTERVAL_S, POLL_S, BatchProgress
 from lmdq.producer.settings import ProducerSettings
 from lmdq.registry import MAX_NOTE, ModelRegistry, check_model_name
 from lmdq.store import ResultStore
@@ -362,43 +364,39 @@ def submit(
 def status(
     batch_id: Annotated[str, typer.Argument()],
     as_json: Annotated[bool, typer.Option("--json")] = False,
-    watch: Annotated[bool, typer.Option(help="progress bar until the batch ends")] = False,
-    interval: Annotated[float, typer.Option(help="seconds between polls with --watch")] = 1.0,
+    watch: Annotated[bool, typer.Option(help="show progress (done/total, rate, ETA) until the batch ends")] = False,
+    interval: Annotated[float, typer.Option(min=0.01, help="with --watch and stderr not a terminal: seconds "
+                                            "between progress lines (a status change prints at once)")
+                        ] = DEFAULT_INTERVAL_S,
 ) -> None:
     """Show a batch's status and request counts."""
     store = _store()
     b = store.get_batch(batch_id)
-    if watch and err.is_terminal:
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
-        ) as prog:
-            t = prog.add_task(b.status.value, total=b.request_counts.total, completed=b.request_counts.done)
-            while not b.status.terminal:
-                time.sleep(interval)
-                b = _patiently(lambda: store.get_batch(batch_id))
-                prog.update(t, completed=b.request_counts.done, description=b.status.value)
-    elif watch:
-        # Not a terminal (a log file, CI): rich draws no live bar there, so without this nothing would
-        # show until the end. One plain line per poll on stderr; stdout keeps only the final line.
-        started = time.monotonic()
-        _say_progress(b, started)
-        while not b.status.terminal:
-            time.sleep(interval)
-            b = _patiently(lambda: store.get_batch(batch_id))
-            _say_progress(b, started)
+    if watch:
+        from lmdq.producer.progress import watch as watch_batch
+
+        with _progress(store, interval) as prog:
+            b = watch_batch(lambda: _patiently(lambda: store.get_batch(batch_id)), prog, b,
+                            poll_s=min(POLL_S, interval))
     _print_batch(b, as_json)
 
 
-def _say_progress(b: Batch, started: float) -> None:
-    """One ``status --watch`` line for a log: plain text, no control codes, flushed at once."""
-    c = b.request_counts
-    pct = f"{100 * c.done / c.total:.1f}%" if c.total else "-"
-    sys.stderr.write(
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {b.id} {b.status.value} {c.done}/{c.total} done "
-        f"({pct}) completed={c.completed} failed={c.failed} cancelled={c.cancelled} expired={c.expired} "
-        f"elapsed={time.monotonic() - started:.0f}s\n"
-    )
-    sys.stderr.flush()
+def _progress(store: ResultStore, interval: float, *, show: bool = True) -> BatchProgress:
+    """Progress on stderr: a live bar on a terminal, a line per change or ``interval`` elsewhere
+    (``show`` False: stdout is the terminal and shows the results themselves: nothing drawn)."""
+    return BatchProgress(store=store, models=_models(), stream=sys.stderr, terminal=err.is_terminal,
+                    interval_s=interval if show else float("inf"), quiet=not show)
+
+
+def _open_output(path: Path | None, flag: str) -> BinaryIO | None:
+    """Open ``-o``/``--errors-file`` before any waiting, so a bad path fails at once, in one line."""
+    if path is None:
+        return None
+    try:
+        return path.open("wb")
+    except OSError as e:
+        print(f"error: {flag}: cannot write {str(path)!r}: {e.strerror or e}", file=sys.stderr)
+        raise typer.Exit(2) from e
 
 
 @app.command()
@@ -406,8 +404,14 @@ def results(
     batch_id: Annotated[str, typer.Argument()],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="write here instead of stdout")] = None,
     fmt: Annotated[str, typer.Option("--format", help="lmdq | openai")] = "lmdq",
-    wait: Annotated[bool, typer.Option(help="wait until the batch ends")] = False,
+    wait: Annotated[bool, typer.Option(help="wait until the batch ends (progress on stderr), then write")] = False,
+    follow: Annotated[bool, typer.Option(help="write each result as it is stored (finish order) until the batch "
+                                              "ends")] = False,
+    in_order: Annotated[bool, typer.Option(help="with --follow: input order, holding back only results whose "
+                                                "predecessors are not in yet")] = False,
     timeout: Annotated[float | None, typer.Option(help="give up waiting after S seconds (exit 1)")] = None,
+    interval: Annotated[float, typer.Option(min=0.01, help="with --wait/--follow and stderr not a terminal: "
+                                            "seconds between progress lines")] = DEFAULT_INTERVAL_S,
     errors_file: Annotated[
         Path | None,
         typer.Option(help="with --format openai: failed/cancelled/expired lines go here, successes to -o/stdout"),
@@ -417,46 +421,66 @@ def results(
                                             "batch only; shards in its results URL stay)")
     ] = False,
 ) -> None:
-    """One JSON line per request, in input order."""
+    """One JSON line per request, in input order (with --follow: as they finish)."""
     from lmdq.producer.export import iter_lmdq_lines, iter_openai
+    from lmdq.producer.follow import Follower
+    from lmdq.producer.follow import follow as follow_batch
+    from lmdq.producer.progress import watch as watch_batch
 
+    fmt = fmt.lower()
     if fmt not in ("lmdq", "openai"):
-        raise typer.BadParameter("expected lmdq or openai", param_hint="--format")
+        raise typer.BadParameter(f"expected lmdq or openai, got {fmt!r}", param_hint="--format")
     if errors_file is not None and fmt != "openai":
         print("error: --errors-file: expected --format openai (lmdq records carry their status)", file=sys.stderr)
         raise typer.Exit(2)
     if errors_file is not None and output is not None and errors_file.resolve() == output.resolve():
         print(f"error: --errors-file: expected a file other than --output ({output})", file=sys.stderr)
         raise typer.Exit(2)
+    if in_order and not follow:
+        print("error: --in-order: expected --follow (without it results are always in input order)", file=sys.stderr)
+        raise typer.Exit(2)
     store = _store()
     b = store.get_batch(batch_id)
-    if wait:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not b.status.terminal:
-            if deadline is not None and time.monotonic() > deadline:
-                err.print(
-                    f"error: batch {batch_id} still {b.status.value} after {timeout}s "
-                    f"({b.request_counts.done}/{b.request_counts.total} done)"
-                )
-                raise typer.Exit(1)
-            time.sleep(0.25)
-            b = _patiently(lambda: store.get_batch(batch_id))
-    if delete and not b.status.terminal:
-        from lmdq.errors import PurgeRefused
-
-        raise PurgeRefused(f"--delete: batch {batch_id} is {b.status.value}, its results are not all in yet; "
-                           "nothing was deleted (add --wait, or leave out --delete)")
-    lines = iter_openai(store, b) if fmt == "openai" else ((False, x) for x in iter_lmdq_lines(store, b))
-    out = output.open("wb") if output else sys.stdout.buffer
-    errs = errors_file.open("wb") if errors_file else out
+    out_file = _open_output(output, "--output")
+    err_file = _open_output(errors_file, "--errors-file")
+    out = out_file or sys.stdout.buffer
+    errs = err_file or out
+    deadline = None if timeout is None else time.monotonic() + timeout
+    show = out_file is not None or not sys.stdout.isatty()  # else the results on the terminal are the progress
     try:
-        for is_error, line in lines:
-            (errs if is_error else out).write(line)
+        if follow:
+            def write(raw: bytes) -> None:
+                if fmt == "openai":
+                    r = Result.model_validate_json(raw)
+                    (errs if is_openai_error(r) else out).write(
+                        json.dumps(to_openai(r), ensure_ascii=False).encode() + b"\n")
+                else:
+                    out.write(raw + b"\n")
+
+            with _progress(store, interval, show=show) as prog:
+                b = follow_batch(Follower(store, b, in_order=in_order), b,
+                                 lambda: _patiently(lambda: store.get_batch(batch_id)), write,
+                                 progress=prog, deadline=deadline, on_poll=lambda: _flush(out, errs))
+            _timed_out(b, batch_id, timeout)
+        else:
+            if wait and not b.status.terminal:
+                with _progress(store, interval, show=show) as prog:
+                    b = watch_batch(lambda: _patiently(lambda: store.get_batch(batch_id)), prog, b,
+                                    deadline=deadline, poll_s=min(0.25, interval))
+                _timed_out(b, batch_id, timeout)
+            if delete and not b.status.terminal:
+                from lmdq.errors import PurgeRefused
+
+                raise PurgeRefused(f"--delete: batch {batch_id} is {b.status.value}, its results are not all in "
+                                   "yet; nothing was deleted (add --wait, or leave out --delete)")
+            lines = iter_openai(store, b) if fmt == "openai" else ((False, x) for x in iter_lmdq_lines(store, b))
+            for is_error, line in lines:
+                (errs if is_error else out).write(line)
     finally:
-        if errors_file:
-            errs.close()
-        if output:
-            out.close()
+        if err_file:
+            err_file.close()
+        if out_file:
+            out_file.close()
         else:
             out.flush()
     if delete:  # only reached when every line was written: an error above leaves the batch in Redis
@@ -465,6 +489,19 @@ def results(
         s = _settings()
         done = BatchLedger(_client(), keys=Keys(s.key_prefix), ttl_s=s.result_ttl_s).purge(batch_id)
         err.print(str(done), highlight=False, soft_wrap=True)
+
+
+def _flush(*files: BinaryIO) -> None:
+    for f in files:
+        f.flush()
+
+
+def _timed_out(b: Batch, batch_id: str, timeout: float | None) -> None:
+    """A wait that ended before the batch did: one line, exit 1."""
+    if not b.status.terminal:
+        print(f"error: batch {batch_id} still {b.status.value} after {timeout}s "
+              f"({b.request_counts.done}/{b.request_counts.total} done)", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command("list")
@@ -485,24 +522,32 @@ def list_(
         out.print(table)
         return
     # Too narrow for the table (lmdq ids are 30 characters: an 80-column terminal is): rich would cut
-    # the ids ("batch_a1…"), which then cannot be copied. Each id on its own line instead, whole.
+    # the ids ("batch_a1…"), which then cannot be copied. Two lines per batch instead: the id, status
+    # and created time (63 columns: never wrapped at 80), then the model and every count by its name.
     for b in batches:
-        c = b.request_counts
-        typer.echo(b.id)
-        typer.echo(_fill([b.status.value, f"model={b.model}",
-                          f"total={c.total} completed={c.completed} failed={c.failed + c.cancelled + c.expired}",
-                          f"created={_created(b)}"], width=out.width))
+        head = f"{b.id}  {b.status.value:<13s}{_created(b)}"
+        typer.echo(head if len(head) <= out.width else _fill([b.id, b.status.value, _created(b)], out.width, ""))
+        typer.echo(_fill([f"model={b.model}", *_counts(b)], width=out.width, indent="  ", sep=" "))
 
 
-def _fill(fields: list[str], width: int) -> str:
-    """Fields two spaces apart, indented, a new line where the next would pass ``width``: a line breaks
-    between fields, never inside one (a model name, a date and its time stay whole)."""
-    lines = ["  " + fields[0]]
-    for f in fields[1:]:
-        if len(lines[-1]) + 2 + len(f) <= width:
-            lines[-1] += "  " + f
+def _counts(b: Batch) -> list[str]:
+    """Every request count under its own name, as ``status`` prints them."""
+    c = b.request_counts
+    return [f"total={c.total}", f"completed={c.completed}", f"failed={c.failed}", f"cancelled={c.cancelled}",
+            f"expired={c.expired}"]
+
+
+def _fill(fields: list[str], width: int, indent: str = "  ", sep: str = "  ") -> str:
+    """Fields two spaces apart (the first two; then ``sep``), indented, a new line where the next would
+    pass ``width``: a line breaks between fields, never inside one (a model name, a date and its time
+    stay whole)."""
+    lines = [indent + fields[0]]
+    for n, f in enumerate(fields[1:]):
+        gap = "  " if n == 0 else sep
+        if len(lines[-1]) + len(gap) + len(f) <= width:
+            lines[-1] += gap + f
         else:
-            lines.append("    " + f)
+            lines.append(indent + "  " + f)
     return "\n".join(lines)
 
 
@@ -511,19 +556,22 @@ def _created(b: Batch) -> str:
 
 
 def _batches_table(batches: list[Batch]) -> Table:
-    """``list``'s table. Only model and created may wrap: ids, statuses and counts are never cut or folded
-    (a table that cannot fit them is not printed at all, see :func:`list_`)."""
+    """``list``'s table. Only the model may wrap: ids, statuses, counts and times are never cut or
+    folded (a table that cannot fit them is not printed at all, see :func:`list_`). Every count is
+    under its own name; cancelled and expired get a column only when some batch shown has any."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     table.add_column("batch", no_wrap=True)
     table.add_column("status", no_wrap=True)
     table.add_column("model", overflow="fold", min_width=12, max_width=24)
-    for head in ("total", "completed", "failed"):
+    counts = ["total", "completed", "failed"]
+    counts += [k for k in ("cancelled", "expired") if any(getattr(b.request_counts, k) for b in batches)]
+    for head in counts:
         table.add_column(head, justify="right", no_wrap=True)
-    table.add_column("created", min_width=10, max_width=10)
+    table.add_column("created", no_wrap=True)
     for b in batches:
         c = b.request_counts
-        table.add_row(b.id, b.status.value, b.model, str(c.total), str(c.completed),
-                      str(c.failed + c.cancelled + c.expired), _created(b))
+        table.add_row(b.id, b.status.value, b.model, *(str(getattr(c, k)) for k in counts),
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(b.created_at)))
     return table
 
 

@@ -7,7 +7,25 @@ from pathlib import Path
 from lmdq.worker.engines.base import Engine
 from lmdq.worker.settings import WorkerSettings
 
-__all__ = ["build_engine", "engine_capacity"]
+__all__ = ["build_engine", "engine_capacity", "served_model_name"]
+
+
+def served_model_name(s: WorkerSettings) -> str:
+    """The name the engine :func:`build_engine` builds will serve (its queue, results' ``model``),
+    known before it loads: the health endpoint answers during the load and labels its metrics with
+    it, so it must be the real name, not a placeholder."""
+    if s.served_model_name:
+        return s.served_model_name
+    engine = s.engine_name
+    if engine == "sim":
+        return s.model or "sim"
+    if engine == "transformers" and not s.model:
+        from lmdq.worker.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    if not s.model:
+        raise ValueError("--engine lmdeploy needs --model (a model folder or hub id)")
+    return Path(s.model.rstrip("/")).name if engine == "lmdeploy" else Path(s.model).name
 
 
 def build_engine(s: WorkerSettings) -> Engine:

@@ -9,7 +9,7 @@ or keyword that engine does not take is an error, an env var it does not take is
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
@@ -103,7 +103,9 @@ class WorkerSettings(CommonSettings):
         "connection busy waits for one (never 'Too many connections'); 0 = jobs in flight (at most 32) + 4"
     )
     health_host: str = "0.0.0.0"
-    health_port: int = Field(default=8000, ge=0, le=65535, description="0 = no HTTP endpoint")
+    health_port: Annotated[int, Field(ge=0, le=65535)] | Literal["auto"] = Field(
+        default=8000, description="0 = no HTTP endpoint; auto = the first free port from 8000 (several workers "
+        "on one host)")
 
     @classmethod
     def settings_customise_sources(
