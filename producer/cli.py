@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO, TypeVar
 
@@ -137,6 +138,11 @@ def _parse_duration(s: str | None, flag: str) -> float | None:
 
 
 def _parse_window(s: str | None) -> float | None:
+    """``--completion-window`` takes a unit (``24h``, as OpenAI's ``completion_window``): a bare ``2``
+    could mean 2 hours as easily as 2 seconds, and a window that is silently 2 s expires everything."""
+    if s and s.strip()[-1:] not in ("s", "m", "h", "d"):
+        raise typer.BadParameter(f"expected a duration with its unit (e.g. 24h, 90m, 2d, 3600s), got {s!r}",
+                                 param_hint="--completion-window")
     return _parse_duration(s, "--completion-window")
 
 
@@ -228,7 +234,8 @@ GROUPING_FLAGS = [FlagSpec(key=name, flat=name, info=ProducerSettings.model_fiel
 def submit(
     generation: dict[str, Any],
     grouping: dict[str, Any],
-    file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, or OpenAI Batch JSONL")],
+    file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, or OpenAI Batch JSONL; - reads "
+                                              "stdin")],
     model: Annotated[
         str | None,
         typer.Option(envvar="LMDQ_MODEL", help="served model name (queue); wins over an OpenAI file's body.model"),
@@ -244,7 +251,8 @@ def submit(
         str | None, typer.Option(help="constrain every answer to this regex; shorthand for --response-format")
     ] = None,
     idempotency_key: Annotated[str | None, typer.Option(help="same key → same batch, never enqueued twice")] = None,
-    completion_window: Annotated[str | None, typer.Option(help="e.g. 24h: requests not started by then expire")] = None,
+    completion_window: Annotated[str | None, typer.Option(
+        help="with its unit, e.g. 24h, 90m, 2d: requests not started by then expire")] = None,
     allow_unknown_model: Annotated[
         bool, typer.Option(help="queue even if MODEL is neither registered (`models add`) nor served by a worker")
     ] = False,
@@ -269,6 +277,7 @@ def submit(
     from lmdq.producer.formats import InputLimits
     from lmdq.producer.formats.records import Sampling
     from lmdq.producer.formats.validation import imply_sampling
+    from lmdq.producer.stdin_input import is_stdin, spooled_stdin
     from lmdq.producer.submit import SubmitOptions, submit_file
 
     s = _settings()
@@ -347,16 +356,12 @@ def submit(
         def eprog(n: int) -> None:
             prog.update(t2, completed=n, visible=True)
 
-        batch, created = submit_file(
-            file,
-            opts,
-            client=client,
-            keys=Keys(s.key_prefix),
-            ttl_s=ttl_s,
-            validate_progress=vprog if show else None,
-            enqueue_progress=eprog if show else None,
-            max_job_bytes=s.max_job_bytes,
-        )
+        with ExitStack() as stack:
+            path = stack.enter_context(spooled_stdin()) if is_stdin(file) else file
+            opts.input_name = "-" if is_stdin(file) else None
+            batch, created = submit_file(path, opts, client=client, keys=Keys(s.key_prefix), ttl_s=ttl_s,
+                                         validate_progress=vprog if show else None,
+                                         enqueue_progress=eprog if show else None, max_job_bytes=s.max_job_bytes)
     _print_submitted(batch, created, as_json)
 
 
