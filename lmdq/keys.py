@@ -280,6 +280,12 @@ class Keys:
         (:mod:`lmdq.wakeup`)."""
         return f"{self.prefix}:wake:{model_slug(model)}"
 
+    def idle(self, model: str) -> str:
+        """Sorted set worker name -> until when (Redis TIME) it counts as idle: the model's workers with
+        nothing to do, so a worker claiming a small batch takes only its fair share
+        (:mod:`lmdq.idle_roster`)."""
+        return f"{self.prefix}:idle:{model_slug(model)}"
+
     def worker(self, name: str) -> str:
         """Worker heartbeat hash with a TTL."""
         return f"{self.prefix}:worker:{name}"
