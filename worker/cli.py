@@ -115,6 +115,11 @@ def run(
     if warm_up is not None:  # before /readyz turns ready: the first batch runs at full speed (issue 27)
         log.info("engine warmed up", **warm_up())
         load_s = time.monotonic() - t0
+    from lmdq.worker.engine_factory import cpu_speed_note
+
+    note = cpu_speed_note(eng)
+    if note:
+        log.warning(note, model=eng.model_name)
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
     if health is not None:
         health.set_engine_loaded(load_s)

@@ -7,7 +7,19 @@ from pathlib import Path
 from lmdq.worker.engines.base import Engine
 from lmdq.worker.settings import WorkerSettings
 
-__all__ = ["build_engine", "engine_capacity", "served_model_name"]
+__all__ = ["build_engine", "cpu_speed_note", "engine_capacity", "served_model_name"]
+
+
+def cpu_speed_note(engine: Engine) -> str | None:
+    """What a first user on the CPU engine should know before waiting a minute for one answer: it
+    decodes token by token on the CPU (SmolLM2-135M: 512 tokens took 52 s on a laptop), and a
+    request without ``max_new_tokens`` may generate up to 512 (None: not a CPU engine)."""
+    device = getattr(engine, "device", None)
+    if engine.name != "transformers" or getattr(device, "type", None) != "cpu":
+        return None
+    return ("CPU engine: answers are generated token by token on the CPU (about 10 tokens/s per request for the "
+            "135M demo model on a laptop), and a request without max_new_tokens may generate up to 512 tokens, "
+            "about a minute; submit with --max-new-tokens 64 (or params.max_new_tokens) for a quick try")
 
 
 def served_model_name(s: WorkerSettings) -> str:
