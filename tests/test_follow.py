@@ -154,3 +154,28 @@ def test_cli_follow_openai_format_and_timeout(client: redis.Redis, prefix: str, 
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["r0"]
     assert [json.loads(x)["custom_id"] for x in errs.read_text().splitlines()] == ["r1"]
     assert any(" in_progress 2/3 done " in ln for ln in lines), lines  # progress on stderr: -o is a file
+
+
+def test_cli_wait_shows_progress_before_the_batch_ends(client: redis.Redis, prefix: str, env: dict[str, str],
+                                                       tmp_path: Path) -> None:
+    """bd9ca4b's --wait wrote nothing at all until the batch ended (first line at 68.8 s of a 69 s batch).
+    Progress lines on stderr (not a terminal) come while it runs; the results then follow in input order."""
+    store = ResultStore(client, keys=Keys(prefix))
+    b = _batch(store, 3)
+    _store_result(store, b.id, 1)
+    out = tmp_path / "r.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "results", b.id, "--wait", "-o", str(out),
+                          "--interval", "0.1"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stderr is not None
+        err = _Lines(p.stderr)
+        first = err.next()
+        assert f" {b.id} in_progress 1/3 done (33.3%) " in first, first
+        assert err.next().startswith("hint: no live worker serves model 'sim'"), err.seen
+        _store_result(store, b.id, 0)
+        _store_result(store, b.id, 2)
+        assert p.wait(60) == 0, err.seen
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert [json.loads(x)["index"] for x in out.read_text().splitlines()] == [0, 1, 2]
