@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -38,7 +39,16 @@ def local_redis() -> Iterator[str]:
     proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", data,
                              "--appendonly", "no", "--save", ""], stdout=subprocess.DEVNULL)
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        import redis
+
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(200):  # up in a few ms; a slow machine gets 10 s
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield url
     finally:
         proc.terminate()
         proc.wait(10)
