@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as Bar
 
-from lmdq.contract import Batch
+from lmdq.contract import Batch, BatchStatus
 from lmdq.registry import ModelRegistry
 from lmdq.store import ResultStore
 
@@ -150,6 +150,7 @@ class BatchProgress:
         self.lines = 0
         self._live: int | None = None
         self._checked_at: float | None = None
+        self._checked_status: BatchStatus | None = None
         self._said: tuple[str, str | None] | None = None  # (status, hint) of the last line
         self._last_line_at = -float("inf")
         self._bar: Bar | None = None
@@ -189,8 +190,9 @@ class BatchProgress:
     def _live_workers(self, b: Batch, now: float) -> int | None:
         if self.models is None or b.status.terminal:
             return None
-        if self._checked_at is None or now - self._checked_at >= WORKER_CHECK_S:
-            self._checked_at = now
+        # again at once when the status moved (queued -> in_progress: someone serves it after all)
+        if self._checked_at is None or now - self._checked_at >= WORKER_CHECK_S or b.status != self._checked_status:
+            self._checked_at, self._checked_status = now, b.status
             self._live = next((m.live_workers for m in self.models.models() if m.name == b.model), 0)
         return self._live
 
