@@ -451,7 +451,8 @@ def results(
     out = out_file or sys.stdout.buffer
     errs = err_file or out
     deadline = None if timeout is None else time.monotonic() + timeout
-    show = out_file is not None or not sys.stdout.isatty()  # else the results on the terminal are the progress
+    # no progress when the results on a terminal are the progress, or there is nothing left to wait for
+    show = (out_file is not None or not sys.stdout.isatty()) and not b.status.terminal
     try:
         if follow:
             def write(raw: bytes) -> None:
