@@ -197,3 +197,11 @@ def test_health_port_auto_takes_the_next_free_port_and_says_which(env: dict[str,
         w.wait(60)
         if held is not None:
             held.close()
+
+
+@pytest.mark.parametrize("value", ["abc", "99999", "-1"])
+def test_a_bad_health_port_is_one_sentence(env: dict[str, str], value: str) -> None:
+    p = run_cli("lmdq.worker", "--engine", "sim", "--health-port", value, env=env)
+    assert p.returncode == ExitCode.bad_input
+    assert p.stderr.decode().splitlines()[-1] == (
+        f"error: --health-port / LMDQ_HEALTH_PORT: expected a port 0-65535, 0 for no endpoint, or auto; got {value!r}")
