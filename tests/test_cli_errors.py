@@ -146,9 +146,12 @@ def test_a_taken_health_port_is_one_line_naming_the_flag(env: dict[str, str]) ->
         p = run_cli("lmdq.worker", "--engine", "sim", "--burst", "--health-port", str(port), env=env)
     assert p.returncode == ExitCode.bad_input
     lines = p.stderr.decode().splitlines()
-    plain = [ln for ln in lines if not ln.startswith("{")]  # besides the worker's JSON log lines
-    assert len(plain) == 1 and plain == lines[-1:] and "Traceback" not in p.stderr.decode(), lines
-    line = plain[0]
+    # the worker's stderr is JSON lines once logging is set up (worker/cli.py): the error is the last one,
+    # as a plain line or as the event of a JSON line, and the only error
+    said = [json.loads(ln).get("event", "") if ln.startswith("{") else ln for ln in lines]
+    errors = [x for x in said if str(x).startswith("error: ")]
+    assert len(errors) == 1 and said[-1] == errors[0] and "Traceback" not in p.stderr.decode(), lines
+    line = errors[0]
     assert line.startswith(f"error: --health-port {port} (LMDQ_HEALTH_PORT): cannot listen on 0.0.0.0:{port}: "
                            "Address already in use"), line
     assert "--health-port auto" in line
