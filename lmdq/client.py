@@ -121,6 +121,7 @@ class Client:
         validate_progress: Progress | None = None,
         enqueue_progress: Progress | None = None,
         spell: Spell = _python_name,
+        input_name: str | None = None,
         **options: Any,
     ) -> Batch:
         """Validate ``source`` completely, then enqueue it as one batch (all or nothing).
@@ -132,6 +133,8 @@ class Client:
         .tabular`). ``options``: exactly ``lmdq-producer submit``'s flags, by their Python names
         (``max_new_tokens=``, ``temperature=``, ``batch_size=``, ``priority=``, ``metadata=``,
         ``idempotency_key=``, ``results_url=``, ``result_ttl=``, ``completion_window=``, ...).
+
+        ``input_name``: what the batch record calls a file ``source`` (``-`` when it is a copy of stdin).
 
         Raises SubmitRejected (bad input: the first bad rows named by row and column; nothing was
         enqueued), UnknownModel, RedisRefused, RedisUnavailable."""
@@ -153,6 +156,7 @@ class Client:
               "enqueue_progress": enqueue_progress, "max_job_bytes": self.settings.max_job_bytes}
         if isinstance(src, FileSource):
             opts.fmt = src.fmt
+            opts.input_name = input_name
             # through the module, so a test's hook on submit_file (edits between the passes) applies
             info, created = submit_mod.submit_file(src.path, opts, **kw)
             return Batch(self, info.id, created=created, info=info)
@@ -252,6 +256,41 @@ class Batch:
         else:
             self._info = get()
         return self._info
+
+    def progress(self, *, stream: Any, terminal: bool, interval_s: float, quiet: bool = False) -> Any:
+        """A :class:`lmdq.producer.progress.BatchProgress` for this batch (done/total, req/s, tok/s,
+        ETA; a hint when no live worker serves its model), drawn on ``stream``."""
+        from lmdq.producer.progress import BatchProgress
+        from lmdq.registry import ModelRegistry
+
+        c = self.client
+        return BatchProgress(store=c._store(), models=ModelRegistry(c.redis, keys=c.keys), stream=stream,
+                             terminal=terminal, interval_s=interval_s, quiet=quiet)
+
+    def follow(self, emit: Callable[[bool, bytes], None], *, fmt: str = "lmdq", in_order: bool = False,
+               progress: Any = None, deadline: float | None = None, on_poll: Callable[[], None] | None = None,
+               on_retry: Callable[[Exception, float], None] | None = None) -> BatchInfo:
+        """Emit each final result as it is stored, as ``(is_error, line)`` in ``fmt`` (``lmdq`` records
+        or OpenAI Batch output lines), until the batch ends or ``deadline`` (monotonic) passes: finish
+        order, or input order holding back only what waits on a predecessor (``in_order``). Returns the
+        last record read (:mod:`lmdq.producer.follow`)."""
+        import json
+
+        from lmdq.producer.export import is_openai_error, to_openai
+        from lmdq.producer.follow import Follower, follow
+
+        def write(raw: bytes) -> None:
+            if fmt == "openai":
+                r = Result.model_validate_json(raw)
+                emit(is_openai_error(r), json.dumps(to_openai(r), ensure_ascii=False).encode() + b"\n")
+            else:
+                emit(False, raw + b"\n")
+
+        first = self.info()
+        last: BatchInfo = follow(Follower(self.client._store(), first, in_order=in_order), first,
+                                 lambda: self.info(patient=True, on_retry=on_retry), write, progress=progress,
+                                 deadline=deadline, on_poll=on_poll)
+        return last
 
     @property
     def last_info(self) -> BatchInfo:

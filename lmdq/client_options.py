@@ -40,6 +40,7 @@ __all__ = [
     "Spell",
     "option_names",
     "parse_duration",
+    "parse_window",
     "resolve",
 ]
 
@@ -68,7 +69,7 @@ class BatchOptions(BaseModel):
                               "--response-format")
     idempotency_key: str | None = Field(default=None, description="same key → same batch, never enqueued twice")
     completion_window: str | float | None = Field(
-        default=None, description="e.g. 24h: requests not started by then expire")
+        default=None, description="with its unit, e.g. 24h, 90m, 2d: requests not started by then expire")
     allow_unknown_model: bool = Field(
         default=False, description="queue even if MODEL is neither registered (`models add`) nor served by a worker")
     results_url: str | None = Field(
@@ -149,6 +150,15 @@ def parse_duration(value: str | float | None, name: str) -> float | None:
     if not v > 0:
         raise SubmitRejected(f"{name}: expected a positive duration, got {value!r}")
     return v
+
+
+def parse_window(value: str | float | None, name: str) -> float | None:
+    """``completion_window`` as text takes a unit (``24h``, as OpenAI's ``completion_window``): a bare
+    ``2`` could mean 2 hours as easily as 2 seconds, and a window that is silently 2 s expires everything.
+    A number from Python is seconds (its type says so)."""
+    if isinstance(value, str) and value.strip() and value.strip()[-1:] not in ("s", "m", "h", "d"):
+        raise SubmitRejected(f"{name}: expected a duration with its unit (e.g. 24h, 90m, 2d, 3600s), got {value!r}")
+    return parse_duration(value, name)
 
 
 def _check_url(url: str | None, name: str) -> str | None:
@@ -234,7 +244,7 @@ def resolve(
                 raise SubmitRejected(f"{spell(name)}: {e.errors()[0]['msg']}") from None
         else:
             grouping[name] = getattr(settings, name)
-    window_s = parse_duration(b.completion_window, spell("completion_window"))
+    window_s = parse_window(b.completion_window, spell("completion_window"))
     ttl = parse_duration(b.result_ttl, spell("result_ttl"))
     ttl_s = settings.result_ttl_s if ttl is None else int(ttl)
     # every key of the batch expires this long after the batch ENDS (lmdq.store): any TTL covers the run,

@@ -88,6 +88,8 @@ class BatchField(str, Enum):
     visible_requests = "visible_requests"
     staged_at = "staged_at"
     staging_failed = "staging_failed"
+    #: generated tokens of the batch's final results so far (progress' tokens/s; absent before the first)
+    output_tokens = "output_tokens"
 
     def __str__(self) -> str:
         return self.value
@@ -277,6 +279,12 @@ class Keys:
         jobs become visible (commit, re-queue, reap); an idle worker BLPOPs it instead of polling
         (:mod:`lmdq.wakeup`)."""
         return f"{self.prefix}:wake:{model_slug(model)}"
+
+    def idle(self, model: str) -> str:
+        """Sorted set worker name -> until when (Redis TIME) it counts as idle: the model's workers with
+        nothing to do, so a worker claiming a small batch takes only its fair share
+        (:mod:`lmdq.idle_roster`)."""
+        return f"{self.prefix}:idle:{model_slug(model)}"
 
     def worker(self, name: str) -> str:
         """Worker heartbeat hash with a TTL."""

@@ -85,7 +85,7 @@ local function batch_ttl(batch, fallback)
 end
 """
 
-# KEYS: results, batch, partials, sealed. ARGV: index, json, counter field, now, ttl.
+# KEYS: results, batch, partials, sealed. ARGV: index, json, counter field, now, ttl, generated tokens.
 # Refused (0): a duplicate (HSETNX), a request whose result is already in a shard (sealed bit: the
 # record was trimmed after the shard was written, see lmdq.sink), or a batch with no record (purged
 # or expired: writing would bring back counters without a TTL).
@@ -96,6 +96,7 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], batch_ttl(KEYS[2], ARGV[5])) end
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+if tonumber(ARGV[6] or '0') > 0 then redis.call('HINCRBY', KEYS[2], '{F.output_tokens}', ARGV[6]) end
 local b = redis.call('HMGET', KEYS[2], '{F.total}', '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}',
                      '{F.status}')
 local done = 0
@@ -243,7 +244,8 @@ class ResultStore:
                 self.keys.partials(result.batch_id),
                 self.keys.sealed(result.batch_id),
             ],
-            args=[result.index, result.model_dump_json(), counter.value, time.time(), self.ttl_s],
+            args=[result.index, result.model_dump_json(), counter.value, time.time(), self.ttl_s,
+                  max(0, result.generate_token_len)],
             client=pipe,
         )
         return bool(out) if pipe is None else True
@@ -300,6 +302,21 @@ class ResultStore:
             partials = got[1] if partial else [None] * len(idx)
             for i, f, pp in zip(idx, finals, partials):
                 yield i, f if f is not None else pp
+
+    def output_tokens(self, batch_id: str) -> int:
+        """Generated tokens of the batch's final results so far (the results script counts them)."""
+        raw = self.client.hget(self.keys.batch(batch_id), F.output_tokens.value)
+        try:
+            return max(0, int(raw)) if raw is not None else 0
+        except ValueError:  # read from Redis: untrusted
+            return 0
+
+    def finals(self, batch_id: str, indices: list[int]) -> list[bytes | None]:
+        """The final records of ``indices`` (None where a request has none in Redis), one round trip."""
+        if not indices:
+            return []
+        got = self.client.hmget(self.keys.results(batch_id), indices)
+        return [v if isinstance(v, bytes) else None for v in got]
 
     def partial_count(self, batch_id: str) -> int:
         return int(self.client.hlen(self.keys.partials(batch_id)))

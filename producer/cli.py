@@ -6,15 +6,15 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 import typer
 from rich import box
 from rich.console import Console
 from rich.measure import Measurement
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from lmdq.cli_options import model_options
@@ -25,6 +25,7 @@ from lmdq.contract import Batch, BatchStatus, Priority
 from lmdq.errors import EXIT_CODES_HELP, PurgeRefused, run_cli
 from lmdq.exporter import EXPORTER_FLAGS
 from lmdq.logs import configure_logging
+from lmdq.producer.progress import DEFAULT_INTERVAL_S, POLL_S, BatchProgress
 
 app = typer.Typer(
     add_completion=False,
@@ -118,7 +119,7 @@ def submit(
     grouping: dict[str, Any],
     batch_options: dict[str, Any],
     file: Annotated[Path, typer.Argument(help=".txt (one prompt a line), JSONL, OpenAI Batch JSONL, "
-                                              ".parquet or .csv")],
+                                              ".parquet or .csv; - reads stdin")],
     model: Annotated[
         str | None,
         typer.Option(envvar="LMDQ_MODEL", help="served model name (queue); wins over an OpenAI file's body.model"),
@@ -137,6 +138,8 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
 ) -> None:
     """Validate FILE completely, then enqueue it as one batch; prints the batch id."""
+    from lmdq.producer.stdin_input import is_stdin, spooled_stdin
+
     show = sys.stderr.isatty() and not as_json
     with Progress(
         TextColumn("{task.description}"),
@@ -157,12 +160,15 @@ def submit(
         def eprog(n: int) -> None:
             prog.update(t2, completed=n, visible=True)
 
-        batch = _lmdq().submit(
-            file, model=model, format=fmt, prompt_column=prompt_column, messages_column=messages_column,
-            id_column=id_column, params_columns=params_column or None, template=template, spell=cli_spell,
-            validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
-            **generation, **grouping, **batch_options,
-        )
+        with ExitStack() as stack:
+            path = stack.enter_context(spooled_stdin()) if is_stdin(file) else file
+            batch = _lmdq().submit(
+                path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
+                prompt_column=prompt_column, messages_column=messages_column,
+                id_column=id_column, params_columns=params_column or None, template=template, spell=cli_spell,
+                validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
+                **generation, **grouping, **batch_options,
+            )
     _print_submitted(batch.last_info, batch.created, as_json)
 
 
@@ -170,43 +176,39 @@ def submit(
 def status(
     batch_id: Annotated[str, typer.Argument()],
     as_json: Annotated[bool, typer.Option("--json")] = False,
-    watch: Annotated[bool, typer.Option(help="progress bar until the batch ends")] = False,
-    interval: Annotated[float, typer.Option(help="seconds between polls with --watch")] = 1.0,
+    watch: Annotated[bool, typer.Option(help="show progress (done/total, rate, ETA) until the batch ends")] = False,
+    interval: Annotated[float, typer.Option(min=0.01, help="with --watch and stderr not a terminal: seconds "
+                                            "between progress lines (a status change prints at once)")
+                        ] = DEFAULT_INTERVAL_S,
 ) -> None:
     """Show a batch's status and request counts."""
     handle = _lmdq().batch(batch_id)
     b = handle.last_info
-    if watch and err.is_terminal:
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
-        ) as prog:
-            t = prog.add_task(b.status.value, total=b.request_counts.total, completed=b.request_counts.done)
-            while not b.status.terminal:
-                time.sleep(interval)
-                b = _patiently(handle)
-                prog.update(t, completed=b.request_counts.done, description=b.status.value)
-    elif watch:
-        # Not a terminal (a log file, CI): rich draws no live bar there, so without this nothing would
-        # show until the end. One plain line per poll on stderr; stdout keeps only the final line.
-        started = time.monotonic()
-        _say_progress(b, started)
-        while not b.status.terminal:
-            time.sleep(interval)
-            b = _patiently(handle)
-            _say_progress(b, started)
+    if watch:
+        from lmdq.producer.progress import watch as watch_batch
+
+        with _progress(handle, interval) as prog:
+            b = watch_batch(lambda: _patiently(handle), prog, b, poll_s=min(POLL_S, interval))
     _print_batch(b, as_json)
 
 
-def _say_progress(b: Batch, started: float) -> None:
-    """One ``status --watch`` line for a log: plain text, no control codes, flushed at once."""
-    c = b.request_counts
-    pct = f"{100 * c.done / c.total:.1f}%" if c.total else "-"
-    sys.stderr.write(
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {b.id} {b.status.value} {c.done}/{c.total} done "
-        f"({pct}) completed={c.completed} failed={c.failed} cancelled={c.cancelled} expired={c.expired} "
-        f"elapsed={time.monotonic() - started:.0f}s\n"
-    )
-    sys.stderr.flush()
+def _progress(handle: ClientBatch, interval: float, *, show: bool = True) -> BatchProgress:
+    """Progress on stderr: a live bar on a terminal, a line per change or ``interval`` elsewhere
+    (``show`` False: stdout is the terminal and shows the results themselves: nothing drawn)."""
+    prog: BatchProgress = handle.progress(stream=sys.stderr, terminal=err.is_terminal,
+                                          interval_s=interval if show else float("inf"), quiet=not show)
+    return prog
+
+
+def _open_output(path: Path | None, flag: str) -> BinaryIO | None:
+    """Open ``-o``/``--errors-file`` before any waiting, so a bad path fails at once, in one line."""
+    if path is None:
+        return None
+    try:
+        return path.open("wb")
+    except OSError as e:
+        print(f"error: {flag}: cannot write {str(path)!r}: {e.strerror or e}", file=sys.stderr)
+        raise typer.Exit(2) from e
 
 
 @app.command()
@@ -214,8 +216,14 @@ def results(
     batch_id: Annotated[str, typer.Argument()],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="write here instead of stdout")] = None,
     fmt: Annotated[str, typer.Option("--format", help="lmdq | openai")] = "lmdq",
-    wait: Annotated[bool, typer.Option(help="wait until the batch ends")] = False,
+    wait: Annotated[bool, typer.Option(help="wait until the batch ends (progress on stderr), then write")] = False,
+    follow: Annotated[bool, typer.Option(help="write each result as it is stored (finish order) until the batch "
+                                              "ends")] = False,
+    in_order: Annotated[bool, typer.Option(help="with --follow: input order, holding back only results whose "
+                                                "predecessors are not in yet")] = False,
     timeout: Annotated[float | None, typer.Option(help="give up waiting after S seconds (exit 1)")] = None,
+    interval: Annotated[float, typer.Option(min=0.01, help="with --wait/--follow and stderr not a terminal: "
+                                            "seconds between progress lines")] = DEFAULT_INTERVAL_S,
     errors_file: Annotated[
         Path | None,
         typer.Option(help="with --format openai: failed/cancelled/expired lines go here, successes to -o/stdout"),
@@ -225,13 +233,17 @@ def results(
                                             "batch only; shards in its results URL stay)")
     ] = False,
 ) -> None:
-    """One JSON line per request, in input order (-o FILE.parquet: a Parquet file, docs/python-api.md)."""
+    """One JSON line per request, in input order (with --follow: as they finish; -o FILE.parquet: a
+    Parquet file, docs/python-api.md)."""
+    from lmdq.producer.progress import watch as watch_batch
+
+    fmt = fmt.lower()
     parquet = output is not None and output.suffix.lower() in (".parquet", ".pq")
     if fmt not in ("lmdq", "openai"):
-        raise typer.BadParameter("expected lmdq or openai", param_hint="--format")
-    if parquet and (fmt != "lmdq" or errors_file is not None):
-        print("error: -o FILE.parquet: expected --format lmdq and no --errors-file (the status column tells "
-              "failures apart)", file=sys.stderr)
+        raise typer.BadParameter(f"expected lmdq or openai, got {fmt!r}", param_hint="--format")
+    if parquet and (fmt != "lmdq" or errors_file is not None or follow):
+        print("error: -o FILE.parquet: expected --format lmdq, no --errors-file (the status column tells "
+              "failures apart) and no --follow (a Parquet file is written once; use --wait)", file=sys.stderr)
         raise typer.Exit(2)
     if errors_file is not None and fmt != "openai":
         print("error: --errors-file: expected --format openai (lmdq records carry their status)", file=sys.stderr)
@@ -239,35 +251,80 @@ def results(
     if errors_file is not None and output is not None and errors_file.resolve() == output.resolve():
         print(f"error: --errors-file: expected a file other than --output ({output})", file=sys.stderr)
         raise typer.Exit(2)
+    if in_order and not follow:
+        print("error: --in-order: expected --follow (without it results are always in input order)", file=sys.stderr)
+        raise typer.Exit(2)
     handle = _lmdq().batch(batch_id)
     b = handle.last_info
-    if wait:
-        b = handle.wait(timeout, progress=False)
-    if delete and not b.status.terminal:
-        raise PurgeRefused(f"--delete: batch {batch_id} is {b.status.value}, its results are not all in yet; "
-                           "nothing was deleted (add --wait, or leave out --delete)")
     if parquet and output is not None:
-        handle.to_parquet(output)
+        _check_writable(output)  # before any waiting, as for a JSONL -o
+        out_file = err_file = None
     else:
-        _write_lines(handle.lines(fmt), output, errors_file)
+        out_file = _open_output(output, "--output")
+        err_file = _open_output(errors_file, "--errors-file")
+    out = out_file or sys.stdout.buffer
+    errs = err_file or out
+    deadline = None if timeout is None else time.monotonic() + timeout
+    # no progress when the results on a terminal are the progress, or there is nothing left to wait for
+    show = (output is not None or not sys.stdout.isatty()) and not b.status.terminal
+    try:
+        if follow:
+            def emit(is_error: bool, line: bytes) -> None:
+                (errs if is_error else out).write(line)
+
+            said: list[bool] = []
+            with _progress(handle, interval, show=show) as prog:
+                b = handle.follow(emit, fmt=fmt, in_order=in_order, progress=prog, deadline=deadline,
+                                  on_poll=lambda: _flush(out, errs),
+                                  on_retry=lambda e, d: _note_lost(e, d, said))
+            _timed_out(b, batch_id, timeout)
+        else:
+            if wait and not b.status.terminal:
+                with _progress(handle, interval, show=show) as prog:
+                    b = watch_batch(lambda: _patiently(handle), prog, b, deadline=deadline,
+                                    poll_s=min(0.25, interval))
+                _timed_out(b, batch_id, timeout)
+            if delete and not b.status.terminal:
+                raise PurgeRefused(f"--delete: batch {batch_id} is {b.status.value}, its results are not all in "
+                                   "yet; nothing was deleted (add --wait, or leave out --delete)")
+            if parquet and output is not None:
+                handle.to_parquet(output)
+            else:
+                for is_error, line in handle.lines(fmt):
+                    (errs if is_error else out).write(line)
+    finally:
+        if err_file:
+            err_file.close()
+        if out_file:
+            out_file.close()
+        else:
+            out.flush()
     if delete:  # only reached when every line was written: an error above leaves the batch in Redis
         done = _lmdq().purge(batch_id)
         err.print(str(done), highlight=False, soft_wrap=True)
 
 
-def _write_lines(lines: Iterator[tuple[bool, bytes]], output: Path | None, errors_file: Path | None) -> None:
-    out = output.open("wb") if output else sys.stdout.buffer
-    errs = errors_file.open("wb") if errors_file else out
-    try:
-        for is_error, line in lines:
-            (errs if is_error else out).write(line)
-    finally:
-        if errors_file:
-            errs.close()
-        if output:
-            out.close()
-        else:
-            out.flush()
+def _check_writable(path: Path) -> None:
+    """``-o FILE.parquet`` is written at the end (a temporary file, then renamed): its folder is
+    checked now, so a bad path fails at once, in one line, not after the wait."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        why = "is a folder" if path.is_dir() else "no such folder" if not folder.is_dir() else "folder not writable"
+        print(f"error: --output: cannot write {str(path)!r}: {why}", file=sys.stderr)
+        raise typer.Exit(2)
+
+
+def _flush(*files: BinaryIO) -> None:
+    for f in files:
+        f.flush()
+
+
+def _timed_out(b: Batch, batch_id: str, timeout: float | None) -> None:
+    """A wait that ended before the batch did: one line, exit 1."""
+    if not b.status.terminal:
+        print(f"error: batch {batch_id} still {b.status.value} after {timeout}s "
+              f"({b.request_counts.done}/{b.request_counts.total} done)", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command("list")
@@ -288,24 +345,32 @@ def list_(
         out.print(table)
         return
     # Too narrow for the table (lmdq ids are 30 characters: an 80-column terminal is): rich would cut
-    # the ids ("batch_a1…"), which then cannot be copied. Each id on its own line instead, whole.
+    # the ids ("batch_a1…"), which then cannot be copied. Two lines per batch instead: the id, status
+    # and created time (63 columns: never wrapped at 80), then the model and every count by its name.
     for b in batches:
-        c = b.request_counts
-        typer.echo(b.id)
-        typer.echo(_fill([b.status.value, f"model={b.model}",
-                          f"total={c.total} completed={c.completed} failed={c.failed + c.cancelled + c.expired}",
-                          f"created={_created(b)}"], width=out.width))
+        head = f"{b.id}  {b.status.value:<13s}{_created(b)}"
+        typer.echo(head if len(head) <= out.width else _fill([b.id, b.status.value, _created(b)], out.width, ""))
+        typer.echo(_fill([f"model={b.model}", *_counts(b)], width=out.width, indent="  ", sep=" "))
 
 
-def _fill(fields: list[str], width: int) -> str:
-    """Fields two spaces apart, indented, a new line where the next would pass ``width``: a line breaks
-    between fields, never inside one (a model name, a date and its time stay whole)."""
-    lines = ["  " + fields[0]]
-    for f in fields[1:]:
-        if len(lines[-1]) + 2 + len(f) <= width:
-            lines[-1] += "  " + f
+def _counts(b: Batch) -> list[str]:
+    """Every request count under its own name, as ``status`` prints them."""
+    c = b.request_counts
+    return [f"total={c.total}", f"completed={c.completed}", f"failed={c.failed}", f"cancelled={c.cancelled}",
+            f"expired={c.expired}"]
+
+
+def _fill(fields: list[str], width: int, indent: str = "  ", sep: str = "  ") -> str:
+    """Fields two spaces apart (the first two; then ``sep``), indented, a new line where the next would
+    pass ``width``: a line breaks between fields, never inside one (a model name, a date and its time
+    stay whole)."""
+    lines = [indent + fields[0]]
+    for n, f in enumerate(fields[1:]):
+        gap = "  " if n == 0 else sep
+        if len(lines[-1]) + len(gap) + len(f) <= width:
+            lines[-1] += gap + f
         else:
-            lines.append("    " + f)
+            lines.append(indent + "  " + f)
     return "\n".join(lines)
 
 
@@ -314,19 +379,22 @@ def _created(b: Batch) -> str:
 
 
 def _batches_table(batches: list[Batch]) -> Table:
-    """``list``'s table. Only model and created may wrap: ids, statuses and counts are never cut or folded
-    (a table that cannot fit them is not printed at all, see :func:`list_`)."""
+    """``list``'s table. Only the model may wrap: ids, statuses, counts and times are never cut or
+    folded (a table that cannot fit them is not printed at all, see :func:`list_`). Every count is
+    under its own name; cancelled and expired get a column only when some batch shown has any."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     table.add_column("batch", no_wrap=True)
     table.add_column("status", no_wrap=True)
     table.add_column("model", overflow="fold", min_width=12, max_width=24)
-    for head in ("total", "completed", "failed"):
+    counts = ["total", "completed", "failed"]
+    counts += [k for k in ("cancelled", "expired") if any(getattr(b.request_counts, k) for b in batches)]
+    for head in counts:
         table.add_column(head, justify="right", no_wrap=True)
-    table.add_column("created", min_width=10, max_width=10)
+    table.add_column("created", no_wrap=True)
     for b in batches:
         c = b.request_counts
-        table.add_row(b.id, b.status.value, b.model, str(c.total), str(c.completed),
-                      str(c.failed + c.cancelled + c.expired), _created(b))
+        table.add_row(b.id, b.status.value, b.model, *(str(getattr(c, k)) for k in counts),
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(b.created_at)))
     return table
 
 

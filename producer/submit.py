@@ -43,6 +43,7 @@ from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
 from lmdq.keys import InvalidModelName, Keys, check_model_name
 from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
 from lmdq.output_urls import check_submit_urls
+from lmdq.producer.foreign import foreign_format, foreign_format_message
 from lmdq.producer.formats import (
     InputError,
     InputFormat,
@@ -102,8 +103,9 @@ class SubmitOptions:
     #: called once, right after the first jobs became visible and before the rest is staged (tests run a
     #: worker, edit the file or make Redis refuse here: deterministically, not by racing a process)
     after_first_commit: Callable[[], None] | None = None
-    #: what the batch record calls its input (a DataFrame, a Parquet file) when ``path`` is the
-    #: client's spool of it (lmdq.client_sources)
+    #: what the batch record names as its input when ``path`` is a copy of it: ``-`` for stdin (a
+    #: temporary file, producer/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
+    #: or Python rows (lmdq.client_sources)
     input_name: str | None = None
 
 
@@ -178,9 +180,10 @@ def _changed(path: Path, detail: str) -> SubmitRejected:
 
 def _validate(
     path: Path, opts: SubmitOptions, progress: Progress | None
-) -> tuple[_Fingerprint, str, PrefixKeys | None]:
-    """Pass 1: returns (the file's fingerprint, model, what prefix grouping needs when it is on) or
-    raises SubmitRejected listing file:line errors."""
+) -> tuple[_Fingerprint, str, PrefixKeys | None, int]:
+    """Pass 1: returns (the file's fingerprint, model, what prefix grouping needs when it is on, the
+    line the model came from: 0 when --model named it) or raises SubmitRejected listing file:line
+    errors."""
     errors: list[str] = []
     hashes = array("Q")
     per_request = array("Q")
@@ -233,7 +236,7 @@ def _validate(
         raise SubmitRejected(f"{path}:0: no model given: pass --model NAME")
     seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
                         order_free=prefixes is not None, per_request=per_request)
-    return seen, model, prefixes
+    return seen, model, prefixes, model_line
 
 
 class _SamplingTally:
@@ -452,15 +455,18 @@ def submit_file(
             return bound, False
 
     try:
+        foreign = foreign_format(path) if opts.fmt is None else None
+        if foreign is not None:
+            raise SubmitRejected(foreign_format_message(path, foreign))
         fmt = opts.fmt or detect_format(path)
     except OSError as e:
         raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
-    seen, model, prefixes = _validate(path, opts, validate_progress)
+    seen, model, prefixes, model_line = _validate(path, opts, validate_progress)
     try:
         check_model_name(model)
     except InvalidModelName as e:
-        where = "--model" if opts.model is not None else f"{path}: field 'body.model'"
+        where = "--model" if opts.model is not None else f"{path}:{model_line}: field 'body.model'"
         raise SubmitRejected(f"{where}: {e}") from e
     total = seen.requests
     if total > opts.limits.max_requests:
@@ -468,8 +474,11 @@ def submit_file(
     if not opts.allow_unknown_model:
         known = ledger.known_models(opts.known_models)
         if model not in known:
+            # blamed where the name came from: the --model flag (or LMDQ_MODEL), else the line whose
+            # body.model named it (an OpenAI file)
+            where = f"{path}:{model_line}: field 'body.model'" if model_line else "--model"
             raise UnknownModel(
-                f"{path}:0: field 'model': unknown model {model!r}; known: "
+                f"{where}: unknown model {model!r}; known: "
                 f"{', '.join(sorted(known)) or '(none: nothing registered, no worker started yet)'}. "
                 f"Register it with `lmdq-producer models add {shlex.quote(model)}` (or start a worker "
                 "serving it), or pass --allow-unknown-model to queue anyway."

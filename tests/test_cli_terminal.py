@@ -83,8 +83,38 @@ def test_list_prints_batch_ids_whole(client: redis.Redis, prefix: str, env: dict
     if columns == 160:
         assert lines[0].split() == ["batch", "status", "model", "total", "completed", "failed", "created"], text
     else:
-        assert [ln for ln in lines if ln.startswith("batch_")] == ids[::-1], text  # newest first, alone
+        assert [ln.split()[0] for ln in lines if ln.startswith("batch_")] == ids[::-1], text  # newest first
         assert f"model={long_model}" in text, text
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_list_counts_each_outcome_under_its_name_and_never_wraps_created(
+        client: redis.Redis, prefix: str, env: dict[str, str], columns: int) -> None:
+    """A cancelled batch of 40 is ``cancelled=40 failed=0``, as ``status`` says (bd9ca4b printed
+    ``failed=40``: failed, cancelled and expired summed); each batch's created date and time stay on
+    the line of its id (bd9ca4b's 10-character column folded the time under the date)."""
+    store = ResultStore(client, keys=Keys(prefix))
+    bid = _batch(store, BatchStatus.cancelled, "sim", RequestCounts(total=40))
+    other = _batch(store, BatchStatus.completed, "HuggingFaceTB/SmolLM2-135M-Instruct", RequestCounts(total=7))
+    client.hset(Keys(prefix).batch(bid), mapping={"completed": 3, "failed": 2, "cancelled": 30, "expired": 5})
+    client.hset(Keys(prefix).batch(other), mapping={"completed": 7})
+    p = run_cli("lmdq.producer", "list", env=_cols(env, columns))
+    assert p.returncode == 0, p.stderr.decode()
+    text = p.stdout.decode()
+    assert max(len(line) for line in text.splitlines()) <= columns, text
+    day = time.strftime("%Y-%m-%d", time.localtime())
+    rows = {ln.split()[0]: ln for ln in text.splitlines() if ln.startswith("batch_")}
+    for b in (bid, other):
+        assert re.search(rf"{day} \d\d:\d\d", rows[b]), text  # date and time whole, beside the id
+    if columns == 160:
+        head = text.splitlines()[0].split()
+        assert head == ["batch", "status", "model", "total", "completed", "failed", "cancelled", "expired",
+                        "created"], text
+        assert rows[bid].split()[1:8] == ["cancelled", "sim", "40", "3", "2", "30", "5"], text
+        assert rows[other].split()[3:8] == ["7", "7", "0", "0", "0"], text
+    else:
+        block = text.split(bid, 1)[1].split("batch_", 1)[0]
+        assert "total=40 completed=3 failed=2 cancelled=30 expired=5" in block, text
 
 
 class _Lines:
@@ -110,10 +140,11 @@ class _Lines:
         return line
 
 
-def test_status_watch_prints_a_plain_line_per_poll_when_not_a_terminal(
+def test_status_watch_prints_plain_progress_lines_when_not_a_terminal(
         client: redis.Redis, prefix: str, env: dict[str, str]) -> None:
     """The first line comes while the batch runs (not at the end), a later one shows the new counts, and stdout
-    holds only the final status line. Each step waits on a line the watcher wrote, never on the clock."""
+    holds only the final status line. Each step waits on a line the watcher wrote, never on the clock
+    (``--interval 0.05``: a line per poll; the default 30 s throttle is tests/test_progress.py's)."""
     store = ResultStore(client, keys=Keys(prefix))
     bid = _batch(store, BatchStatus.in_progress, "sim", RequestCounts(total=4))
     w = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "status", bid, "--watch", "--interval", "0.05"],
@@ -122,14 +153,16 @@ def test_status_watch_prints_a_plain_line_per_poll_when_not_a_terminal(
         assert w.stderr is not None and w.stdout is not None
         err = _Lines(w.stderr)
         first = err.next()
-        assert re.search(rf" {bid} in_progress 0/4 done \(0\.0%\) completed=0 failed=0 ", first), first
-        store.write_result(Result(batch_id=bid, custom_id="r0", index=0, status=ResultStatus.completed, model="sim"))
+        assert re.search(rf" {bid} in_progress 0/4 done \(0\.0%\) - req/s  - tok/s  ETA - ", first), first
+        assert err.next().startswith("hint: no live worker serves model 'sim'"), err.seen
+        store.write_result(Result(batch_id=bid, custom_id="r0", index=0, status=ResultStatus.completed, model="sim",
+                                  generate_token_len=9))
         line = first
         while " 1/4 done" not in line:  # polls go on with no change until the write is seen
             assert line, "the watcher ended before the batch did"
             assert f" {bid} in_progress 0/4 done " in line, line
             line = err.next()
-        assert "(25.0%) completed=1 failed=0 cancelled=0 expired=0 elapsed=" in line, line
+        assert re.search(r"\(25\.0%\) \d+\.\d req/s  \d[\d.,]* tok/s  ETA \S+ elapsed=", line), line
         store.transition(bid, [BatchStatus.in_progress], BatchStatus.cancelled)
         out = w.stdout.read().decode()
         assert w.wait(timeout=120) == 0, err.seen
@@ -140,6 +173,7 @@ def test_status_watch_prints_a_plain_line_per_poll_when_not_a_terminal(
             w.kill()
     assert out.splitlines() == [f"{bid}  cancelled  model=sim  total=4 completed=1 failed=0 cancelled=0 expired=0"]
     assert err.seen[-2].split(" ", 3)[1:3] == [bid, "cancelled"], err.seen
+    assert " 1/4 done (25.0%) " in err.seen[-2] and " done elapsed=" in err.seen[-2], err.seen
     assert not CONTROL.search("".join(err.seen))
 
 

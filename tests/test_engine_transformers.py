@@ -405,3 +405,15 @@ def test_concurrent_streams(engine: Any) -> None:
     for i in range(2):
         assert results[i][0]["final"].finish_reason in ("stop", "length")
         assert results[i][0]["text"] == _run(engine, reqs[i])[0]["text"]  # interleaving didn't corrupt the cache
+
+
+@pytest.mark.model
+def test_the_cpu_engine_says_how_slow_512_tokens_are(engine: Any) -> None:
+    """bd9ca4b said nothing: a chat prompt with the default max_new_tokens=512 took 52 s on the CPU model.
+    The worker logs this note once, at start (worker/cli.py)."""
+    from lmdq.worker.engine_factory import cpu_speed_note
+    from lmdq.worker.engines.sim import SimEngine
+
+    note = cpu_speed_note(engine)
+    assert note is not None and "up to 512 tokens" in note and "--max-new-tokens 64" in note
+    assert cpu_speed_note(SimEngine()) is None

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["Admission", "EngineGate"]
+__all__ = ["Admission", "EngineGate", "fair_share"]
 
 MAX_CLAIM = 64
 """Most jobs one claim call takes (one Lua call claims them all: see JobQueue.claim_many)."""
@@ -72,6 +72,21 @@ class Admission:
 
     def release(self, reserved: int) -> None:
         self.requests_in_flight -= reserved
+
+
+def fair_share(room: int, *, held: int, visible: int, idle_peers: int) -> int:
+    """How many of ``room`` jobs to claim while ``idle_peers`` other workers of the model have nothing.
+
+    The work in sight (``visible`` jobs on the queues plus the ``held`` ones) is split evenly over
+    this worker and the idle ones, rounded up: with 4 jobs and one idle peer each takes 2, and the
+    peer, woken by the token this claim passes on, finds its 2 still queued. A worker holding nothing
+    always gets at least one job of a non-empty queue (no one waits on a peer that never comes), and
+    with no idle peer, or a batch whose share exceeds ``room``, the claim is ``room`` as before.
+    """
+    if idle_peers <= 0 or room <= 0:
+        return room
+    target = -(-(visible + held) // (idle_peers + 1))
+    return max(0, min(room, target - held))
 
 
 class EngineGate:

@@ -41,7 +41,8 @@ def run(
     drain_timeout: Annotated[float | None, typer.Option(help="seconds to finish work after SIGTERM")] = None,
     heartbeat_ttl: Annotated[float | None, typer.Option(help="lease TTL: a dead worker's jobs rerun after it")] = None,
     max_attempts: Annotated[int | None, typer.Option()] = None,
-    health_port: Annotated[int | None, typer.Option(help="HTTP /healthz /readyz /metrics (0 = off)")] = None,
+    health_port: Annotated[str | None, typer.Option(
+        help="HTTP /healthz /readyz /metrics: a port, 0 = off, auto = the first free one from 8000")] = None,
     worker_name: Annotated[str | None, typer.Option()] = None,
     redis_url: Annotated[str | None, typer.Option(help="env LMDQ_REDIS_URL, then REDIS_URL")] = None,
 ) -> None:
@@ -98,11 +99,13 @@ def run(
     except ImportError:  # pragma: no cover - health endpoint is optional
         WorkerHealth = None  # noqa: N806
     t0 = time.monotonic()
-    name_hint = s.served_model_name or s.model or "default"
     if WorkerHealth is not None and s.health_port:
-        health = WorkerHealth(worker_name=s.worker_name, model=name_hint)
-        port = health.serve(s.health_host, s.health_port)
-        log.info("health endpoint", port=port)
+        from lmdq.worker.engine_factory import served_model_name as serves
+        from lmdq.worker.health_port import serve_health
+
+        health = WorkerHealth(worker_name=s.worker_name, model=serves(s))
+        port = serve_health(health, s.health_host, s.health_port)
+        log.info("health endpoint", port=port, asked=s.health_port)
         health.set_redis_check(lambda: redis_answers(client))
     eng = build_engine(s)
     load_s = time.monotonic() - t0
@@ -112,6 +115,11 @@ def run(
     if warm_up is not None:  # before /readyz turns ready: the first batch runs at full speed (issue 27)
         log.info("engine warmed up", **warm_up())
         load_s = time.monotonic() - t0
+    from lmdq.worker.engine_factory import cpu_speed_note
+
+    note = cpu_speed_note(eng)
+    if note:
+        log.warning(note, model=eng.model_name)
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
     if health is not None:
         health.set_engine_loaded(load_s)

@@ -31,6 +31,7 @@ import structlog
 
 from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.contract import BatchStatus, ErrorInfo, Result, ResultStatus, Timings
+from lmdq.idle_roster import IdleRoster
 from lmdq.job_decode import OutputNotAllowed, UndecodableJob, decode_job
 from lmdq.jobs import Charge, Claim, JobQueue
 from lmdq.keys import InvalidModelName, Keys, check_model_name, queue_names
@@ -39,7 +40,7 @@ from lmdq.registry import WorkerRegistry
 from lmdq.sink import pending_count
 from lmdq.store import ResultStore
 from lmdq.wakeup import WakeUp
-from lmdq.worker.admission import Admission, EngineGate
+from lmdq.worker.admission import Admission, EngineGate, fair_share
 from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine
 from lmdq.worker.idle import IdleWaiter
@@ -109,6 +110,10 @@ class Worker:
         self.admission = Admission(capacity=self.capacity, max_jobs=self.max_jobs,
                                    prefetch_requests=settings.prefetch_requests)
         self.gate = EngineGate()
+        # idle workers of the model: a claim takes only a fair share while others have nothing (entries
+        # outlive a missed renewal: the idle block plus a heartbeat TTL)
+        self.roster = IdleRoster(client, keys=self.keys, model=self.model, name=self.name,
+                                 ttl_s=max(settings.idle_wait_s, settings.poll_interval_s) + settings.heartbeat_ttl_s)
         self._held: dict[str, Held] = {}
         self._lock = threading.Lock()
         self._slot = threading.Condition(self._lock)
@@ -203,11 +208,13 @@ class Worker:
             claimed: list[Claim] = []
             room = self._room()
             idle = not self._held
+            share = room
             if room:
                 try:
+                    share = self._fair_share(room)
                     claimed = self.jobs.claim_many(
-                        self.queues, model=self.model, worker=self.name, lease_s=self.s.heartbeat_ttl_s, n=room
-                    )
+                        self.queues, model=self.model, worker=self.name, lease_s=self.s.heartbeat_ttl_s, n=share
+                    ) if share else []
                     backoff = 0.1
                 except RETRYABLE_ERRORS as e:
                     # Redis is away: wait for it however long it takes (never exit with jobs held),
@@ -217,7 +224,8 @@ class Worker:
                     backoff = min(5.0, backoff * 2)
                     continue
             if claimed:
-                if idle and len(claimed) >= room:
+                self._leave_roster()
+                if idle and len(claimed) >= share:
                     self._pass_wake_on()
                 for c in claimed:
                     held = Held(claim=c)
@@ -229,6 +237,8 @@ class Worker:
                     threading.Thread(target=self._run_job, args=(held,), name=f"lmdq-job-{c.job_id}",
                                      daemon=True).start()
                 continue
+            if room and not self._held:
+                self._enter_roster()
             with self._slot:
                 if self.s.burst and not self._held and room:
                     if self._queues_empty():
@@ -244,6 +254,26 @@ class Worker:
                     continue
                 self._slot.wait(max(self.s.poll_interval_s, self.s.busy_poll_interval_s) if self._held
                                 else self.s.poll_interval_s)
+
+    def _fair_share(self, room: int) -> int:
+        """``room``, or fewer jobs while other workers of the model are idle (:func:`fair_share`)."""
+        with self._lock:
+            held = len(self._held)
+        idle_peers, visible = self.roster.look(self.queues)
+        return fair_share(room, held=held, visible=visible, idle_peers=idle_peers)
+
+    def _enter_roster(self) -> None:
+        """About to sleep holding nothing: count as idle for the model's other workers' claims."""
+        try:
+            self.roster.enter(time.monotonic())
+        except redis.RedisError:
+            pass  # only a fair share missed: the claims report Redis outages themselves
+
+    def _leave_roster(self) -> None:
+        try:
+            self.roster.leave()
+        except redis.RedisError:
+            pass  # its entry expires by itself; meanwhile peers only claim a little less
 
     def _pass_wake_on(self) -> None:
         """This idle worker claimed a full share: more may be queued, so wake the next idle worker
@@ -311,6 +341,7 @@ class Worker:
         if self.idle is not None:
             self.idle.close()
         try:
+            self._leave_roster()
             self.registry.deregister()
         except redis.RedisError:
             pass

@@ -9,9 +9,9 @@ or keyword that engine does not take is an error, an env var it does not take is
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
@@ -63,6 +63,19 @@ class _EngineEnvSource(PydanticBaseSettingsSource):
         return {_ENGINE_ENV: found} if found else {}
 
 
+def _health_port(v: Any) -> Any:
+    """A port (0-65535; 0 = no endpoint) or ``auto``, refused in one sentence (not a union's two errors)."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        port = int(v)
+    except (TypeError, ValueError):
+        port = -1
+    if not 0 <= port <= 65535 or isinstance(v, (bool, float)):
+        raise ValueError(f"expected a port 0-65535, 0 for no endpoint, or auto; got {v!r}")
+    return port
+
+
 class WorkerSettings(CommonSettings):
     # model and engine
     model: str | None = Field(default=None, description="model folder or hub id; none = embedded SmolLM2 on CPU")
@@ -103,7 +116,9 @@ class WorkerSettings(CommonSettings):
         "connection busy waits for one (never 'Too many connections'); 0 = jobs in flight (at most 32) + 4"
     )
     health_host: str = "0.0.0.0"
-    health_port: int = Field(default=8000, ge=0, le=65535, description="0 = no HTTP endpoint")
+    health_port: Annotated[int | Literal["auto"], BeforeValidator(_health_port)] = Field(
+        default=8000, description="0 = no HTTP endpoint; auto = the first free port from 8000 (several workers "
+        "on one host)")
 
     @classmethod
     def settings_customise_sources(

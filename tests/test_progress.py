@@ -1,0 +1,134 @@
+"""Batch progress (producer/progress.py) on a real Redis: in a log, a line when something changed or
+every --interval (never one per poll), with done/total, requests/s, tokens/s, ETA, and a hint when no
+live worker serves the model. The clock is injected, so throttling is checked without waiting."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import redis
+
+from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
+from lmdq.keys import Keys
+from lmdq.producer.progress import BatchProgress, RateWindow, format_duration, watch
+from lmdq.registry import ModelRegistry, WorkerRegistry
+from lmdq.store import ResultStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _batch(store: ResultStore, total: int, model: str = "sim") -> str:
+    bid = f"batch_{time.time_ns():024x}"[:30]
+    store.create_batch(Batch(id=bid, model=model, status=BatchStatus.in_progress, batch_size=8,
+                             request_counts=RequestCounts(total=total), created_at=time.time()))
+    return bid
+
+
+def _done(store: ResultStore, bid: str, i: int, tokens: int = 5) -> None:
+    assert store.write_result(Result(batch_id=bid, custom_id=str(i), index=i, status=ResultStatus.completed,
+                                     model="sim", generate_token_len=tokens))
+
+
+def _progress(client: redis.Redis, prefix: str, clock: Clock, interval: float = 30.0) -> tuple[BatchProgress,
+                                                                                           io.StringIO]:
+    out = io.StringIO()
+    p = BatchProgress(store=ResultStore(client, keys=Keys(prefix)), models=ModelRegistry(client, keys=Keys(prefix)),
+                      stream=out, terminal=False, interval_s=interval, clock=clock, wall=lambda: 0.0)
+    return p, out
+
+
+def test_a_log_gets_a_line_per_change_of_status_or_interval_not_per_poll(client: redis.Redis, prefix: str) -> None:
+    store = ResultStore(client, keys=Keys(prefix))
+    WorkerRegistry(client, keys=Keys(prefix), name="w1", model="sim", ttl_s=60).register(pid=1)  # a live worker
+    bid = _batch(store, 20)
+    clock = Clock()
+    p, out = _progress(client, prefix, clock)
+    p.update(store.get_batch(bid))
+    assert p.lines == 1
+    for i in range(10):  # ten polls a second apart, one result each: progress, but no status change
+        clock.t += 1
+        _done(store, bid, i)
+        p.update(store.get_batch(bid))
+    assert p.lines == 1, out.getvalue()
+    for _ in range(19):  # nothing at all changes for 19 more polls
+        clock.t += 1
+        p.update(store.get_batch(bid))
+    assert p.lines == 1, out.getvalue()
+    clock.t += 1  # 30 s after the first line: the interval has passed
+    p.update(store.get_batch(bid))
+    assert p.lines == 2, out.getvalue()
+    line = out.getvalue().splitlines()[-1]
+    # 10 done over the 30 s window: 0.3 req/s, 50 tokens: 1.7 tok/s; 10 left at 1/3 a second: ETA 30 s
+    assert f" {bid} in_progress 10/20 done (50.0%) 0.3 req/s  1.7 tok/s  ETA 30s elapsed=30s" in line, line
+    for i in range(10, 20):
+        _done(store, bid, i)
+    clock.t += 1
+    b = store.get_batch(bid)
+    assert b.status is BatchStatus.completed
+    p.update(b)
+    p.update(b)  # the end is said once
+    assert p.lines == 3
+    assert " completed 20/20 done (100.0%) " in out.getvalue().splitlines()[-1]
+    assert "  done elapsed=31s" in out.getvalue().splitlines()[-1]
+
+
+def test_a_batch_no_live_worker_serves_says_so(client: redis.Redis, prefix: str) -> None:
+    """Registered or seen before, but nobody serves it now: the line says what to do, once."""
+    store = ResultStore(client, keys=Keys(prefix))
+    ModelRegistry(client, keys=Keys(prefix)).add("llama-70b")
+    bid = _batch(store, 8, model="llama-70b")
+    clock = Clock()
+    p, out = _progress(client, prefix, clock, interval=5)
+    for _ in range(12):
+        p.update(store.get_batch(bid))
+        clock.t += 1
+    lines = out.getvalue().splitlines()
+    hints = [ln for ln in lines if ln.startswith("hint: ")]
+    assert hints == ["hint: no live worker serves model 'llama-70b': its requests wait until one starts "
+                     "(lmdq-worker --served-model-name llama-70b ...; see `lmdq-producer models list`)"], lines
+    assert len(lines) == 1 + 3  # the first line and its hint, then one per 5 s interval (t=5, t=10)
+    # a worker starts: the hint goes (a change: a line at once, without the hint)
+    WorkerRegistry(client, keys=Keys(prefix), name="w1", model="llama-70b", ttl_s=60).register(pid=1)
+    clock.t += 5  # the next worker check
+    p.update(store.get_batch(bid))
+    assert len(out.getvalue().splitlines()) == 5 and not out.getvalue().splitlines()[-1].startswith("hint")
+
+
+def test_watch_returns_at_the_deadline_or_the_end(client: redis.Redis, prefix: str) -> None:
+    store = ResultStore(client, keys=Keys(prefix))
+    bid = _batch(store, 2)
+    clock = Clock()
+    p, _ = _progress(client, prefix, clock)
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        clock.t += s
+        if len(sleeps) == 3:
+            _done(store, bid, 0)
+            _done(store, bid, 1)
+
+    b = watch(lambda: store.get_batch(bid), p, store.get_batch(bid), clock=clock, sleep=sleep)
+    assert b.status is BatchStatus.completed and len(sleeps) == 3
+    other = _batch(store, 2)
+    b = watch(lambda: store.get_batch(other), p, store.get_batch(other), deadline=clock.t + 2.5, clock=clock,
+              sleep=lambda s: setattr(clock, "t", clock.t + s))
+    assert b.status is BatchStatus.in_progress
+
+
+def test_rates_follow_the_recent_window_not_the_whole_run() -> None:
+    w = RateWindow(window_s=60)
+    w.add(0, 0, 0)
+    w.add(3600, 0, 0)  # an hour waiting for a worker
+    for t in range(3601, 3661):
+        w.add(t, (t - 3600) * 500, (t - 3600) * 50_000)
+    r = w.rates()
+    assert r.requests_s is not None and 490 < r.requests_s <= 500 and r.tokens_s is not None
+    assert [format_duration(s) for s in (None, 4, 185, 7620, 273600)] == ["-", "4s", "3m05s", "2h07m", "3d04h"]
