@@ -305,13 +305,17 @@ def results(
 
 
 def _check_writable(path: Path) -> None:
-    """``-o FILE.parquet`` is written at the end (a temporary file, then renamed): its folder is
-    checked now, so a bad path fails at once, in one line, not after the wait."""
-    folder = path.parent if str(path.parent) else Path(".")
-    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        why = "is a folder" if path.is_dir() else "no such folder" if not folder.is_dir() else "folder not writable"
-        print(f"error: --output: cannot write {str(path)!r}: {why}", file=sys.stderr)
-        raise typer.Exit(2)
+    """``-o FILE.parquet`` is written at the end (a temporary file, then renamed): the path is tried
+    now, so a bad one fails at once, in one line (as a JSONL ``-o``), not after the wait."""
+    existed = path.exists()
+    try:
+        with path.open("ab"):
+            pass
+    except OSError as e:
+        print(f"error: --output: cannot write {str(path)!r}: {e.strerror or e}", file=sys.stderr)
+        raise typer.Exit(2) from e
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def _flush(*files: BinaryIO) -> None:

@@ -80,6 +80,21 @@ def test_results_to_an_unwritable_path_is_one_line(env: dict[str, str], client: 
         "error: --output: cannot write '/nonexistent/x.jsonl': No such file or directory")
 
 
+@pytest.mark.parametrize("name", ["x.jsonl", "x.parquet"])
+def test_an_unwritable_output_fails_before_the_wait(env: dict[str, str], client: redis.Redis, prefix: str,
+                                                    name: str) -> None:
+    """-o is tried before waiting: exit 2 at once, not exit 1 once the wait timed out (a Parquet -o is
+    written at the end, so its path is tried separately)."""
+    store = ResultStore(client, keys=Keys(prefix))
+    bid = "batch_" + ("c" if name.endswith("jsonl") else "d") * 24
+    store.create_batch(Batch(id=bid, model="sim", status=BatchStatus.in_progress, batch_size=1,
+                             request_counts=RequestCounts(total=1), created_at=time.time()))
+    p = run_cli("lmdq.producer", "results", bid, "--wait", "--timeout", "600", "-o", f"/nonexistent/{name}",
+                env=env)
+    assert _one_error(p, ExitCode.bad_input) == (
+        f"error: --output: cannot write '/nonexistent/{name}': No such file or directory")
+
+
 def test_unknown_model_is_blamed_on_the_flag_or_the_line_that_named_it(env: dict[str, str], tmp_path: Path) -> None:
     """bd9ca4b: ``mixed.jsonl:0: field 'model'`` for a --model flag (there is no line 0, nor a field)."""
     f = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a"}])

@@ -155,6 +155,9 @@ def test_a_missing_column_and_a_bad_option_are_refused_before_reading(api: lmdq.
         api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", result_ttl=5)
     with pytest.raises(lmdq.SubmitRejected, match="^max_new_tokens: "):
         api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", max_new_tokens=0)
+    # the CLI's rule, declared once (lmdq.client_options.parse_window): a window as text takes its unit
+    with pytest.raises(lmdq.SubmitRejected, match=r"^completion_window: expected a duration with its unit .*'2'"):
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", completion_window="2")
     with pytest.raises(TypeError, match="max_tokens_typo"):
         api.submit(df, model="sim", prompt_column="question", max_tokens_typo=3)
     with pytest.raises(lmdq.UnknownModel):
