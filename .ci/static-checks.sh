@@ -34,7 +34,8 @@ step "docker-compose.yml against the Compose specification"
 check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml || fail "compose schema"
 if docker compose version >/dev/null 2>&1; then
     # Interpolation and profiles too, when the compose plugin is around (no engine needed).
-    LMDQ_REDIS_PASSWORD=static-check docker compose --profile producer --profile dashboard config --quiet \
+    LMDQ_REDIS_PASSWORD=static-check docker compose --profile gpu --profile cpu --profile producer \
+        --profile dashboard --profile monitoring --profile api config --quiet \
         && echo "ok -- docker compose config" || fail "docker compose config"
 fi
 
