@@ -239,6 +239,7 @@ class Engine:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        unmount_under(self.run_dir)  # dockerd leaves its default netns bind-mounted there
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def image_label(self, image: str, label: str) -> str | None:
@@ -249,6 +250,17 @@ class Engine:
     def inspect(self, ref: str) -> dict[str, Any]:
         data: list[dict[str, Any]] = json.loads(self.docker("inspect", ref, timeout=30).stdout)
         return data[0]
+
+
+def unmount_under(folder: Path) -> None:
+    """Lazily unmount every mount below ``folder`` (deepest first), so it can be removed."""
+    try:
+        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return
+    prefix = str(folder).rstrip("/") + "/"
+    for target in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], capture_output=True, check=False)
 
 
 # ------------------------------------------------------------------------------------ base images
