@@ -319,7 +319,7 @@ def test_retryable_errors_stay_importable_for_the_worker() -> None:
 )
 def test_run_cli_maps_redis_errors_to_one_line_and_an_exit_code(error: Exception, code: int, text: str,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    def app() -> None:
+    def app(**_: object) -> None:  # a click app: run_cli calls it with standalone_mode=False
         raise error
 
     with pytest.raises(SystemExit) as exc:
