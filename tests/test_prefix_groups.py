@@ -167,7 +167,7 @@ def test_file_edited_during_a_grouped_submit_exits_2(mode: str, tmp_path: Path, 
     assert p.returncode == 2, err
     assert f"{f}: the file changed during submit" in err and "Traceback" not in err, err
     _nothing_enqueued(client, prefix)
-    assert _all_keys(client) == before
+    assert not _all_keys(client) - before  # nothing added (other tests' TTL'd keys may expire meanwhile)
 
 
 def _line(no: int, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> Any:
