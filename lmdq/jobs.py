@@ -36,7 +36,7 @@ from lmdq.job_data import (
     read_job,
 )
 from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
-from lmdq.lease_scripts import CLAIM, HEARTBEAT, REAP, RELEASE
+from lmdq.lease_scripts import CLAIM, DROP_OWN_LEASE, HEARTBEAT, REAP, RELEASE
 from lmdq.wakeup import WAKE_LUA
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
@@ -54,15 +54,7 @@ return 0
 # KEYS: leases, owners, the right queue, its model's wake list.  ARGV: job id, worker.
 # Fenced like RELEASE: only the lease holder moves the job; the lease goes and the job is pushed to the
 # FRONT of the queue of the model its batch names, in one step (nothing between "off" and "on").
-_MOVE = WAKE_LUA + """
-local o = redis.call('HGET', KEYS[2], ARGV[1])
-if not o then return 0 end
-local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
-if w ~= ARGV[2] then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('LREM', inflight, 1, ARGV[1])
-redis.call('LPUSH', KEYS[3], ARGV[1])
+_MOVE = WAKE_LUA + DROP_OWN_LEASE + """redis.call('LPUSH', KEYS[3], ARGV[1])
 lmdq_wake(KEYS[4])
 return 1
 """

@@ -89,7 +89,9 @@ return lost
 # ARGV: job id, worker, mode ('done' | 'requeue'), charge ('' | 'charge' | 'crash'), killer index or ''.
 # 'done' also drops the job's counters (they are only needed while it can still run again); 'requeue'
 # wakes an idle worker of the job's model.
-RELEASE = WAKE_LUA + """
+# The fenced first step of RELEASE and of jobs.py's move: only the lease holder (KEYS: leases, owners;
+# ARGV[1] job id, ARGV[2] worker) gets past it; it drops the lease, the owner entry and the inflight mark.
+DROP_OWN_LEASE = """
 local o = redis.call('HGET', KEYS[2], ARGV[1])
 if not o then return 0 end
 local w, q, inflight = string.match(o, '^([^\\t]*)\\t([^\\t]*)\\t([^\\t]*)$')
@@ -97,7 +99,9 @@ if w ~= ARGV[2] then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('LREM', inflight, 1, ARGV[1])
-if ARGV[3] == 'requeue' then
+"""
+
+RELEASE = WAKE_LUA + DROP_OWN_LEASE + """if ARGV[3] == 'requeue' then
   if ARGV[4] == 'charge' then redis.call('HINCRBY', KEYS[4], ARGV[1], 1) end
   if ARGV[4] == 'crash' then
     redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
