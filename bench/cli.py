@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from lmdq.cli_options import model_options
+from lmdq.cli.options import model_options
 from lmdq.errors import run_cli
 from lmdq.worker.engine_config import EngineName, SimConfig, engine_flag_specs
 
@@ -327,7 +327,7 @@ def fleet(
     line printed is a JSON object."""
     from lmdq.bench.fleet import FleetConfig, run_fleet, table
     from lmdq.bench.local_redis import local_redis
-    from lmdq.logs import configure_logging
+    from lmdq.logs.config import configure_logging
 
     configure_logging("json", "WARNING")  # the idle workers run in this process: keep stdout for results
     cfg = FleetConfig(workers=workers, capacity=capacity, batch_size=batch_size, rounds=rounds, input_len=input_len,

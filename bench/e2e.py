@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.connection import connect
 from lmdq.contract import Result
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.connection import connect
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 
 __all__ = ["E2EConfig", "make_workload", "run_e2e", "summarize"]
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.connection import connect
 from lmdq.contract import Endpoint, GenerationParams
-from lmdq.keys import Keys
 from lmdq.producer.submit import SubmitOptions, submit_file
-from lmdq.store import ResultStore
+from lmdq.redis.connection import connect
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 from lmdq.worker.engines.base import Borrowed, Engine, EngineRequest
 from lmdq.worker.runner import Worker
 from lmdq.worker.settings import WorkerSettings

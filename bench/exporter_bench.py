@@ -22,9 +22,9 @@ import redis
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from lmdq.connection import connect
-from lmdq.exporter import QueueCollector, start_metrics_server
-from lmdq.keys import Keys
+from lmdq.metrics.exporter import QueueCollector, start_metrics_server
+from lmdq.redis.connection import connect
+from lmdq.redis.keys import Keys
 
 __all__ = ["run_exporter_bench", "table"]
 

@@ -37,12 +37,12 @@ from typing import Any
 
 import redis
 
+from lmdq.batches.ledger import BatchLedger, new_batch_id
 from lmdq.bench.local_redis import keys_memory
-from lmdq.connection import connect
 from lmdq.contract import Batch, BatchStatus, GenerationParams, RequestCounts
-from lmdq.keys import Keys
-from lmdq.ledger import BatchLedger, new_batch_id
-from lmdq.store import ResultStore
+from lmdq.redis.connection import connect
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 
 __all__ = ["FleetConfig", "run_fleet"]
 

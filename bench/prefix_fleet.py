@@ -30,11 +30,11 @@ from typing import Any
 from lmdq.bench.efficiency import EfficiencyConfig, run_raw
 from lmdq.bench.fleet import blocked_clients, wait_until
 from lmdq.bench.prefix import PrefixConfig
-from lmdq.connection import connect
 from lmdq.contract import GenerationParams
-from lmdq.keys import Keys
 from lmdq.producer.submit import SubmitOptions, submit_file
-from lmdq.store import ResultStore
+from lmdq.redis.connection import connect
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 
 __all__ = ["run_split_and_fleet"]
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmdq.connection import connect
 from lmdq.contract import FinishReason, Result, ResultStatus, Timings
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.connection import connect
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 
 ROOT = Path(__file__).resolve().parents[1]
 

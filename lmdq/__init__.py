@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmdq.client import Batch, BatchInfo, Client
+    from lmdq.client.client import Batch, BatchInfo, Client
     from lmdq.contract import BatchStatus, Result, ResultStatus
     from lmdq.errors import (
         BatchNotFound,
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 _HOMES = {
-    "Batch": "lmdq.client", "BatchInfo": "lmdq.client", "Client": "lmdq.client",
+    "Batch": "lmdq.client.client", "BatchInfo": "lmdq.client.client", "Client": "lmdq.client.client",
     "BatchStatus": "lmdq.contract", "Result": "lmdq.contract", "ResultStatus": "lmdq.contract",
 }
 

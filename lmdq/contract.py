@@ -40,7 +40,7 @@ __all__ = [
 FORMAT_VERSION: Literal[1] = 1
 """Wire format version carried by every job payload, batch and result."""
 
-JOB_FUNCTION = "lmdq.jobs.generate"
+JOB_FUNCTION = "lmdq.jobs.queue.generate"
 """The only RQ function name a worker runs; anything else on a queue is refused, never imported."""
 
 BATCH_ID_PATTERN = r"^batch_[0-9a-f]{24}$"
@@ -271,7 +271,7 @@ class JobPayload(_Strict):
 
     Untrusted on the worker side (anyone with queue access can write one): ids, indices and sizes are
     bounded here; whether the job belongs to a real batch and may write where it says is checked
-    against the batch record by :func:`lmdq.job_decode.decode_job`.
+    against the batch record by :func:`lmdq.jobs.decode.decode_job`.
     """
 
     format_version: Literal[1] = FORMAT_VERSION
@@ -349,7 +349,7 @@ class Result(_Strict):
     timings: Timings = Field(default_factory=Timings)
     logprobs: list[TokenLogprob] | None = None
     tensors: dict[str, TensorRef] | None = None
-    #: set on the COMPACT record workers before the shard index (lmdq.sink) left in Redis once the full
+    #: set on the COMPACT record workers before the shard index (lmdq.results.sink) left in Redis once the full
     #: one was in a results shard: that shard's name under ``<Batch.results_url>/<batch_id>/``
     stored_at: str | None = None
 

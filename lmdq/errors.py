@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - older typer runs on click itself
         UsageError,
     )
 
-from lmdq.redaction import redact_text
+from lmdq.logs.redaction import redact_text
 
 __all__ = [
     "IdempotencyConflict",

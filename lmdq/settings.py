@@ -7,7 +7,7 @@ import os
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
+from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
 
 __all__ = ["CommonSettings", "DEFAULT_REDIS_URL"]
 
@@ -49,12 +49,12 @@ class CommonSettings(BaseSettings):
     log_level: str = "INFO"
     max_job_bytes: int = Field(
         default=DEFAULT_MAX_JOB_BYTES, ge=1 << 20, description="cap on one job's data, compressed and decompressed "
-        "(LMDQ_MAX_JOB_BYTES): a worker refuses larger jobs without inflating them; see lmdq.job_data"
+        "(LMDQ_MAX_JOB_BYTES): a worker refuses larger jobs without inflating them; see lmdq.jobs.data"
     )
-    # Redis client timeouts and the startup wait. Retries themselves are lmdq.connection.RetryPolicy,
+    # Redis client timeouts and the startup wait. Retries themselves are lmdq.redis.connection.RetryPolicy,
     # declared there once (30 jittered retries, 0.1 s doubling to 5 s: about 2 minutes).
     # One default for both sides: no lmdq command blocks in Redis (Lua scripts work in bounded chunks;
-    # the one BLPOP, an idle worker's wait, has its own connection and timeout: lmdq.wakeup), so a
+    # the one BLPOP, an idle worker's wait, has its own connection and timeout: lmdq.redis.wakeup), so a
     # reply slower than 10 s means Redis is frozen or the network is gone. The
     # worker rides such a spell out with its operation retries, not with a longer timeout, so a
     # frozen Redis is noticed (and logged) equally fast on both sides.

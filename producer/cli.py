@@ -17,14 +17,14 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmdq.cli_options import model_options
-from lmdq.client import MAX_NOTE, Client, load_settings
-from lmdq.client import Batch as ClientBatch
-from lmdq.client_options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
+from lmdq.cli.options import model_options
+from lmdq.client.client import MAX_NOTE, Client, load_settings
+from lmdq.client.client import Batch as ClientBatch
+from lmdq.client.options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
 from lmdq.contract import Batch, BatchStatus, Priority
 from lmdq.errors import EXIT_CODES_HELP, PurgeRefused, run_cli
-from lmdq.exporter import EXPORTER_FLAGS
-from lmdq.logs import configure_logging
+from lmdq.logs.config import configure_logging
+from lmdq.metrics.exporter import EXPORTER_FLAGS
 from lmdq.producer.progress import DEFAULT_INTERVAL_S, POLL_S, BatchProgress
 
 app = typer.Typer(
@@ -90,8 +90,8 @@ def _print_batch(b: Batch, as_json: bool) -> None:
 
 
 def _redacted(b: Batch) -> Batch:
-    """The batch with its output URLs as they may be shown (lmdq.output_urls.shown_output_url)."""
-    from lmdq.output_urls import shown_output_url
+    """The batch with its output URLs as they may be shown (lmdq.results.output_urls.shown_output_url)."""
+    from lmdq.results.output_urls import shown_output_url
 
     return b.model_copy(update={"results_url": shown_output_url(b.results_url),
                                 "blob_url": shown_output_url(b.blob_url)})
@@ -514,7 +514,7 @@ def exporter(flags: dict[str, Any]) -> None:
     """Serve queue metrics (depth, running jobs, live workers, batches per model) on /metrics for
     Prometheus, read from Redis every --interval-s by one collector (scrapes never wait on Redis). Run
     ONE per Redis: it needs no GPU and works at zero workers (deploy/base/exporter.yaml)."""
-    from lmdq.exporter import load_settings, run
+    from lmdq.metrics.exporter import load_settings, run
 
     run(load_settings(**flags, redis_url=_lmdq().settings.redis_url))
 

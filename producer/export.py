@@ -7,15 +7,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from lmdq.contract import Batch, Endpoint, Result, ResultStatus, TokenLogprob
-from lmdq.store import ResultStore
+from lmdq.results.store import ResultStore
 
 __all__ = ["is_openai_error", "iter_lmdq_lines", "iter_openai", "iter_openai_lines", "openai_token", "to_openai"]
 
 
 def _records(store: ResultStore, batch: Batch, *, partial: bool) -> Iterator[tuple[int, bytes | None]]:
     """Full records in input order; with a results URL, jobs already moved to their shards are read
-    from there (jobs not flushed yet are still whole in Redis): :func:`lmdq.sink.iter_records`."""
-    from lmdq.sink import iter_records
+    from there (jobs not flushed yet are still whole in Redis): :func:`lmdq.results.sink.iter_records`."""
+    from lmdq.results.sink import iter_records
 
     return iter_records(store, batch, partial=partial)
 

@@ -5,7 +5,7 @@ results exist (``done``), so a poll knows how many it has not written yet and sc
 it has not written, lowest index first, only until it has found that many. Jobs are claimed in
 queue order, so new results sit near the front of what is left and a poll reads little; its cost
 is bounded by the requests still outstanding, never by the batch. With a results sink a finished
-job's records leave Redis for its shard (:mod:`lmdq.sink`): a poll first reads the shard index and
+job's records leave Redis for its shard (:mod:`lmdq.results.sink`): a poll first reads the shard index and
 takes new shards' records from there.
 
 Finish order (the default) writes results as polls find them. ``in_order`` writes input order and
@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 
 from lmdq.contract import Batch
 from lmdq.producer.progress import BatchProgress
-from lmdq.sink import _read_shard, read_index
-from lmdq.sink import iter_records as iter_all_records
-from lmdq.store import ResultStore
+from lmdq.results.sink import _read_shard, read_index
+from lmdq.results.sink import iter_records as iter_all_records
+from lmdq.results.store import ResultStore
 
 __all__ = ["FOLLOW_POLL_S", "Follower", "follow"]
 

@@ -4,7 +4,7 @@ A Parquet or CSV file handed to the JSONL reader gave "invalid JSON at column 1"
 and no help. The first bytes (Parquet, Arrow, gzip, zip) or the suffix (.csv, .tsv) say what the file
 is, so the submit is refused once, naming the format and how to get a prompt file from it.
 
-A ``.parquet`` or ``.csv`` file never gets here: lmdq.client_sources reads it as a table first. What
+A ``.parquet`` or ``.csv`` file never gets here: lmdq.client.sources reads it as a table first. What
 does is a Parquet/CSV file under another name (``--format parquet`` reads it) or a format lmdq does not
 read (TSV, Arrow IPC, Excel, compressed files).
 """

@@ -11,7 +11,7 @@ once a second either way, so the end of a batch is seen at once.
 Rates are measured over the last :data:`RATE_WINDOW_S` seconds of polls, not since the start: a
 batch that waited an hour for a worker and then runs at 500 req/s shows 500, and its ETA follows.
 Tokens/s reads the batch's ``output_tokens`` counter, which the results script bumps with each
-final result (:mod:`lmdq.store`). Whether a live worker serves the batch's model is read from the
+final result (:mod:`lmdq.results.store`). Whether a live worker serves the batch's model is read from the
 worker registry every :data:`WORKER_CHECK_S` seconds; a batch nobody can run says so (it would
 otherwise show ``queued 0/8`` forever).
 """
@@ -30,8 +30,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, Tim
 from rich.progress import Progress as Bar
 
 from lmdq.contract import Batch, BatchStatus
-from lmdq.registry import ModelRegistry
-from lmdq.store import ResultStore
+from lmdq.results.store import ResultStore
+from lmdq.workers.registry import ModelRegistry
 
 __all__ = [
     "DEFAULT_INTERVAL_S",

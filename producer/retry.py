@@ -13,11 +13,11 @@ from typing import Any
 
 import redis
 
+from lmdq.batches.ledger import BatchLedger, new_batch_id
 from lmdq.contract import Batch, BatchStatus, Priority, Request, RequestCounts, ResultStatus
 from lmdq.errors import RetryRejected
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
-from lmdq.keys import InvalidModelName, Keys, check_model_name
-from lmdq.ledger import BatchLedger, new_batch_id
+from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
+from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
 
 __all__ = ["retry_batch"]
 

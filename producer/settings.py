@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from lmdq.headroom import DEFAULT_FRACTION
+from lmdq.batches.headroom import DEFAULT_FRACTION
 from lmdq.settings import CommonSettings
 
 __all__ = ["ProducerSettings"]
@@ -24,5 +24,5 @@ class ProducerSettings(CommonSettings):
     )
     memory_headroom_fraction: float = Field(
         default=DEFAULT_FRACTION, ge=0, le=1, description="submit refuses a batch that would take Redis past this "
-        "share of its maxmemory (LMDQ_MEMORY_HEADROOM_FRACTION; 0 = no check; see lmdq.headroom)"
+        "share of its maxmemory (LMDQ_MEMORY_HEADROOM_FRACTION; 0 = no check; see lmdq.batches.headroom)"
     )

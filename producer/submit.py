@@ -3,12 +3,12 @@
 Two streaming passes keep memory flat however large the file is: pass 1 validates every line
 and keeps only two 8-byte hashes per request (its custom_id's, duplicates being confirmed by a
 targeted re-scan, and its whole content's); pass 2 re-reads the file and the batch ledger
-(:mod:`lmdq.ledger`) stages its jobs. Nothing is visible before the WHOLE file validated, so a bad
+(:mod:`lmdq.batches.ledger`) stages its jobs. Nothing is visible before the WHOLE file validated, so a bad
 line enqueues nothing. Then the first ``first_jobs`` jobs become visible as soon as they are staged
 and workers start on them while submit stages the rest (issue 27: on the H200 the GPU sat idle for
 the 1.6-2.4 s a submit of 1,024 lines took): a failure before that deletes what was staged; a failure
 after it (the file changed, Redis refused a write) ends the batch cancelled, with the reason
-(:meth:`lmdq.ledger.BatchLedger.abandon`).
+(:meth:`lmdq.batches.ledger.BatchLedger.abandon`).
 
 Reading the file twice is only safe if it is the same file both times: pass 1 fingerprints it
 (size, mtime_ns, and a running hash of every request it accepted, line numbers included) and
@@ -36,13 +36,11 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from lmdq.batches.headroom import DEFAULT_FRACTION, check_batch_fits
+from lmdq.batches.ledger import BatchLedger, job_payloads, new_batch_id
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
-from lmdq.headroom import DEFAULT_FRACTION, check_batch_fits
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES
-from lmdq.keys import InvalidModelName, Keys, check_model_name
-from lmdq.ledger import BatchLedger, job_payloads, new_batch_id
-from lmdq.output_urls import check_submit_urls
+from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
 from lmdq.producer.foreign import foreign_format, foreign_format_message
 from lmdq.producer.formats import (
     InputError,
@@ -56,6 +54,8 @@ from lmdq.producer.formats import (
 )
 from lmdq.producer.formats.records import Sampling
 from lmdq.producer.prefix_groups import JobPlan, PrefixKeys, plan_jobs
+from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
+from lmdq.results.output_urls import check_submit_urls
 
 __all__ = [
     "SubmitOptions",
@@ -89,7 +89,7 @@ class SubmitOptions:
     #: least ``prefix_group_bytes`` go into the same jobs; off = jobs in input order
     prefix_groups: bool = True
     prefix_group_bytes: int = 512
-    #: the share of Redis' maxmemory this submit may fill (LMDQ_MEMORY_HEADROOM_FRACTION; lmdq.headroom)
+    #: the share of Redis' maxmemory this submit may fill (LMDQ_MEMORY_HEADROOM_FRACTION; lmdq.batches.headroom)
     memory_fraction: float = DEFAULT_FRACTION
     #: called once after the file validated and the idempotency key is bound, before the staging
     #: pass reads the file again: the moment a concurrent edit is most harmful, so tests edit the
@@ -98,14 +98,14 @@ class SubmitOptions:
     #: told each warning about the file (one line per kind, with a count: never one per line)
     on_warning: Callable[[str], None] | None = None
     #: jobs made visible as soon as they are staged, before the rest is (then every ``chunk_jobs``): the
-    #: GPU starts while submit stages the rest (lmdq.ledger.BatchLedger.enqueue). None = all at once
+    #: GPU starts while submit stages the rest (lmdq.batches.ledger.BatchLedger.enqueue). None = all at once
     first_jobs: int | None = 8
     #: called once, right after the first jobs became visible and before the rest is staged (tests run a
     #: worker, edit the file or make Redis refuse here: deterministically, not by racing a process)
     after_first_commit: Callable[[], None] | None = None
     #: what the batch record names as its input when ``path`` is a copy of it: ``-`` for stdin (a
     #: temporary file, producer/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
-    #: or Python rows (lmdq.client_sources)
+    #: or Python rows (lmdq.client.sources)
     input_name: str | None = None
 
 
@@ -421,7 +421,7 @@ def enqueue_batch(
     chunk_jobs: int = 256,
 ) -> Batch:
     """Create ``batch`` (status validating), stage its jobs, and make them all visible at once:
-    :meth:`lmdq.ledger.BatchLedger.enqueue`, which rolls everything back on any failure."""
+    :meth:`lmdq.batches.ledger.BatchLedger.enqueue`, which rolls everything back on any failure."""
     ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s)
     return ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs)
 

@@ -13,8 +13,8 @@ from typing import Any
 import redis
 
 from lmdq.contract import Result
-from lmdq.keys import Keys, queue_name, rq_queue_key
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
+from lmdq.results.store import ResultStore
 from tests.conftest import run_cli
 from tests.helpers import results_of
 

@@ -10,8 +10,8 @@ from typing import Any
 import redis
 
 from lmdq.contract import Batch, Result
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -52,8 +52,8 @@ PERSON_SCHEMA: dict[str, Any] = {
 def commit_staged(client: Any, keys: Any, batch_id: str, model: str, n_jobs: int, n_requests: int) -> int:
     """Make jobs staged with ``JobQueue.stage`` visible through the ledger's commit (the production one,
     one Lua call); the batch record must exist (``ResultStore.create_batch``). Returns the jobs queued."""
+    from lmdq.batches.ledger import BatchLedger, Staged
     from lmdq.contract import Batch, BatchStatus, Priority, RequestCounts
-    from lmdq.ledger import BatchLedger, Staged
 
     batch = Batch(id=batch_id, model=model, status=BatchStatus.validating, priority=Priority.normal,
                   batch_size=max(1, n_requests // max(1, n_jobs)), num_jobs=n_jobs,

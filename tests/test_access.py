@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from lmdq.keys import Keys, queue_name, rq_queue_key
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
 from tests.conftest import ROOT, RedisServer, run_cli, start_worker
 from tests.faultkit import (
     SIM,
@@ -61,7 +61,7 @@ def test_foreign_function_job_is_refused_and_nothing_runs(serializer: str, tmp_p
     assert not marker.exists() and not unpickled.exists(), "a foreign job ran code"
     refused = [e for e in events(log) if e.get("event") == "refused job: not an lmdq job"]
     assert [e["job"] for e in refused] == [job_id]
-    why = {"json": "is not 'lmdq.jobs.generate'", "pickle": "its data is not JSON", "bare-id": "No such job"}
+    why = {"json": "is not 'lmdq.jobs.queue.generate'", "pickle": "its data is not JSON", "bare-id": "No such job"}
     assert why[serializer] in refused[0]["error"], refused[0]
     if serializer != "bare-id":
         assert job_id in FailedJobRegistry(qname, connection=client).get_job_ids()
@@ -102,8 +102,8 @@ def test_rediss_url_builds_a_tls_client_without_network() -> None:
 
     from redis.connection import SSLConnection
 
-    from lmdq.connection import connect, redact_url
     from lmdq.errors import RedisUnavailable
+    from lmdq.redis.connection import connect, redact_url
 
     url = "rediss://lmdq:s3cret@redis.example:6380/2?ssl_cert_reqs=required&ssl_ca_certs=/etc/ssl/ca.pem"
     c = connect(url, check=False)

@@ -29,7 +29,7 @@ from openai.types import Batch, BatchError, Completion, FileObject
 from openai.types.chat import ChatCompletion
 
 from lmdq.bench.api_bench import ApiProcess, write_batch_file
-from lmdq.keys import BatchField, Keys
+from lmdq.redis.keys import BatchField, Keys
 from tests.conftest import start_worker
 
 KEYS = {t: f"{t}-key-{uuid.uuid4().hex}" for t in ("alice", "bob", "pager", "poll", "mem")}

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import BatchField, Keys, queue_name
-from lmdq.store import ResultStore
+from lmdq.redis.keys import BatchField, Keys, queue_name
+from lmdq.results.store import ResultStore
 from tests.conftest import run_cli, start_worker
 from tests.faultkit import (
     SIM,

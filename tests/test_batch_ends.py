@@ -13,13 +13,13 @@ from typing import Any
 
 import redis
 
+from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.job_data import FORMAT_FIELD
-from lmdq.jobs import JobQueue, job_id_for
-from lmdq.keys import Keys, queue_names, rq_queue_key
-from lmdq.ledger import BatchLedger
+from lmdq.jobs.data import FORMAT_FIELD
+from lmdq.jobs.queue import JobQueue, job_id_for
 from lmdq.producer.retry import retry_batch
 from lmdq.producer.submit import SubmitOptions, submit_file
+from lmdq.redis.keys import Keys, queue_names, rq_queue_key
 from tests.helpers import results_of, write_jsonl
 
 MODEL = "sim"

@@ -18,7 +18,6 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("safetensors")
 pytest.importorskip("fsspec")
 
-from lmdq.blobs import BlobStore, TensorTooLarge, read_tensor  # noqa: E402
 from lmdq.contract import (  # noqa: E402
     Batch,
     BatchStatus,
@@ -27,9 +26,10 @@ from lmdq.contract import (  # noqa: E402
     Result,
     ResultStatus,
 )
-from lmdq.keys import Keys  # noqa: E402
-from lmdq.sink import flush_job, shard_key  # noqa: E402
-from lmdq.store import ResultStore  # noqa: E402
+from lmdq.redis.keys import Keys  # noqa: E402
+from lmdq.results.blobs import BlobStore, TensorTooLarge, read_tensor  # noqa: E402
+from lmdq.results.sink import flush_job, shard_key  # noqa: E402
+from lmdq.results.store import ResultStore  # noqa: E402
 from tests.conftest import free_port, run_cli, start_worker  # noqa: E402
 from tests.helpers import wait_batch, write_jsonl  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 The real engine needs a GPU; the stand-in (tests/mp_child.py) is started the same way LMDeploy 0.18
 starts it (``torch.multiprocessing.get_context('spawn').Process``) and logs through LMDeploy's own
-``get_logger``. Without :func:`lmdq.logs.route_child_logs` its lines are LMDeploy's colour text on
+``get_logger``. Without :func:`lmdq.logs.config.route_child_logs` its lines are LMDeploy's colour text on
 stdout (the control case below), with it every line of both processes is one JSON object."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 _SCRIPT = """
 import logging, sys
 import torch.multiprocessing as mp
-from lmdq.logs import configure_logging, get_logger, route_child_logs
+from lmdq.logs.config import configure_logging, get_logger, route_child_logs
 from tests.mp_child import engine_like
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmdq.keys import Keys, queue_name, rq_queue_key
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
 from tests.conftest import ROOT, RedisServer, free_port, run_cli
 
 PW = "QzJx7/KvW"  # no 3-character piece of it occurs in lmdq's wording, hosts or ports
@@ -219,7 +219,7 @@ def test_status_watch_outlives_a_redis_restart(env: dict[str, str]) -> None:
     """A long wait (``status --watch``) is not ended by a Redis restart: its polls wait for Redis under
     the one retry policy and say so once. Each step waits on a condition, never on the clock."""
     from lmdq.contract import Batch, BatchStatus, RequestCounts
-    from lmdq.store import ResultStore
+    from lmdq.results.store import ResultStore
 
     srv = RedisServer(aof=True).start()
     w: subprocess.Popen[bytes] | None = None

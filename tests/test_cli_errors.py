@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import Batch, BatchStatus, RequestCounts
 from lmdq.errors import ExitCode
-from lmdq.keys import Keys
-from lmdq.ledger import BatchLedger
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 from tests.conftest import ROOT, run_cli
 from tests.helpers import write_jsonl
 
@@ -128,7 +128,7 @@ def test_submit_dash_reads_stdin(env: dict[str, str], client: redis.Redis, prefi
 
 
 @pytest.mark.parametrize(("name", "data", "what"), [
-    # .parquet and .csv are read as tables (lmdq.client_sources, the client merge): only a Parquet file
+    # .parquet and .csv are read as tables (lmdq.client.sources, the client merge): only a Parquet file
     # under another name, and formats lmdq does not read, get the message
     ("prompts.bin", b"PAR1\x15\x04\x15\x10", "Parquet"),  # by its magic bytes, whatever its name
     ("prompts.tsv", b"prompt\tcustom_id\nhello\t1\n", "TSV"),

@@ -20,8 +20,8 @@ import typer
 from conftest import ROOT, run_cli
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 
 CONTROL = re.compile(r"\x1b|\r")  # escape sequences or carriage returns: a live display, unreadable in a log
 

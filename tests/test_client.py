@@ -18,8 +18,8 @@ import redis
 
 import lmdq
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import queue_name, rq_queue_key
 from lmdq.producer.settings import ProducerSettings
+from lmdq.redis.keys import queue_name, rq_queue_key
 from tests.conftest import ROOT
 
 pa = pytest.importorskip("pyarrow")
@@ -155,7 +155,7 @@ def test_a_missing_column_and_a_bad_option_are_refused_before_reading(api: lmdq.
         api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", result_ttl=5)
     with pytest.raises(lmdq.SubmitRejected, match="^max_new_tokens: "):
         api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", max_new_tokens=0)
-    # the CLI's rule, declared once (lmdq.client_options.parse_window): a window as text takes its unit
+    # the CLI's rule, declared once (lmdq.client.options.parse_window): a window as text takes its unit
     with pytest.raises(lmdq.SubmitRejected, match=r"^completion_window: expected a duration with its unit .*'2'"):
         api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", completion_window="2")
     with pytest.raises(TypeError, match="max_tokens_typo"):
@@ -262,7 +262,7 @@ def test_idempotency_key_returns_the_same_batch(api: lmdq.Client) -> None:
 
 def test_results_as_arrow_pandas_and_parquet(api: lmdq.Client, tmp_path: Path, redis_url: str,
                                              prefix: str) -> None:
-    from lmdq.client_export import RESULT_COLUMNS, result_schema
+    from lmdq.results.export import RESULT_COLUMNS, result_schema
 
     rows = [{"qid": q, "question": t} for q, t in zip(IDS, QUESTIONS)]
     rows[2]["question"] = "[[sim:error]] this one fails"
@@ -312,9 +312,10 @@ def test_cli_submit_parquet_and_results_to_parquet(tmp_path: Path, env: dict[str
 
 #: Modules that talk to Redis or a results store, or hold submit/cancel/retry logic: the CLI reaches
 #: them only through lmdq.Client.
-_BELOW_THE_API = {"redis", "rq", "lmdq.connection", "lmdq.store", "lmdq.ledger", "lmdq.registry", "lmdq.keys",
-                  "lmdq.sink", "lmdq.jobs", "lmdq.producer.submit", "lmdq.producer.retry", "lmdq.producer.cancel",
-                  "lmdq.producer.export", "lmdq.producer.formats", "lmdq.headroom", "lmdq.guided"}
+_BELOW_THE_API = {"redis", "rq", "lmdq.redis.connection", "lmdq.results.store", "lmdq.batches.ledger",
+                  "lmdq.workers.registry", "lmdq.redis.keys", "lmdq.results.sink", "lmdq.jobs.queue",
+                  "lmdq.producer.submit", "lmdq.producer.retry", "lmdq.producer.cancel",
+                  "lmdq.producer.export", "lmdq.producer.formats", "lmdq.batches.headroom", "lmdq.guided"}
 _REDIS_COMMANDS = {"hget", "hset", "hgetall", "hmget", "lrange", "llen", "rpush", "zadd", "zrevrange",
                    "pipeline", "execute", "eval", "evalsha", "register_script", "keys", "scan", "delete",
                    "get_batch", "list_batches", "iter_results", "write_result", "enqueue", "purge_batch"}
@@ -337,8 +338,8 @@ def _cli_imports_and_calls(source: str) -> tuple[set[str], set[str]]:
 
 def test_the_check_below_can_fail() -> None:
     imported, called = _cli_imports_and_calls(
-        "from lmdq.store import ResultStore\nimport redis\ndef f(c):\n    c.hgetall('k')\n")
-    assert {"lmdq.store", "redis"} <= imported and "hgetall" in called
+        "from lmdq.results.store import ResultStore\nimport redis\ndef f(c):\n    c.hgetall('k')\n")
+    assert {"lmdq.results.store", "redis"} <= imported and "hgetall" in called
 
 
 def test_producer_cli_makes_no_redis_or_store_call() -> None:
@@ -346,18 +347,18 @@ def test_producer_cli_makes_no_redis_or_store_call() -> None:
     below = {m for m in imported if any(m == b or m.startswith(b + ".") for b in _BELOW_THE_API)}
     assert not below, below
     assert not called & _REDIS_COMMANDS, called & _REDIS_COMMANDS
-    assert "lmdq.client" in imported
+    assert "lmdq.client.client" in imported
 
 
 def test_the_column_wise_fast_path_spools_exactly_what_the_row_parser_does(tmp_path: Path) -> None:
     """Arrow record batches of the common shape skip the per-row parser; the spool must be the same bytes."""
-    from lmdq.client_sources import classify, spool
+    from lmdq.client.sources import classify, spool
     from lmdq.producer.formats.tabular import ColumnMap
 
     rows = [{"qid": f"id-{i}", "question": f"q {i} \u00e9\u4e2d \"quoted\"\n", "temperature": [None, 0.0, 0.7][i % 3],
              "max_tokens": 5 + i % 2} for i in range(10_000)]
     cmap = ColumnMap(prompt_column="question", id_column="qid", params_columns=["temperature", "max_tokens"])
-    from lmdq.client_sources import _FastPath
+    from lmdq.client.sources import _FastPath
     from lmdq.producer.formats.tabular import RowMapper
 
     table = pa.Table.from_pylist(rows)

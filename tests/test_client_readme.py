@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmdq.keys import Keys
-from lmdq.registry import ModelRegistry
+from lmdq.redis.keys import Keys
+from lmdq.workers.registry import ModelRegistry
 from tests.conftest import ROOT, start_worker
 
 MARKER = "<!-- python-api-example: executed by tests/test_client_readme.py -->"

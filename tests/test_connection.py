@@ -1,4 +1,4 @@
-"""lmdq.connection and lmdq.redaction: redaction that cannot fail, checked URLs, timeouts, one retry policy.
+"""lmdq.redis.connection and lmdq.logs.redaction: redaction that cannot fail, checked URLs, timeouts, one retry policy.
 
 The CLI-level behaviour (exit codes, frozen Redis, the URL corpus through a subprocess) is in
 tests/test_cli_boundary.py; these are the units, against a real redis-server where a server matters.
@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from lmdq.connection import RETRYABLE_ERRORS, RetryPolicy, check_redis_url, connect, with_reconnect
 from lmdq.errors import ExitCode, RedisRefused, RedisUnavailable, run_cli
-from lmdq.redaction import redact_text, redact_url
+from lmdq.logs.redaction import redact_text, redact_url
+from lmdq.redis.connection import RETRYABLE_ERRORS, RetryPolicy, check_redis_url, connect, with_reconnect
 from lmdq.settings import CommonSettings
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +362,7 @@ def test_slow_connect_says_once_what_it_waits_for() -> None:
 def test_a_stopped_notice_never_speaks() -> None:
     import time
 
-    from lmdq.connection import SLOW_CONNECT_NOTICE_S, _SlowNotice
+    from lmdq.redis.connection import SLOW_CONNECT_NOTICE_S, _SlowNotice
 
     said: list[str] = []
     _SlowNotice("x", said.append).stop()
@@ -404,7 +404,7 @@ def structlog_restored() -> Iterator[None]:
 def test_log_lines_never_carry_a_password_in_a_url(capsys: pytest.CaptureFixture[str],
                                                    structlog_restored: None) -> None:
     """The structlog processor is the net under every log call, tracebacks included."""
-    from lmdq.logs import configure_logging, get_logger
+    from lmdq.logs.config import configure_logging, get_logger
 
     configure_logging("json", "INFO")
     log = get_logger("t")

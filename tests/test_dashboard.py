@@ -13,10 +13,10 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmdq.exporter import QueueCollector
-from lmdq.keys import Keys
-from lmdq.registry import WorkerRegistry
+from lmdq.metrics.exporter import QueueCollector
+from lmdq.redis.keys import Keys
 from lmdq.worker.health import WorkerHealth
+from lmdq.workers.registry import WorkerRegistry
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "lmdq-dashboard.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}

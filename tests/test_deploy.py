@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from lmdq.contract import Priority
-from lmdq.keys import Keys, model_slug, queue_name, rq_queue_key
+from lmdq.redis.keys import Keys, model_slug, queue_name, rq_queue_key
 
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
@@ -339,7 +339,7 @@ def test_pod_monitor_schema_rejects_mistakes(path: tuple[str | int, ...], value:
 @pytest.mark.parametrize("overlay", overlays())
 def test_one_gpu_less_exporter_runs_in_every_overlay(overlay: str) -> None:
     """Queue depth is exported once per Redis, by a pod that exists also at zero workers."""
-    from lmdq.exporter import ExporterSettings
+    from lmdq.metrics.exporter import ExporterSettings
 
     docs = render(overlay)
     dep = find(docs, "Deployment", "lmdq-exporter")

@@ -10,8 +10,8 @@ from pathlib import Path
 import redis
 
 from lmdq.contract import BatchStatus, Result, ResultStatus
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 from tests.conftest import run_cli, start_worker
 from tests.helpers import results_of, wait_batch, write_jsonl
 
@@ -149,7 +149,7 @@ def test_sigterm_with_work_in_flight_requeues_and_exits_zero(tmp_path: Path, env
     assert w.wait(30) == 0
     b = store.get_batch(bid)
     assert b.request_counts.done == 0  # nothing could finish in 1 s of drain ...
-    from lmdq.keys import queue_name, rq_queue_key
+    from lmdq.redis.keys import queue_name, rq_queue_key
 
     q = [x.decode() for x in client.lrange(rq_queue_key(queue_name("sim", "normal", prefix)), 0, -1)]
     assert sorted(q) == [f"{bid}-000000", f"{bid}-000001"]  # ... and both jobs are back on the queue

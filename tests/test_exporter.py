@@ -1,4 +1,4 @@
-"""The queue exporter (lmdq.exporter) as deployed: its own process, a real redis-server, real HTTP
+"""The queue exporter (lmdq.metrics.exporter) as deployed: its own process, a real redis-server, real HTTP
 scrapes parsed as Prometheus text. Queue depth exists once per Redis, also with no worker running."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmdq.jobs import JobQueue
-from lmdq.keys import Keys, queue_names
-from lmdq.registry import WorkerRegistry
+from lmdq.jobs.queue import JobQueue
+from lmdq.redis.keys import Keys, queue_names
+from lmdq.workers.registry import WorkerRegistry
 from tests.conftest import ROOT, RedisServer, free_port, run_cli
 from tests.helpers import write_jsonl
 
@@ -224,7 +224,7 @@ def test_200_concurrent_scrapes_with_10000_batches_answer_without_touching_redis
 def test_a_read_walks_junk_sets_within_its_scan_budget(client: redis.Redis, prefix: str) -> None:
     """A models hash of 50,000 junk names: the read takes at most SCAN_CALLS short HSCANs (no HKEYS of
     the whole hash), serves at most MAX_MODELS models and says it was cut short."""
-    from lmdq.exporter import MAX_MODELS, SCAN_CALLS, SnapshotCollector
+    from lmdq.metrics.exporter import MAX_MODELS, SCAN_CALLS, SnapshotCollector
 
     k = Keys(prefix)
     with client.pipeline(transaction=False) as p:

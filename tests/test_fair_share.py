@@ -1,4 +1,4 @@
-"""Idle workers share a small batch (lmdq.idle_roster, worker.admission.fair_share): with two idle
+"""Idle workers share a small batch (lmdq.redis.idle_roster, worker.admission.fair_share): with two idle
 workers a 4-job batch runs 2 + 2 and ends in about half the one-worker time. Time is counted in the
 sim engines' decode steps (each engine steps only while it has sequences), never on the wall clock:
 the batch's makespan is the busiest engine's step count."""
@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from lmdq.contract import BatchStatus
-from lmdq.keys import Keys
+from lmdq.redis.keys import Keys
 from lmdq.worker.admission import fair_share
 from tests.conftest import RedisServer
 from tests.faultkit import wait_for

@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from lmdq.contract import Batch, BatchStatus, JobPayload, Request, RequestCounts, Result, ResultStatus
-from lmdq.keys import Keys
 from lmdq.producer.follow import Follower
-from lmdq.sink import flush_job
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.sink import flush_job
+from lmdq.results.store import ResultStore
 from tests.conftest import ROOT
 from tests.test_cli_terminal import _Lines
 

@@ -258,7 +258,7 @@ def test_metrics_gauges(served: tuple[WorkerHealth, int]) -> None:
 
 
 def test_workers_do_not_export_queue_depth(served: tuple[WorkerHealth, int]) -> None:
-    """Queue depth is lmdq.exporter's, once per Redis: from every worker it summed N times over."""
+    """Queue depth is lmdq.metrics.exporter's, once per Redis: from every worker it summed N times over."""
     _h, port = served
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()

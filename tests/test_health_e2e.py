@@ -66,7 +66,7 @@ def test_running_worker_serves_health_ready_and_metrics(tmp_path: Path, env: dic
         assert _metric(text, "lmdq_tokens_input_total", **lab) > 0
         assert _metric(text, "lmdq_time_to_first_token_seconds_count", **lab) == 20
         assert _metric(text, "lmdq_request_latency_seconds_count", **lab) >= 20
-        assert "lmdq_queue_depth" not in text  # lmdq.exporter's, once per Redis (tests/test_exporter.py)
+        assert "lmdq_queue_depth" not in text  # lmdq.metrics.exporter's, once per Redis (tests/test_exporter.py)
         assert _metric(text, "lmdq_engine_load_seconds", **lab) >= 0
         assert re.search(r"^lmdq_requests_in_flight\{", text, re.M)
         w.send_signal(signal.SIGTERM)

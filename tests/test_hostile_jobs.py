@@ -33,12 +33,12 @@ from lmdq.contract import (
     RequestCounts,
     ResultStatus,
 )
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobRefused, JobTooLarge, inflate, read_job
-from lmdq.job_decode import decode_job
-from lmdq.jobs import JobQueue, job_id_for
-from lmdq.keys import Keys, queue_name, rq_queue_key
-from lmdq.output_urls import OutputPolicy, OutputUrlRejected, parse_output_url
-from lmdq.store import ResultStore
+from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, MAX_FIELD_BYTES, JobRefused, JobTooLarge, inflate, read_job
+from lmdq.jobs.decode import decode_job
+from lmdq.jobs.queue import JobQueue, job_id_for
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
+from lmdq.results.output_urls import OutputPolicy, OutputUrlRejected, parse_output_url
+from lmdq.results.store import ResultStore
 from tests.conftest import ROOT
 from tests.helpers import results_of, wait_batch
 
@@ -220,7 +220,7 @@ def test_output_policy_normalises_then_checks_prefixes(tmp_path: Path) -> None:
 
 def test_blob_store_keys_and_symlinks_cannot_leave_the_store(tmp_path: Path) -> None:
     pytest.importorskip("fsspec")
-    from lmdq.blobs import BlobStore
+    from lmdq.results.blobs import BlobStore
 
     store_dir, outside = tmp_path / "store", tmp_path / "outside"
     store_dir.mkdir()
@@ -322,7 +322,7 @@ def test_decode_job_checks_the_job_against_its_batch_record(tmp_path: Path, clie
         decode_job(client, jq, "j" * 300, outputs=pol)
     # a refusal quotes job data only cut short (it is logged and stored in exc_info)
     _push_raw(client, prefix, "long-name", data=json.dumps(["f" * 100_000, None, [{}], {}]))
-    with pytest.raises(JobRefused, match="is not 'lmdq.jobs.generate'") as e:
+    with pytest.raises(JobRefused, match="is not 'lmdq.jobs.queue.generate'") as e:
         decode_job(client, jq, "long-name", outputs=pol)
     assert len(str(e.value)) < 1100
     assert good.id == job_id_for(bid, 1)

@@ -1,4 +1,4 @@
-"""Idle workers sleep in Redis instead of polling (lmdq.wakeup, worker.idle), and a worker's connection
+"""Idle workers sleep in Redis instead of polling (lmdq.redis.wakeup, worker.idle), and a worker's connection
 pool never runs out (connect(max_connections=...)). Costs are counted on the server (INFO), never timed."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts
-from lmdq.jobs import JobQueue
-from lmdq.keys import Keys, queue_name, rq_queue_key
-from lmdq.wakeup import WAKE_LUA
+from lmdq.jobs.queue import JobQueue
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
+from lmdq.redis.wakeup import WAKE_LUA
 from tests.conftest import RedisServer, start_worker
 from tests.faultkit import SIM, events, no_traceback, stopped_stats, submit, wait_for
 from tests.helpers import wait_batch, write_jsonl

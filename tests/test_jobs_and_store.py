@@ -7,9 +7,9 @@ import time
 import redis
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
-from lmdq.jobs import JobQueue
-from lmdq.keys import Keys, queue_name, rq_queue_key
-from lmdq.store import ResultStore
+from lmdq.jobs.queue import JobQueue
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
+from lmdq.results.store import ResultStore
 from tests.helpers import commit_staged, stage_jobs
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import redis
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts
-from lmdq.jobs import JobQueue
-from lmdq.keys import Keys, queue_name
-from lmdq.store import ResultStore
+from lmdq.jobs.queue import JobQueue
+from lmdq.redis.keys import Keys, queue_name
+from lmdq.results.store import ResultStore
 from tests.conftest import start_worker
 from tests.faultkit import SIM, assert_exactly_once, events, owners, submit, wait_for
 from tests.helpers import commit_staged, stage_jobs, wait_batch, write_jsonl

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import redis
 
+from lmdq.batches.ledger import BatchLedger, Staged, new_batch_id
 from lmdq.contract import Batch, BatchStatus, Priority, RequestCounts, ResultStatus
 from lmdq.errors import BatchNotFound, RedisRefused, RetryRejected, SubmitRejected
-from lmdq.jobs import job_id_for
-from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
-from lmdq.ledger import BatchLedger, Staged, new_batch_id
-from lmdq.store import RUNNING_TTL_S
+from lmdq.jobs.queue import job_id_for
+from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
+from lmdq.results.store import RUNNING_TTL_S
 from tests.conftest import RedisServer, free_port
 
 TTL = 3600
@@ -59,7 +59,7 @@ def test_create_stage_commit_write_exactly_the_batch_keys(client: redis.Redis, p
     assert ledger.commit(b, staged) == 3
     assert _keys(client) - before - {"rq:queues"} == {
         k.idempotency("nightly"), k.batch(b.id), k.batches(), k.batch_jobs(b.id), qkey, *jobs,
-        k.wake("sim"),  # the model's wake-up token (one per model, not per batch: lmdq.wakeup)
+        k.wake("sim"),  # the model's wake-up token (one per model, not per batch: lmdq.redis.wakeup)
     }
     assert client.lrange(qkey, 0, -1) == [job_id_for(b.id, n).encode() for n in range(3)]
     assert client.sismember("rq:queues", qkey)
@@ -318,7 +318,7 @@ def test_cancel_refused_midway_leaves_the_jobs_queued_then_finishes() -> None:
 def test_refusal_wording_is_matched_however_it_arrives(client: redis.Redis) -> None:
     """redis-py raises OOM/READONLY as their own classes for plain commands but as a plain ResponseError
     from inside a script or pipeline; MISCONF (a failed snapshot) has no class at all."""
-    from lmdq.ledger import redis_refusal
+    from lmdq.batches.ledger import redis_refusal
 
     misconf = redis.ResponseError("Command # 1 (HSET x) of pipeline caused error: MISCONF Redis is configured to "
                                   "save RDB snapshots, but it's currently unable to persist to disk.")

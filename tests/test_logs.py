@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(script: str, level: str = "INFO") -> tuple[list[dict[str, Any]], str]:
     """Run ``script`` after lmdq's JSON configuration; every line of stdout and stderr must be JSON."""
-    head = f"from lmdq.logs import configure_logging\nconfigure_logging('json', {level!r})\n"
+    head = f"from lmdq.logs.config import configure_logging\nconfigure_logging('json', {level!r})\n"
     p = subprocess.run([sys.executable, "-c", head + textwrap.dedent(script)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -56,7 +56,7 @@ def test_lmdeploy_and_stdlib_loggers_come_out_as_json_lines() -> None:
             raise KeyError('Qz7 missing')
         except KeyError:
             other.exception('library failed')
-        from lmdq.logs import get_logger as lmdq_logger
+        from lmdq.logs.config import get_logger as lmdq_logger
         lmdq_logger('lmdq.test').info('structlog line', n=3)
     """)
     got = _by_event(events)
@@ -81,7 +81,7 @@ def test_a_library_configured_before_lmdq_is_taken_over() -> None:
         h.setFormatter(logging.Formatter('[%(levelname)s] plain %(message)s'))
         lib.addHandler(h)
         lib.propagate = False
-        from lmdq.logs import configure_logging
+        from lmdq.logs.config import configure_logging
         configure_logging('json', 'INFO')
         lib.warning('transformers warning')
         lib.addHandler(logging.StreamHandler(sys.stderr))  # configured again later: refused
@@ -108,7 +108,7 @@ def test_the_configured_level_applies_to_library_loggers() -> None:
         lm = get_logger('lmdeploy')
         lm.info('dropped')
         lm.warning('kept')
-        from lmdq.logs import get_logger as lmdq_logger
+        from lmdq.logs.config import get_logger as lmdq_logger
         lmdq_logger('lmdq.test').info('dropped too')
     """, level="WARNING")
     assert [e["event"] for e in events] == ["kept"]
@@ -116,7 +116,7 @@ def test_the_configured_level_applies_to_library_loggers() -> None:
 
 def test_a_bad_level_is_a_setting_error() -> None:
     from lmdq.errors import BadSetting
-    from lmdq.logs import configure_logging
+    from lmdq.logs.config import configure_logging
 
     with pytest.raises(BadSetting, match="LMDQ_LOG_LEVEL"):
         configure_logging("json", "LOUD")

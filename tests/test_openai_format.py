@@ -18,8 +18,8 @@ from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion, ChatCompletionTokenLogprob
 
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import BatchField, Keys
-from lmdq.store import ResultStore
+from lmdq.redis.keys import BatchField, Keys
+from lmdq.results.store import ResultStore
 from tests.conftest import run_cli, start_worker
 from tests.helpers import results_of, wait_batch, write_jsonl
 

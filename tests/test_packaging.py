@@ -25,7 +25,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from lmdq.contract import Priority
-from lmdq.keys import Keys, queue_name, rq_queue_key
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
 
 if sys.version_info >= (3, 11):
     import tomllib

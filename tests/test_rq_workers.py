@@ -13,8 +13,8 @@ from pathlib import Path
 import redis
 from rq.worker import Worker as RqWorker
 
-from lmdq.keys import Keys, queue_names, rq_worker_key, rq_workers_by_queue_key, rq_workers_key
-from lmdq.registry import WorkerRegistry
+from lmdq.redis.keys import Keys, queue_names, rq_worker_key, rq_workers_by_queue_key, rq_workers_key
+from lmdq.workers.registry import WorkerRegistry
 from tests.conftest import run_cli, start_worker
 from tests.helpers import wait_batch, write_jsonl
 
@@ -61,7 +61,7 @@ def test_registry_writes_an_rq_worker_record(client: redis.Redis, prefix: str) -
 
 def test_utc_stamp_matches_python_across_dates(client: redis.Redis) -> None:
     """The script's own civil-date arithmetic, checked against Python for leap days and centuries."""
-    from lmdq.registry import _NOW
+    from lmdq.workers.registry import _NOW
 
     script = client.register_script(_NOW.replace("redis.call('TIME')", "{ARGV[1], ARGV[2]}") + "return utc()")
     for ts in (0, 951782400, 951868799, 1709164800, 4107542399, 1767225599, 1767225600):

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmdq.connection import connect, parse_sentinel_url, server_address
 from lmdq.contract import BatchStatus
 from lmdq.errors import RedisUnavailable
-from lmdq.keys import Keys, queue_name, rq_queue_key
-from lmdq.store import ResultStore
+from lmdq.redis.connection import connect, parse_sentinel_url, server_address
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
+from lmdq.results.store import ResultStore
 from tests.conftest import free_port, redis_server_binary, run_cli, start_worker
 from tests.faultkit import SIM, assert_exactly_once, events, no_traceback, submit, wait_for
 from tests.helpers import write_jsonl
@@ -246,7 +246,7 @@ def test_a_demoted_primary_is_left_even_when_READONLY_comes_from_a_script(sentin
     behind the sentinel's back: a lease script, a pipeline and a plain write through lmdq's client all
     fail as ConnectionError (retryable: the caller's retry reconnects through the sentinels), and the
     connection to the replica is closed, never reused."""
-    from lmdq.jobs import JobQueue
+    from lmdq.jobs.queue import JobQueue
 
     client = connect(sentinels.url(dead_first=False), max_connections=4)
     assert client.ping() and server_address(client).endswith(f"127.0.0.1:{sentinels.ports['a']})")

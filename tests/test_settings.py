@@ -19,7 +19,7 @@ import typer
 from pydantic import BaseModel, Field
 from typer.testing import CliRunner
 
-from lmdq.cli_options import FlagSpec, model_options
+from lmdq.cli.options import FlagSpec, model_options
 from lmdq.contract import GenerationParams
 from lmdq.errors import BadSetting
 from lmdq.worker.engine_config import (

@@ -24,11 +24,11 @@ import redis
 pytest.importorskip("fsspec")
 pytest.importorskip("s3fs")
 
-from lmdq.blobs import BlobStore, SinkAbandoned, SinkTimeout, bounded  # noqa: E402
 from lmdq.contract import Batch, BatchStatus, JobPayload, RequestCounts, Result, ResultStatus  # noqa: E402
-from lmdq.keys import Keys  # noqa: E402
-from lmdq.sink import flush_job, pending_count  # noqa: E402
-from lmdq.store import ResultStore  # noqa: E402
+from lmdq.redis.keys import Keys  # noqa: E402
+from lmdq.results.blobs import BlobStore, SinkAbandoned, SinkTimeout, bounded  # noqa: E402
+from lmdq.results.sink import flush_job, pending_count  # noqa: E402
+from lmdq.results.store import ResultStore  # noqa: E402
 from tests.conftest import ROOT, free_port, run_cli, start_worker  # noqa: E402
 from tests.hangproxy import HangProxy  # noqa: E402
 from tests.helpers import wait_batch, write_jsonl  # noqa: E402
@@ -286,8 +286,8 @@ def test_sweeper_retries_only_real_jobs_of_allowed_sinks(tmp_path: Path, client:
     worker that may); a claimed entry is not handed to a second sweeper while its lease runs."""
     import structlog
 
-    from lmdq.output_urls import OutputPolicy
-    from lmdq.sink import PendingShard, add_pending, claim_pending, pending_keys
+    from lmdq.results.output_urls import OutputPolicy
+    from lmdq.results.sink import PendingShard, add_pending, claim_pending, pending_keys
     from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink
 
     keys = Keys(prefix)
@@ -369,8 +369,8 @@ def test_a_sweep_tries_a_hung_sink_once_not_once_per_entry(
     timeout), reschedules the other two untried, and keeps every record in Redis."""
     import structlog
 
-    from lmdq.output_urls import OutputPolicy
-    from lmdq.sink import PendingShard, add_pending
+    from lmdq.results.output_urls import OutputPolicy
+    from lmdq.results.sink import PendingShard, add_pending
     from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink
 
     for k, v in {**AWS_ENV, "LMDQ_S3_ENDPOINT_URL": proxy.url}.items():
@@ -406,8 +406,8 @@ def test_a_full_redis_is_freed_when_the_sink_answers(tmp_path: Path, client: red
     until the sink returned, and then only because nothing was full)."""
     import structlog
 
-    from lmdq.output_urls import OutputPolicy
-    from lmdq.sink import PendingShard, add_pending
+    from lmdq.results.output_urls import OutputPolicy
+    from lmdq.results.sink import PendingShard, add_pending
     from lmdq.worker.results_sink import ResultsSink
 
     keys = Keys(prefix)

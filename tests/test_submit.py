@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmdq.keys import Keys, queue_name, rq_queue_key
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
 from tests.conftest import run_cli
 from tests.helpers import write_jsonl
 
@@ -62,7 +62,7 @@ def test_default_custom_id_is_line_number(tmp_path: Path, env: dict[str, str], c
     b = json.loads(p.stdout)
     job = client.hgetall(f"rq:job:{b['id']}-000000")
     assert job[b"status"] == b"queued"
-    from lmdq.jobs import JobQueue
+    from lmdq.jobs.queue import JobQueue
 
     payload = JobQueue.payload_of(JobQueue(client, keys=Keys(prefix)).fetch_job(f"{b['id']}-000000"))
     assert [r.custom_id for r in payload.requests] == ["1", "3"]

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import BatchStatus, GenerationParams, Result
 from lmdq.errors import RedisRefused, SubmitRejected
-from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
-from lmdq.ledger import BatchLedger
 from lmdq.producer.submit import SubmitOptions, submit_file
-from lmdq.store import ResultStore
+from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
+from lmdq.results.store import ResultStore
 from tests.conftest import ROOT, RedisServer
 from tests.helpers import write_jsonl
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import redis
 
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 from tests.conftest import start_worker
 from tests.faultkit import (
     SIM,

@@ -21,8 +21,8 @@ import pytest
 import redis
 
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import Keys, queue_name, rq_queue_key
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys, queue_name, rq_queue_key
+from lmdq.results.store import ResultStore
 from tests.conftest import start_worker
 from tests.faultkit import SIM, assert_exactly_once, events, no_traceback, owners, submit, wait_for
 from tests.helpers import wait_batch, write_jsonl

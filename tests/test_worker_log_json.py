@@ -1,8 +1,8 @@
 """Every line a worker and its children write is one JSON object (issue 27), tqdm bars and raw writers included.
 
-The relay (lmdq.log_relay) is checked in a real process against every kind of writer a worker hosts: a
+The relay (lmdq.logs.relay) is checked in a real process against every kind of writer a worker hosts: a
 structlog line, ``print``, a write straight to fd 2 (what C++/CUDA libraries do), a child process that
-inherits the descriptors, and a tqdm bar (lmdq.tqdm_events). Then the real worker, transformers engine on
+inherits the descriptors, and a tqdm bar (lmdq.logs.tqdm_events). Then the real worker, transformers engine on
 the embedded SmolLM2 (whose loading draws tqdm bars), from start to stop, on a terminal (a pty) and off one.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lmdq.log_relay import render_line
+from lmdq.logs.relay import render_line
 from tests.conftest import ROOT, run_cli
 
 
@@ -54,9 +54,9 @@ def test_render_line_keeps_json_and_wraps_the_rest() -> None:
 
 _WRITERS = r"""
 import os, subprocess, sys
-from lmdq.log_relay import install_relay
-from lmdq.logs import configure_logging, get_logger
-from lmdq.tqdm_events import install
+from lmdq.logs.relay import install_relay
+from lmdq.logs.config import configure_logging, get_logger
+from lmdq.logs.tqdm_events import install
 install_relay()
 configure_logging("json", "INFO")
 install()

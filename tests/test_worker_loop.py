@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
+from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
 from tests.conftest import ROOT, start_worker
 from tests.faultkit import (
     SIM,

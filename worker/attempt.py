@@ -1,6 +1,6 @@
 """One attempt at one job: read where it stands, apply the batch's policy, stream it through the engine.
 
-Policy first, from ONE store round trip (:meth:`lmdq.jobs.JobQueue.begin`): requests that already
+Policy first, from ONE store round trip (:meth:`lmdq.jobs.queue.JobQueue.begin`): requests that already
 have results are skipped (a resumed job), a cancelled batch's requests end ``cancelled``, a batch
 past its completion window (by the Redis server's clock) ends them ``expired``, a job out of attempts
 or runs ends them ``failed``. Then the engine: every event of a request goes to the result writer,
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdq.contract import BatchStatus, ErrorInfo, FinishReason, JobPayload, Request, ResultStatus
-from lmdq.jobs import Claim, JobQueue
-from lmdq.keys import BatchField
-from lmdq.store import ResultStore
+from lmdq.jobs.queue import Claim, JobQueue
+from lmdq.redis.keys import BatchField
+from lmdq.results.store import ResultStore
 from lmdq.worker.admission import EngineGate
 from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent, EngineRequest
 from lmdq.worker.outcomes import MAX_RUNS, SUSPECT_AFTER_CRASHES, AbortReason, AttemptEnd, Outcome
@@ -60,7 +60,7 @@ class Held:
     #: its lease is being released: a heartbeat that finds the lease gone is not news
     released: bool = False
     #: its results are all in a shard and none is to be retried: its job hash (the prompts) can go
-    #: once the job is released (see lmdq.sink)
+    #: once the job is released (see lmdq.results.sink)
     forget: bool = False
     #: final results queued for the writer (ResultWriter.final_async), waited for before the attempt ends
     writes: list[Future[bool]] = field(default_factory=list)
@@ -151,7 +151,7 @@ class JobAttempt:
     def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
             output_refusal: str | None = None) -> AttemptEnd:
         """One attempt. ``output_refusal``: the batch names an output URL this worker may not write to
-        (:class:`lmdq.job_decode.OutputNotAllowed`): its unfinished requests end ``failed`` with
+        (:class:`lmdq.jobs.decode.OutputNotAllowed`): its unfinished requests end ``failed`` with
         ``output_url_not_allowed`` instead of running, and the job ends failed (never retried)."""
         claim = held.claim
         enq = job.enqueued_at.timestamp() if job.enqueued_at else None

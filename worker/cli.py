@@ -9,15 +9,15 @@ from typing import Annotated, Any
 
 import typer
 
-from lmdq.cli_options import model_options
-from lmdq.connection import connect, redact_url
+from lmdq.cli.options import model_options
 from lmdq.errors import run_cli
-from lmdq.log_relay import install_relay
-from lmdq.logs import configure_logging, get_logger, route_child_logs
-from lmdq.registry import redis_answers
-from lmdq.tqdm_events import install as install_tqdm_events
+from lmdq.logs.config import configure_logging, get_logger, route_child_logs
+from lmdq.logs.relay import install_relay
+from lmdq.logs.tqdm_events import install as install_tqdm_events
+from lmdq.redis.connection import connect, redact_url
 from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
 from lmdq.worker.settings import load_worker_settings
+from lmdq.workers.registry import redis_answers
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   # plain click help, as lmdq-producer: rich cuts long option names at 80 columns
@@ -79,7 +79,7 @@ def run(
         s.worker_name = default_worker_name()
     log = get_logger("lmdq.worker")
     if s.served_model_name:
-        from lmdq.keys import check_model_name
+        from lmdq.redis.keys import check_model_name
 
         check_model_name(s.served_model_name)  # before a model load of minutes: exit 2, one line
     ignored = unused_env(s.engine_name, os.environ)

@@ -2,7 +2,7 @@
 
 Every engine setting's name, type, bounds, default and help live in exactly one pydantic field below.
 Everything else derives from these declarations: the worker's ``LMDQ_*`` env vars and ``--flags``
-(:func:`flat_names`, :mod:`lmdq.cli_options`), the nested ``WorkerSettings.lmdeploy / .transformers
+(:func:`flat_names`, :mod:`lmdq.cli.options`), the nested ``WorkerSettings.lmdeploy / .transformers
 / .sim``, the engine constructors (they take the config object), ``build_backend_config`` and the
 bench. A new setting is one new field here, nothing more.
 
@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lmdq.cli_options import FlagSpec
+from lmdq.cli.options import FlagSpec
 from lmdq.errors import BadSetting
 
 __all__ = [

@@ -103,7 +103,7 @@ class WorkerHealth:
         self._tokens_in = counter("lmdq_tokens_input", "Prompt tokens of finished requests.").labels(**values)
         self._tokens_out = counter("lmdq_tokens_output", "Generated tokens of finished requests.").labels(**values)
 
-        # Queue depth is not a worker's: lmdq.exporter serves it once per Redis, also at zero workers.
+        # Queue depth is not a worker's: lmdq.metrics.exporter serves it once per Redis, also at zero workers.
         self._requests_in_flight = gauge("lmdq_requests_in_flight", "Requests inside the engine now.")
         self._jobs_in_flight = gauge("lmdq_jobs_in_flight", "Jobs this worker holds now.")
         self._engine_load = gauge("lmdq_engine_load_seconds", "Seconds the engine took to load (0 until loaded).")

@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 
 import redis
 
-from lmdq.connection import RETRYABLE_ERRORS, refusal, with_reconnect
 from lmdq.contract import Result
-from lmdq.store import ResultStore
+from lmdq.redis.connection import RETRYABLE_ERRORS, refusal, with_reconnect
+from lmdq.results.store import ResultStore
 
 __all__ = ["ResultWriter", "StoreRefused", "WriteAbandoned", "is_store_refusal"]
 
@@ -34,13 +34,13 @@ T = TypeVar("T")
 
 def is_store_refusal(e: BaseException) -> bool:
     """Redis answered but refused the write for a reason of its own (memory, role, disk): see
-    :func:`lmdq.connection.refusal`, the one classifier the producer's refusals use too."""
+    :func:`lmdq.redis.connection.refusal`, the one classifier the producer's refusals use too."""
     return refusal(e) is not None
 
 
 class StoreRefused(redis.exceptions.ConnectionError):
     """A refusal (see :func:`is_store_refusal`) re-raised as a connection-class error, so that the one
-    reconnect policy (:func:`lmdq.connection.with_reconnect`) retries it like an unreachable Redis."""
+    reconnect policy (:func:`lmdq.redis.connection.with_reconnect`) retries it like an unreachable Redis."""
 
 
 class WriteAbandoned(Exception):
@@ -91,7 +91,7 @@ class ResultWriter:
                 retried = True
                 self._enter(e, what, delay)
             # no jitter of its own: the one retry policy's delays are already jittered ([d/2, d],
-            # lmdq.connection.RetryPolicy), so job threads and workers do not hit a recovering Redis at once
+            # lmdq.redis.connection.RetryPolicy), so job threads and workers do not hit a recovering Redis at once
 
         ok = False
         try:
@@ -103,7 +103,7 @@ class ResultWriter:
                 self._leave(ok)
 
     def final(self, result: Result) -> bool:
-        """Store a final result (exactly once, see :mod:`lmdq.store`). True if it was new."""
+        """Store a final result (exactly once, see :mod:`lmdq.results.store`). True if it was new."""
         return self.final_async(result).result()
 
     def final_async(self, result: Result) -> Future[bool]:

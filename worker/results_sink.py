@@ -3,14 +3,14 @@
 Offloading is an optimisation, never a risk to the results. What this module guarantees:
 
 - **Seal only what is durable.** A job's records leave Redis only after its shard was confirmed
-  written (:meth:`lmdq.blobs.BlobStore.put_bytes`: a PUT checked by HEAD and size, or a folder
+  written (:meth:`lmdq.results.blobs.BlobStore.put_bytes`: a PUT checked by HEAD and size, or a folder
   write fsynced and renamed). Every sink call is bounded by ``LMDQ_SINK_TIMEOUT_S``.
 - **The drain deadline holds.** At the deadline (or a second signal) :meth:`ResultsSink.close`
   is called: sink calls in progress stop being waited for, nothing seals any more, and the jobs
   whose shards were not confirmed keep their full records in Redis, where ``results`` reads them.
   The worker says so in ONE line naming the sink (:meth:`ResultsSink.report_shutdown`).
 - **Failed writes are retried until they land.** A job whose shard failed is put on a fleet-wide
-  retry schedule in Redis (:func:`lmdq.sink.add_pending`); every worker's sweeper thread retries due
+  retry schedule in Redis (:func:`lmdq.results.sink.add_pending`); every worker's sweeper thread retries due
   entries with capped, jittered backoff (``LMDQ_SINK_RETRY_MAX_S``), so Redis is freed when the
   sink returns, whichever worker is still running then.
 
@@ -28,13 +28,13 @@ from typing import Any
 
 import redis
 
-from lmdq.connection import RetryPolicy, with_reconnect
 from lmdq.contract import JobPayload, ResultStatus
 from lmdq.errors import BatchNotFound
-from lmdq.keys import Keys
-from lmdq.output_urls import OutputPolicy, shown
-from lmdq.redaction import redact_url
-from lmdq.sink import (
+from lmdq.logs.redaction import redact_url
+from lmdq.redis.connection import RetryPolicy, with_reconnect
+from lmdq.redis.keys import Keys
+from lmdq.results.output_urls import OutputPolicy, shown
+from lmdq.results.sink import (
     PendingShard,
     ShardEntry,
     add_pending,
@@ -44,7 +44,7 @@ from lmdq.sink import (
     flush_shard,
     ranges_of,
 )
-from lmdq.store import ResultStore
+from lmdq.results.store import ResultStore
 
 __all__ = ["EVERY_ENTRY_S", "ResultsSink", "all_completed"]
 

@@ -11,8 +11,8 @@ re-queues what it holds without charging it, fails its health checks and exits w
 
 How many jobs to claim is :mod:`lmdq.worker.admission`; one job attempt :mod:`lmdq.worker.attempt`;
 writing results through store faults :mod:`lmdq.worker.result_writer`. Every Redis call goes through
-lmdq's core objects (:class:`~lmdq.jobs.JobQueue`, :class:`~lmdq.store.ResultStore`,
-:class:`~lmdq.registry.WorkerRegistry`).
+lmdq's core objects (:class:`~lmdq.jobs.queue.JobQueue`, :class:`~lmdq.results.store.ResultStore`,
+:class:`~lmdq.workers.registry.WorkerRegistry`).
 """
 
 from __future__ import annotations
@@ -29,17 +29,16 @@ from typing import Any
 import redis
 import structlog
 
-from lmdq.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.contract import BatchStatus, ErrorInfo, Result, ResultStatus, Timings
-from lmdq.idle_roster import IdleRoster
-from lmdq.job_decode import OutputNotAllowed, UndecodableJob, decode_job
-from lmdq.jobs import Charge, Claim, JobQueue
-from lmdq.keys import InvalidModelName, Keys, check_model_name, queue_names
-from lmdq.output_urls import OutputPolicy
-from lmdq.registry import WorkerRegistry
-from lmdq.sink import pending_count
-from lmdq.store import ResultStore
-from lmdq.wakeup import WakeUp
+from lmdq.jobs.decode import OutputNotAllowed, UndecodableJob, decode_job
+from lmdq.jobs.queue import Charge, Claim, JobQueue
+from lmdq.redis.connection import RETRYABLE_ERRORS, with_reconnect
+from lmdq.redis.idle_roster import IdleRoster
+from lmdq.redis.keys import InvalidModelName, Keys, check_model_name, queue_names
+from lmdq.redis.wakeup import WakeUp
+from lmdq.results.output_urls import OutputPolicy
+from lmdq.results.sink import pending_count
+from lmdq.results.store import ResultStore
 from lmdq.worker.admission import Admission, EngineGate, fair_share
 from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine
@@ -48,6 +47,7 @@ from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outc
 from lmdq.worker.result_writer import ResultWriter, WriteAbandoned, is_store_refusal
 from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink, all_completed
 from lmdq.worker.settings import WorkerSettings
+from lmdq.workers.registry import WorkerRegistry
 
 __all__ = ["Worker", "default_worker_name"]
 

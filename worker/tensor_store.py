@@ -21,7 +21,7 @@ class TensorStore:
         self._blob_stores: dict[str, Any] = {}
 
     def _blob_store(self, url: str) -> Any:
-        from lmdq.blobs import BlobStore
+        from lmdq.results.blobs import BlobStore
 
         if url not in self._blob_stores:
             self._blob_stores[url] = BlobStore.from_url(url)
@@ -47,7 +47,7 @@ class TensorStore:
             )
         if not ev.tensors:
             return None, None
-        from lmdq.blobs import TensorTooLarge
+        from lmdq.results.blobs import TensorTooLarge
 
         try:
             refs = self._blob_store(url).put_tensors(f"{payload.batch_id}/{req.index}", ev.tensors)

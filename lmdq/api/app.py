@@ -31,7 +31,7 @@ from lmdq.api.errors import ApiError, error_body, unauthorized
 from lmdq.api.files import FileStore, check_purpose, expires_after
 from lmdq.api.settings import ApiSettings
 from lmdq.api.uploads import FormStream, boundary_of
-from lmdq.logs import get_logger
+from lmdq.logs.config import get_logger
 
 __all__ = ["create_app"]
 

@@ -1,6 +1,6 @@
 """The one module that calls lmdq's producer code (submit, status, results, cancel).
 
-The HTTP layer asks this adapter, never ``lmdq.producer`` or ``lmdq.store`` directly, so moving the
+The HTTP layer asks this adapter, never ``lmdq.producer`` or ``lmdq.results.store`` directly, so moving the
 server onto the ``lmdq.Client`` Python API (issue #23) changes this file only. What it adds to those
 calls is only what the CLI adds too: the settings they take (``lmdq-producer submit``'s flags come
 from the same :class:`~lmdq.producer.settings.ProducerSettings`).
@@ -14,10 +14,10 @@ from pathlib import Path
 import redis
 
 from lmdq.api.settings import ApiSettings
-from lmdq.connection import connect
 from lmdq.contract import Batch
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.connection import connect
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 
 __all__ = ["Backend"]
 

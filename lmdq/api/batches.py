@@ -34,7 +34,7 @@ from lmdq.api.files import FileStore
 from lmdq.api.paging import Page, page
 from lmdq.contract import Batch, BatchStatus
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
-from lmdq.logs import get_logger
+from lmdq.logs.config import get_logger
 
 __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
 

@@ -38,7 +38,7 @@ def serve(
     from lmdq.api.auth import load_keyring
     from lmdq.api.backend import Backend
     from lmdq.api.settings import ApiSettings
-    from lmdq.logs import configure_logging
+    from lmdq.logs.config import configure_logging
 
     s = _load_settings()
     assert isinstance(s, ApiSettings)

@@ -23,7 +23,7 @@ import pytest
 import redis
 import yaml
 
-from lmdq.store import ResultStore
+from lmdq.results.store import ResultStore
 from tests.containers import harness as h
 from tests.containers.stack import Stack, http_get, parse_json_lines, seconds, wait_for
 

@@ -40,7 +40,7 @@ from redis.sentinel import (
 )
 
 from lmdq.errors import RedisUnavailable
-from lmdq.redaction import redact_text, redact_url
+from lmdq.logs.redaction import redact_text, redact_url
 from lmdq.settings import CommonSettings
 
 __all__ = [

@@ -3,7 +3,7 @@
 An idle worker used to run a claim script every ``poll_interval_s`` (~20 a second, ~79 commands a
 second counting the script's own LPOPs): a hundred idle GPUs cost a fifth of a Redis core doing
 nothing. Now every path that makes jobs visible also pushes a token onto the model's wake list
-(:meth:`lmdq.keys.Keys.wake`), inside the same Lua call: the ledger's commit, the lease scripts'
+(:meth:`lmdq.redis.keys.Keys.wake`), inside the same Lua call: the ledger's commit, the lease scripts'
 re-queue (drain, retry, engine death) and reap. An idle worker BLPOPs that list with a timeout, then
 tries an ordinary claim. Claims still go through the lease Lua only, so leases and exactly-once are
 untouched: a token only says "look now".
@@ -26,7 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from lmdq.keys import WAKE_KEY_LUA, Keys
+from lmdq.redis.keys import WAKE_KEY_LUA, Keys
 
 __all__ = ["WAKE_LUA", "WakeUp"]
 

@@ -8,7 +8,7 @@ how many jobs are visible, and takes at most its fair share while others are idl
 (:func:`lmdq.worker.admission.fair_share`); a large batch's share is larger than any claim, so its
 throughput is unchanged.
 
-A worker enters the roster (a sorted set, :meth:`lmdq.keys.Keys.idle`) just before it sleeps with
+A worker enters the roster (a sorted set, :meth:`lmdq.redis.keys.Keys.idle`) just before it sleeps with
 nothing held, and leaves it as soon as a claim brings it work. Entries carry an expiry on the Redis
 server's clock, renewed while the worker stays idle, so a worker killed while idle stops counting
 after ``ttl_s`` without anyone cleaning up; until then the others still progress (a share is never
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import redis
 
-from lmdq.keys import Keys, rq_queue_key
+from lmdq.redis.keys import Keys, rq_queue_key
 
 __all__ = ["IdleRoster"]
 

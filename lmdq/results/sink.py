@@ -10,7 +10,7 @@ its worker:
 2. writes them as ONE shard ``<URL>/<batch_id>/results-<job_no:06d>.jsonl`` (the exact bytes that
    were in Redis, one line per request) and confirms it durable: an S3 PUT checked by a HEAD of the
    right size, a folder write fsynced, renamed and its folder fsynced
-   (:meth:`lmdq.blobs.BlobStore.put_bytes`), each bounded by ``LMDQ_SINK_TIMEOUT_S``;
+   (:meth:`lmdq.results.blobs.BlobStore.put_bytes`), each bounded by ``LMDQ_SINK_TIMEOUT_S``;
 3. only then, and never once its worker is past the drain deadline, in ONE Lua call
    (:data:`_SEAL`): adds the job's :class:`ShardEntry` (shard name, the job's request indices as
    ranges, counts per status) to the batch's index hash (``Keys.shards``), sets the requests' bits
@@ -28,7 +28,7 @@ Exactly once, case by case:
 - crash between 2 and 3: the records are still in Redis, the index has no entry; the re-run finds
   every request answered, rewrites the same shard from the same bytes and seals it.
 - crash after 3 (before the lease is released): the re-run reads the ``sealed`` bits at the start
-  (:meth:`lmdq.jobs.JobQueue.begin`), so it runs nothing, and finds the index entry, so it writes
+  (:meth:`lmdq.jobs.queue.JobQueue.begin`), so it runs nothing, and finds the index entry, so it writes
   no shard.
 - a late writer (a worker presumed dead that still finishes a request) after the seal: the results
   script refuses any write whose ``sealed`` bit is set, so the emptied results hash cannot take a
@@ -59,8 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmdq.contract import BATCH_ID_PATTERN, Batch, JobPayload, ResultStatus
 from lmdq.errors import ResultsUnavailable
-from lmdq.keys import Keys
-from lmdq.store import _BATCH_TTL, ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import _BATCH_TTL, ResultStore
 
 __all__ = ["PendingShard", "ShardEntry", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard",
            "iter_records", "pending_count", "pending_keys", "ranges_of", "read_index", "shard_key"]
@@ -71,7 +71,7 @@ _MAX_ENTRY_BYTES = 1 << 20
 _OOM_GUARD = "redis.call('HDEL', KEYS[2], '\\0lmdq-oom-guard')\n"
 """A script's first write decides whether Redis, full under ``maxmemory`` + ``noeviction``, runs it: a
 command that may grow memory (HSET, ZADD, SETBIT) is refused, one that cannot (HDEL of a field that
-never exists) is not, and lets the rest through (the same guard as lmdq.lease_scripts' heartbeat). A
+never exists) is not, and lets the rest through (the same guard as lmdq.redis.lease_scripts' heartbeat). A
 seal frees far more than it adds, and the retry schedule is what frees the rest once the sink answers:
 both must work in a Redis filled by the very records they are there to move out."""
 
@@ -172,11 +172,11 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
     """:func:`flush_job` for one job given by its batch, number, sink and (sorted) request indices:
     what a sweeper knows of a job whose shard write failed (:func:`add_pending`).
 
-    The seal runs only after :meth:`lmdq.blobs.BlobStore.put_bytes` confirmed the shard durable, and
+    The seal runs only after :meth:`lmdq.results.blobs.BlobStore.put_bytes` confirmed the shard durable, and
     never once ``cancel`` is set (the worker is past its drain deadline: what it has not confirmed by
     then stays in Redis). Every storage call is bounded by ``timeout_s`` (``LMDQ_SINK_TIMEOUT_S``).
     """
-    from lmdq.blobs import BlobStore, SinkAbandoned
+    from lmdq.results.blobs import BlobStore, SinkAbandoned
 
     bid, job = batch_id, str(job_no)
     ikey = keys.shards(bid)
@@ -213,7 +213,7 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
 # try, Redis server time) and a hash (member -> the job's request ranges and tries so far). Every
 # worker's sweeper claims due entries (:data:`_CLAIM` pushes them one lease ahead, so two sweepers do
 # not try the same one at once; a sweeper that dies lets its claim lapse) and retries them with the
-# capped, jittered backoff of lmdq.connection.RetryPolicy. A successful write seals the job (freeing
+# capped, jittered backoff of lmdq.redis.connection.RetryPolicy. A successful write seals the job (freeing
 # Redis) and removes its entry; an entry whose batch is gone is dropped.
 
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
@@ -355,7 +355,7 @@ def _read_shard(uri: str, expected: list[int] | None = None) -> dict[int, bytes]
     """index -> line of one shard. A shard holds its job's records in index order, so with the job's
     ``expected`` indices (its index entry) only the first and last lines are parsed to check that;
     any other shard is parsed line by line."""
-    from lmdq.blobs import read_uri
+    from lmdq.results.blobs import read_uri
 
     try:
         data = read_uri(uri)

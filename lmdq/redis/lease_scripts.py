@@ -4,14 +4,14 @@ A worker claims a job with one script that pops it from the highest-priority non
 records its lease and owner in the same step (nothing is lost between the two); it extends the
 leases it still owns; it releases a job (done, or back to the FRONT of its queue, with what that
 costs the job counted in the same step); any worker re-queues leases that expired (their holder
-died). Re-queueing also leaves a wake-up token for the model's idle workers (:mod:`lmdq.wakeup`;
+died). Re-queueing also leaves a wake-up token for the model's idle workers (:mod:`lmdq.redis.wakeup`;
 the claim script is unchanged). Owner entries are ``worker<TAB>queue<TAB>inflight list``, so release
-and reap know where a job goes back to. :class:`lmdq.jobs.JobQueue` registers and calls them.
+and reap know where a job goes back to. :class:`lmdq.jobs.queue.JobQueue` registers and calls them.
 """
 
 from __future__ import annotations
 
-from lmdq.wakeup import WAKE_LUA
+from lmdq.redis.wakeup import WAKE_LUA
 
 __all__ = ["CLAIM", "HEARTBEAT", "REAP", "RELEASE"]
 

@@ -1,5 +1,5 @@
 """Queue metrics for Prometheus, read from Redis by ONE small process: ``lmdq-producer exporter`` or
-``python -m lmdq.exporter``.
+``python -m lmdq.metrics.exporter``.
 
 Why not the workers: every worker exported the same queue depth, so ``sum by (model)`` counted it
 once per replica, and at zero replicas (KEDA scaled the workers away, jobs waiting) the series
@@ -52,18 +52,18 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from pydantic import Field
 
-from lmdq.cli_options import FlagSpec, model_options
-from lmdq.connection import connect, redact_url
+from lmdq.cli.options import FlagSpec, model_options
 from lmdq.contract import BatchStatus
-from lmdq.keys import PRIORITY_ORDER, BatchField, Keys, model_slug, queue_name, rq_queue_key
-from lmdq.replies import reply_text
+from lmdq.redis.connection import connect, redact_url
+from lmdq.redis.keys import PRIORITY_ORDER, BatchField, Keys, model_slug, queue_name, rq_queue_key
+from lmdq.redis.replies import reply_text
 from lmdq.settings import CommonSettings
 
 __all__ = ["EXPORTER_FLAGS", "ExporterSettings", "ModelStats", "QueueCollector", "ReadTimedOut", "Snapshot",
            "SnapshotCollector", "View", "load_settings", "main", "read_snapshot", "run", "serve",
            "start_metrics_server"]
 
-log = structlog.get_logger("lmdq.exporter")
+log = structlog.get_logger("lmdq.metrics.exporter")
 
 MAX_MODELS = 1000
 """Models read per scrape at most (a Redis filled with junk names must not blow up a scrape)."""
@@ -455,7 +455,7 @@ def command(
     """Serve queue depth, running jobs, live workers and batch counts per model on /metrics, read
     from Redis every --interval-s by one collector. Run ONE per Redis (it needs no GPU; it works at
     zero workers)."""
-    from lmdq.logs import configure_logging
+    from lmdq.logs.config import configure_logging
 
     s = load_settings(**flags, **({"redis_url": redis_url} if redis_url else {}))
     configure_logging(s.log_format, s.log_level)

@@ -1,7 +1,7 @@
 """Redaction of URLs for messages and logs: total (never raises) and conservative (never leaks).
 
 Why its own module: every error, log line and CLI message that mentions a URL goes through here, and
-:mod:`lmdq.errors` and :mod:`lmdq.logs` need it without importing the Redis client code.
+:mod:`lmdq.errors` and :mod:`lmdq.logs.config` need it without importing the Redis client code.
 
 The rules, chosen so that a careless URL cannot leak a secret however it is malformed:
 

@@ -178,7 +178,7 @@ def rq_queue_key(name: str) -> str:
 
 
 # RQ's worker registry, spelled by the installed rq's own constants so a new rq cannot drift from it.
-# lmdq workers write these records too (lmdq.registry), so `rq info` and rq-dashboard list them.
+# lmdq workers write these records too (lmdq.workers.registry), so `rq info` and rq-dashboard list them.
 
 
 def rq_worker_key(name: str) -> str:
@@ -221,7 +221,7 @@ class Keys:
         return f"{self.prefix}:batch:{batch_id}:partials"
 
     def shards(self, batch_id: str) -> str:
-        """Hash: job number -> :class:`lmdq.sink.ShardEntry` JSON, one field per job whose results went to
+        """Hash: job number -> :class:`lmdq.results.sink.ShardEntry` JSON, one field per job whose results went to
         its shard in the batch's results URL (the per-request records are deleted from ``results``)."""
         return f"{self.prefix}:batch:{batch_id}:shards"
 
@@ -277,13 +277,13 @@ class Keys:
     def wake(self, model: str) -> str:
         """List: at most one wake-up token, meaning "the model's queues may have work". Pushed when
         jobs become visible (commit, re-queue, reap); an idle worker BLPOPs it instead of polling
-        (:mod:`lmdq.wakeup`)."""
+        (:mod:`lmdq.redis.wakeup`)."""
         return f"{self.prefix}:wake:{model_slug(model)}"
 
     def idle(self, model: str) -> str:
         """Sorted set worker name -> until when (Redis TIME) it counts as idle: the model's workers with
         nothing to do, so a worker claiming a small batch takes only its fair share
-        (:mod:`lmdq.idle_roster`)."""
+        (:mod:`lmdq.redis.idle_roster`)."""
         return f"{self.prefix}:idle:{model_slug(model)}"
 
     def worker(self, name: str) -> str:

@@ -26,11 +26,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from lmdq.cli_options import FlagSpec, option_name
+from lmdq.cli.options import FlagSpec, option_name
 from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
 from lmdq.errors import SubmitRejected
+from lmdq.logs.redaction import redact_url
 from lmdq.producer.settings import ProducerSettings
-from lmdq.redaction import redact_url
 
 __all__ = [
     "BatchOptions",
@@ -247,7 +247,7 @@ def resolve(
     window_s = parse_window(b.completion_window, spell("completion_window"))
     ttl = parse_duration(b.result_ttl, spell("result_ttl"))
     ttl_s = settings.result_ttl_s if ttl is None else int(ttl)
-    # every key of the batch expires this long after the batch ENDS (lmdq.store): any TTL covers the run,
+    # every key of the batch expires this long after the batch ENDS (lmdq.results.store): any TTL covers the run,
     # however long it takes or its completion window is
     if ttl_s < 60:
         raise SubmitRejected(f"{spell('result_ttl')}: expected at least 60 seconds, got {b.result_ttl!r}")

@@ -5,7 +5,7 @@ lmdq owns delivery: RQ's SimpleWorker sends no heartbeat while a job runs and wo
 re-queue long jobs on its own clock, so a worker here claims a job with a Lua script that pops it
 from the highest-priority non-empty queue AND records a lease in the same step (nothing is lost
 between the two), refreshes the lease while it works, and any worker re-queues leases that
-expired (the holder died). Results are exactly-once in the store (see :mod:`lmdq.store`), so
+expired (the holder died). Results are exactly-once in the store (see :mod:`lmdq.results.store`), so
 re-running part of a job is safe.
 """
 
@@ -26,7 +26,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 
 from lmdq.contract import FORMAT_VERSION, JOB_FUNCTION, BatchStatus, JobPayload
-from lmdq.job_data import (
+from lmdq.jobs.data import (
     DEFAULT_MAX_JOB_BYTES,
     FORMAT_FIELD,
     MAX_FIELD_BYTES,
@@ -35,9 +35,9 @@ from lmdq.job_data import (
     manifest,
     read_job,
 )
-from lmdq.keys import BatchField, Keys, queue_name, rq_queue_key
-from lmdq.lease_scripts import CLAIM, DROP_OWN_LEASE, HEARTBEAT, REAP, RELEASE
-from lmdq.wakeup import WAKE_LUA
+from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
+from lmdq.redis.lease_scripts import CLAIM, DROP_OWN_LEASE, HEARTBEAT, REAP, RELEASE
+from lmdq.redis.wakeup import WAKE_LUA
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
@@ -61,7 +61,7 @@ return 1
 
 
 def generate(payload: dict[str, Any]) -> None:
-    """The RQ function name every lmdq job carries (``lmdq.jobs.generate``).
+    """The RQ function name every lmdq job carries (``lmdq.jobs.queue.generate``).
 
     lmdq workers never import or call it: they check the name and run the payload on their
     engine. It exists so a stock ``rq worker`` pointed at an lmdq queue fails loudly.
@@ -214,7 +214,7 @@ class JobQueue:
         batch's status and deadline, which requests already have results; and RQ's started records.
 
         ``job_no`` (batches with a results sink): a job whose results were moved to its shard (an
-        entry in the batch's shard index, see :mod:`lmdq.sink`) has every request finished, though
+        entry in the batch's shard index, see :mod:`lmdq.results.sink`) has every request finished, though
         the results hash no longer holds them, so a re-run after that runs nothing.
 
         Why one: each round trip waits for the GIL behind the engine's own Python loop."""
@@ -255,7 +255,7 @@ class JobQueue:
 
     def fetch_job(self, job_id: str) -> Job:
         """The job, read within ``max_job_bytes`` (never RQ's unbounded ``Job.fetch``: see
-        :mod:`lmdq.job_data`); raises ``JobRefused`` (a ValueError) for an oversized or foreign hash."""
+        :mod:`lmdq.jobs.data`); raises ``JobRefused`` (a ValueError) for an oversized or foreign hash."""
         return read_job(self.client, job_id, max_job_bytes=self.max_job_bytes, serializer=SERIALIZER)
 
     @staticmethod

@@ -4,7 +4,7 @@ A batch is created, staged, committed or rolled back, cancelled, and read back f
 and nowhere else: the producer commands call these methods and hold no Redis client calls of their
 own, so the rules that make submit all-or-nothing live beside the keys they touch.
 
-Keys a batch owns (all built by :class:`lmdq.keys.Keys`; ``P`` is the key prefix):
+Keys a batch owns (all built by :class:`lmdq.redis.keys.Keys`; ``P`` is the key prefix):
 
 =============================  ================  ===============================================
 key                            written by        removed by
@@ -21,7 +21,7 @@ key                            written by        removed by
 =============================  ================  ===============================================
 
 Results, partials and counters (``P:batch:<id>:results`` / ``:partials``) belong to
-:class:`lmdq.store.ResultStore`; leases and attempts to :class:`lmdq.jobs.JobQueue`.
+:class:`lmdq.results.store.ResultStore`; leases and attempts to :class:`lmdq.jobs.queue.JobQueue`.
 
 Why a commit is one Lua script that also flips the status: jobs become visible and the batch
 becomes ``queued`` in the same step, and the script is fenced on ``queued_at`` so a retried call
@@ -45,18 +45,18 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 
-from lmdq.connection import Refusal, refusal, server_address
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
 from lmdq.errors import IdempotencyConflict, PurgeRefused, RedisRefused, RetryRejected, SubmitRejected
-from lmdq.job_data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
-from lmdq.job_decode import JobRefused, decode_job
-from lmdq.jobs import JobQueue, job_id_for, job_id_prefix
-from lmdq.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
-from lmdq.logs import get_logger
-from lmdq.registry import ModelRegistry
-from lmdq.replies import reply_text
-from lmdq.store import BATCH_ENDED_LUA, RUNNING_TTL_S, ResultStore, staging_ttl
-from lmdq.wakeup import WAKE_LUA
+from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
+from lmdq.jobs.decode import JobRefused, decode_job
+from lmdq.jobs.queue import JobQueue, job_id_for, job_id_prefix
+from lmdq.logs.config import get_logger
+from lmdq.redis.connection import Refusal, refusal, server_address
+from lmdq.redis.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
+from lmdq.redis.replies import reply_text
+from lmdq.redis.wakeup import WAKE_LUA
+from lmdq.results.store import BATCH_ENDED_LUA, RUNNING_TTL_S, ResultStore, staging_ttl
+from lmdq.workers.registry import ModelRegistry
 
 __all__ = ["BatchLedger", "Purged", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
 
@@ -73,7 +73,7 @@ _FETCH_CHUNK = 500
 # KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the model's wake list.
 # ARGV: queue key, chunk, now, running ttl.
 # Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
-# Every key of the batch takes the running TTL here (lmdq.store: TTLs count from the batch's end).
+# Every key of the batch takes the running TTL here (lmdq.results.store: TTLs count from the batch's end).
 _COMMIT = WAKE_LUA + f"""
 if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
 local n = redis.call('LLEN', KEYS[1])
@@ -195,7 +195,7 @@ return 0
 
 
 def _manifest(raw: Any, total: int) -> list[tuple[int, str]] | None:
-    """A job's request manifest (:data:`lmdq.job_data.REQUESTS_FIELD`, untrusted), or None when missing or
+    """A job's request manifest (:data:`lmdq.jobs.data.REQUESTS_FIELD`, untrusted), or None when missing or
     not one: only indices of the batch and non-empty custom ids are kept."""
     if raw is None:
         return None
@@ -339,7 +339,7 @@ class BatchLedger:
         self._release_key = client.register_script(_RELEASE_KEY)
         self._commit_upto = client.register_script(_COMMIT_UPTO)
         self._abandon = client.register_script(_ABANDON)
-        self._log = get_logger("lmdq.ledger")
+        self._log = get_logger("lmdq.batches.ledger")
 
     @contextmanager
     def _refusals(self, outcome: str = _ENQUEUE_OUTCOME) -> Iterator[None]:
@@ -359,7 +359,7 @@ class BatchLedger:
 
     def known_models(self, extra: Iterable[str] = ()) -> set[str]:
         """Model names ``submit`` accepts: registered by an operator or served by some worker
-        (:class:`lmdq.registry.ModelRegistry`), plus ``extra`` (the producer's LMDQ_KNOWN_MODELS)."""
+        (:class:`lmdq.workers.registry.ModelRegistry`), plus ``extra`` (the producer's LMDQ_KNOWN_MODELS)."""
         return ModelRegistry(self.client, keys=self.keys).known() | set(extra)
 
     # ---- idempotency ------------------------------------------------------------------------
@@ -842,7 +842,7 @@ class BatchLedger:
     # ---- retry's sources ------------------------------------------------------------------------
     def indices_with(self, batch: Batch, statuses: set[ResultStatus]) -> list[int]:
         """Indices of the batch's final results whose status is in ``statuses``, in input order."""
-        from lmdq.sink import iter_records
+        from lmdq.results.sink import iter_records
 
         wanted = {s.value for s in statuses}
         out = []

@@ -1,5 +1,5 @@
 """Run by Python at start-up in every Python process a worker starts (``PYTHONPATH``, set by
-:func:`lmdq.logs.route_child_logs`), so that a *spawned* child logs JSON like its parent.
+:func:`lmdq.logs.config.route_child_logs`), so that a *spawned* child logs JSON like its parent.
 
 Why: LMDeploy's PyTorch engine with ``enable_mp_engine`` runs in a child started with
 ``torch.multiprocessing``'s ``spawn`` (``lmdeploy/pytorch/engine/mp_engine/zmq_engine.py``): a fresh
@@ -22,10 +22,10 @@ def _configure() -> None:
     try:
         import structlog
 
-        from lmdq.logs import configure_logging
+        from lmdq.logs.config import configure_logging
 
         configure_logging(fmt, os.environ.get("LMDQ_CHILD_LOG_LEVEL", "INFO"))
-        from lmdq.tqdm_events import install as install_tqdm_events
+        from lmdq.logs.tqdm_events import install as install_tqdm_events
 
         install_tqdm_events()  # LMDeploy's weight-loading and warm-up bars: progress events, not raw text
         structlog.contextvars.bind_contextvars(pid=os.getpid())  # tells the child's lines apart

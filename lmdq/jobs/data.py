@@ -22,7 +22,7 @@ from rq.serializers import JSONSerializer
 
 from lmdq.contract import FORMAT_VERSION
 from lmdq.errors import SubmitRejected
-from lmdq.replies import reply_text
+from lmdq.redis.replies import reply_text
 
 __all__ = [
     "DEFAULT_MAX_JOB_BYTES",
@@ -111,7 +111,7 @@ _READ_SCRIPT = Script(None, _READ.encode())  # type: ignore[arg-type]  # EVALSHA
 class JobUndecodable(ValueError):
     """Mixin: the job is refused because THIS worker cannot decode it (a newer format, data over its
     LMDQ_MAX_JOB_BYTES), not because it is foreign: its requests deserve an answer
-    (:class:`lmdq.job_decode.UndecodableJob`)."""
+    (:class:`lmdq.jobs.decode.UndecodableJob`)."""
 
 
 class JobRefused(ValueError):

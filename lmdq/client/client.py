@@ -9,10 +9,10 @@
                           max_new_tokens=256, temperature=0.7)
     for r in batch.as_completed():                # each result as it is stored
         print(r.custom_id, r.text)
-    batch.to_parquet("answers.parquet")           # one documented schema (lmdq.client_export)
+    batch.to_parquet("answers.parquet")           # one documented schema (lmdq.results.export)
 
-``submit``'s options are the CLI's flags, declared once in :mod:`lmdq.client_options`; its sources
-(paths, iterables, Arrow objects) are described in :mod:`lmdq.client_sources`. Every error is an
+``submit``'s options are the CLI's flags, declared once in :mod:`lmdq.client.options`; its sources
+(paths, iterables, Arrow objects) are described in :mod:`lmdq.client.sources`. Every error is an
 :class:`lmdq.errors.LmdqError`; the CLIs turn one into its documented exit code.
 """
 
@@ -25,13 +25,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lmdq.client_options import Spell, resolve
+from lmdq.client.options import Spell, resolve
 from lmdq.contract import Batch as BatchInfo
 from lmdq.contract import BatchStatus, Endpoint, Priority, RequestCounts, Result
 from lmdq.errors import BadSetting, InvalidArgument, LmdqError, WaitTimeout
 from lmdq.producer.formats.tabular import ColumnMap
 from lmdq.producer.settings import ProducerSettings
-from lmdq.registry import MAX_NOTE
+from lmdq.workers.registry import MAX_NOTE
 
 __all__ = ["MAX_NOTE", "Batch", "BatchInfo", "Client"]
 
@@ -82,24 +82,24 @@ class Client:
     def redis(self) -> Any:
         """The redis-py client (made on first use)."""
         if self._redis is None:
-            from lmdq.connection import connect
+            from lmdq.redis.connection import connect
 
             self._redis = connect(self.settings.redis_url, settings=self.settings, on_slow=self._on_slow)
         return self._redis
 
     @property
     def keys(self) -> Any:
-        from lmdq.keys import Keys
+        from lmdq.redis.keys import Keys
 
         return Keys(self.settings.key_prefix)
 
     def _store(self) -> Any:
-        from lmdq.store import ResultStore
+        from lmdq.results.store import ResultStore
 
         return ResultStore(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s)
 
     def _ledger(self) -> Any:
-        from lmdq.ledger import BatchLedger
+        from lmdq.batches.ledger import BatchLedger
 
         return BatchLedger(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s,
                            max_job_bytes=self.settings.max_job_bytes)
@@ -138,7 +138,7 @@ class Client:
 
         Raises SubmitRejected (bad input: the first bad rows named by row and column; nothing was
         enqueued), UnknownModel, RedisRefused, RedisUnavailable."""
-        from lmdq.client_sources import FileSource, classify, spool
+        from lmdq.client.sources import FileSource, classify, spool
         from lmdq.producer import submit as submit_mod
         from lmdq.producer.formats import InputFormat
 
@@ -186,7 +186,7 @@ class Client:
 
     def purge(self, batch_id: str, *, force: bool = False) -> Any:
         """Delete a batch from Redis now (record, results, jobs); returns what was deleted
-        (:class:`lmdq.ledger.Purged`). PurgeRefused for a running batch unless ``force``."""
+        (:class:`lmdq.batches.ledger.Purged`). PurgeRefused for a running batch unless ``force``."""
         return self._ledger().purge(batch_id, force=force)
 
     # ---- models -------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ class Client:
                         ) -> list[bool]:
         """Register served model names so submit accepts them with no worker running; per name, whether
         it was new (adding one again replaces its note)."""
-        from lmdq.registry import MAX_NOTE, ModelRegistry, check_model_name
+        from lmdq.workers.registry import MAX_NOTE, ModelRegistry, check_model_name
 
         for name in names:
             try:
@@ -207,15 +207,15 @@ class Client:
         return [registry.add(name, note=note) for name in names]
 
     def models(self) -> tuple[list[Any], float]:
-        """(registered and served models as :class:`lmdq.registry.ModelInfo`, Redis' clock now)."""
-        from lmdq.registry import ModelRegistry
+        """(registered and served models as :class:`lmdq.workers.registry.ModelInfo`, Redis' clock now)."""
+        from lmdq.workers.registry import ModelRegistry
 
         registry = ModelRegistry(self.redis, keys=self.keys)
         return registry.models(), registry.now()
 
     def remove_model(self, name: str) -> Any:
-        """Forget a model (:class:`lmdq.registry.RemovedModel`); LmdqError when it was unknown."""
-        from lmdq.registry import ModelRegistry
+        """Forget a model (:class:`lmdq.workers.registry.RemovedModel`); LmdqError when it was unknown."""
+        from lmdq.workers.registry import ModelRegistry
 
         removed = ModelRegistry(self.redis, keys=self.keys).remove(name)
         if not (removed.registered or removed.seen):
@@ -250,7 +250,7 @@ class Batch:
             return info
 
         if patient:
-            from lmdq.connection import with_reconnect
+            from lmdq.redis.connection import with_reconnect
 
             self._info = with_reconnect(get, on_retry=on_retry)
         else:
@@ -261,7 +261,7 @@ class Batch:
         """A :class:`lmdq.producer.progress.BatchProgress` for this batch (done/total, req/s, tok/s,
         ETA; a hint when no live worker serves its model), drawn on ``stream``."""
         from lmdq.producer.progress import BatchProgress
-        from lmdq.registry import ModelRegistry
+        from lmdq.workers.registry import ModelRegistry
 
         c = self.client
         return BatchProgress(store=c._store(), models=ModelRegistry(c.redis, keys=c.keys), stream=stream,
@@ -329,7 +329,7 @@ class Batch:
 
     # ---- results ------------------------------------------------------------------------------
     def _raw_records(self, *, partial: bool = False) -> Iterator[bytes]:
-        from lmdq.sink import iter_records
+        from lmdq.results.sink import iter_records
 
         info = self.info()
         for _, raw in iter_records(self.client._store(), info, partial=partial):
@@ -396,7 +396,7 @@ class Batch:
         store = self.client._store()
         found = 0
         if info.results_url:  # records move to shards: read through the sink (a pass over the batch)
-            from lmdq.sink import iter_records
+            from lmdq.results.sink import iter_records
 
             for i, raw in iter_records(store, info, partial=False):
                 if raw is not None and not seen[i]:
@@ -420,10 +420,10 @@ class Batch:
 
     # ---- Arrow / pandas / Parquet ---------------------------------------------------------------
     def to_arrow(self) -> Any:
-        """The final results as a pyarrow Table (schema: :data:`lmdq.client_export.RESULT_COLUMNS`)."""
+        """The final results as a pyarrow Table (schema: :data:`lmdq.results.export.RESULT_COLUMNS`)."""
         import pyarrow as pa
 
-        from lmdq.client_export import record_batches, schema_with_batch
+        from lmdq.results.export import record_batches, schema_with_batch
 
         schema = schema_with_batch(self.info().model_dump_json())
         return pa.Table.from_batches(list(record_batches(self._raw_records())), schema=schema)
@@ -435,7 +435,7 @@ class Batch:
     def to_parquet(self, path: str | Path) -> int:
         """Write the final results to a Parquet file, streamed (one row group per 10,000 results);
         returns the rows written."""
-        from lmdq.client_export import write_parquet
+        from lmdq.results.export import write_parquet
 
         return write_parquet(Path(path), self._raw_records(), batch_json=self.info().model_dump_json())
 

@@ -3,12 +3,12 @@
 A worker's record is a hash with a TTL that its heartbeat renews, so a dead worker disappears on its
 own; the models hash (model -> last seen) records what workers have served. Timestamps come from
 the Redis server's clock (TIME), like leases: a worker with a wrong clock must not look dead or
-stale. The worker never speaks Redis itself; it calls this and :class:`lmdq.jobs.JobQueue`.
+stale. The worker never speaks Redis itself; it calls this and :class:`lmdq.jobs.queue.JobQueue`.
 
 Each worker also keeps an RQ worker record (``rq:worker:<name>`` in ``rq:workers`` and in
 ``rq:workers:<queue>`` for each of its queues), written by the same scripts, so ``rq info`` and
 rq-dashboard list lmdq workers with their queues, state (busy/idle), birth and last heartbeat. Its
-current jobs are RQ's executions, which :meth:`lmdq.jobs.JobQueue.mark_started` already records
+current jobs are RQ's executions, which :meth:`lmdq.jobs.queue.JobQueue.mark_started` already records
 under the same worker name. The RQ hash has the same TTL as lmdq's: a killed worker drops out of
 ``rq info`` by itself (RQ prunes set members whose hash is gone).
 
@@ -31,7 +31,7 @@ from typing import Any
 import redis
 from rq.version import VERSION as RQ_VERSION
 
-from lmdq.keys import (
+from lmdq.redis.keys import (
     MAX_MODEL_NAME,
     Keys,
     check_model_name,
@@ -41,7 +41,7 @@ from lmdq.keys import (
     rq_workers_by_queue_key,
     rq_workers_key,
 )
-from lmdq.replies import reply_text
+from lmdq.redis.replies import reply_text
 
 __all__ = [
     "MAX_MODEL_NAME",

@@ -2,7 +2,7 @@
 
 A job's ``results_url`` / ``blob_url`` decide where a worker writes files, and a job can be pushed by
 anyone with queue access. So a worker writes only (1) to the URL the producer put in the batch record
-(see :func:`lmdq.job_decode.decode_job`) and (2) only if that URL falls under a prefix the operator
+(see :func:`lmdq.jobs.decode.decode_job`) and (2) only if that URL falls under a prefix the operator
 allowed on the worker: ``LMDQ_ALLOWED_OUTPUT_URLS`` plus the worker's own ``LMDQ_BLOB_URL`` and
 ``LMDQ_RESULTS_URL``.
 
@@ -23,7 +23,7 @@ from enum import Enum
 from urllib.parse import urlsplit
 
 from lmdq.errors import SubmitRejected
-from lmdq.redaction import redact_url
+from lmdq.logs.redaction import redact_url
 
 __all__ = [
     "OutputPolicy",
@@ -47,7 +47,7 @@ class OutputUrlRejected(ValueError):
 
 
 class Scheme(str, Enum):
-    """The storage kinds lmdq writes to (see :mod:`lmdq.blobs`)."""
+    """The storage kinds lmdq writes to (see :mod:`lmdq.results.blobs`)."""
 
     local = "local"
     s3 = "s3"

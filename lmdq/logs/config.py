@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import structlog
 
 from lmdq.errors import BadSetting
-from lmdq.redaction import redact_text
+from lmdq.logs.redaction import redact_text
 
 __all__ = ["ADOPTED_LOGGERS", "CHILD_HOOK_DIR", "adopt_foreign_loggers", "configure_logging", "get_logger",
            "route_child_logs"]
@@ -160,7 +160,7 @@ def route_child_logs(fmt: str = "auto", level: str = "INFO") -> None:
 
     LMDeploy's engine process (``enable_mp_engine``) is started with multiprocessing's ``spawn``: a
     fresh interpreter, which :func:`configure_logging` in this process never reaches. This puts
-    lmdq's start-up hook (``lmdq/_child_logging/sitecustomize.py``) first on the children's
+    lmdq's start-up hook (``lmdq/logs/_child_logging/sitecustomize.py``) first on the children's
     ``PYTHONPATH`` and hands them the format and level in ``LMDQ_CHILD_LOG_FORMAT`` /
     ``LMDQ_CHILD_LOG_LEVEL``; this process itself is unaffected (``PYTHONPATH`` is read at start).
     ``auto`` is decided here, where the terminal is known. Idempotent."""

@@ -4,13 +4,13 @@ Anyone who can push to the queue can hand a worker a job, so everything read her
 input (see docs/reliability.md, security). In order, each step bounded before the next one runs:
 
 1. the job hash is read within caps and its data inflated as a stream that stops at
-   ``LMDQ_MAX_JOB_BYTES`` (:mod:`lmdq.job_data`): a zlib bomb costs a few MB and milliseconds;
+   ``LMDQ_MAX_JOB_BYTES`` (:mod:`lmdq.jobs.data`): a zlib bomb costs a few MB and milliseconds;
 2. the data must be lmdq's function with ONE JSON payload, valid as :class:`~lmdq.contract.JobPayload`
    (batch id of the form lmdq makes, bounded ids and indices, unique indices);
 3. the batch record the producer wrote must exist (size-capped), name the same model, hold the
    request indices, and name the SAME output URLs as the job; the worker then takes those URLs from
    the batch record, never from the job;
-4. each output URL must fall under a prefix the worker allows (:mod:`lmdq.output_urls`) and is
+4. each output URL must fall under a prefix the worker allows (:mod:`lmdq.results.output_urls`) and is
    replaced by its normalised form, which is where the worker writes.
 
 A job failing any step raises :class:`JobRefused`: it is refused, never run and never retried.
@@ -28,9 +28,9 @@ from redis.commands.core import Script
 from rq.job import Job
 
 from lmdq.contract import MAX_JOB_REQUESTS, Batch, JobPayload
-from lmdq.job_data import MAX_FIELD_BYTES, REQUESTS_FIELD, JobRefused, NotDecodable
-from lmdq.jobs import JobQueue, job_id_for
-from lmdq.output_urls import OutputPolicy, OutputUrlRejected
+from lmdq.jobs.data import MAX_FIELD_BYTES, REQUESTS_FIELD, JobRefused, NotDecodable
+from lmdq.jobs.queue import JobQueue, job_id_for
+from lmdq.results.output_urls import OutputPolicy, OutputUrlRejected
 
 __all__ = [
     "MAX_BATCH_RECORD_BYTES",
@@ -55,9 +55,9 @@ class OutputNotAllowed(JobRefused):
         self.payload = payload
 
 class UndecodableJob(JobRefused):
-    """A job of a live batch that this worker cannot decode (:class:`~lmdq.job_data.NotDecodable`: a newer
+    """A job of a live batch that this worker cannot decode (:class:`~lmdq.jobs.data.NotDecodable`: a newer
     job format, data over its LMDQ_MAX_JOB_BYTES) but whose requests it can name from the job's manifest
-    (:data:`~lmdq.job_data.REQUESTS_FIELD`). Like :class:`OutputNotAllowed` its requests are answered (failed,
+    (:data:`~lmdq.jobs.data.REQUESTS_FIELD`). Like :class:`OutputNotAllowed` its requests are answered (failed,
     ``undecodable_job``, with the reason) so the batch ends; the job ends failed in RQ, never retried."""
 
     def __init__(self, message: str, *, batch: Batch, requests: list[tuple[int, str]]) -> None:

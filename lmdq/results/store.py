@@ -4,7 +4,7 @@ Exactly-once results come from one rule: a final result is written with HSETNX o
 index, in the same Lua script that bumps the batch counters. A duplicate (a re-run after a
 worker was presumed dead, a late write from that worker) is a no-op, so counts never drift and
 output never duplicates, however often a request executes. With a results sink a job's records
-leave the hash once they are in its shard (:mod:`lmdq.sink`); the request's bit in the batch's
+leave the hash once they are in its shard (:mod:`lmdq.results.sink`); the request's bit in the batch's
 ``sealed`` bitmap then refuses the write HSETNX alone would accept.
 
 Every key a worker creates here takes what is left of the batch record's TTL, so a batch's keys
@@ -30,8 +30,8 @@ from rq.job import Job
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
 from lmdq.errors import BatchNotFound
-from lmdq.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys
-from lmdq.replies import reply_text
+from lmdq.redis.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys
+from lmdq.redis.replies import reply_text
 
 _JOB_PREFIX = Job.redis_job_namespace_prefix
 
@@ -87,7 +87,7 @@ end
 
 # KEYS: results, batch, partials, sealed. ARGV: index, json, counter field, now, ttl, generated tokens.
 # Refused (0): a duplicate (HSETNX), a request whose result is already in a shard (sealed bit: the
-# record was trimmed after the shard was written, see lmdq.sink), or a batch with no record (purged
+# record was trimmed after the shard was written, see lmdq.results.sink), or a batch with no record (purged
 # or expired: writing would bring back counters without a TTL).
 _WRITE_RESULT = _BATCH_TTL + BATCH_ENDED_LUA + f"""
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end

@@ -1,7 +1,7 @@
 """Every line a worker and its engine children write to stdout/stderr reaches the log as one JSON object.
 
-Why a relay on the file descriptors: structlog and stdlib logging are JSON already (lmdq.logs), and tqdm
-bars become events (lmdq.tqdm_events), but a worker also hosts writers no Python logging sees: C++ and
+Why a relay on the file descriptors: structlog and stdlib logging are JSON already (lmdq.logs.config), and tqdm
+bars become events (lmdq.logs.tqdm_events), but a worker also hosts writers no Python logging sees: C++ and
 CUDA libraries writing to fd 2 (torch's ``[W...]`` warnings, NCCL, Triton), ``print`` in a library, an
 interpreter's last traceback, and the same in LMDeploy's engine process, which inherits the worker's
 descriptors. Log collectors read a container's stdout/stderr line by line; one raw line breaks their
@@ -28,7 +28,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from lmdq.redaction import redact_text
+from lmdq.logs.redaction import redact_text
 
 __all__ = ["StdioRelay", "install_relay", "render_line"]
 

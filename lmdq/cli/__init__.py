@@ -1,0 +1,1 @@
+"""Command-line plumbing shared by lmdq's CLIs: the only package that may import typer."""

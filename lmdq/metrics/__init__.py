@@ -1,0 +1,1 @@
+"""Queue metrics for Prometheus, read once per Redis by the exporter process."""

@@ -1,0 +1,1 @@
+"""Results: the store (exactly-once results in Redis), the sink (shards + per-batch index), blobs, the export schema."""
