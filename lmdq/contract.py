@@ -386,6 +386,10 @@ class Batch(_Strict):
     prefix_groups: bool = False
     params: GenerationParams = Field(default_factory=GenerationParams)
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    #: a batch over several models (each line's ``model`` / ``body.model``): the request counts of each
+    #: model, in the order the input first named it (``model`` is the first). None: one model, ``model``.
+    #: Totals are fixed at submit; the other counts are live (the results script keeps them per model)
+    model_counts: dict[str, RequestCounts] | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     idempotency_key: str | None = None
     completion_window_s: float | None = None
@@ -400,6 +404,11 @@ class Batch(_Strict):
     cancelled_at: float | None = None
     expires_at: float | None = None
     expired_at: float | None = None
+
+    @property
+    def models(self) -> list[str]:
+        """Every model the batch's requests run on (queues, cancel, purge go over each)."""
+        return list(self.model_counts) if self.model_counts else [self.model]
 
     @field_validator("metadata")
     @classmethod

@@ -84,9 +84,17 @@ def _print_batch(b: Batch, as_json: bool) -> None:
         return
     c = b.request_counts
     typer.echo(
-        f"{b.id}  {b.status.value}  model={b.model}  total={c.total} completed={c.completed} "
+        f"{b.id}  {b.status.value}  {_model_field(b)}  total={c.total} completed={c.completed} "
         f"failed={c.failed} cancelled={c.cancelled} expired={c.expired}"
     )
+    for m, mc in (b.model_counts or {}).items():  # a batch over several models: a line per model
+        typer.echo(f"  model={m}  total={mc.total} completed={mc.completed} failed={mc.failed} "
+                   f"cancelled={mc.cancelled} expired={mc.expired}")
+
+
+def _model_field(b: Batch) -> str:
+    """``model=NAME``, or ``models=A,B,C`` for a batch over several models."""
+    return f"models={','.join(b.models)}" if b.model_counts else f"model={b.model}"
 
 
 def _redacted(b: Batch) -> Batch:
@@ -354,7 +362,7 @@ def list_(
     for b in batches:
         head = f"{b.id}  {b.status.value:<13s}{_created(b)}"
         typer.echo(head if len(head) <= out.width else _fill([b.id, b.status.value, _created(b)], out.width, ""))
-        typer.echo(_fill([f"model={b.model}", *_counts(b)], width=out.width, indent="  ", sep=" "))
+        typer.echo(_fill([_model_field(b), *_counts(b)], width=out.width, indent="  ", sep=" "))
 
 
 def _counts(b: Batch) -> list[str]:
@@ -397,7 +405,8 @@ def _batches_table(batches: list[Batch]) -> Table:
     table.add_column("created", no_wrap=True)
     for b in batches:
         c = b.request_counts
-        table.add_row(b.id, b.status.value, b.model, *(str(getattr(c, k)) for k in counts),
+        model = f"{b.model} +{len(b.models) - 1}" if b.model_counts else b.model
+        table.add_row(b.id, b.status.value, model, *(str(getattr(c, k)) for k in counts),
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(b.created_at)))
     return table
 

@@ -21,6 +21,11 @@ input order, packed next-fit into jobs of at most ``batch_size``: a group that f
 straddles two (it starts a new job instead); a group bigger than a job fills consecutive jobs.
 Without any shared prefix the plan is ``None`` and jobs are cut in input order exactly as before.
 
+Several models in one batch (each line's ``model``): jobs never mix models. The model's name is hashed
+ahead of the prompt, so a group never spans two models; each model's requests are packed as above on
+their own, and the models' jobs are then interleaved (job 1 of each model, job 2 of each, ...) so
+every model's workers start as soon as the first jobs are visible.
+
 Cost: hashing at most 16 KiB a line in pass 1, 12 to 60 bytes a request in arrays (offset, line
 number, a key per length reached), and sorts of 64-bit integers after pass 1: O(n log n). Each request keeps its input
 index and custom_id, so results and exports keep input order.
@@ -75,22 +80,31 @@ class PrefixKeys:
     key per length its prompt reaches (8 bytes each; ``keys[j][i]`` absent or 0: request i's prompt
     is shorter than ``lengths[j]``, so a file of short prompts costs 12 bytes a request)."""
 
-    def __init__(self, min_bytes: int) -> None:
+    def __init__(self, min_bytes: int, *, group: bool = True) -> None:
+        #: hash prefixes (prefix grouping on); off: only offsets and line numbers are kept (what a batch
+        #: over several models needs to read its requests back model by model)
+        self.group = group
         self.lengths = tuple(min_bytes * m for m in LEVELS)
         self.keys = [array("Q") for _ in self.lengths]
         self.offsets = array("Q")
         self.line_nos = array("I")
 
-    def add(self, offset: int, item: ParsedLine) -> None:
+    def add(self, offset: int, item: ParsedLine, model: str | None = None) -> None:
+        """Record request ``item``; ``model``: the model it runs on when the batch has several (None:
+        the batch's one model), hashed first so requests of two models never share a key."""
         index = len(self.offsets)
         self.offsets.append(offset)
         self.line_nos.append(item.line_no)
+        if not self.group:
+            return
         text = prefix_text(item, self.lengths[-1])
         if len(text) * 4 < self.lengths[0]:  # shorter than the shortest length even at 4 bytes a character
             return
         data = memoryview(text.encode("utf-8", "surrogatepass"))
         n = len(data)
         h = hashlib.blake2b(digest_size=5)
+        if model is not None:
+            h.update(f"{model}\x00".encode())
         pos = 0
         for length, keys in zip(self.lengths, self.keys):
             if n < length:
@@ -123,17 +137,41 @@ def _sorted(values: array[int], run: int = 1 << 16) -> Iterator[int]:
     return heapq.merge(*(iter(view[s : s + run]) for s in range(0, len(values), run)))
 
 
-def plan_jobs(prefixes: PrefixKeys, batch_size: int) -> JobPlan | None:
+def plan_jobs(prefixes: PrefixKeys, batch_size: int, models: array[int] | None = None) -> JobPlan | None:
     """The job layout for the requests ``prefixes`` saw (see the module docstring), or ``None`` when
-    no two requests share a prefix (or the file is too big to plan): jobs in input order then."""
+    no two requests share a prefix (or the file is too big to plan): jobs in input order then.
+
+    ``models``: the batch runs on several models, ``models[i]`` being request i's (0, 1, ...): a plan
+    is always made then, and no job mixes two models."""
     n = len(prefixes)
+    if models is not None:
+        return _plan_by_model(prefixes, batch_size, models)
     if n > _MAX_REQUESTS or n < 2:
         return None
+    marks = _group_marks(prefixes, n)
+    if not marks.starts:
+        return None
+    packer = _Packer(batch_size, marks)
+    packer.pack(range(n))
+    return JobPlan(order=packer.order, sizes=packer.close(), groups=len(marks.starts) - 1)
+
+
+@dataclass(frozen=True)
+class _Marks:
+    """Each request's group mark (``run_at``: 0 singleton, r+1 first request of group r, _MEMBER other
+    member) and the groups' members (group r is ``members[starts[r]:starts[r+1]]``)."""
+
+    run_at: array[int]
+    members: array[int]
+    starts: array[int]
+
+
+def _group_marks(prefixes: PrefixKeys, n: int) -> _Marks:
     run_at = array("I", bytes(4 * n))  # 0: singleton; r+1: first request of group r; _MEMBER: other member
     members = array("I")
     starts = array("I")
     mask = (1 << _INDEX_BITS) - 1
-    for keys in reversed(prefixes.keys):  # deepest length first
+    for keys in reversed(prefixes.keys if n <= _MAX_REQUESTS else []):  # deepest length first
         tagged = array("Q", ((k << _INDEX_BITS) | i for i, k in enumerate(keys) if k and not run_at[i]))
         prev_key = -1
         run: list[int] = []
@@ -155,34 +193,79 @@ def plan_jobs(prefixes: PrefixKeys, batch_size: int) -> JobPlan | None:
                 prev_key = k
             run.append(v & mask)
         close(run)
-    if not starts:
-        return None
-    starts.append(len(members))
+    if starts:
+        starts.append(len(members))
+    return _Marks(run_at=run_at, members=members, starts=starts)
+
+
+class _Packer:
+    """Next-fit packing of requests (in the order given, each group whole at its first request) into jobs
+    of at most ``batch_size``; a group that fits in a job never straddles two."""
+
+    def __init__(self, batch_size: int, marks: _Marks) -> None:
+        self.batch_size = batch_size
+        self.marks = marks
+        self.order = array("I")
+        self.sizes = array("I")
+        self.fill = 0
+
+    def _take(self, indices: Any) -> None:
+        for i in indices:
+            if self.fill == self.batch_size:
+                self.sizes.append(self.fill)
+                self.fill = 0
+            self.order.append(i)
+            self.fill += 1
+
+    def pack(self, indices: Any) -> None:
+        m = self.marks
+        for i in indices:
+            mark = m.run_at[i] if m.starts else 0
+            if mark == _MEMBER:
+                continue
+            if mark == 0:
+                self._take((i,))
+                continue
+            group = memoryview(m.members)[m.starts[mark - 1] : m.starts[mark]]
+            if len(group) <= self.batch_size and self.fill + len(group) > self.batch_size and self.fill:
+                self.sizes.append(self.fill)  # it fits in a job of its own: don't split it across two
+                self.fill = 0
+            self._take(group)
+
+    def close(self) -> array[int]:
+        if self.fill:
+            self.sizes.append(self.fill)
+            self.fill = 0
+        return self.sizes
+
+
+def _plan_by_model(prefixes: PrefixKeys, batch_size: int, models: array[int]) -> JobPlan:
+    """:func:`plan_jobs` for a batch over several models: each model's requests packed on their own (its
+    groups are its own: the model is hashed into every key), then the models' jobs interleaved."""
+    n = len(prefixes)
+    marks = _group_marks(prefixes, n)
+    per_model: list[array[int]] = []
+    for i in range(n):
+        m = models[i]
+        while len(per_model) <= m:
+            per_model.append(array("I"))
+        per_model[m].append(i)
+    jobs: list[list[memoryview]] = []  # per model: its jobs' request indices
+    for indices in per_model:
+        packer = _Packer(batch_size, marks)
+        packer.pack(indices)
+        sizes = packer.close()
+        view = memoryview(packer.order)
+        out, pos = [], 0
+        for size in sizes:
+            out.append(view[pos : pos + size])
+            pos += size
+        jobs.append(out)
     order = array("I")
     sizes = array("I")
-    fill = 0
-
-    def take(indices: Any) -> None:
-        nonlocal fill
-        for i in indices:
-            if fill == batch_size:
-                sizes.append(fill)
-                fill = 0
-            order.append(i)
-            fill += 1
-
-    for i in range(n):
-        mark = run_at[i]
-        if mark == _MEMBER:
-            continue
-        if mark == 0:
-            take((i,))
-            continue
-        group = memoryview(members)[starts[mark - 1] : starts[mark]]
-        if len(group) <= batch_size and fill + len(group) > batch_size and fill:
-            sizes.append(fill)  # it fits in a job of its own: don't split it across two
-            fill = 0
-        take(group)
-    if fill:
-        sizes.append(fill)
-    return JobPlan(order=order, sizes=sizes, groups=len(starts) - 1)
+    for k in range(max((len(j) for j in jobs), default=0)):
+        for model_jobs in jobs:
+            if k < len(model_jobs):
+                order.extend(model_jobs[k])
+                sizes.append(len(model_jobs[k]))
+    return JobPlan(order=order, sizes=sizes, groups=max(0, len(marks.starts) - 1))

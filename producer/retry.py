@@ -52,6 +52,9 @@ def retry_batch(
         if bound is not None:
             return bound, False
     orig = ledger.get(batch_id)
+    if orig.model_counts:
+        raise RetryRejected(f"batch {batch_id!r} runs on several models ({', '.join(orig.models)}): retry takes a "
+                            "batch of one model; export its failed requests and submit them again")
     try:
         check_model_name(orig.model)
     except InvalidModelName as e:

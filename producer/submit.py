@@ -178,19 +178,63 @@ def _changed(path: Path, detail: str) -> SubmitRejected:
     )
 
 
+@dataclass
+class _Models:
+    """The models a file's lines name, seen in pass 1 (without ``--model``): one batch may run on several.
+
+    ``counts`` in the order the file first names each; ``ids[i]`` is request i's model, its position in
+    ``counts`` (4 bytes a request; a line naming none gets 0)."""
+
+    where: str  #: the field lines name it in: ``model`` (lmdq JSONL) or ``body.model`` (OpenAI)
+    counts: dict[str, int] = field(default_factory=dict)
+    first_line: dict[str, int] = field(default_factory=dict)
+    index: dict[str, int] = field(default_factory=dict)
+    ids: array[int] = field(default_factory=lambda: array("I"))
+    unnamed: int = 0
+    first_unnamed: int = 0
+
+    def add(self, path: Path, item: ParsedLine, errors: list[str]) -> bool:
+        """Count ``item``'s model; False (and an error naming the line) when its name breaks the rule."""
+        name = item.model
+        if name is None:
+            self.unnamed += 1
+            self.first_unnamed = self.first_unnamed or item.line_no
+            self.ids.append(0)
+            return True
+        if name not in self.counts:
+            try:
+                check_model_name(name)
+            except InvalidModelName as e:
+                errors.append(f"{path}:{item.line_no}: field '{self.where}': {e}")
+                return False
+            self.counts[name] = 0
+            self.first_line[name] = item.line_no
+            self.index[name] = len(self.index)
+        self.counts[name] += 1
+        self.ids.append(self.index[name])
+        return True
+
+    def several(self) -> bool:
+        return len(self.counts) > 1
+
+
 def _validate(
     path: Path, opts: SubmitOptions, progress: Progress | None
-) -> tuple[_Fingerprint, str, PrefixKeys | None, int]:
+) -> tuple[_Fingerprint, str, PrefixKeys | None, int, _Models | None]:
     """Pass 1: returns (the file's fingerprint, model, what prefix grouping needs when it is on, the
-    line the model came from: 0 when --model named it) or raises SubmitRejected listing file:line
-    errors."""
+    line the model came from: 0 when --model named it, the models the lines name when they name
+    several) or raises SubmitRejected listing file:line errors."""
     errors: list[str] = []
     hashes = array("Q")
     per_request = array("Q")
     n = 0
-    model = opts.model
-    model_line = 0
-    prefixes = PrefixKeys(opts.prefix_group_bytes) if opts.prefix_groups else None
+    # --model wins for every line (an OpenAI file written for gpt-4o-mini runs on the served model);
+    # without it, each line's model (lmdq `model`, OpenAI `body.model`) routes it: a batch may run on
+    # several models, and lines naming none take the file's one model.
+    lines = None if opts.model is not None else _Models("body.model" if opts.fmt is InputFormat.openai else "model")
+    # a file naming its models keeps every request's offset, so a batch over several can be read model by model
+    prefixes = (PrefixKeys(opts.prefix_group_bytes, group=opts.prefix_groups)
+                if opts.prefix_groups or lines is not None else None)
     running = _new_hash(order_free=prefixes is not None)
     sampling = _SamplingTally()
     try:
@@ -204,27 +248,38 @@ def _validate(
                 continue
             if progress:
                 progress(item.line_no)
-            # --model wins for every line (an OpenAI file written for gpt-4o-mini runs on the served
-            # model); without it, the lines' body.model must agree and name the batch's model.
-            if item.model is not None and opts.model is None:
-                if model is None:
-                    model, model_line = item.model, item.line_no
-                elif item.model != model:
-                    errors.append(
-                        f"{path}:{item.line_no}: field 'body.model': expected {model!r} (from line {model_line}), "
-                        f"got {item.model!r}; pass --model NAME to run every line on NAME"
-                    )
+            if lines is not None:
+                if not lines.add(path, item, errors):
+                    if len(errors) >= opts.max_errors:
+                        errors.append(f"{path}: stopping after {opts.max_errors} errors")
+                        break
                     continue
             hashes.append(_h64(item.custom_id))
             per_request.append(_feed(running, item))
             if prefixes is not None:
-                prefixes.add(offset, item)
+                prefixes.add(offset, item, model=item.model if lines is not None else None)
             sampling.add(item)
             n += 1
     except OSError as e:
         raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
     if not errors:
         errors.extend(_duplicates(path, opts, hashes))
+    model = opts.model
+    model_line = 0
+    several = None
+    if lines is not None and lines.counts:
+        model = next(iter(lines.counts))
+        model_line = lines.first_line[model]
+        if lines.several():
+            several = lines
+            if lines.unnamed and not errors:
+                names = ", ".join(repr(m) for m in list(lines.counts)[:5])
+                errors.append(
+                    f"{path}:{lines.first_unnamed}: field '{lines.where}': expected a model name: the file "
+                    f"names several models ({names}{', ...' if len(lines.counts) > 5 else ''}) and "
+                    f"{_lines(lines.unnamed)} name none; name one on each line, or pass --model NAME to run "
+                    "every line on NAME"
+                )
     if model is None and not errors:
         errors.append(f"{path}:0: no model given: pass --model NAME")
     if errors:
@@ -236,7 +291,7 @@ def _validate(
         raise SubmitRejected(f"{path}:0: no model given: pass --model NAME")
     seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
                         order_free=prefixes is not None, per_request=per_request)
-    return seen, model, prefixes, model_line
+    return seen, model, prefixes, model_line, several
 
 
 class _SamplingTally:
@@ -311,8 +366,12 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: array[int]) -> list[str
     return out
 
 
-def _request_dict(index: int, item: ParsedLine) -> dict[str, Any]:
+def _request_dict(index: int, item: ParsedLine, *, with_model: bool = False) -> dict[str, Any]:
+    """The request as its job holds it; ``with_model``: with the line's model too (a batch over several
+    models: :func:`lmdq.ledger.job_payloads` takes it off, as the job's own ``model``)."""
     d: dict[str, Any] = {"index": index, "custom_id": item.custom_id, "endpoint": item.endpoint.value}
+    if with_model:
+        d["model"] = item.model
     if item.messages is not None:
         d["messages"] = item.messages
     else:
@@ -361,7 +420,8 @@ def _check_read_whole(path: Path, seen: _Fingerprint, running: Any) -> None:
 
 
 def _planned_requests(
-    path: Path, opts: SubmitOptions, seen: _Fingerprint, prefixes: PrefixKeys, plan: JobPlan
+    path: Path, opts: SubmitOptions, seen: _Fingerprint, prefixes: PrefixKeys, plan: JobPlan, *,
+    with_model: bool = False,
 ) -> Generator[dict[str, Any], None, None]:
     """Pass 2 with prefix groups: the requests in ``plan``'s job order, each read at the offset pass 1
     recorded, keeping its input index. The same checks as :func:`_file_requests`: the file's size
@@ -380,7 +440,7 @@ def _planned_requests(
                     raise _changed(path, f"now {item}")
                 if _feed(running, item) != seen.per_request[index]:
                     raise _changed(path, f"line {item.line_no} is not what was validated")
-                yield _request_dict(index, item)
+                yield _request_dict(index, item, with_model=with_model)
         _check_read_whole(path, seen, running)
     except OSError as e:
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
@@ -462,31 +522,39 @@ def submit_file(
     except OSError as e:
         raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
-    seen, model, prefixes, model_line = _validate(path, opts, validate_progress)
+    seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress)
+    field_name = "body.model" if fmt is InputFormat.openai else "model"
     try:
         check_model_name(model)
     except InvalidModelName as e:
-        where = "--model" if opts.model is not None else f"{path}:{model_line}: field 'body.model'"
+        where = "--model" if opts.model is not None else f"{path}:{model_line}: field '{field_name}'"
         raise SubmitRejected(f"{where}: {e}") from e
     total = seen.requests
     if total > opts.limits.max_requests:
         raise SubmitRejected(f"{path}: {total} requests, limit is {opts.limits.max_requests}")
     if not opts.allow_unknown_model:
         known = ledger.known_models(opts.known_models)
-        if model not in known:
-            # blamed where the name came from: the --model flag (or LMDQ_MODEL), else the line whose
-            # body.model named it (an OpenAI file)
-            where = f"{path}:{model_line}: field 'body.model'" if model_line else "--model"
-            raise UnknownModel(
-                f"{where}: unknown model {model!r}; known: "
-                f"{', '.join(sorted(known)) or '(none: nothing registered, no worker started yet)'}. "
-                f"Register it with `lmdq-producer models add {shlex.quote(model)}` (or start a worker "
-                "serving it), or pass --allow-unknown-model to queue anyway."
-            )
+        named = list(several.counts) if several is not None else [model]
+        unknown = [m for m in named if m not in known]
+        if unknown:
+            # blamed where each name came from: the --model flag (or LMDQ_MODEL), else the first line
+            # whose model / body.model named it; one line per unknown model
+            lines_of = several.first_line if several is not None else {model: model_line}
+            known_list = ', '.join(sorted(known)) or '(none: nothing registered, no worker started yet)'
+            msgs = []
+            for m in unknown[: opts.max_errors]:
+                where = f"{path}:{lines_of[m]}: field '{field_name}'" if lines_of.get(m) else "--model"
+                msgs.append(
+                    f"{where}: unknown model {m!r}; known: {known_list}. Register it with "
+                    f"`lmdq-producer models add {shlex.quote(m)}` (or start a worker serving it), or pass "
+                    "--allow-unknown-model to queue anyway."
+                )
+            raise UnknownModel("\n".join(msgs))
 
     batch_id = new_batch_id()
     now = time.time()
-    plan = plan_jobs(prefixes, opts.batch_size) if prefixes is not None else None
+    plan = (plan_jobs(prefixes, opts.batch_size, models=several.ids if several is not None else None)
+            if prefixes is not None else None)
     num_jobs = len(plan.sizes) if plan is not None else (total + opts.batch_size - 1) // opts.batch_size
     check_batch_fits(client, requests=total, jobs=num_jobs, input_bytes=seen.size, params=opts.params,
                      results_url=opts.results_url, fraction=opts.memory_fraction)
@@ -502,6 +570,8 @@ def submit_file(
             prefix_groups=plan is not None,
             params=opts.params,
             request_counts=RequestCounts(total=total),
+            model_counts=({m: RequestCounts(total=c) for m, c in several.counts.items()}
+                          if several is not None else None),
             metadata=opts.metadata,
             idempotency_key=opts.idempotency_key,
             completion_window_s=opts.completion_window_s,
@@ -520,7 +590,7 @@ def submit_file(
             bound = ledger.bound_batch(opts.idempotency_key, fingerprint=fingerprint)
             return bound or ledger.get(existing_id), False
     if plan is not None and prefixes is not None:
-        requests = _planned_requests(path, opts, seen, prefixes, plan)
+        requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None)
     else:
         requests = _file_requests(path, opts, seen)
     try:

@@ -198,23 +198,21 @@ def test_input_refusals_name_file_and_line(tmp_path: Path, env: dict[str, str], 
     _nothing_enqueued(client, prefix)
 
 
-def test_model_rule_without_model_flag_lines_must_agree(tmp_path: Path, env: dict[str, str], client: redis.Redis,
-                                                        prefix: str) -> None:
+def test_model_rule_without_model_flag_lines_route_by_model(tmp_path: Path, env: dict[str, str],
+                                                             client: redis.Redis, prefix: str) -> None:
     mixed = [_chat("a", "x"), {**_chat("b", "y"), "body": {"model": "other", "messages": [{"role": "user",
                                                                                           "content": "y"}]}}]
     f = write_jsonl(tmp_path / "mixed.jsonl", mixed)
-    p = run_cli("lmdq.producer", "submit", str(f), "--allow-unknown-model", env=env)
-    err = p.stderr.decode()
-    assert p.returncode == 2, err
-    assert f"{f}:2: field 'body.model': expected 'gpt-4o-mini' (from line 1), got 'other'" in err
-    assert "pass --model NAME" in err
-    _nothing_enqueued(client, prefix)
+    # lines naming different models: one batch over both (issue 24), each line on its own model
+    several = _submit(f, env)
+    assert several["model"] == "gpt-4o-mini"
+    assert {m: c["total"] for m, c in several["model_counts"].items()} == {"gpt-4o-mini": 1, "other": 1}
     # the same file with --model: every line runs on it
     batch = _submit(f, env, "--model", "sim")
-    assert batch["model"] == "sim" and batch["request_counts"]["total"] == 2
+    assert batch["model"] == "sim" and batch["request_counts"]["total"] == 2 and batch.get("model_counts") is None
     # and agreeing lines without --model name the batch's model
     same = _submit(write_jsonl(tmp_path / "same.jsonl", [_chat("a", "x"), _chat("b", "y")]), env)
-    assert same["model"] == "gpt-4o-mini"
+    assert same["model"] == "gpt-4o-mini" and same.get("model_counts") is None
 
 
 def test_logprobs_come_from_the_results_shard(tmp_path: Path, env: dict[str, str], client: redis.Redis,

@@ -321,6 +321,10 @@ class ApiBatches:
         c = b.request_counts
         counts.update(total=c.total, completed=c.completed, failed=c.failed + c.cancelled + c.expired)
         out["model"] = b.model
+        if b.model_counts:  # lines naming several models: the batch's counts per model, as request_counts
+            out["request_counts_by_model"] = {
+                m: {"total": mc.total, "completed": mc.completed, "failed": mc.failed + mc.cancelled + mc.expired}
+                for m, mc in b.model_counts.items()}
         out["in_progress_at"] = _int(b.in_progress_at or b.queued_at)
         out["expires_at"] = _int(b.expires_at) or out["expires_at"]
         out["cancelling_at"] = _int(b.cancelling_at) or rec.cancel_requested_at

@@ -70,40 +70,64 @@ _RQ_QUEUES = "rq:queues"
 _FETCH_CHUNK = 500
 """Jobs fetched per round trip when reading a batch's requests back for ``retry``."""
 
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the model's wake list.
-# ARGV: queue key, chunk, now, running ttl.
+# ``lmdq_push(qkey, ids, queues)``: push job ids onto queue key ``qkey``, or, when it is '' (a batch over
+# several models), each onto its own model's queue, the one its job hash names as ``origin`` (the ledger's
+# stage wrote it); every queue used joins RQ's set of queues ``queues``.
+_PUSH_LUA = f"""
+local function lmdq_push(qkey, ids, queues)
+  if #ids == 0 then return end
+  if qkey ~= '' then
+    for s = 1, #ids, 4000 do
+      redis.call('RPUSH', qkey, unpack(ids, s, math.min(s + 3999, #ids)))
+    end
+    redis.call('SADD', queues, qkey)
+    return
+  end
+  for _, id in ipairs(ids) do
+    local q = redis.call('HGET', '{Job.redis_job_namespace_prefix}' .. id, 'origin')
+    if q then
+      local k = '{rq_queue_key("")}' .. q
+      redis.call('RPUSH', k, id)
+      redis.call('SADD', queues, k)
+    end
+  end
+end
+"""
+
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
+# ARGV: queue key ('': each job to its own model's queue, see _PUSH_LUA), chunk, now, running ttl.
 # Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
 # Every key of the batch takes the running TTL here (lmdq.results.store: TTLs count from the batch's end).
-_COMMIT = WAKE_LUA + f"""
+_COMMIT = WAKE_LUA + _PUSH_LUA + f"""
 if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
 local n = redis.call('LLEN', KEYS[1])
 local chunk = tonumber(ARGV[2])
 for s = 0, n - 1, chunk do
   local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
-  redis.call('RPUSH', KEYS[2], unpack(ids))
+  lmdq_push(ARGV[1], ids, KEYS[3])
   for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[4]) end
 end
 redis.call('EXPIRE', KEYS[4], ARGV[4])
 local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
 local bid = string.match(KEYS[4], ':batch:([^:]+)$')
 if idem and bid and redis.call('GET', idem) == bid then redis.call('EXPIRE', idem, ARGV[4]) end
-redis.call('SADD', KEYS[3], ARGV[1])
 if redis.call('HGET', KEYS[4], '{F.status}') == '{BatchStatus.validating.value}' then
   redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
 end
 redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-if n > 0 then lmdq_wake(KEYS[5]) end
+if n > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
 return n
 """
 
 # Progressive staging: the batch's staged jobs from ``visible_jobs`` up to ARGV[2] become visible.
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the model's wake list.
-# ARGV: queue key, jobs visible after this call, requests visible after this call, now, running ttl, '1' for
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
+# ARGV: queue key ('': each job to its own model's queue, see _PUSH_LUA), jobs visible after this call,
+# requests visible after this call, now, running ttl, '1' for
 # the last call (every job is visible). Returns the jobs made visible, -1 when they were already (a re-sent
 # call), -2 when the batch is no longer live (cancelled while it was being staged: nothing more is pushed).
 # TTLs as _COMMIT's: what is visible (job hashes, record, job list, idempotency key) takes the running TTL.
-_COMMIT_UPTO = WAKE_LUA + f"""
+_COMMIT_UPTO = WAKE_LUA + _PUSH_LUA + f"""
 local st = redis.call('HGET', KEYS[4], '{F.status}')
 if st ~= '{BatchStatus.validating.value}' and st ~= '{BatchStatus.queued.value}'
    and st ~= '{BatchStatus.in_progress.value}' then return -2 end
@@ -111,15 +135,12 @@ local have = tonumber(redis.call('HGET', KEYS[4], '{F.visible_jobs}') or '0')
 local upto = tonumber(ARGV[2])
 if have >= upto then return -1 end
 local ids = redis.call('LRANGE', KEYS[1], have, upto - 1)
-for s = 1, #ids, 4000 do
-  redis.call('RPUSH', KEYS[2], unpack(ids, s, math.min(s + 3999, #ids)))
-end
+lmdq_push(ARGV[1], ids, KEYS[3])
 for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[5]) end
 redis.call('EXPIRE', KEYS[4], ARGV[5])
 local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
 local bid = string.match(KEYS[4], ':batch:([^:]+)$')
 if idem and bid and redis.call('GET', idem) == bid then redis.call('EXPIRE', idem, ARGV[5]) end
-redis.call('SADD', KEYS[3], ARGV[1])
 if st == '{BatchStatus.validating.value}' then
   redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
 end
@@ -127,7 +148,7 @@ if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 0 then redis.call('HSET', 
 redis.call('HSET', KEYS[4], '{F.visible_jobs}', upto, '{F.visible_requests}', ARGV[3])
 if ARGV[6] == '1' then redis.call('HSET', KEYS[4], '{F.staged_at}', ARGV[4]) end
 redis.call('EXPIRE', KEYS[1], ARGV[5])
-if #ids > 0 then lmdq_wake(KEYS[5]) end
+if #ids > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
 return #ids
 """
 
@@ -224,12 +245,20 @@ def job_payloads(
     job_sizes: Sequence[int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Job payload dicts of ``batch_size`` requests each, in request order; with ``job_sizes``
-    (prefix groups: producer/prefix_groups.py), job k takes the next ``job_sizes[k]`` requests."""
+    (prefix groups: producer/prefix_groups.py), job k takes the next ``job_sizes[k]`` requests.
+
+    A request dict holding ``model`` (a batch over several models) gives its job that model instead of
+    ``model``; every request of a job must then name the same one (the submit plans it so)."""
     p = params.model_dump(exclude_none=True)
     urls = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
 
     def job(job_no: int, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"format_version": 1, "batch_id": batch_id, "model": model, "job_no": job_no, "params": p,
+        names = {r.pop("model") for r in reqs if "model" in r}
+        if len(names) > 1:
+            raise SubmitRejected(f"batch {batch_id}: job {job_no} would mix models {sorted(names)}; nothing was "
+                                 "enqueued")
+        job_model = names.pop() if names else model
+        return {"format_version": 1, "batch_id": batch_id, "model": job_model, "job_no": job_no, "params": p,
                 "requests": reqs, **urls}
 
     reqs: list[dict[str, Any]] = []
@@ -352,6 +381,25 @@ class BatchLedger:
                 raise
             raise refused from e
 
+    def _queue_of(self, batch: Batch, payload: dict[str, Any]) -> str:
+        """The queue a staged job goes on: its own model's (a batch over several models), at the batch's
+        priority. A job naming a model its batch does not run is refused: it could never be answered."""
+        model = payload["model"]
+        if model != batch.model and model not in batch.models:
+            raise SubmitRejected(f"batch {batch.id}: job {payload['job_no']} names model {model!r}, which the "
+                                 "batch does not run on; nothing was enqueued")
+        return queue_name(model, batch.priority, self.keys.prefix)
+
+    def _queues(self, batch: Batch) -> list[str]:
+        """Every queue the batch's jobs may be on: each of its models', at every priority."""
+        return [q for m in batch.models for q in queue_names(m, self.keys.prefix)]
+
+    def _commit_keys(self, batch: Batch) -> tuple[str, list[str]]:
+        """(the queue key commits push onto, or '' when each job goes to its own model's queue: the job
+        hash's ``origin``), and the wake lists of every model of the batch."""
+        qkey = "" if batch.model_counts else rq_queue_key(queue_name(batch.model, batch.priority, self.keys.prefix))
+        return qkey, [self.keys.wake(m) for m in batch.models]
+
     # ---- lookups --------------------------------------------------------------------------
     def get(self, batch_id: str) -> Batch:
         """The batch record; raises BatchNotFound."""
@@ -427,7 +475,6 @@ class BatchLedger:
         Raises SubmitRejected (and stops reading ``requests``) once they exceed the batch's
         recorded total: a batch must never run more requests than it counts.
         """
-        queue = queue_name(batch.model, batch.priority, self.keys.prefix)
         total = batch.request_counts.total
         jobs = reqs = 0
         with self._refusals(), self.client.pipeline(transaction=False) as pipe:
@@ -446,7 +493,7 @@ class BatchLedger:
                     raise SubmitRejected(
                         f"batch {batch.id}: more requests than the {total} its record counts; nothing was enqueued"
                     )
-                self.jobs.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
+                self.jobs.stage(payload, queue=self._queue_of(batch, payload), job_no=payload["job_no"], pipe=pipe)
                 jobs += 1
                 if jobs % chunk_jobs == 0:
                     pipe.execute()
@@ -469,11 +516,11 @@ class BatchLedger:
                 f"batch {batch.id}: staged {staged.requests} requests in {staged.jobs} jobs, its record counts "
                 f"{batch.request_counts.total} in {batch.num_jobs}; nothing was enqueued"
             )
-        qkey = rq_queue_key(queue_name(batch.model, batch.priority, self.keys.prefix))
+        qkey, wakes = self._commit_keys(batch)
         with self._refusals():
             n = self._commit(
-                keys=[self.keys.batch_jobs(batch.id), qkey, _RQ_QUEUES, self.keys.batch(batch.id),
-                      self.keys.wake(batch.model)],
+                keys=[self.keys.batch_jobs(batch.id), qkey or _RQ_QUEUES, _RQ_QUEUES, self.keys.batch(batch.id),
+                      *wakes],
                 args=[qkey, 4000, time.time(), RUNNING_TTL_S],
             )
         return max(0, int(n))
@@ -558,8 +605,6 @@ class BatchLedger:
         batch ends cancelled (:meth:`abandon`): staged-but-invisible jobs are deleted, queued ones get
         ``cancelled`` results, running ones are aborted by their workers, the never-queued requests count
         as cancelled, and ``staging_failed`` says why; the error is re-raised with that added."""
-        queue = queue_name(batch.model, batch.priority, self.keys.prefix)
-        qkey = rq_queue_key(queue)
         total = batch.request_counts.total
         jobs = reqs = visible = visible_reqs = 0
         try:
@@ -572,12 +617,13 @@ class BatchLedger:
                     reqs += len(payload["requests"])
                     if reqs > total or jobs >= batch.num_jobs:
                         raise SubmitRejected(f"batch {batch.id}: more requests than the {total} its record counts")
-                    self.jobs.stage(payload, queue=queue, job_no=payload["job_no"], pipe=pipe)
+                    self.jobs.stage(payload, queue=self._queue_of(batch, payload), job_no=payload["job_no"],
+                                    pipe=pipe)
                     jobs += 1
                     if jobs == next_commit and jobs < batch.num_jobs:
                         pipe.execute()
                         first = visible == 0
-                        self._make_visible(batch, qkey, jobs, reqs, last=False)
+                        self._make_visible(batch, jobs, reqs, last=False)
                         visible, visible_reqs = jobs, reqs
                         next_commit = jobs + max(1, chunk_jobs)
                         if progress:
@@ -588,7 +634,7 @@ class BatchLedger:
             if reqs != total or jobs != batch.num_jobs:
                 raise SubmitRejected(f"batch {batch.id}: staged {reqs} requests in {jobs} jobs, its record counts "
                                      f"{total} in {batch.num_jobs}")
-            self._make_visible(batch, qkey, jobs, reqs, last=True)
+            self._make_visible(batch, jobs, reqs, last=True)
             if progress:
                 progress(jobs)
         except BaseException as e:
@@ -601,11 +647,12 @@ class BatchLedger:
             raise err from e
         return self.get(batch.id)
 
-    def _make_visible(self, batch: Batch, qkey: str, jobs: int, reqs: int, *, last: bool) -> None:
+    def _make_visible(self, batch: Batch, jobs: int, reqs: int, *, last: bool) -> None:
+        qkey, wakes = self._commit_keys(batch)
         with self._refusals("the batch was cancelled"):
             n = self._commit_upto(
-                keys=[self.keys.batch_jobs(batch.id), qkey, _RQ_QUEUES, self.keys.batch(batch.id),
-                      self.keys.wake(batch.model)],
+                keys=[self.keys.batch_jobs(batch.id), qkey or _RQ_QUEUES, _RQ_QUEUES, self.keys.batch(batch.id),
+                      *wakes],
                 args=[qkey, jobs, reqs, time.time(), RUNNING_TTL_S, "1" if last else "0"],
             )
         if int(n) == -2:
@@ -700,7 +747,7 @@ class BatchLedger:
             self.client.sadd(self.keys.cancelled(), batch_id)
             now = time.time()
             prefix = job_id_prefix(batch_id)
-            for q in queue_names(batch.model, self.keys.prefix):
+            for q in self._queues(batch):
                 qkey = rq_queue_key(q)
                 done = {jid: self._write_cancelled(batch, jid, now)
                         for jid in map(reply_text, self._find_prefix(keys=[qkey], args=[prefix]))}
@@ -719,7 +766,7 @@ class BatchLedger:
         live lease. 0 for a batch that has not ended means it is stuck (nothing will ever end it)."""
         prefix = job_id_prefix(batch.id)
         queued = sum(len(self._find_prefix(keys=[rq_queue_key(q)], args=[prefix]))
-                     for q in queue_names(batch.model, self.keys.prefix))
+                     for q in self._queues(batch))
         job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
         server_now = self.jobs.lease_now()
         live = 0
@@ -736,14 +783,16 @@ class BatchLedger:
         it (the results script writes each request once)."""
         job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
         server_now = self.jobs.lease_now()
+        # a job's model from the queue it was staged for (its hash's origin): a batch over several models
+        models = {q: m for m in batch.models for q in queue_names(m, self.keys.prefix)}
         for start in range(0, len(job_ids), _FETCH_CHUNK):
             chunk = job_ids[start : start + _FETCH_CHUNK]
             with self.client.pipeline(transaction=False) as p:
                 p.zmscore(self.keys.leases(), chunk)
                 for jid in chunk:
-                    p.hget(Job.key_for(jid), REQUESTS_FIELD)
-                leases, *manifests = p.execute()
-            for jid, lease, raw in zip(chunk, leases, manifests):
+                    p.hmget(Job.key_for(jid), [REQUESTS_FIELD, "origin"])
+                leases, *fields = p.execute()
+            for jid, lease, (raw, origin) in zip(chunk, leases, fields):
                 if lease is not None and float(lease) > server_now:
                     continue  # its worker aborts it and answers its requests
                 requests = _manifest(raw, batch.request_counts.total)
@@ -753,7 +802,8 @@ class BatchLedger:
                         self.client.hset(job.key, "status", JobStatus.CANCELED.value)
                     continue
                 self.store.write_results(
-                    Result(batch_id=batch.id, custom_id=cid, index=i, status=ResultStatus.cancelled, model=batch.model,
+                    Result(batch_id=batch.id, custom_id=cid, index=i, status=ResultStatus.cancelled,
+                           model=models.get(reply_text(origin), batch.model) if origin is not None else batch.model,
                            timings=Timings(enqueued_at=batch.created_at, finished_at=now))
                     for i, cid in requests
                 )
@@ -778,7 +828,7 @@ class BatchLedger:
                 custom_id=r.custom_id,
                 index=r.index,
                 status=ResultStatus.cancelled,
-                model=batch.model,
+                model=payload.model,
                 endpoint=r.endpoint,
                 error=None,
                 timings=Timings(enqueued_at=batch.created_at, finished_at=now),
@@ -809,7 +859,7 @@ class BatchLedger:
         with self._refusals("the purge did not finish; run it again"):
             if running:
                 self.client.sadd(self.keys.cancelled(), batch_id)
-                for q in queue_names(batch.model, self.keys.prefix):
+                for q in self._queues(batch):
                     dequeued += len(self._remove_prefix(keys=[rq_queue_key(q)], args=[job_id_prefix(batch_id)]))
             listed = {reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)}
             prefix = job_id_prefix(batch_id)
@@ -829,7 +879,7 @@ class BatchLedger:
                 p.zrem(k.batches(), batch_id)
                 if not running:
                     p.srem(k.cancelled(), batch_id)
-                for q in queue_names(batch.model, k.prefix):  # RQ's records of the jobs (rq info)
+                for q in self._queues(batch):  # RQ's records of the jobs (rq info)
                     for reg in (FinishedJobRegistry, FailedJobRegistry):
                         key = reg(q, connection=self.client).key
                         for start in range(0, len(job_ids), 1000):

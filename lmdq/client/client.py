@@ -117,6 +117,7 @@ class Client:
         params_columns: Sequence[str] | Mapping[str, str] | None = None,
         template: str | None = None,
         endpoint: Endpoint | str | None = None,
+        model_column: str | None = None,
         on_warning: Callable[[str], None] | None = None,
         validate_progress: Progress | None = None,
         enqueue_progress: Progress | None = None,
@@ -128,9 +129,11 @@ class Client:
 
         ``source``: a path (txt / JSONL / OpenAI Batch JSONL / Parquet / CSV), an iterable of str or
         dict rows, or an Arrow-speaking object (pyarrow Table / RecordBatchReader, pandas / polars
-        DataFrame, HF Dataset). ``model``: the served model name (an OpenAI file's ``body.model``
-        when omitted). The column options map tabular rows to requests (:mod:`lmdq.producer.formats
-        .tabular`). ``options``: exactly ``lmdq-producer submit``'s flags, by their Python names
+        DataFrame, HF Dataset). ``model``: the served model name (when omitted: each line's ``model`` /
+        ``body.model``, or each row's ``model_column``; lines naming several models make one batch over
+        them, each request on its own model's queue). The column options map tabular rows to requests
+        (:mod:`lmdq.producer.formats.tabular`). ``options``: exactly
+        ``lmdq-producer submit``'s flags, by their Python names
         (``max_new_tokens=``, ``temperature=``, ``batch_size=``, ``priority=``, ``metadata=``,
         ``idempotency_key=``, ``results_url=``, ``result_ttl=``, ``completion_window=``, ...).
 
@@ -148,7 +151,8 @@ class Client:
         try:
             cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
                              params_columns=params_columns, template=template,
-                             endpoint=Endpoint(endpoint) if endpoint is not None else None)
+                             endpoint=Endpoint(endpoint) if endpoint is not None else None,
+                             model_column=model_column)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         src = classify(source, fmt=format, cmap=cmap)
@@ -160,8 +164,9 @@ class Client:
             # through the module, so a test's hook on submit_file (edits between the passes) applies
             info, created = submit_mod.submit_file(src.path, opts, **kw)
             return Batch(self, info.id, created=created, info=info)
-        if opts.model is None:
-            raise InvalidArgument("model: expected the served model name (model=...)")
+        if opts.model is None and model_column is None:
+            raise InvalidArgument("model: expected the served model name (model=...), or the column naming "
+                                  "each row's (model_column=...)")
         with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:
@@ -304,6 +309,11 @@ class Batch:
     def counts(self) -> RequestCounts:
         """Request counts now (total, completed, failed, cancelled, expired)."""
         return self.info().request_counts
+
+    def counts_by_model(self) -> dict[str, RequestCounts]:
+        """Request counts now, per model the batch runs on (one entry for a batch of one model)."""
+        info = self.info()
+        return dict(info.model_counts) if info.model_counts else {info.model: info.request_counts}
 
     def wait(self, timeout: float | None = None, progress: bool = True, *, poll_interval: float = 0.25) -> BatchInfo:
         """Block until the batch ends; returns its final record. A progress bar on a terminal or in a

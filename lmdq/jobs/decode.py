@@ -109,7 +109,7 @@ def decode_job(
                          f"the id lmdq gives job {payload.job_no} of batch {payload.batch_id}")
     batch, total = _batch_record(client, queue, payload.batch_id)
     where = f"job {job_id} of batch {payload.batch_id}"
-    if batch.id != payload.batch_id or batch.model != payload.model:
+    if batch.id != payload.batch_id or payload.model not in batch.models:  # several: one of the batch's models
         raise JobRefused(f"{where}: batch id / model differ from the batch record's")
     top = max(r.index for r in payload.requests)
     if top >= total:

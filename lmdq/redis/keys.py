@@ -24,9 +24,11 @@ __all__ = [
     "BATCH_TIME_FIELDS",
     "BatchField",
     "MAX_MODEL_NAME",
+    "MODEL_COUNT_PREFIX",
     "MODEL_NAME_RULE",
     "InvalidModelName",
     "check_model_name",
+    "model_count_field",
     "WAKE_KEY_LUA",
     "Keys",
     "model_slug",
@@ -160,6 +162,16 @@ def model_slug(model: str) -> str:
         return model
     return "".join(c if _KEY_SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
                    for c in model)
+
+
+MODEL_COUNT_PREFIX = "by_model:"
+"""Batch hash fields ``by_model:<model>:<counter>``: a batch's result counters per model (a model name
+has no ``:``), bumped by the results script beside the batch-wide counter."""
+
+
+def model_count_field(model: str, counter: str) -> str:
+    """The batch hash field counting ``counter`` (completed, failed, ...) results of ``model``."""
+    return f"{MODEL_COUNT_PREFIX}{model}:{counter}"
 
 
 def queue_name(model: str, priority: Priority | str = Priority.normal, prefix: str = "lmdq") -> str:

@@ -30,7 +30,14 @@ from rq.job import Job
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
 from lmdq.errors import BatchNotFound
-from lmdq.redis.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys
+from lmdq.redis.keys import (
+    BATCH_COUNT_FIELDS,
+    BATCH_TIME_FIELDS,
+    MODEL_COUNT_PREFIX,
+    BatchField,
+    Keys,
+    model_count_field,
+)
 from lmdq.redis.replies import reply_text
 
 _JOB_PREFIX = Job.redis_job_namespace_prefix
@@ -85,7 +92,8 @@ local function batch_ttl(batch, fallback)
 end
 """
 
-# KEYS: results, batch, partials, sealed. ARGV: index, json, counter field, now, ttl, generated tokens.
+# KEYS: results, batch, partials, sealed. ARGV: index, json, counter field, now, ttl, generated tokens, the
+# result's model ('' for none: its per-model counter, ``by_model:<model>:<counter>``, is left alone).
 # Refused (0): a duplicate (HSETNX), a request whose result is already in a shard (sealed bit: the
 # record was trimmed after the shard was written, see lmdq.results.sink), or a batch with no record (purged
 # or expired: writing would bring back counters without a TTL).
@@ -96,6 +104,9 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], batch_ttl(KEYS[2], ARGV[5])) end
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+if ARGV[7] and ARGV[7] ~= '' then
+  redis.call('HINCRBY', KEYS[2], '{MODEL_COUNT_PREFIX}' .. ARGV[7] .. ':' .. ARGV[3], 1)
+end
 if tonumber(ARGV[6] or '0') > 0 then redis.call('HINCRBY', KEYS[2], '{F.output_tokens}', ARGV[6]) end
 local b = redis.call('HMGET', KEYS[2], '{F.total}', '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}',
                      '{F.status}')
@@ -148,6 +159,14 @@ _STATUS_COUNTER = {
 }
 
 
+def _int(raw: Any) -> int:
+    """A counter read from Redis (untrusted): 0 when missing or not a number."""
+    try:
+        return max(0, int(raw)) if raw is not None else 0
+    except ValueError:
+        return 0
+
+
 class ResultStore:
     """Batches and their results. All methods are safe to call from several threads."""
 
@@ -168,6 +187,8 @@ class ResultStore:
         key = self.keys.batch(batch.id)
         # prefix_groups only when set: a batch in input order stays readable by workers older than the field
         quiet = set() if batch.prefix_groups else {"prefix_groups"}
+        if batch.model_counts is None:  # one model: the record a single-model lmdq wrote
+            quiet.add("model_counts")
         live = {"status", "request_counts", *(f.value for f in BATCH_TIME_FIELDS)}
         meta = batch.model_dump_json(exclude=live | quiet)
         fields: dict[Any, str | int | float] = {
@@ -209,6 +230,13 @@ class ResultStore:
         for f in BATCH_COUNT_FIELDS:
             counts[f.value] = int(raw.get(f.value.encode(), b"0"))
         data["request_counts"] = RequestCounts(**counts)
+        if data.get("model_counts"):  # totals from the record, the rest from the per-model counters
+            data["model_counts"] = {
+                m: RequestCounts(total=int(c.get("total", 0)) if isinstance(c, dict) else 0,
+                                 **{f.value: _int(raw.get(model_count_field(m, f.value).encode()))
+                                    for f in BATCH_COUNT_FIELDS})
+                for m, c in data["model_counts"].items()
+            }
         for f in BATCH_TIME_FIELDS:
             v = raw.get(f.value.encode())
             if v is not None:
@@ -245,7 +273,7 @@ class ResultStore:
                 self.keys.sealed(result.batch_id),
             ],
             args=[result.index, result.model_dump_json(), counter.value, time.time(), self.ttl_s,
-                  max(0, result.generate_token_len)],
+                  max(0, result.generate_token_len), result.model or ""],
             client=pipe,
         )
         return bool(out) if pipe is None else True

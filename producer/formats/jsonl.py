@@ -1,4 +1,7 @@
-"""lmdq's own JSONL lines: ``{"custom_id", "prompt" | "messages", "params", "endpoint"}``.
+"""lmdq's own JSONL lines: ``{"custom_id", "prompt" | "messages", "params", "endpoint", "model"}``.
+
+``model`` (optional) names the served model the line runs on: lines naming different models make one
+batch over several models (``submit --model`` still sets every line's).
 
 ``params`` are the contract's GenerationParams names (LMDeploy's), checked strictly. The producer's
 flag names are accepted too, as aliases: ``stop`` (a string or a list) for ``stop_words``, ``seed``
@@ -21,7 +24,7 @@ from lmdq.producer.formats.validation import (
     imply_sampling,
 )
 
-_JSONL_KEYS = ("custom_id", "prompt", "messages", "params", "endpoint")
+_JSONL_KEYS = ("custom_id", "prompt", "messages", "params", "endpoint", "model")
 _JSONL_KEY_SET = frozenset(_JSONL_KEYS)
 _ENDPOINTS = {e.value: e for e in Endpoint}
 #: the producer's flag names (--stop, --seed) and OpenAI's max_tokens -> GenerationParams fields
@@ -72,6 +75,9 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
         if endpoint is Endpoint.completion:
             raise _LineError("messages", "expected 'prompt' for endpoint 'completion' (messages need 'chat')")
         messages = _check_messages(messages, "messages")
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _LineError("model", f"expected a served model name (a string), got {_got(model)}")
     raw_params = obj.get("params")
     params = None
     if raw_params is not None:
@@ -82,5 +88,5 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
         if sampling is not None:
             src.setdefault("do_sample", src.get("temperature", "params"))
         params = _validate_params(data, src, "params", wrapped)
-        return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, None, sampling)
-    return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, None)
+        return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, model, sampling)
+    return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, model)

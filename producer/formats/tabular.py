@@ -20,6 +20,8 @@ Decisions:
 * ``params_columns`` is a list of columns named like generation parameters (``max_new_tokens``,
   ``temperature``; the JSONL aliases ``max_tokens``/``seed``/``stop`` too), or a dict
   ``{column: parameter}``. A null cell means "not set for this row".
+* ``model_column`` names each row's served model (one batch over several models); rows never take a
+  ``model`` column unless it is named (a dataset's ``model`` column often says which model wrote a row).
 * A ``messages`` cell is a list of ``{role, content}`` structs, or a JSON string of one (CSV).
 """
 
@@ -67,6 +69,10 @@ class ColumnMap:
     params_columns: Sequence[str] | Mapping[str, str] | None = None
     template: str | None = None
     endpoint: Endpoint | None = None
+    #: the column naming each row's served model (one batch over several models); None: every row runs
+    #: on the batch's ``model``. Never picked by default: a dataset's ``model`` column often says which
+    #: model WROTE a row, not which should answer it
+    model_column: str | None = None
 
     def __post_init__(self) -> None:
         given = [n for n, v in (("prompt_column", self.prompt_column), ("messages_column", self.messages_column),
@@ -103,7 +109,7 @@ class ColumnMap:
 
     def columns(self) -> list[str]:
         """The columns a tabular source must have (checked against its schema before any row)."""
-        out = [c for c in (self.prompt_column, self.messages_column, self.id_column) if c]
+        out = [c for c in (self.prompt_column, self.messages_column, self.id_column, self.model_column) if c]
         if self.template is not None:
             out += self.template_fields()
         return out + list(self.params)
@@ -135,6 +141,8 @@ class RowMapper:
             return f"{self.messages_col}{bracket}{tail}" + (f".{rest}" if rest else "")
         if base == "custom_id":
             return self.id_col
+        if base == "model" and self.cmap.model_column is not None:
+            return self.cmap.model_column
         if base == "params" and rest:
             name = rest.split(".")[0].split("[")[0]
             return self.param_src.get(name, field)
@@ -189,6 +197,10 @@ class RowMapper:
                 params[p] = v
         if params:
             obj["params"] = params
+        if cm.model_column is not None:
+            obj["model"] = row.get(cm.model_column)
+            if obj["model"] is None:
+                raise _LineError("model", "expected a served model name, got null")
         ep = self.endpoint or (row.get("endpoint") if not self.explicit else None)
         if ep is not None:
             obj["endpoint"] = ep
