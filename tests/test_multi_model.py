@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from lmdq.contract import BatchStatus, Result, ResultStatus
-from lmdq.jobs import JobQueue
-from lmdq.keys import Keys, queue_names, rq_queue_key
-from lmdq.store import ResultStore
+from lmdq.jobs.queue import JobQueue
+from lmdq.redis.keys import Keys, queue_names, rq_queue_key
+from lmdq.results.store import ResultStore
 from tests.conftest import run_cli, start_worker
 from tests.helpers import wait_batch, write_jsonl
 
