@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
 
-__all__ = ["CommonSettings", "DEFAULT_REDIS_URL"]
+__all__ = ["CommonSettings", "DEFAULT_REDIS_URL", "DEFAULT_RESULT_TTL_S", "default_of"]
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+DEFAULT_RESULT_TTL_S = 7 * 24 * 3600
+"""How long a batch and its results are kept once it ended: ``LMDQ_RESULT_TTL_S``'s default, declared
+here once (tests/test_settings.py fails on a second 7-day literal); code that takes a TTL gets it from the
+settings or names this constant."""
+
+
+def default_of(cls: type[BaseModel], name: str) -> Any:
+    """The declared default of setting ``name`` of ``cls``, for a dataclass or function that takes the
+    setting as a parameter: it refers to the declaration instead of repeating its value."""
+    return cls.model_fields[name].get_default(call_default_factory=True)
 
 
 class CommonSettings(BaseSettings):
@@ -22,9 +34,11 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field(
         default_factory=lambda: os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
         validation_alias=AliasChoices("LMDQ_REDIS_URL", "redis_url"),
+        description="Redis URL (env LMDQ_REDIS_URL, then REDIS_URL)",
     )
     key_prefix: str = "lmdq"
-    result_ttl_s: int = Field(default=7 * 24 * 3600, ge=60, description="how long batches and results are kept")
+    result_ttl_s: int = Field(default=DEFAULT_RESULT_TTL_S, ge=60,
+                              description="how long a batch and its results are kept once it has ended")
     results_url: str | None = Field(
         default=None,
         description="the cluster's results sink (LMDQ_RESULTS_URL: a folder or s3://bucket/prefix): every "

@@ -17,7 +17,7 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmdq.cli.options import model_options
+from lmdq.cli.options import model_options, settings_flags
 from lmdq.client.client import MAX_NOTE, Client, load_settings
 from lmdq.client.client import Batch as ClientBatch
 from lmdq.client.options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
@@ -26,6 +26,7 @@ from lmdq.errors import EXIT_CODES_HELP, PurgeRefused, run_cli
 from lmdq.logs.config import configure_logging
 from lmdq.metrics.exporter import EXPORTER_FLAGS
 from lmdq.producer.progress import DEFAULT_INTERVAL_S, POLL_S, BatchProgress
+from lmdq.producer.settings import ProducerSettings
 
 app = typer.Typer(
     add_completion=False,
@@ -69,11 +70,10 @@ def _lmdq() -> Client:
 
 
 @app.callback()
-def _main(
-    redis_url: Annotated[str | None, typer.Option(help="Redis URL (env LMDQ_REDIS_URL, then REDIS_URL)")] = None,
-) -> None:
+@model_options(settings_flags(ProducerSettings, ["redis_url"]), into="given")
+def _main(given: dict[str, Any]) -> None:
     s = load_settings()
-    _STATE["client"] = Client(redis_url, settings=s, on_slow=_say_waiting)
+    _STATE["client"] = Client(given.get("redis_url"), settings=s, on_slow=_say_waiting)
     configure_logging(s.log_format, s.log_level)
 
 

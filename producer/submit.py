@@ -28,7 +28,7 @@ import os
 import shlex
 import time
 from array import array
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from lmdq.batches.headroom import DEFAULT_FRACTION, check_batch_fits
+from lmdq.batches.headroom import check_batch_fits
 from lmdq.batches.ledger import BatchLedger, job_payloads, new_batch_id
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
@@ -54,13 +54,14 @@ from lmdq.producer.formats import (
 )
 from lmdq.producer.formats.records import Sampling
 from lmdq.producer.prefix_groups import JobPlan, PrefixKeys, plan_jobs
+from lmdq.producer.settings import ProducerSettings
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
 from lmdq.results.output_urls import check_submit_urls
+from lmdq.settings import default_of
 
 __all__ = [
     "SubmitOptions",
     "submit_fingerprint",
-    "enqueue_batch",
     "job_payloads",
     "new_batch_id",
     "submit_file",
@@ -72,14 +73,14 @@ Progress = Callable[[int], None]
 @dataclass
 class SubmitOptions:
     model: str | None
-    batch_size: int = 32
+    batch_size: int = default_of(ProducerSettings, "batch_size")
     params: GenerationParams = field(default_factory=GenerationParams)
     priority: Priority = Priority.normal
     metadata: dict[str, str] = field(default_factory=dict)
     idempotency_key: str | None = None
     completion_window_s: float | None = None
     allow_unknown_model: bool = False
-    known_models: tuple[str, ...] = ()
+    known_models: tuple[str, ...] = default_of(ProducerSettings, "known_models")
     limits: InputLimits = field(default_factory=InputLimits)
     max_errors: int = 20
     fmt: InputFormat | None = None
@@ -87,10 +88,10 @@ class SubmitOptions:
     blob_url: str | None = None
     #: prefix-aware job formation (producer/prefix_groups.py): requests sharing a prompt prefix of at
     #: least ``prefix_group_bytes`` go into the same jobs; off = jobs in input order
-    prefix_groups: bool = True
-    prefix_group_bytes: int = 512
+    prefix_groups: bool = default_of(ProducerSettings, "prefix_groups")
+    prefix_group_bytes: int = default_of(ProducerSettings, "prefix_group_bytes")
     #: the share of Redis' maxmemory this submit may fill (LMDQ_MEMORY_HEADROOM_FRACTION; lmdq.batches.headroom)
-    memory_fraction: float = DEFAULT_FRACTION
+    memory_fraction: float = default_of(ProducerSettings, "memory_headroom_fraction")
     #: called once after the file validated and the idempotency key is bound, before the staging
     #: pass reads the file again: the moment a concurrent edit is most harmful, so tests edit the
     #: file here (deterministically, not by racing a sleeping process)
@@ -468,22 +469,6 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
     }
     h.update(b"\x00" + json.dumps(options, sort_keys=True).encode())
     return f"file:{h.hexdigest()}"
-
-
-def enqueue_batch(
-    batch: Batch,
-    requests: Iterable[dict[str, Any]],
-    *,
-    client: redis.Redis,
-    keys: Keys,
-    ttl_s: int,
-    enqueue_progress: Progress | None = None,
-    chunk_jobs: int = 256,
-) -> Batch:
-    """Create ``batch`` (status validating), stage its jobs, and make them all visible at once:
-    :meth:`lmdq.batches.ledger.BatchLedger.enqueue`, which rolls everything back on any failure."""
-    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s)
-    return ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs)
 
 
 def submit_file(

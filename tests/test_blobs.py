@@ -158,14 +158,10 @@ class SimulatedTensorEngine:
 
 
 def _enqueue(client: redis.Redis, prefix: str, rows: list[dict[str, Any]], **batch_kw: Any) -> str:
-    from lmdq.producer.submit import enqueue_batch, new_batch_id
+    from lmdq.testing import enqueue_requests
 
-    bid = new_batch_id()
-    b = Batch(id=bid, model="simt", status=BatchStatus.validating, batch_size=2, num_jobs=(len(rows) + 1) // 2,
-              request_counts=RequestCounts(total=len(rows)), created_at=time.time(), **batch_kw)
-    reqs = [{"index": i, "custom_id": f"r{i}", "prompt": "x", **r} for i, r in enumerate(rows)]
-    enqueue_batch(b, reqs, client=client, keys=Keys(prefix), ttl_s=3600)
-    return bid
+    return enqueue_requests(client, Keys(prefix), "simt", [{"prompt": "x", **r} for r in rows], batch_size=2,
+                            **batch_kw)
 
 
 def _run_worker(client: redis.Redis, redis_url: str, prefix: str, **settings: Any) -> None:

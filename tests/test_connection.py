@@ -267,10 +267,11 @@ def test_with_reconnect_gives_up_after_the_policy_with_the_last_error() -> None:
         with_reconnect(t.failing(redis.TimeoutError("frozen")), policy=RetryPolicy(retries=4), sleep=t.sleep,
                        clock=t.clock)
     assert len(t.sleeps) == 4
-    # the older signature: attempts (calls) and cap_s
+    # the policy's cap bounds every sleep
     t = _FakeTime()
     with pytest.raises(redis.ConnectionError):
-        with_reconnect(t.failing(redis.ConnectionError("x")), attempts=3, cap_s=0.15, sleep=t.sleep, clock=t.clock)
+        with_reconnect(t.failing(redis.ConnectionError("x")), policy=RetryPolicy(retries=2, cap_s=0.15), sleep=t.sleep,
+                       clock=t.clock)
     assert len(t.sleeps) == 2 and max(t.sleeps) <= 0.15
 
 

@@ -50,14 +50,9 @@ MODEL = "sim"
 
 def _batch(client: redis.Redis, prefix: str, n: int, **urls: Any) -> str:
     """A legit batch of ``n`` one-request jobs, enqueued the way the producer does it."""
-    from lmdq.producer.submit import enqueue_batch, new_batch_id
+    from lmdq.testing import enqueue_requests
 
-    bid = new_batch_id()
-    b = Batch(id=bid, model=MODEL, status=BatchStatus.validating, batch_size=1, num_jobs=n,
-              request_counts=RequestCounts(total=n), created_at=time.time(), **urls)
-    reqs = [{"index": i, "custom_id": f"r{i}", "prompt": f"question {i}"} for i in range(n)]
-    enqueue_batch(b, reqs, client=client, keys=Keys(prefix), ttl_s=3600)
-    return bid
+    return enqueue_requests(client, Keys(prefix), MODEL, [{"prompt": f"question {i}"} for i in range(n)], **urls)
 
 
 def _push(client: redis.Redis, prefix: str, payload: dict[str, Any], job_id: str) -> str:
@@ -330,8 +325,9 @@ def test_decode_job_checks_the_job_against_its_batch_record(tmp_path: Path, clie
 
 def test_producer_refuses_to_stage_a_job_workers_would_refuse(client: redis.Redis, prefix: str) -> None:
     """The cap is one setting for both sides: a job over it never reaches a queue (exit 2, nothing left)."""
+    from lmdq.batches.ledger import new_batch_id
     from lmdq.errors import SubmitRejected
-    from lmdq.producer.submit import enqueue_batch, new_batch_id
+    from lmdq.testing import enqueue_batch
 
     bid = new_batch_id()
     b = Batch(id=bid, model=MODEL, status=BatchStatus.validating, batch_size=2, num_jobs=2,

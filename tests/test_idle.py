@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from lmdq.contract import Batch, BatchStatus, RequestCounts
+from lmdq.contract import BatchStatus
 from lmdq.jobs.queue import JobQueue
 from lmdq.redis.keys import Keys, queue_name, rq_queue_key
 from lmdq.redis.wakeup import WAKE_LUA
@@ -38,16 +38,10 @@ def own_redis() -> Iterator[str]:
 def _enqueue(client: redis.Redis, prefix: str, n: int, *, batch_size: int = 1, tokens: int = 4) -> str:
     """A batch of ``n`` requests, enqueued the way the producer does it (ledger commit: one Lua call)."""
     from lmdq.contract import GenerationParams
-    from lmdq.producer.submit import enqueue_batch, new_batch_id
+    from lmdq.testing import enqueue_requests
 
-    bid = new_batch_id()
-    jobs = -(-n // batch_size)
-    b = Batch(id=bid, model=MODEL, status=BatchStatus.validating, batch_size=batch_size, num_jobs=jobs,
-              request_counts=RequestCounts(total=n), created_at=time.time(),
-              params=GenerationParams(max_new_tokens=tokens))
-    reqs = [{"index": i, "custom_id": f"r{i}", "prompt": f"question {i}"} for i in range(n)]
-    enqueue_batch(b, reqs, client=client, keys=Keys(prefix), ttl_s=3600)
-    return bid
+    return enqueue_requests(client, Keys(prefix), MODEL, [{"prompt": f"question {i}"} for i in range(n)],
+                            batch_size=batch_size, params=GenerationParams(max_new_tokens=tokens))
 
 
 class _Running:

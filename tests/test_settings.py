@@ -326,3 +326,246 @@ def test_each_engine_setting_default_is_declared_once() -> None:
         assert len(places) == 1 and places[0].startswith("worker/engine_config.py:"), (flat, places)
     # ...and the settings really are declared there, as fields of the engine configs
     assert {TransformersConfig, LMDeployConfig, SimConfig} <= set(ENGINE_CONFIGS.values())
+
+
+# ------------------------------------------------------------------ every setting declared once, all CLIs
+
+from lmdq.cli.options import option_name, own_fields, settings_flags  # noqa: E402
+from lmdq.settings import DEFAULT_RESULT_TTL_S, CommonSettings, default_of  # noqa: E402
+
+
+def _worker_loop_fields() -> list[str]:
+    return [*own_fields(WorkerSettings, CommonSettings), "redis_url"]
+
+
+def test_worker_loop_flags_are_the_settings_fields() -> None:
+    """lmdq-worker's loop flags are WorkerSettings' fields: name (the env var's), help and default from the
+    field; the CLI declares no option of its own."""
+    from lmdq.worker.cli import app
+
+    params = {p.name: p for p in typer.main.get_command(app).params}
+    loop = _worker_loop_fields()
+    assert {"model", "served_model_name", "engine", "burst", "jobs_in_flight", "prefetch_requests",
+            "drain_timeout_s", "heartbeat_ttl_s", "max_attempts", "health_port", "worker_name",
+            "redis_url"} <= set(loop)  # every flag the hand-written CLI had is still there
+    assert set(params) == {*loop, *all_flat_names()}
+    fields = WorkerSettings.model_fields
+    for name in loop:
+        opt, info = params[name], fields[name]
+        assert info.description and (opt.help or "").startswith(info.description), name
+        assert opt.opts[0] == option_name(name.removesuffix("_s") if name in (
+            "drain_timeout_s", "heartbeat_ttl_s") else name), name  # --drain-timeout: LMDQ_DRAIN_TIMEOUT's flag
+    assert params["burst"].secondary_opts == ["--no-burst"]
+
+
+def test_worker_loop_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the CLI hands WorkerSettings: each given flag as its field, nothing for one not given."""
+    import lmdq.worker.cli as cli
+
+    seen: list[dict[str, Any]] = []
+
+    def capture(**values: Any) -> WorkerSettings:
+        seen.append(values)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(cli, "load_worker_settings", capture)
+    r = CliRunner().invoke(cli.app, ["--drain-timeout", "7", "--heartbeat-ttl", "9", "--no-burst",
+                                     "--health-port", "auto", "--idle-wait-s", "0", "--engine", "sim",
+                                     "--sim-step-ms", "1", "--redis-url", "redis://h:1/0"])
+    assert r.exit_code == 0, r.output
+    assert seen == [{"drain_timeout_s": 7.0, "heartbeat_ttl_s": 9.0, "burst": False, "health_port": "auto",
+                     "idle_wait_s": 0.0, "engine": "sim", "sim_step_ms": 1.0, "redis_url": "redis://h:1/0"}]
+    s = WorkerSettings(**seen[0])
+    assert (s.drain_timeout_s, s.heartbeat_ttl_s, s.health_port, s.sim.step_ms) == (7.0, 9.0, "auto", 1.0)
+
+
+def test_adding_a_settings_field_adds_its_flag() -> None:
+    """The step docs/architecture.md names ("Adding a setting"): a field, and the flag follows."""
+
+    class Wider(WorkerSettings):
+        widgets: int = Field(default=2, ge=1, description="how many widgets")
+
+    app = typer.Typer(rich_markup_mode=None)
+    got: list[dict[str, Any]] = []
+
+    @app.command()
+    @model_options(settings_flags(Wider, own_fields(Wider, CommonSettings)), into="given")
+    def cmd(given: dict[str, Any]) -> None:
+        got.append(given)
+
+    r = CliRunner().invoke(app, ["--help"], terminal_width=200)
+    assert "--widgets" in r.output and "how many widgets" in r.output and "[default: (2)]" in r.output
+    assert CliRunner().invoke(app, ["--widgets", "5"]).exit_code == 0 and got == [{"widgets": 5}]
+    assert Wider(**got[0]).widgets == 5 and Wider().widgets == 2
+
+
+def test_exporter_flags_are_its_settings_fields() -> None:
+    from lmdq.metrics.exporter import EXPORTER_FLAGS, ExporterSettings
+
+    assert [s.key for s in EXPORTER_FLAGS] == own_fields(ExporterSettings, CommonSettings)
+    assert [s.flat for s in EXPORTER_FLAGS] == [n.removeprefix("exporter_") for n in own_fields(
+        ExporterSettings, CommonSettings)]
+
+
+def test_submit_defaults_are_the_producer_settings() -> None:
+    """SubmitOptions and InputLimits take ProducerSettings' declared defaults, not copies of them."""
+    from lmdq.producer.formats import InputLimits
+    from lmdq.producer.settings import ProducerSettings
+    from lmdq.producer.submit import SubmitOptions
+
+    opts, limits = SubmitOptions(model=None), InputLimits()
+    for field, value in [("batch_size", opts.batch_size), ("prefix_groups", opts.prefix_groups),
+                         ("prefix_group_bytes", opts.prefix_group_bytes), ("known_models", opts.known_models),
+                         ("memory_headroom_fraction", opts.memory_fraction),
+                         ("max_line_bytes", limits.max_line_bytes), ("max_requests", limits.max_requests)]:
+        assert value == default_of(ProducerSettings, field), field
+    s = ProducerSettings(max_line_bytes=4096, max_requests=7)
+    assert InputLimits.of(s) == InputLimits(max_line_bytes=4096, max_requests=7)
+
+
+def _settings_names() -> set[str]:
+    """Every setting of the three CLIs and the API: the fields of their settings models."""
+    from lmdq.api.settings import ApiSettings
+    from lmdq.metrics.exporter import ExporterSettings
+    from lmdq.producer.settings import ProducerSettings
+
+    return {n for cls in (CommonSettings, ProducerSettings, WorkerSettings, ExporterSettings, ApiSettings)
+            for n in own_fields(cls, BaseModel)}
+
+
+def _literal(node: ast.expr | None) -> tuple[bool, Any]:
+    """(True, value) for a literal or constant arithmetic (``7 * 24 * 3600``), else (False, None)."""
+    if node is None:
+        return False, None
+    if isinstance(node, ast.BinOp):
+        (ok_l, left), (ok_r, right) = _literal(node.left), _literal(node.right)
+        if ok_l and ok_r and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+            ops: dict[type[ast.operator], Any] = {ast.Mult: lambda a, b: a * b, ast.Add: lambda a, b: a + b,
+                                                  ast.Sub: lambda a, b: a - b, ast.Pow: lambda a, b: a ** b,
+                                                  ast.LShift: lambda a, b: a << b}
+            if type(node.op) in ops:
+                return True, ops[type(node.op)](left, right)
+        return False, None
+    try:
+        return True, ast.literal_eval(node)
+    except ValueError:
+        return False, None
+
+
+def _literal_defaults(tree: ast.AST, names: set[str]) -> list[tuple[str, str, int]]:
+    """(owner, name, line) of every literal default (not None: None is "unset") given to one of ``names``:
+    a class-body field (``x: int = 32``, ``x: int = Field(default=32)``) or a function parameter."""
+    out: list[tuple[str, str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                        and stmt.target.id in names):
+                    continue
+                value = stmt.value
+                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "Field":
+                    kw = {k.arg: k.value for k in value.keywords}
+                    value = kw.get("default", value.args[0] if value.args else None)
+                ok, v = _literal(value)
+                if ok and v is not None:
+                    out.append((node.name, stmt.target.id, stmt.lineno))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            positional = [*a.posonlyargs, *a.args]
+            pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults),
+                     *((arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)]
+            for arg, default in pairs:
+                ok, v = _literal(default)
+                if arg.arg in names and ok and v is not None:
+                    out.append((node.name, arg.arg, default.lineno))
+    return out
+
+
+#: The settings models: where each setting's default IS declared.
+SETTINGS_CLASSES = {"CommonSettings", "ProducerSettings", "WorkerSettings", "ExporterSettings", "ApiSettings"}
+#: Same name, another concept: reviewed, each with its reason.
+NOT_THE_SETTING = {
+    ("lmdq/contract.py", "Batch", "prefix_groups"),  # the batch RECORD: False = staged in input order
+    ("worker/engines/lmdeploy_engine.py", "__init__", "log_level"),  # LMDeploy's own logger, not LMDQ_LOG_LEVEL
+    ("lmdq/testing.py", "enqueue_requests", "batch_size"),  # a test batch: one request a job unless asked
+}
+#: The benches' workload knobs (requests per job, engine, jobs in flight) are the experiment's, printed with
+#: its numbers: they stay what the bench says when a deployment's LMDQ_* defaults change.
+BENCH_KNOBS = {"batch_size", "engine", "jobs_in_flight", "model"}
+
+
+def test_the_settings_scan_finds_a_copied_default() -> None:
+    """The scan below can fail: the old SubmitOptions / InputLimits / sink signatures are caught, a
+    reference to the declaration is not."""
+    old = ast.parse("class SubmitOptions:\n    batch_size: int = 32\n    blob_url: str | None = None\n\n"
+                    "class InputLimits:\n    max_line_bytes: int = 10 * 1024 * 1024\n\n"
+                    "def spool(*, max_requests: int = 10_000_000): ...\n"
+                    "class New:\n    batch_size: int = default_of(ProducerSettings, 'batch_size')\n"
+                    "    max_requests: int = Field(default=5)\n")
+    assert sorted(_literal_defaults(old, {"batch_size", "blob_url", "max_line_bytes", "max_requests"})) == [
+        ("InputLimits", "max_line_bytes", 6), ("New", "max_requests", 11), ("SubmitOptions", "batch_size", 2),
+        ("spool", "max_requests", 8)]
+
+
+def test_each_setting_default_is_declared_once() -> None:
+    names = _settings_names()
+    assert {"batch_size", "max_line_bytes", "result_ttl_s", "drain_timeout_s", "exporter_port"} <= names
+    copies = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for owner, name, line in _literal_defaults(ast.parse(path.read_text(), rel), names):
+                if owner in SETTINGS_CLASSES or (rel, owner, name) in NOT_THE_SETTING:
+                    continue
+                if rel.startswith("bench/") and name in BENCH_KNOBS:
+                    continue
+                copies.append(f"{rel}:{line} {owner}: {name}")
+    assert copies == [], "a setting's default written again (use lmdq.settings.default_of or the settings)"
+
+
+# ------------------------------------------------------------------ the 7-day TTL, declared once
+
+_SEVEN_DAYS = 7 * 24 * 3600
+
+
+def _seven_day_literals(tree: ast.AST) -> list[int]:
+    """Lines that write the 7-day TTL: a constant (``604800``, ``7 * 24 * 3600``, ``86400 * 7``) or
+    ``timedelta(days=7)`` / ``timedelta(weeks=1)`` / ``timedelta(hours=168)``."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.BinOp, ast.Constant)) and not isinstance(getattr(node, "value", 0), (str, bytes)):
+            ok, v = _literal(node)  # type: ignore[arg-type]
+            if ok and isinstance(v, (int, float)) and not isinstance(v, bool) and v == _SEVEN_DAYS:
+                lines.add(node.lineno)
+        elif isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "timedelta"
+                                             or getattr(node.func, "attr", None) == "timedelta"):
+            seconds = 0.0
+            unit = {"weeks": 604800, "days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
+            for kw in node.keywords:
+                ok, v = _literal(kw.value)
+                if ok and kw.arg in unit:
+                    seconds += v * unit[kw.arg]
+            if seconds == _SEVEN_DAYS:
+                lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_the_ttl_scan_finds_a_second_declaration() -> None:
+    planted = ast.parse("import datetime\n"
+                        "def flush_job(*, ttl_s: int = 7 * 24 * 3600): ...\n"
+                        "X = 604800\n"
+                        "Y = datetime.timedelta(days=7)\n"
+                        "Z = 86400 * 7\n"
+                        "W = 7 * 24  # hours: not the TTL in seconds\n"
+                        "V = '7d'  # an example in help text\n")
+    assert _seven_day_literals(planted) == [2, 3, 4, 5]
+
+
+def test_the_ttl_default_is_declared_once() -> None:
+    found = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            found += [f"{rel}:{line}" for line in _seven_day_literals(ast.parse(path.read_text(), rel))]
+    assert len(found) == 1 and found[0].startswith("lmdq/settings.py:"), found
+    assert DEFAULT_RESULT_TTL_S == _SEVEN_DAYS == CommonSettings().result_ttl_s

@@ -33,8 +33,9 @@ def test_ending_attempt_never_hides_the_reclaimed_attempt_of_the_same_job(tmp_pa
     """A re-queued job can be re-claimed by the same worker before the old attempt's thread has
     cleaned up; that cleanup must not drop the NEW attempt from the held set (it would then get no
     heartbeat, and burst exit / drain would not wait for it: seen as 'sim engine is closed')."""
+    from lmdq.worker.attempt import Held
     from lmdq.worker.engines.sim import SimEngine
-    from lmdq.worker.runner import Worker, _Held
+    from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings
 
     submit(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}]), env, "--max-new-tokens", "2")
@@ -42,7 +43,7 @@ def test_ending_attempt_never_hides_the_reclaimed_attempt_of_the_same_job(tmp_pa
     w = Worker(engine=SimEngine(model_name="sim", step_ms=1), client=client, settings=s)
     claim = w.jobs.claim(w.queues, model="sim", worker=w.name, lease_s=30)
     assert claim is not None
-    old, new = _Held(claim=claim), _Held(claim=claim)
+    old, new = Held(claim=claim), Held(claim=claim)
     w._held[claim.job_id] = new  # the loop re-claimed the job while `old` was still finishing
     w._run_job(old)
     assert w._held.get(claim.job_id) is new

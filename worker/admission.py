@@ -31,7 +31,7 @@ MAX_CLAIM = 64
 class Admission:
     """Request accounting of the jobs a worker holds (all methods are called under the worker's lock)."""
 
-    def __init__(self, *, capacity: int, max_jobs: int, prefetch_requests: int = 0) -> None:
+    def __init__(self, *, capacity: int, max_jobs: int, prefetch_requests: int) -> None:
         self.capacity = max(1, capacity)
         self.max_jobs = max(1, max_jobs)
         self.prefetch_requests = prefetch_requests

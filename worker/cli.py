@@ -5,18 +5,19 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
-from lmdq.cli.options import model_options
+from lmdq.cli.options import model_options, own_fields, settings_flags
 from lmdq.errors import run_cli
 from lmdq.logs.config import configure_logging, get_logger, route_child_logs
 from lmdq.logs.relay import install_relay
 from lmdq.logs.tqdm_events import install as install_tqdm_events
 from lmdq.redis.connection import connect, redact_url
-from lmdq.worker.engine_config import EngineName, engine_flag_specs, unused_env
-from lmdq.worker.settings import load_worker_settings
+from lmdq.settings import CommonSettings
+from lmdq.worker.engine_config import engine_flag_specs, unused_env
+from lmdq.worker.settings import WorkerSettings, load_worker_settings
 from lmdq.workers.registry import redis_answers
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -24,47 +25,21 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"max_content_width": 120})
 
 
+#: The worker loop's flags: one per field WorkerSettings declares (engine configs aside: their fields are the
+#: engine flags below) plus the connection's; name, type, default and help all from the field.
+WORKER_FLAGS = settings_flags(WorkerSettings, [*own_fields(WorkerSettings, CommonSettings), "redis_url"])
+
+
 @app.command()
-@model_options(engine_flag_specs(), into="engine_settings")
-def run(
-    engine_settings: dict[str, Any],
-    model: Annotated[str | None, typer.Option(help="model folder or hub id (default: embedded SmolLM2 on CPU)")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="name producers submit to (queue)")] = None,
-    engine: Annotated[
-        EngineName | None, typer.Option(help="the (engines) after an engine flag's help are those that take it")
-    ] = None,
-    burst: Annotated[bool | None, typer.Option("--burst/--no-burst", help="exit when the queues are empty")] = None,
-    jobs_in_flight: Annotated[int | None, typer.Option(help="max jobs held at once (0 = auto)")] = None,
-    prefetch_requests: Annotated[
-        int | None, typer.Option(help="requests held beyond engine capacity (0 = one engine-full, at least a job)")
-    ] = None,
-    drain_timeout: Annotated[float | None, typer.Option(help="seconds to finish work after SIGTERM")] = None,
-    heartbeat_ttl: Annotated[float | None, typer.Option(help="lease TTL: a dead worker's jobs rerun after it")] = None,
-    max_attempts: Annotated[int | None, typer.Option()] = None,
-    health_port: Annotated[str | None, typer.Option(
-        help="HTTP /healthz /readyz /metrics: a port, 0 = off, auto = the first free one from 8000")] = None,
-    worker_name: Annotated[str | None, typer.Option()] = None,
-    redis_url: Annotated[str | None, typer.Option(help="env LMDQ_REDIS_URL, then REDIS_URL")] = None,
-) -> None:
+@model_options([*WORKER_FLAGS, *engine_flag_specs()], into="given")
+def run(given: dict[str, Any]) -> None:
     """Run a worker until stopped (or, with --burst, until its queues are empty).
 
-    Engine settings (--tp, --dtype, --sim-step-ms, ...) come from the engines' one declaration
-    (lmdq.worker.engine_config); one the chosen engine does not take is an error (exit 2)."""
-    flags: dict[str, Any] = {
-        "model": model,
-        "served_model_name": served_model_name,
-        "engine": engine,
-        "burst": burst,
-        "jobs_in_flight": jobs_in_flight,
-        "prefetch_requests": prefetch_requests,
-        "drain_timeout_s": drain_timeout,
-        "heartbeat_ttl_s": heartbeat_ttl,
-        "max_attempts": max_attempts,
-        "health_port": health_port,
-        "worker_name": worker_name,
-        "redis_url": redis_url,
-    }
-    s = load_worker_settings(**{k: v for k, v in flags.items() if v is not None}, **engine_settings)
+    Every flag is also an LMDQ_ env var (flag > env > default): the worker loop's come from
+    lmdq.worker.settings.WorkerSettings, the engine settings (--tp, --dtype, --sim-step-ms, ...) from the
+    engines' one declaration (lmdq.worker.engine_config); one the chosen engine does not take is an error
+    (exit 2)."""
+    s = load_worker_settings(**given)
     # JSON unless a terminal, decided on the real stderr, before the relay puts a pipe behind it
     fmt = "json" if s.log_format == "json" or (s.log_format == "auto" and not sys.stderr.isatty()) else "console"
     if fmt == "json":

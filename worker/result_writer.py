@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import redis
 
 from lmdq.contract import Result
-from lmdq.redis.connection import RETRYABLE_ERRORS, refusal, with_reconnect
+from lmdq.redis.connection import RETRYABLE_ERRORS, RetryPolicy, refusal, with_reconnect
 from lmdq.results.store import ResultStore
 
 __all__ = ["ResultWriter", "StoreRefused", "WriteAbandoned", "is_store_refusal"]
@@ -95,7 +95,7 @@ class ResultWriter:
 
         ok = False
         try:
-            out = with_reconnect(once, attempts=1_000_000_000, cap_s=self.cap_s, on_retry=on_retry)
+            out = with_reconnect(once, policy=RetryPolicy(retries=1_000_000_000, cap_s=self.cap_s), on_retry=on_retry)
             ok = True
             return out
         finally:

@@ -53,8 +53,6 @@ __all__ = ["Worker", "default_worker_name"]
 
 log = structlog.get_logger("lmdq.worker")
 
-_Held = Held  # the name tests and older callers use
-
 _REQUEUED = {Outcome.retry: Charge.attempt, Outcome.requeue: Charge.none, Outcome.crashed: Charge.crash}
 """Outcomes that put the job back on its queue, and what that costs it."""
 

@@ -78,9 +78,10 @@ def _health_port(v: Any) -> Any:
 
 class WorkerSettings(CommonSettings):
     # model and engine
-    model: str | None = Field(default=None, description="model folder or hub id; none = embedded SmolLM2 on CPU")
-    served_model_name: str | None = None
-    engine: EngineName | None = Field(default=None, description="lmdeploy | transformers | sim")
+    model: str | None = Field(default=None, description="model folder or hub id (default: embedded SmolLM2 on CPU)")
+    served_model_name: str | None = Field(default=None, description="name producers submit to (queue)")
+    engine: EngineName | None = Field(
+        default=None, description="the (engines) after an engine flag's help are those that take it")
     lmdeploy: LMDeployConfig = Field(default_factory=LMDeployConfig)
     transformers: TransformersConfig = Field(default_factory=TransformersConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
@@ -92,16 +93,21 @@ class WorkerSettings(CommonSettings):
         "name, beyond LMDQ_BLOB_URL (LMDQ_ALLOWED_OUTPUT_URLS); a job writing elsewhere is refused"
     )
     # worker loop
-    worker_name: str | None = None
-    burst: bool = False
-    jobs_in_flight: int = Field(default=0, ge=0, description="max jobs held at once; 0 = derive from engine capacity")
+    worker_name: str | None = Field(
+        default=None, description="this worker's name in logs, Redis records and metrics (default: host.pid.random)")
+    burst: bool = Field(default=False, description="exit when the queues are empty")
+    jobs_in_flight: int = Field(default=0, ge=0, description="max jobs held at once (0 = auto)")
     prefetch_requests: int = Field(
-        default=0, ge=0, description="requests held beyond engine capacity; 0 = one engine-full (at least one job)"
+        default=0, ge=0, description="requests held beyond engine capacity (0 = one engine-full, at least a job)"
     )
-    drain_timeout_s: float = Field(default=30.0, ge=0.0, alias="LMDQ_DRAIN_TIMEOUT")
-    heartbeat_ttl_s: float = Field(default=30.0, ge=2.0, le=600.0, alias="LMDQ_HEARTBEAT_TTL")
-    max_attempts: int = Field(default=3, ge=1)
-    partial_interval_s: float = Field(default=2.0, ge=0.05)
+    drain_timeout_s: float = Field(default=30.0, ge=0.0, alias="LMDQ_DRAIN_TIMEOUT",
+                                   description="seconds to finish work after SIGTERM")
+    heartbeat_ttl_s: float = Field(default=30.0, ge=2.0, le=600.0, alias="LMDQ_HEARTBEAT_TTL",
+                                   description="lease TTL: a dead worker's jobs rerun after it")
+    max_attempts: int = Field(
+        default=3, ge=1, description="times the engine may fail a job before its requests end failed")
+    partial_interval_s: float = Field(
+        default=2.0, ge=0.05, description="seconds between writes of a long answer's partial text while generated")
     poll_interval_s: float = Field(default=0.05, gt=0.0, description="queue poll period while idle")
     busy_poll_interval_s: float = Field(
         default=0.5, gt=0.0, description="queue poll period while holding jobs (a finished job also wakes it)"
@@ -115,10 +121,10 @@ class WorkerSettings(CommonSettings):
         default=0, ge=0, description="size of the worker's Redis connection pool; a thread that finds every "
         "connection busy waits for one (never 'Too many connections'); 0 = jobs in flight (at most 32) + 4"
     )
-    health_host: str = "0.0.0.0"
+    health_host: str = Field(default="0.0.0.0", description="address the health endpoint binds")
     health_port: Annotated[int | Literal["auto"], BeforeValidator(_health_port)] = Field(
-        default=8000, description="0 = no HTTP endpoint; auto = the first free port from 8000 (several workers "
-        "on one host)")
+        default=8000, description="HTTP /healthz /readyz /metrics: a port, 0 = off, auto = the first free one from "
+        "8000 (several workers on one host)")
 
     @classmethod
     def settings_customise_sources(

@@ -58,7 +58,7 @@ class Backend:
             idempotency_key=idempotency_key,
             completion_window_s=window_s,
             known_models=s.known_models,
-            limits=InputLimits(max_line_bytes=s.max_line_bytes, max_requests=s.max_requests),
+            limits=InputLimits.of(s),
             fmt=InputFormat.openai,
             results_url=_absolute(s.results_url),
             prefix_groups=s.prefix_groups,

@@ -22,8 +22,9 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
-__all__ = ["FlagSpec", "model_options", "option_name"]
+__all__ = ["FlagSpec", "flag_name", "model_options", "option_name", "own_fields", "settings_flags"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -51,6 +52,41 @@ class FlagSpec:
     parse: Callable[[Any], Any] | None = None
 
 
+def flag_name(name: str, info: FieldInfo) -> str:
+    """A setting's flag (without ``--``): its env var without ``LMDQ_`` where the field declares one
+    (``drain_timeout_s`` is ``LMDQ_DRAIN_TIMEOUT``, so ``--drain-timeout``), else the field's name. The
+    flag and the env var then always say the same (:func:`lmdq.worker.engine_config.describe_validation_error`
+    names a bad setting the same way)."""
+    alias = info.alias if isinstance(info.alias, str) else None
+    return alias.removeprefix("LMDQ_").lower() if alias and alias.startswith("LMDQ_") else name
+
+
+def own_fields(cls: type[BaseModel], base: type[BaseModel]) -> list[str]:
+    """The fields ``cls`` declares beyond ``base``'s, in declaration order; nested models (an engine's
+    config, whose fields get flags of their own) are left out."""
+    return [n for n, info in cls.model_fields.items() if n not in base.model_fields
+            and not (isinstance(t := _field_type(info), type) and issubclass(t, BaseModel))]
+
+
+def _field_type(info: FieldInfo) -> Any:
+    try:
+        return _base_type(info.annotation)
+    except TypeError:
+        return str
+
+
+def settings_flags(cls: type[BaseModel], names: Sequence[str], *,
+                   flat: Callable[[str], str] | None = None) -> list[FlagSpec]:
+    """One :class:`FlagSpec` per field of ``cls`` in ``names``: the flag's name (:func:`flag_name`, or
+    ``flat(field)``), type, default and help all come from the field's declaration, so adding a flag to
+    a CLI is adding a field to its settings model."""
+    specs = []
+    for name in names:
+        info = cls.model_fields[name]
+        specs.append(FlagSpec(key=name, flat=flat(name) if flat else flag_name(name, info), info=info))
+    return specs
+
+
 def _base_type(annotation: Any) -> Any:
     """``Annotated[int, ...] | None`` → ``int``; ``list[Annotated[str, ...]] | None`` → ``list[str]``."""
     if get_origin(annotation) is Annotated:
@@ -59,7 +95,7 @@ def _base_type(annotation: Any) -> Any:
         args = [a for a in get_args(annotation) if a is not type(None)]
         if len(args) == 1:
             return _base_type(args[0])
-        raise TypeError(f"cannot derive an option from {annotation!r}")
+        return str  # a union (a port or "auto"): the flag takes text, the settings model parses it
     if get_origin(annotation) is list:
         return list[_base_type(get_args(annotation)[0])]  # type: ignore[misc]
     return annotation
@@ -70,7 +106,7 @@ def _default_text(info: FieldInfo) -> str | None:
     default = info.default
     if default is None and isinstance(info.json_schema_extra, dict):
         default = info.json_schema_extra.get("engine_default")
-    if default is None or default is ... or isinstance(default, BaseModel):
+    if default in (None, "", ()) or default is ... or default is PydanticUndefined or isinstance(default, BaseModel):
         return None
     if isinstance(default, Enum):
         return str(default.value)
@@ -113,6 +149,10 @@ def model_options(specs: Sequence[FlagSpec], *, into: str) -> Callable[[F], F]:
     """Decorate a typer command: add an option per spec; the command's parameter ``into`` receives
     ``{spec.key: value}`` for the options given on the command line."""
     built = {s.key: _parameter(s) for s in specs}
+    flags = [option_name(s.flat) for s in specs]
+    twice = sorted({f for f in flags if flags.count(f) > 1} | {k for k in built if [s.key for s in specs].count(k) > 1})
+    if twice:
+        raise TypeError(f"options generated twice: {twice}")
 
     def decorate(fn: F) -> F:
         sig = inspect.signature(fn, eval_str=True)

@@ -31,6 +31,7 @@ from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
 from lmdq.errors import SubmitRejected
 from lmdq.logs.redaction import redact_url
 from lmdq.producer.settings import ProducerSettings
+from lmdq.settings import DEFAULT_RESULT_TTL_S, default_of
 
 __all__ = [
     "BatchOptions",
@@ -52,6 +53,14 @@ def _python_name(name: str) -> str:
     return name
 
 
+def _days(seconds: int) -> str:
+    """``604800`` → ``7 days`` (a default in help text, from its declaration)."""
+    return f"{seconds // 86400} days" if seconds % 86400 == 0 else f"{seconds} s"
+
+
+_BATCH_SIZE = default_of(ProducerSettings, "batch_size")
+
+
 class BatchOptions(BaseModel):
     """The batch's options (besides the model and the generation parameters). Unset is None: the
     producer's settings (``LMDQ_*``) decide then."""
@@ -59,7 +68,7 @@ class BatchOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     batch_size: Annotated[int, Field(ge=1, le=MAX_JOB_REQUESTS)] | None = Field(
-        default=None, description="requests per job (default LMDQ_BATCH_SIZE, 32)")
+        default=None, description=f"requests per job (default LMDQ_BATCH_SIZE, {_BATCH_SIZE})")
     priority: Priority = Field(default=Priority.normal, description="queue priority")
     metadata: dict[str, str] | None = Field(default=None, description="k=v, repeatable")
     json_schema: dict[str, Any] | None = Field(
@@ -77,7 +86,7 @@ class BatchOptions(BaseModel):
         "keeps counts and a small index (default LMDQ_RESULTS_URL; 'none': results stay in Redis)")
     result_ttl: str | float | None = Field(
         default=None, description="how long the batch and its results are kept once it has ENDED: e.g. 7d, "
-        "12h, 3600 (default LMDQ_RESULT_TTL_S, 7 days)")
+        f"12h, 3600 (default LMDQ_RESULT_TTL_S, {_days(DEFAULT_RESULT_TTL_S)})")
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)")
 
@@ -261,7 +270,7 @@ def resolve(
         completion_window_s=window_s,
         allow_unknown_model=b.allow_unknown_model,
         known_models=settings.known_models,
-        limits=InputLimits(max_line_bytes=settings.max_line_bytes, max_requests=settings.max_requests),
+        limits=InputLimits.of(settings),
         results_url=_sink_url(b.results_url, settings.results_url, spell),
         blob_url=_check_url(b.blob_url, spell("blob_url")),
         prefix_groups=grouping["prefix_groups"],

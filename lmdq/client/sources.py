@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmdq.errors import SubmitRejected
-from lmdq.producer.formats import InputFormat
+from lmdq.producer.formats import InputFormat, InputLimits
 from lmdq.producer.formats.tabular import ColumnMap, RowError, RowMapper, chunked
 from lmdq.producer.formats.validation import _MAX_CUSTOM_ID
 
@@ -243,7 +243,8 @@ class _FastPath:
         return out
 
 
-def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20, max_requests: int = 10_000_000,
+def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20,
+          max_requests: int = InputLimits().max_requests,
           progress: Callable[[int], None] | None = None) -> int:
     """Validate every row of ``src`` into ``out`` (lmdq JSONL, one line per row: line n is row n-1).
 

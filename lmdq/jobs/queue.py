@@ -38,6 +38,7 @@ from lmdq.jobs.data import (
 from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
 from lmdq.redis.lease_scripts import CLAIM, DROP_OWN_LEASE, HEARTBEAT, REAP, RELEASE
 from lmdq.redis.wakeup import WAKE_LUA
+from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
@@ -138,7 +139,7 @@ class JobQueue:
         client: redis.Redis,
         *,
         keys: Keys | None = None,
-        job_ttl_s: int = 7 * 24 * 3600,
+        job_ttl_s: int = DEFAULT_RESULT_TTL_S,
         max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
     ) -> None:
         self.client = client

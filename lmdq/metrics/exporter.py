@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import redis
@@ -52,7 +52,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from pydantic import Field
 
-from lmdq.cli.options import FlagSpec, model_options
+from lmdq.cli.options import model_options, own_fields, settings_flags
 from lmdq.contract import BatchStatus
 from lmdq.redis.connection import connect, redact_url
 from lmdq.redis.keys import PRIORITY_ORDER, BatchField, Keys, model_slug, queue_name, rq_queue_key
@@ -411,11 +411,10 @@ def serve(s: ExporterSettings) -> tuple[Any, int]:
     return server, port
 
 
-EXPORTER_FLAGS = [
-    FlagSpec(key=name, flat=name.removeprefix("exporter_"), info=ExporterSettings.model_fields[name])
-    for name in ("exporter_host", "exporter_port", "exporter_max_batches", "exporter_interval_s",
-                 "exporter_read_timeout_s")
-]
+#: One flag per field ExporterSettings declares, named without its ``exporter_`` prefix (``--interval-s``:
+#: the command already says whose interval); ``lmdq-producer exporter`` takes the producer's --redis-url.
+EXPORTER_FLAGS = settings_flags(ExporterSettings, own_fields(ExporterSettings, CommonSettings),
+                                flat=lambda name: name.removeprefix("exporter_"))
 
 
 def load_settings(**given: Any) -> ExporterSettings:
@@ -447,17 +446,14 @@ def run(s: ExporterSettings) -> None:
     log.info("exporter.stopped")
 
 
-@model_options(EXPORTER_FLAGS, into="flags")
-def command(
-    flags: dict[str, Any],
-    redis_url: Annotated[str | None, typer.Option(help="env LMDQ_REDIS_URL, then REDIS_URL")] = None,
-) -> None:
+@model_options([*EXPORTER_FLAGS, *settings_flags(ExporterSettings, ["redis_url"])], into="flags")
+def command(flags: dict[str, Any]) -> None:
     """Serve queue depth, running jobs, live workers and batch counts per model on /metrics, read
     from Redis every --interval-s by one collector. Run ONE per Redis (it needs no GPU; it works at
     zero workers)."""
     from lmdq.logs.config import configure_logging
 
-    s = load_settings(**flags, **({"redis_url": redis_url} if redis_url else {}))
+    s = load_settings(**flags)
     configure_logging(s.log_format, s.log_level)
     run(s)
 

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -156,8 +156,6 @@ DEFAULT_POLICY = RetryPolicy()
 def with_reconnect(
     fn: Callable[[], T],
     *,
-    attempts: int | None = None,
-    cap_s: float | None = None,
     on_retry: Callable[[Exception, float], None] | None = None,
     policy: RetryPolicy | None = None,
     sleep: Callable[[float], object] = time.sleep,
@@ -169,15 +167,10 @@ def with_reconnect(
     credentials; or, once the policy is spent, the last retryable error. The wait is at most
     ``policy.max_sleep_s`` of sleeping (about 2 min for the default 30 retries) plus the attempts'
     own time, each bounded by the client's connect and socket timeouts. ``on_retry(error, delay)``
-    is called before each sleep (for logging). ``attempts``/``cap_s`` override the policy's
-    ``retries + 1``/``cap_s`` (the older signature). Use it around idempotent operations only:
+    is called before each sleep (for logging). Use it around idempotent operations only:
     a timed-out command may have run.
     """
     p = policy or DEFAULT_POLICY
-    if attempts is not None:
-        p = replace(p, retries=max(0, attempts - 1))
-    if cap_s is not None:
-        p = replace(p, cap_s=cap_s)
     start = clock()
     retry = 0
     while True:

@@ -61,6 +61,7 @@ from lmdq.contract import BATCH_ID_PATTERN, Batch, JobPayload, ResultStatus
 from lmdq.errors import ResultsUnavailable
 from lmdq.redis.keys import Keys
 from lmdq.results.store import _BATCH_TTL, ResultStore
+from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["PendingShard", "ShardEntry", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard",
            "iter_records", "pending_count", "pending_keys", "ranges_of", "read_index", "shard_key"]
@@ -152,7 +153,7 @@ def _status(raw: bytes) -> ResultStatus:
         raise ValueError(f"not a result record: {type(e).__name__}") from e
 
 
-def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: int = 7 * 24 * 3600,
+def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: int = DEFAULT_RESULT_TTL_S,
               timeout_s: float | None = None, cancel: threading.Event | None = None) -> ShardEntry | None:
     """Write the job's shard, then seal it: index entry in, per-request records out (module doc).
 
@@ -167,7 +168,7 @@ def flush_job(client: redis.Redis, keys: Keys, payload: JobPayload, *, ttl_s: in
 
 
 def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, results_url: str,
-                indices: list[int], *, ttl_s: int = 7 * 24 * 3600, timeout_s: float | None = None,
+                indices: list[int], *, ttl_s: int = DEFAULT_RESULT_TTL_S, timeout_s: float | None = None,
                 cancel: threading.Event | None = None) -> ShardEntry | None:
     """:func:`flush_job` for one job given by its batch, number, sink and (sorted) request indices:
     what a sweeper knows of a job whose shard write failed (:func:`add_pending`).

@@ -39,6 +39,7 @@ from lmdq.redis.keys import (
     model_count_field,
 )
 from lmdq.redis.replies import reply_text
+from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 _JOB_PREFIX = Job.redis_job_namespace_prefix
 
@@ -170,7 +171,8 @@ def _int(raw: Any) -> int:
 class ResultStore:
     """Batches and their results. All methods are safe to call from several threads."""
 
-    def __init__(self, client: redis.Redis, *, keys: Keys | None = None, ttl_s: int = 7 * 24 * 3600) -> None:
+    def __init__(self, client: redis.Redis, *, keys: Keys | None = None,
+                 ttl_s: int = DEFAULT_RESULT_TTL_S) -> None:
         self.client = client
         self.keys = keys or Keys()
         self.ttl_s = ttl_s

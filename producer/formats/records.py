@@ -11,6 +11,8 @@ from enum import Enum
 from typing import Any
 
 from lmdq.contract import Endpoint, GenerationParams
+from lmdq.producer.settings import ProducerSettings
+from lmdq.settings import default_of
 
 
 class InputFormat(str, Enum):
@@ -23,10 +25,16 @@ class InputFormat(str, Enum):
 
 @dataclass(frozen=True)
 class InputLimits:
-    """Per-file guards so one bad file cannot exhaust producer memory or Redis."""
+    """Per-file guards so one bad file cannot exhaust producer memory or Redis (``LMDQ_MAX_LINE_BYTES``,
+    ``LMDQ_MAX_REQUESTS``: declared in :class:`ProducerSettings`, whose defaults these are)."""
 
-    max_line_bytes: int = 10 * 1024 * 1024
-    max_requests: int = 10_000_000
+    max_line_bytes: int = default_of(ProducerSettings, "max_line_bytes")
+    max_requests: int = default_of(ProducerSettings, "max_requests")
+
+    @classmethod
+    def of(cls, settings: ProducerSettings) -> InputLimits:
+        """The limits a producer's settings set."""
+        return cls(max_line_bytes=settings.max_line_bytes, max_requests=settings.max_requests)
 
 
 @dataclass(frozen=True)
