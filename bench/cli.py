@@ -11,7 +11,7 @@ import typer
 
 from lmdq.cli.options import model_options
 from lmdq.errors import run_cli
-from lmdq.worker.engine_config import EngineName, SimConfig, engine_flag_specs
+from lmdq.worker.engine_config import engine_flag_specs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   # plain click help, as lmdq-producer: rich cuts long option names at 80 columns
@@ -29,8 +29,10 @@ def _emit(res: dict[str, Any], output: Path | None) -> None:
 def _resolve_model(engine: str, model: str | None, random_llama8b: Path | None, tokenizer_from: Path | None
                    ) -> tuple[str | None, str]:
     """(model folder, name for the report); builds the random Llama-3-8B shape when asked."""
+    from lmdq.worker.engines.registry import engine_spec
+
     model_name = model or ""
-    if engine == "lmdeploy":
+    if engine_spec(engine).bench.needs_model:
         if random_llama8b:
             from lmdq.bench.random_model import build_random_llama
 
@@ -47,27 +49,21 @@ def _build_engine(engine: str, model: str | None, random_llama8b: Path | None, t
                   engine_settings: dict[str, Any]) -> tuple[Any, Any, str]:
     """(engine, worker settings, model name for the report), the engine built exactly as the worker builds it."""
     from lmdq.worker.engine_factory import build_engine
+    from lmdq.worker.engines.registry import engine_spec
     from lmdq.worker.settings import load_worker_settings
 
     model, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
     s = load_worker_settings(engine=engine, model=model, served_model_name="sim-bench" if engine == "sim" else "bench",
                              **engine_settings)
-    if engine == "sim":
-        knobs = f"step={s.sim.step_ms}ms,max_batch={s.sim.max_batch}"
-        if s.sim.emit_every != SimConfig().emit_every or s.sim.step_cpu_ms:
-            knobs += f",emit_every={s.sim.emit_every},step_cpu={s.sim.step_cpu_ms}ms"
-        model_name = f"sim({knobs})"
     eng = build_engine(s)
-    if engine == "transformers":
-        model_name = str(getattr(eng, "model_path", model_name))
-    return eng, s, model_name
+    return eng, s, engine_spec(engine).bench.label(s.engine_config, eng, model_name)
 
 
 @app.command()
 @model_options(engine_flag_specs(), into="engine_settings")
 def efficiency(
     engine_settings: dict[str, Any],
-    engine: Annotated[EngineName, typer.Option(help="the engine, built as the worker builds it")] = "sim",
+    engine: Annotated[str, typer.Option(help="the engine, built as the worker builds it")] = "sim",
     model: Annotated[str | None, typer.Option(help="model folder (lmdeploy/transformers)")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
     tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
@@ -102,9 +98,9 @@ def efficiency(
     with local_redis(redis_url) as url:
         res = run_efficiency(eng, cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
     eng.close()
-    out = {"engine": engine, "model": model_name, "tp": s.lmdeploy.tp, "n": n, "batch_size": batch_size,
-           "input_len": input_len, "output_len": output_len,
-           **({"mp_engine": s.lmdeploy.mp_engine} if engine == "lmdeploy" else {}), **res}
+    out = {"engine": engine, "model": model_name, "tp": getattr(s.engine_config, "tp", 1), "n": n,
+           "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+           **({"mp_engine": s.engine_config.mp_engine} if engine == "lmdeploy" else {}), **res}
     print(f"{'path':14s} {'tok/s':>10s} {'vs raw':>7s}")
     for k in ("raw", "stream1", "lmdq", "naive", "one"):
         if res.get(k + "_tok_s") is None:
@@ -122,7 +118,7 @@ def efficiency(
 @model_options(engine_flag_specs(), into="engine_settings")
 def prefix(
     engine_settings: dict[str, Any],
-    engine: Annotated[EngineName, typer.Option(help="the engine, built as the worker builds it")] = "sim",
+    engine: Annotated[str, typer.Option(help="the engine, built as the worker builds it")] = "sim",
     model: Annotated[str | None, typer.Option(help="model folder (lmdeploy/transformers)")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
     tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
@@ -236,7 +232,7 @@ def _prefix_fleet(cfg: Any, workers: int, engine: str, model: str | None, random
 @model_options(engine_flag_specs(), into="engine_settings")
 def e2e(
     engine_settings: dict[str, Any],
-    engine: Annotated[EngineName, typer.Option(help="lmdeploy (the benchmark) or sim (a CPU check of the bench)")
+    engine: Annotated[str, typer.Option(help="lmdeploy (the benchmark) or sim (a CPU check of the bench)")
                       ] = "lmdeploy",
     model: Annotated[str | None, typer.Option(help="model folder")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,

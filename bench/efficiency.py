@@ -136,7 +136,7 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
         s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, jobs_in_flight=jobs_in_flight,
                            partial_interval_s=3600, poll_interval_s=0.01)
         w = Worker(engine=Borrowed(engine), client=client, settings=s,
-                   capacity=int(getattr(engine, "capacity", None) or getattr(engine, "max_batch", 1)))
+                   capacity=engine.capacity)
         th = threading.Thread(target=w.run, daemon=True)
         th.start()
         opts = SubmitOptions(model=engine.model_name, batch_size=cfg.batch_size, params=_params(cfg),

@@ -25,6 +25,7 @@ __all__ = [
     "TensorRef",
     "TokenLogprob",
     "Endpoint",
+    "ErrorCode",
     "ErrorInfo",
     "FinishReason",
     "GenerationParams",
@@ -78,6 +79,67 @@ class FinishReason(str, Enum):
     length = "length"
     error = "error"
     abort = "abort"
+
+
+class ErrorCode(str, Enum):
+    """Every error code a user sees: a failed result's ``error.code``, OpenAI-format outputs, the HTTP
+    API's errors. What users filter, count and alert on.
+
+    The values are the wire strings results always had (and LMDeploy's own names where the engine
+    reports them), so outputs do not change. An engine may still hand up a code of its own (LMDeploy
+    grows new ones); results keep it verbatim, so ``ErrorInfo.code`` stays a ``str``. Code in lmdq
+    never spells a code as a bare string (tests/test_engine_contract.py checks it)."""
+
+    #: the request itself is unusable (the caller's fault)
+    bad_request = "bad_request"
+    #: prompt at or over the engine's session length (LMDeploy's name)
+    context_length_exceeded = "context_length_exceeded"
+    #: the engine failed this request (LMDeploy's name for a per-request engine error)
+    internal_error = "internal_error"
+    #: LMDeploy: the engine is not there to take the request
+    engine_unavailable = "engine_unavailable"
+    #: the engine cannot serve what the request asks for with its configuration (e.g. prefix caching + all logits)
+    unsupported_feature = "unsupported_feature"
+    #: the engine failed the job on its last attempt
+    engine_error = "engine_error"
+    #: the engine died each time this request ran alone
+    engine_crash = "engine_crash"
+    max_attempts_exceeded = "max_attempts_exceeded"
+    max_runs_exceeded = "max_runs_exceeded"
+    #: not started within the batch's completion window
+    expired = "expired"
+    #: the batch names an output URL this worker may not write to
+    output_url_not_allowed = "output_url_not_allowed"
+    #: tensors asked for, no blob store configured
+    no_blob_store = "no_blob_store"
+    tensor_too_large = "tensor_too_large"
+    #: a job no worker of this build can decode (newer format, oversized)
+    undecodable_job = "undecodable_job"
+
+    # -- OpenAI-format result files (``results --format openai``, the HTTP API's output file) --
+    #: a cancelled request, in OpenAI's name for it
+    batch_cancelled = "batch_cancelled"
+    #: an expired request, in OpenAI's name for it
+    batch_expired = "batch_expired"
+
+    # -- the HTTP API (lmdq-api): error bodies and a batch's ``errors`` (OpenAI's codes where one fits) --
+    invalid_api_key = "invalid_api_key"
+    service_unavailable = "service_unavailable"
+    model_not_found = "model_not_found"
+    duplicate_custom_id = "duplicate_custom_id"
+    invalid_url = "invalid_url"
+    mismatched_model = "mismatched_model"
+    invalid_json_line = "invalid_json_line"
+    invalid_request = "invalid_request"
+    invalid_file = "invalid_file"
+    #: the batch's record is gone from Redis (its TTL ran out)
+    batch_gone = "batch_gone"
+
+    def __str__(self) -> str:  # the wire string in messages and f-strings too, not 'ErrorCode.expired'
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
 
 class ResultStatus(str, Enum):

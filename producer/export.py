@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from lmdq.contract import Batch, Endpoint, Result, ResultStatus, TokenLogprob
+from lmdq.contract import Batch, Endpoint, ErrorCode, Result, ResultStatus, TokenLogprob
 from lmdq.results.store import ResultStore
 
 __all__ = ["is_openai_error", "iter_lmdq_lines", "iter_openai", "iter_openai_lines", "openai_token", "to_openai"]
@@ -30,8 +30,9 @@ def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -
 #: OpenAI's Batch API codes for requests that never ran; lmdq's ``failed`` results keep lmdq's own code
 #: (``engine_error``, ``unsupported_feature``, ...) since they say what went wrong with that request.
 _OPENAI_CODES = {
-    ResultStatus.cancelled: ("batch_cancelled", "This request was cancelled before it ran."),
-    ResultStatus.expired: ("batch_expired", "This request could not be executed before the completion window expired."),
+    ResultStatus.cancelled: (ErrorCode.batch_cancelled, "This request was cancelled before it ran."),
+    ResultStatus.expired: (ErrorCode.batch_expired,
+                           "This request could not be executed before the completion window expired."),
 }
 
 

@@ -23,12 +23,13 @@ from typing import Any
 import pytest
 
 pytest.importorskip("lmdeploy")
-from lmdeploy.messages import Response  # noqa: E402
+from lmdeploy.messages import PytorchEngineConfig, Response  # noqa: E402
 
 from lmdq.contract import Endpoint  # noqa: E402
+from lmdq.worker.engine_config import LMDeployConfig  # noqa: E402
 from lmdq.worker.engines import lmdeploy_engine  # noqa: E402
 from lmdq.worker.engines.base import EngineDead, EngineEvent, EngineRequest  # noqa: E402
-from lmdq.worker.engines.failure_burst import FailureBurst  # noqa: E402
+from lmdq.worker.engines.engine_health import EngineHealth  # noqa: E402
 from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine  # noqa: E402
 
 Script = Callable[[list[Any]], Iterator[Response]]
@@ -58,7 +59,7 @@ class StandInPipeline:
     def __init__(self, script: Script, proc: Any = None, healthy: bool = True,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.script = script
-        self.backend_config = SimpleNamespace(max_batch_size=64)
+        self.backend_config = PytorchEngineConfig(max_batch_size=64)
         self.health_calls = 0
 
         async def get_health_status() -> dict[str, Any]:
@@ -84,11 +85,9 @@ class StandInPipeline:
 
 
 def make_engine(pipe: StandInPipeline) -> LMDeployEngine:
-    eng = LMDeployEngine.__new__(LMDeployEngine)  # LMDeploy's pipeline() needs a GPU: the stand-in instead
-    eng.pipe = pipe
-    eng.raw, eng.emit_interval_s, eng._closed = False, 0.0, False
-    eng.model_name, eng.backend, eng.capacity = "m", "pytorch", 64
-    eng._init_lifecycle(set())
+    # LMDeploy's pipeline() needs a GPU: the stand-in goes in through the constructor instead
+    eng = LMDeployEngine(pipe, LMDeployConfig(backend="pytorch"), model_name="m", emit_interval_s=0.0)
+    assert (eng.backend, eng.capacity) == ("pytorch", 64)
     return eng
 
 
@@ -206,7 +205,7 @@ def test_every_request_in_flight_failing_at_once_is_engine_death(loop: asyncio.A
 
 
 def test_few_requests_failing_together_stay_per_request(loop: asyncio.AbstractEventLoop) -> None:
-    """Below FailureBurst.min_requests (e.g. a suspected poison job run one request at a time)."""
+    """Below EngineHealth.min_units (e.g. a suspected poison job run one request at a time)."""
     eng = make_engine(StandInPipeline(lambda prompts: (err(i) for i in range(len(prompts))), loop=loop))
     events, exc = collect(eng, 2)
     assert exc is None and [(e.index, e.error_code) for e in events] == [(0, "internal_error"),
@@ -228,7 +227,7 @@ def test_health_check_saying_dead_is_engine_death(loop: asyncio.AbstractEventLoo
 
 def test_burst_across_concurrent_calls() -> None:
     """The streak counts requests of every stream call on the engine (one per job, each in its thread)."""
-    b = FailureBurst(min_requests=4)
+    b = EngineHealth(min_units=4)
     b.begin(3)  # job A
     b.begin(3)  # job B
     ep = b.end_engine_error()  # A's first: a streak over 6 requests in flight
@@ -240,7 +239,7 @@ def test_burst_across_concurrent_calls() -> None:
 
 
 def test_a_good_finish_ends_the_streak() -> None:
-    b = FailureBurst(min_requests=2)
+    b = EngineHealth(min_units=2)
     b.begin(4)
     ep = b.end_engine_error()
     b.end_ok()

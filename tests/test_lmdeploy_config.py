@@ -117,7 +117,7 @@ def test_worker_flags_reach_engine_config(monkeypatch: pytest.MonkeyPatch) -> No
 
     s = WorkerSettings(model="/m", engine="lmdeploy", backend="pytorch", tp=1, dtype="float16", session_len=2048,
                        max_batch_size=64, eager_mode=True)
-    c = build_backend_config(s.lmdeploy)
+    c = build_backend_config(s.engine_config)
     assert isinstance(c, PytorchEngineConfig) and int(c.quant_policy) == 8 and c.max_batch_size == 64
     assert c.enable_mp_engine is False
 
@@ -178,7 +178,7 @@ def test_every_engine_field_reaches_build_backend_config(backend: str, field: st
 
 
 def test_engine_constructor_hands_every_field_on(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """LMDeployEngine(config): the backend fields reach the pipeline's backend_config, chat_template its
+    """LMDeployEngine.load(config): the backend fields reach the pipeline's backend_config, chat_template its
     chat_template_config, raw the engine (LMDeploy's pipeline replaced by a recorder: no GPU here)."""
     from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
@@ -192,7 +192,7 @@ def test_engine_constructor_hands_every_field_on(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(lmdeploy, "pipeline", fake_pipeline)
     values = {f: v for f, (v, _) in NON_DEFAULT.items() if f != "tp"}  # tp > 1 needs that many GPUs
-    eng = LMDeployEngine(LMDeployConfig(**values), model_path=str(tmp_path), served_model_name="m")
+    eng = LMDeployEngine.load(LMDeployConfig(**values), model_path=str(tmp_path), served_model_name="m")
     bc = seen["backend_config"]
     for field, (value, attr) in NON_DEFAULT.items():
         if attr and field != "tp":
@@ -298,9 +298,8 @@ class _FakePipe:
 def _engine(pipe: _FakePipe) -> object:
     from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
-    e = object.__new__(LMDeployEngine)
-    e.pipe, e.raw, e.emit_interval_s, e._closed = pipe, False, 0.0, False  # type: ignore[attr-defined]
-    return e
+    # the stand-in goes in through the constructor, as the real pipeline does (LMDeployEngine.load)
+    return LMDeployEngine(pipe, LMDeployConfig(stream_from_new_tokens=0), model_name="m", emit_interval_s=0.0)
 
 
 def test_stream_carries_rich_outputs_on_the_final_event() -> None:

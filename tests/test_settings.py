@@ -1,6 +1,6 @@
 """Engine settings and generation parameters: each declared once, everything else derived from it.
 
-- flag > env > default for settings nested per engine (WorkerSettings.lmdeploy / .transformers / .sim),
+- flag > env > default for the chosen engine's settings (WorkerSettings.engine_config),
   through the real worker CLI too;
 - a flag the chosen engine does not take exits 2 with one line (worker and bench);
 - the producer's generation flags are exactly GenerationParams' fields;
@@ -50,11 +50,11 @@ def test_flag_beats_env_beats_default(monkeypatch: pytest.MonkeyPatch, engine: s
     cls = ENGINE_CONFIGS[engine]
     model = "/m" if engine == "lmdeploy" else None
     default = cls.model_fields[field].default
-    assert getattr(getattr(WorkerSettings(engine=engine, model=model), engine), field) == default
+    assert getattr(WorkerSettings(engine=engine, model=model).engine_config, field) == default
     monkeypatch.setenv(f"LMDQ_{flat.upper()}", env_value)
-    from_env = getattr(getattr(WorkerSettings(engine=engine, model=model), engine), field)
+    from_env = getattr(WorkerSettings(engine=engine, model=model).engine_config, field)
     assert from_env == cls.model_validate({field: env_value}).model_dump()[field] != default
-    from_flag = getattr(getattr(WorkerSettings(engine=engine, model=model, **{flat: flag_value}), engine), field)
+    from_flag = getattr(WorkerSettings(engine=engine, model=model, **{flat: flag_value}).engine_config, field)
     assert from_flag == flag_value
 
 
@@ -62,8 +62,9 @@ def test_nested_python_config_sits_between_env_and_flag(monkeypatch: pytest.Monk
     monkeypatch.setenv("LMDQ_TP", "4")
     monkeypatch.setenv("LMDQ_QUANT_POLICY", "8")
     s = WorkerSettings(model="/m", lmdeploy=LMDeployConfig(tp=2))
-    assert (s.lmdeploy.tp, s.lmdeploy.quant_policy) == (2, 8)  # the config object beats env, env fills the rest
-    assert WorkerSettings(model="/m", lmdeploy={"tp": 2}, tp=3).lmdeploy.tp == 3
+    # the config object beats env, env fills the rest
+    assert (s.engine_config.tp, s.engine_config.quant_policy) == (2, 8)
+    assert WorkerSettings(model="/m", lmdeploy={"tp": 2}, tp=3).engine_config.tp == 3
 
 
 def test_the_env_names_deployments_use_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,15 +84,16 @@ def test_the_env_names_deployments_use_still_work(monkeypatch: pytest.MonkeyPatc
         flat = k.removeprefix("LMDQ_").lower()
         if flat in all_flat_names():
             field = flat_names(LMDeployConfig)[flat]
-            assert getattr(s.lmdeploy, field) == LMDeployConfig.model_validate({field: data[k]}).model_dump()[field]
-            assert field in s.lmdeploy.model_fields_set, k  # set from the env, not the default
+            expected = LMDeployConfig.model_validate({field: data[k]}).model_dump()[field]
+            assert getattr(s.engine_config, field) == expected
+            assert field in s.engine_config.model_fields_set, k  # set from the env, not the default
 
 
 def test_engine_choice_and_its_config() -> None:
     assert WorkerSettings().engine_name == "transformers"  # no model: the embedded default on transformers
     assert WorkerSettings(model="/m").engine_name == "lmdeploy"
     s = WorkerSettings(engine="sim", sim_max_batch=3)
-    assert s.engine_config is s.sim and s.sim.max_batch == 3
+    assert type(s.engine_config) is SimConfig and s.engine_config.max_batch == 3
 
 
 @pytest.mark.parametrize("engine, flat", [
@@ -109,7 +111,7 @@ def test_a_setting_the_engine_does_not_take_is_an_error(engine: str, flat: str) 
 def test_env_for_another_engine_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """An environment is shared (ConfigMap, shell): LMDQ_TP does not stop a sim worker; the CLI logs it."""
     monkeypatch.setenv("LMDQ_TP", "2")
-    assert WorkerSettings(engine="sim").sim == SimConfig()
+    assert WorkerSettings(engine="sim").engine_config == SimConfig()
     assert unused_env("sim", {"LMDQ_TP": "2", "LMDQ_SIM_STEP_MS": "1"}) == ["LMDQ_TP"]
     assert unused_env("lmdeploy", {"lmdq_tp": "2"}) == []
 
@@ -123,7 +125,7 @@ def test_bad_values_name_flag_and_env_var(monkeypatch: pytest.MonkeyPatch) -> No
         load_worker_settings(engine="sim")
     with pytest.raises(BadSetting, match="--dtype / LMDQ_DTYPE: expected auto, float16 or bfloat16 for lmdeploy"):
         load_worker_settings(model="/m", dtype="float32")
-    assert load_worker_settings(engine="transformers", dtype="float32").transformers.dtype == "float32"
+    assert load_worker_settings(engine="transformers", dtype="float32").engine_config.dtype == "float32"
 
 
 def test_engine_constructors_take_the_config_object() -> None:

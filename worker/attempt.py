@@ -19,22 +19,27 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdq.contract import BatchStatus, ErrorInfo, FinishReason, JobPayload, Request, ResultStatus
+from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPayload, Request, ResultStatus
 from lmdq.jobs.queue import Claim, JobQueue
 from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
 from lmdq.worker.admission import EngineGate
 from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.engine_health import EngineHealth
 from lmdq.worker.outcomes import MAX_RUNS, SUSPECT_AFTER_CRASHES, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
 from lmdq.worker.result_writer import ResultWriter
 from lmdq.worker.settings import WorkerSettings
 from lmdq.worker.tensor_store import TensorStore
 
-__all__ = ["DeathWatch", "Held", "JobAttempt", "engine_alive"]
+__all__ = ["DEATH_WINDOW_S", "Held", "JobAttempt", "engine_alive"]
 
 _STOPPED = (AbortReason.drain, AbortReason.lost, AbortReason.engine_dead)
 """Abort reasons after which an aborted request is not an answer: the job runs again."""
+
+DEATH_WINDOW_S = 1.0
+"""How long a job whose stream raised ``EngineError`` waits for the other jobs in the engine to fail
+too (then the engine is dead and none is charged) before it counts the error as its own."""
 
 
 def engine_alive(engine: Engine) -> bool:
@@ -78,43 +83,6 @@ class _EngineGone(Exception):
     """A request ended with an error while the engine reports itself dead: not the request's fault."""
 
 
-class DeathWatch:
-    """Belt and braces for an engine that dies without saying so: when every job in the engine fails
-    with an engine-level error at once (at least two jobs within ``window_s``, no request finishing in
-    between), the engine is taken for dead, and none of those jobs is charged an attempt."""
-
-    def __init__(self, window_s: float = 1.0) -> None:
-        self.window_s = window_s
-        self._lock = threading.Lock()
-        self._burst_start = 0.0
-        self._burst_size = 0
-        self._jobs: set[str] = set()
-
-    def request_ok(self) -> None:
-        with self._lock:
-            self._jobs.clear()
-
-    def errored(self, job_id: str, in_engine: int) -> None:
-        """Job ``job_id`` failed with an engine error while ``in_engine`` jobs were in the engine."""
-        now = time.monotonic()
-        with self._lock:
-            if not self._jobs or now - self._burst_start > self.window_s:
-                self._burst_start, self._burst_size, self._jobs = now, in_engine, set()
-            self._jobs.add(job_id)
-
-    def verdict(self) -> bool:
-        """Wait (at most one window) to see whether the other jobs in the engine fail too: True
-        when they all did (the engine is dead), False once a request finishes or the window ends."""
-        end = time.monotonic() + self.window_s
-        while True:
-            with self._lock:
-                if len(self._jobs) >= max(2, self._burst_size):
-                    return True
-                if not self._jobs or time.monotonic() >= end:
-                    return False
-            time.sleep(0.02)
-
-
 class JobAttempt:
     """Runs held jobs on one engine (one instance per worker, called from many job threads)."""
 
@@ -145,7 +113,10 @@ class JobAttempt:
         #: called (from the job's thread) as each request's final event arrives, BEFORE its result is
         #: written: its engine slot is free now, and the worker's claimer should know at once
         self.request_done = request_done
-        self.watch = DeathWatch()
+        #: belt and braces for an engine that dies without saying so: every job in the engine raising
+        #: EngineError at once (at least two, no request finishing in between) is the engine's death,
+        #: and none of those jobs is charged an attempt; the same rule the engines keep for requests
+        self.watch = EngineHealth(min_units=2)
         self._tensors = TensorStore()
 
     def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
@@ -184,7 +155,7 @@ class JobAttempt:
             started_at=started,
         )
 
-        def close_all(reqs: list[Request], status: ResultStatus, code: str | None, msg: str | None) -> None:
+        def close_all(reqs: list[Request], status: ResultStatus, code: ErrorCode | None, msg: str | None) -> None:
             error = ErrorInfo(code=code, message=msg or code) if code else None
             self.writer.wait([self.writer.final_async(results.build(r, status=status, error=error,
                                                                     finished_at=self.clock())) for r in reqs])
@@ -193,18 +164,18 @@ class JobAttempt:
             close_all(todo, ResultStatus.cancelled, None, None)
             return AttemptEnd(Outcome.done)
         if start.expired:
-            close_all(todo, ResultStatus.expired, "expired", "not started within the batch's completion window")
+            close_all(todo, ResultStatus.expired, ErrorCode.expired, "not started within the batch's completion window")
             return AttemptEnd(Outcome.done)
         if output_refusal is not None:
-            close_all(todo, ResultStatus.failed, "output_url_not_allowed",
+            close_all(todo, ResultStatus.failed, ErrorCode.output_url_not_allowed,
                       f"{output_refusal} (the operator allows workers to write there with LMDQ_ALLOWED_OUTPUT_URLS)")
             return AttemptEnd(Outcome.failed, f"output URL not allowed: {output_refusal}")
         if claim.attempt > self.s.max_attempts:
-            close_all(todo, ResultStatus.failed, "max_attempts_exceeded",
+            close_all(todo, ResultStatus.failed, ErrorCode.max_attempts_exceeded,
                       f"the engine failed this job {claim.charges} times (max_attempts={self.s.max_attempts})")
             return AttemptEnd(Outcome.failed, f"max attempts ({self.s.max_attempts}) exceeded")
         if claim.run > MAX_RUNS:
-            close_all(todo, ResultStatus.failed, "max_runs_exceeded",
+            close_all(todo, ResultStatus.failed, ErrorCode.max_runs_exceeded,
                       f"the job was started {claim.run - 1} times without finishing (limit {MAX_RUNS})")
             return AttemptEnd(Outcome.failed, f"max runs ({MAX_RUNS}) exceeded")
         if claim.killer is not None:
@@ -212,7 +183,7 @@ class JobAttempt:
             if killer:
                 jlog.error("request killed the engine while running alone: failing it", index=claim.killer,
                            crashes=claim.crashes)
-                close_all(killer, ResultStatus.failed, "engine_crash",
+                close_all(killer, ResultStatus.failed, ErrorCode.engine_crash,
                           "the engine died while running this request alone (after this job was in the engine "
                           f"for {claim.crashes} engine deaths)")
                 todo = [r for r in todo if r.index != claim.killer]
@@ -274,6 +245,8 @@ class JobAttempt:
         if held.abort.is_set() or not engine_alive(self.engine):
             return self._stopped(held)  # never reached the engine: no crash to count against it
         held.in_engine = True
+        self.watch.begin()
+        counted = True
         try:
             for ev in self.engine.stream(ereqs, held.abort):
                 self._on_event(ev, live[ev.index], results, held, finished)
@@ -281,8 +254,10 @@ class JobAttempt:
             jlog.warning("engine died while running job; it runs again on a fresh engine, uncharged", error=str(e))
             return AttemptEnd(Outcome.crashed, error=str(e))
         except EngineError as e:
-            self.watch.errored(claim.job_id, self.gate.in_engine())
-            dead = self.watch.verdict()  # did every other job in the engine fail at the same moment?
+            counted = False
+            epoch = self.watch.end_engine_error()
+            # did every other job in the engine fail at the same moment?
+            dead = self.watch.wait_verdict(epoch, DEATH_WINDOW_S)
             if dead or not engine_alive(self.engine) or held.abort_reason is AbortReason.engine_dead:
                 jlog.warning("engine error with the engine dead; job runs again, uncharged", error=str(e))
                 return AttemptEnd(Outcome.crashed, error=str(e))
@@ -292,9 +267,12 @@ class JobAttempt:
                     if lv.req.index not in finished:
                         self.writer.final(results.build(
                             lv.req, status=ResultStatus.failed, finish_reason=FinishReason.error,
-                            error=ErrorInfo(code="engine_error", message=str(e)), finished_at=self.clock()))
+                            error=ErrorInfo(code=ErrorCode.engine_error, message=str(e)), finished_at=self.clock()))
                 return AttemptEnd(Outcome.failed, f"engine error after {claim.attempt} attempts: {e}")
             return AttemptEnd(Outcome.retry)
+        finally:
+            if counted:  # the job left the engine without an engine error: it says nothing about the engine
+                self.watch.end_neutral()
         if len(finished) < len(live):
             if held.abort_reason is AbortReason.engine_dead:
                 return AttemptEnd(Outcome.crashed)
@@ -327,7 +305,7 @@ class JobAttempt:
                 lv.last_partial, lv.dirty = now, False
                 self.writer.partial(results.partial(lv))
             return
-        reason = FinishReason(ev.finish_reason)
+        reason = ev.finish_reason
         if reason is FinishReason.abort and held.abort_reason in _STOPPED:
             return  # not an answer: the job is re-queued and this request runs again
         if reason is FinishReason.error and not engine_alive(self.engine):
@@ -341,7 +319,7 @@ class JobAttempt:
         logprobs = token_logprobs(ev)
         tensors = None
         if status is ResultStatus.completed:
-            self.watch.request_ok()
+            self.watch.ok()
             tensors, terr = self._tensors.put(ev, lv.req, results.payload, self.s.blob_url)
             if terr is not None:
                 status, error, reason = ResultStatus.failed, terr, FinishReason.error

@@ -2,9 +2,10 @@
 
 Every engine setting's name, type, bounds, default and help live in exactly one pydantic field below.
 Everything else derives from these declarations: the worker's ``LMDQ_*`` env vars and ``--flags``
-(:func:`flat_names`, :mod:`lmdq.cli.options`), the nested ``WorkerSettings.lmdeploy / .transformers
-/ .sim``, the engine constructors (they take the config object), ``build_backend_config`` and the
-bench. A new setting is one new field here, nothing more.
+(:func:`flat_names`, :mod:`lmdq.cli.options`), ``WorkerSettings.engine_config``, the engine
+constructors (they take the config object), ``build_backend_config`` and the bench. A new setting is
+one new field here, nothing more. Which engine takes which config class is said once, by its
+:class:`~lmdq.worker.engines.registry.EngineSpec` (:data:`ENGINE_CONFIGS` reads the registry).
 
 A setting shared by several engines (``session_len``, ``dtype``, ``chat_template``) is declared on a
 base class they inherit, so it still has one declaration and one flag. Each setting has a *flat name*,
@@ -20,7 +21,7 @@ env var the chosen engine does not take is left alone and logged by the worker (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,12 +32,12 @@ from lmdq.errors import BadSetting
 __all__ = [
     "ENGINE_CONFIGS",
     "EngineConfig",
-    "EngineName",
     "LMDeployConfig",
     "ModelEngineConfig",
     "SimConfig",
     "TransformersConfig",
     "all_flat_names",
+    "declaring_class",
     "describe_validation_error",
     "engine_flag_specs",
     "flag_of",
@@ -44,8 +45,6 @@ __all__ = [
     "split_engine_settings",
     "unused_env",
 ]
-
-EngineName = Literal["lmdeploy", "transformers", "sim"]
 
 C = TypeVar("C", bound="EngineConfig")
 
@@ -181,14 +180,30 @@ class SimConfig(EngineConfig):
     )
 
 
-ENGINE_CONFIGS: dict[str, type[EngineConfig]] = {
-    "lmdeploy": LMDeployConfig,
-    "transformers": TransformersConfig,
-    "sim": SimConfig,
-}
+class _EngineConfigs(Mapping[str, type[EngineConfig]]):
+    """Engine name → its settings class, read from the engine registry each time (a plug-in registered
+    after this module was imported is in it)."""
+
+    def _all(self) -> dict[str, type[EngineConfig]]:
+        from lmdq.worker.engines.registry import engine_specs
+
+        return {spec.name: spec.settings for spec in engine_specs()}
+
+    def __getitem__(self, name: str) -> type[EngineConfig]:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
-def _declaring_class(cls: type[EngineConfig], field: str) -> type[EngineConfig]:
+ENGINE_CONFIGS: Mapping[str, type[EngineConfig]] = _EngineConfigs()
+"""Every registered engine's settings class, by engine name (registry order)."""
+
+
+def declaring_class(cls: type[EngineConfig], field: str) -> type[EngineConfig]:
     for klass in cls.__mro__:
         if field in klass.__dict__.get("__annotations__", {}):
             return klass
@@ -197,7 +212,7 @@ def _declaring_class(cls: type[EngineConfig], field: str) -> type[EngineConfig]:
 
 def flat_names(cls: type[EngineConfig]) -> dict[str, str]:
     """Flat (flag/env) name → field name, for one engine's config."""
-    return {_declaring_class(cls, f).flag_prefix + f: f for f in cls.model_fields}
+    return {declaring_class(cls, f).flag_prefix + f: f for f in cls.model_fields}
 
 
 def all_flat_names() -> dict[str, list[str]]:

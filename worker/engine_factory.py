@@ -1,10 +1,9 @@
-"""Build the ONE engine a worker keeps for its whole life, from settings."""
+"""Build the ONE engine a worker keeps for its whole life, from settings, through the engine registry."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from lmdq.worker.engines.base import Engine
+from lmdq.worker.engines.base import Engine, engine_capacity
+from lmdq.worker.engines.registry import EngineTarget, engine_spec
 from lmdq.worker.settings import WorkerSettings
 
 __all__ = ["build_engine", "cpu_speed_note", "engine_capacity", "served_model_name"]
@@ -25,44 +24,20 @@ def cpu_speed_note(engine: Engine) -> str | None:
 def served_model_name(s: WorkerSettings) -> str:
     """The name the engine :func:`build_engine` builds will serve (its queue, results' ``model``),
     known before it loads: the health endpoint answers during the load and labels its metrics with
-    it, so it must be the real name, not a placeholder."""
+    it, so it must be the real name, not a placeholder. ``--served-model-name``, else the engine's
+    registered ``served_name(--model)``."""
     if s.served_model_name:
         return s.served_model_name
-    engine = s.engine_name
-    if engine == "sim":
-        return s.model or "sim"
-    if engine == "transformers" and not s.model:
-        from lmdq.worker.default_model import DEFAULT_MODEL_NAME
-
-        return DEFAULT_MODEL_NAME
-    if not s.model:
-        raise ValueError("--engine lmdeploy needs --model (a model folder or hub id)")
-    return Path(s.model.rstrip("/")).name if engine == "lmdeploy" else Path(s.model).name
+    try:
+        return engine_spec(s.engine_name).served_name(s.model)
+    except ValueError as e:
+        raise ValueError(f"--engine {s.engine_name} {e}") from None
 
 
 def build_engine(s: WorkerSettings) -> Engine:
-    """The engine ``s.engine_name`` names, from its own config (``s.lmdeploy`` / ``.transformers`` / ``.sim``).
-
-    No ``--model`` means the embedded default: SmolLM2-135M-Instruct on the transformers engine."""
-    engine = s.engine_name
-    if engine == "sim":
-        from lmdq.worker.engines.sim import SimEngine
-
-        return SimEngine(s.sim, model_name=s.served_model_name or s.model or "sim")
-    if engine == "transformers":
-        from lmdq.worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-        from lmdq.worker.engines.transformers_engine import TransformersEngine
-
-        path = Path(s.model) if s.model else ensure_default_model()
-        name = s.served_model_name or (Path(s.model).name if s.model else DEFAULT_MODEL_NAME)
-        return TransformersEngine(s.transformers, model_path=path, served_model_name=name)
-    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
-
-    if s.model is None:
-        raise ValueError("--engine lmdeploy needs --model (a model folder or hub id)")
-    return LMDeployEngine(s.lmdeploy, model_path=s.model, served_model_name=s.served_model_name)
-
-
-def engine_capacity(engine: Engine) -> int:
-    """How many sequences the engine runs at once (continuous batching slots)."""
-    return int(getattr(engine, "capacity", None) or getattr(engine, "max_batch", None) or 1)
+    """The engine ``s.engine_name`` names, by its registered factory, from its own config
+    (``s.engine_config``); its capacity is checked here, before any job is claimed."""
+    spec = engine_spec(s.engine_name)
+    engine = spec.factory(s.engine_config, EngineTarget(model=s.model, served_model_name=served_model_name(s)))
+    engine_capacity(engine)  # a contract breach is a start-up error, not a worker with one slot
+    return engine

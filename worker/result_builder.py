@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdq.contract import (
+    ErrorCode,
     ErrorInfo,
     FinishReason,
     JobPayload,
@@ -116,7 +117,8 @@ def final_status(ev: EngineEvent, reason: FinishReason) -> tuple[ResultStatus, E
     if reason is FinishReason.abort:
         return ResultStatus.cancelled, None
     if reason is FinishReason.error:
-        error = ErrorInfo(code=ev.error_code or "internal_error", message=ev.error_message or "generation failed")
+        error = ErrorInfo(code=ev.error_code or ErrorCode.internal_error,
+                          message=ev.error_message or "generation failed")
         return ResultStatus.failed, error
     return ResultStatus.completed, None
 

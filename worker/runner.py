@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import structlog
 
-from lmdq.contract import BatchStatus, ErrorInfo, Result, ResultStatus, Timings
+from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, Result, ResultStatus, Timings
 from lmdq.jobs.decode import OutputNotAllowed, UndecodableJob, decode_job
 from lmdq.jobs.queue import Charge, Claim, JobQueue
 from lmdq.redis.connection import RETRYABLE_ERRORS, with_reconnect
@@ -41,7 +41,7 @@ from lmdq.results.sink import pending_count
 from lmdq.results.store import ResultStore
 from lmdq.worker.admission import Admission, EngineGate, fair_share
 from lmdq.worker.attempt import Held, JobAttempt, engine_alive
-from lmdq.worker.engines.base import Engine
+from lmdq.worker.engines.base import Engine, engine_capacity
 from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_writer import ResultWriter, WriteAbandoned, is_store_refusal
@@ -103,7 +103,11 @@ class Worker:
         self.registry = WorkerRegistry(client, keys=self.keys, name=self.name, model=self.model,
                                        ttl_s=settings.heartbeat_ttl_s)
         self.health = health
-        self.capacity = max(1, capacity or 1)
+        #: requests the engine runs at once: ``capacity`` when given (tests and benches cap it), else the
+        #: engine's own (the contract's ``capacity``; an engine without one fails here, loudly)
+        self.capacity = capacity if capacity is not None else engine_capacity(engine)
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {self.capacity}")
         self.max_jobs = settings.max_jobs
         self.admission = Admission(capacity=self.capacity, max_jobs=self.max_jobs,
                                    prefetch_requests=settings.prefetch_requests)
@@ -572,7 +576,7 @@ class Worker:
         status = with_reconnect(lambda: self.client.hget(self.keys.batch(e.batch.id), "status"),
                                 on_retry=self._redis_retry)
         cancelled = status in (BatchStatus.cancelling.value.encode(), BatchStatus.cancelled.value.encode())
-        error = None if cancelled else ErrorInfo(code="undecodable_job", message=str(e))
+        error = None if cancelled else ErrorInfo(code=ErrorCode.undecodable_job, message=str(e))
         results = [Result(batch_id=e.batch.id, custom_id=cid, index=i, model=e.batch.model, worker=self.name,
                           status=ResultStatus.cancelled if cancelled else ResultStatus.failed, error=error,
                           timings=Timings(enqueued_at=e.batch.created_at, finished_at=now))

@@ -1,8 +1,8 @@
 """Worker settings: every flag is also an ``LMDQ_`` env var (flag > env > default).
 
-Engine settings are not declared here: each engine's typed configuration (:mod:`worker.engine_config`)
-is nested as ``.lmdeploy``, ``.transformers`` and ``.sim``, and keeps its flat names (``--tp`` /
-``LMDQ_TP``). Flat values (flags, Python keywords, env vars) go to the engine this worker runs; a flag
+Engine settings are not declared here: the chosen engine's typed configuration (its registered
+settings class, :mod:`worker.engines.registry`) is ``.engine_config``, and keeps its flat names (``--tp``
+/ ``LMDQ_TP``). Flat values (flags, Python keywords, env vars) go to the engine this worker runs; a flag
 or keyword that engine does not take is an error, an env var it does not take is left alone.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
@@ -19,10 +19,6 @@ from lmdq.settings import CommonSettings
 from lmdq.worker.engine_config import (
     ENGINE_CONFIGS,
     EngineConfig,
-    EngineName,
-    LMDeployConfig,
-    SimConfig,
-    TransformersConfig,
     all_flat_names,
     describe_validation_error,
     split_engine_settings,
@@ -80,11 +76,11 @@ class WorkerSettings(CommonSettings):
     # model and engine
     model: str | None = Field(default=None, description="model folder or hub id (default: embedded SmolLM2 on CPU)")
     served_model_name: str | None = Field(default=None, description="name producers submit to (queue)")
-    engine: EngineName | None = Field(
-        default=None, description="the (engines) after an engine flag's help are those that take it")
-    lmdeploy: LMDeployConfig = Field(default_factory=LMDeployConfig)
-    transformers: TransformersConfig = Field(default_factory=TransformersConfig)
-    sim: SimConfig = Field(default_factory=SimConfig)
+    engine: str | None = Field(
+        default=None, description="a registered engine: lmdeploy | transformers | sim | a plug-in's (see "
+        "docs/architecture.md); the (engines) after an engine flag's help are those that take it")
+    #: the chosen engine's settings (its registered settings class), from the flat engine flags/env vars
+    engine_config: SerializeAsAny[EngineConfig] = Field(default_factory=EngineConfig)
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors when a batch names none (LMDQ_BLOB_URL)"
     )
@@ -146,12 +142,28 @@ class WorkerSettings(CommonSettings):
         data = dict(data)
         env = data.pop(_ENGINE_ENV, None) or {}
         engine = resolve_engine(data.get("engine"), data.get("model"))
-        if engine not in ENGINE_CONFIGS:  # the engine field itself reports the bad name
+        configs = dict(ENGINE_CONFIGS)
+        if engine not in configs:  # the engine field itself reports the bad name
             for flat in all_flat_names():
                 data.pop(flat, None)
             return data
-        data[engine] = split_engine_settings(data, engine, env)
+        values = split_engine_settings(data, engine, env)  # reads a nested ``<engine>=`` config or dict
+        for name in configs:
+            data.pop(name, None)
+        cls = configs[engine]
+        try:
+            data["engine_config"] = cls.model_validate(values)
+        except ValidationError as exc:  # one line naming the flag and env var, as for any other setting
+            raise ValueError(str(describe_validation_error(exc, cls))) from None
         return data
+
+    @field_validator("engine")
+    @classmethod
+    def _registered_engine(cls, v: str | None) -> str | None:
+        if v is not None and v not in ENGINE_CONFIGS:
+            names = list(ENGINE_CONFIGS)
+            raise ValueError(f"expected {', '.join(repr(n) for n in names[:-1])} or {names[-1]!r}, got {v!r}")
+        return v
 
     @property
     def max_jobs(self) -> int:
@@ -171,12 +183,6 @@ class WorkerSettings(CommonSettings):
     def engine_name(self) -> str:
         """The engine this worker runs (``engine``, or the default for ``model``)."""
         return resolve_engine(self.engine, self.model)
-
-    @property
-    def engine_config(self) -> EngineConfig:
-        """The chosen engine's configuration."""
-        config: EngineConfig = getattr(self, self.engine_name)
-        return config
 
     model_config = {**CommonSettings.model_config, "populate_by_name": True}
 

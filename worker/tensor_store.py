@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmdq.contract import ErrorInfo, JobPayload, Request
+from lmdq.contract import ErrorCode, ErrorInfo, JobPayload, Request
 from lmdq.worker.engines.base import EngineEvent
 
 __all__ = ["TensorStore"]
@@ -41,7 +41,7 @@ class TensorStore:
         url = payload.blob_url or default_url
         if not url:
             return None, ErrorInfo(
-                code="no_blob_store",
+                code=ErrorCode.no_blob_store,
                 message="this request asked for tensors (output_logits / output_last_hidden_state) but no blob "
                 "store is configured: submit with --blob-url, or set LMDQ_BLOB_URL on the worker",
             )
@@ -52,5 +52,5 @@ class TensorStore:
         try:
             refs = self._blob_store(url).put_tensors(f"{payload.batch_id}/{req.index}", ev.tensors)
         except TensorTooLarge as e:
-            return None, ErrorInfo(code="tensor_too_large", message=str(e))
+            return None, ErrorInfo(code=ErrorCode.tensor_too_large, message=str(e))
         return refs, None

@@ -31,6 +31,7 @@ from lmdq.api.errors import ApiError, error_body, unauthorized
 from lmdq.api.files import FileStore, check_purpose, expires_after
 from lmdq.api.settings import ApiSettings
 from lmdq.api.uploads import FormStream, boundary_of
+from lmdq.contract import ErrorCode
 from lmdq.logs.config import get_logger
 
 __all__ = ["create_app"]
@@ -205,7 +206,7 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     async def _redis(_r: Request, e: redis.RedisError) -> JSONResponse:
         log.warning("redis error answering a request", error_type=type(e).__name__)
         return JSONResponse(error_body("the queue's Redis is unavailable; retry shortly", type_="server_error",
-                                       code="service_unavailable"), status_code=503)
+                                       code=ErrorCode.service_unavailable), status_code=503)
 
     @app.exception_handler(Exception)
     async def _internal(_r: Request, e: Exception) -> JSONResponse:

@@ -32,7 +32,7 @@ from lmdq.api.backend import Backend
 from lmdq.api.errors import bad_request, conflict, not_found
 from lmdq.api.files import FileStore
 from lmdq.api.paging import Page, page
-from lmdq.contract import Batch, BatchStatus
+from lmdq.contract import Batch, BatchStatus, ErrorCode
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
 from lmdq.logs.config import get_logger
 
@@ -133,17 +133,17 @@ _ERROR_LINE = re.compile(r"^(?P<path>.*?):(?P<line>\d+): (?P<rest>.*)$")
 _FIELD = re.compile(r"^field '(?P<field>[^']*)': ")
 
 
-def _error_code(field: str | None, message: str) -> str:
+def _error_code(field: str | None, message: str) -> ErrorCode:
     """OpenAI's batch error codes where one fits, else ``invalid_request``."""
     if field == "custom_id" and "unique" in message:
-        return "duplicate_custom_id"
+        return ErrorCode.duplicate_custom_id
     if field == "url":
-        return "invalid_url"
+        return ErrorCode.invalid_url
     if field in ("model", "body.model"):
-        return "mismatched_model"
+        return ErrorCode.mismatched_model
     if "JSON" in message:
-        return "invalid_json_line"
-    return "invalid_request"
+        return ErrorCode.invalid_json_line
+    return ErrorCode.invalid_request
 
 
 def errors_from(exc: LmdqError, path: Path, shown_as: str) -> list[dict[str, Any]]:
@@ -162,7 +162,7 @@ def errors_from(exc: LmdqError, path: Path, shown_as: str) -> list[dict[str, Any
             rest = raw[len(str(path)) + 2:].replace(str(path), shown_as)
         f = _FIELD.match(rest)
         field = f.group("field") if f else None
-        code = "model_not_found" if isinstance(exc, UnknownModel) else _error_code(field, rest)
+        code = ErrorCode.model_not_found if isinstance(exc, UnknownModel) else _error_code(field, rest)
         out.append({"code": code, "message": rest, "param": field, "line": line})
         if len(out) >= _MAX_ERRORS:
             break
@@ -186,7 +186,7 @@ def _endpoint_errors(path: Path, endpoint: str, shown_as: str) -> list[dict[str,
             except (ValueError, AttributeError):
                 continue
             if url in others:
-                out.append({"code": "invalid_url", "param": "url", "line": n,
+                out.append({"code": ErrorCode.invalid_url, "param": "url", "line": n,
                             "message": f"field 'url': expected {endpoint!r} (the batch's endpoint), got {url!r}"})
                 if len(out) >= _MAX_ERRORS:
                     break
@@ -315,7 +315,7 @@ class ApiBatches:
                 self._final_stamps(out, rec)
                 return out
             out["status"] = "failed"
-            out["errors"] = {"object": "list", "data": [{"code": "batch_gone", "line": None, "param": None,
+            out["errors"] = {"object": "list", "data": [{"code": ErrorCode.batch_gone, "line": None, "param": None,
                                                          "message": "the lmdq batch behind this batch was deleted"}]}
             return out
         c = b.request_counts
@@ -397,7 +397,7 @@ class ApiBatches:
             runs = int(self.client.hincrby(self._key(batch_id), "runs", 1))
             if runs > MAX_SUBMIT_RUNS:
                 last = self.client.hget(self._key(batch_id), "last_error")
-                self._fail(rec, [{"code": "internal_error", "line": None, "param": None,
+                self._fail(rec, [{"code": ErrorCode.internal_error, "line": None, "param": None,
                                   "message": f"the server could not submit this batch in {MAX_SUBMIT_RUNS} tries "
                                              f"(last: {_text(last) or 'unknown'}); see lmdq-api's log"}])
                 return
@@ -416,14 +416,14 @@ class ApiBatches:
             frec = self.files.get(rec.tenant, rec.input_file_id)
             path = self.files.path(rec.input_file_id)
         except Exception:
-            self._fail(rec, [{"code": "invalid_file", "line": None, "param": "input_file_id",
+            self._fail(rec, [{"code": ErrorCode.invalid_file, "line": None, "param": "input_file_id",
                               "message": f"input file {rec.input_file_id!r} no longer exists"}])
             return
         shown = frec.filename
         try:
             errors = _endpoint_errors(path, rec.endpoint, shown)
         except OSError:
-            errors = [{"code": "invalid_file", "line": None, "param": "input_file_id",
+            errors = [{"code": ErrorCode.invalid_file, "line": None, "param": "input_file_id",
                        "message": f"input file {rec.input_file_id!r} can no longer be read"}]
         if errors:
             self._fail(rec, errors)

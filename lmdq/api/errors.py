@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmdq.contract import ErrorCode
+
 __all__ = ["ApiError", "bad_request", "conflict", "error_body", "not_found", "unauthorized"]
 
 
@@ -16,7 +18,7 @@ class ApiError(Exception):
     """An error the API answers with ``status`` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: ErrorCode | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -29,11 +31,11 @@ class ApiError(Exception):
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+               code: ErrorCode | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+def bad_request(message: str, param: str | None = None, code: ErrorCode | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
@@ -48,4 +50,4 @@ def conflict(message: str) -> ApiError:
 
 
 def unauthorized(message: str) -> ApiError:
-    return ApiError(401, message, code="invalid_api_key")
+    return ApiError(401, message, code=ErrorCode.invalid_api_key)

@@ -63,7 +63,7 @@ def gpu_mp_engine() -> bool:
     read by the worker's own settings so both parse it the same way."""
     from lmdq.worker.settings import WorkerSettings
 
-    return WorkerSettings(engine="lmdeploy").lmdeploy.mp_engine
+    return WorkerSettings(engine="lmdeploy").engine_config.mp_engine
 
 
 def turbomind_missing() -> str | None:

@@ -13,9 +13,24 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lmdq.contract import Endpoint, GenerationParams
+from lmdq.contract import Endpoint, ErrorCode, FinishReason, GenerationParams
 
-__all__ = ["Borrowed", "Engine", "EngineDead", "EngineEvent", "EngineRequest", "EngineError"]
+__all__ = [
+    "Borrowed",
+    "Engine",
+    "EngineContractError",
+    "EngineDead",
+    "EngineError",
+    "EngineEvent",
+    "EngineRequest",
+    "engine_capacity",
+    "error_code",
+]
+
+
+class EngineContractError(TypeError):
+    """An engine (or its registration) does not implement the contract: a programming error, raised
+    at once and loudly (never papered over with a default such as one slot of capacity)."""
 
 
 class EngineError(RuntimeError):
@@ -48,17 +63,18 @@ class EngineRequest:
 class EngineEvent:
     """Progress of one request. ``text`` is a DELTA; token counts are cumulative.
 
-    The last event of a request has ``finish_reason`` set ('stop' | 'length' | 'error' | 'abort');
-    error events also carry ``error_code``/``error_message`` (LMDeploy's names, e.g.
-    'context_length_exceeded').
+    The last event of a request has ``finish_reason`` set (:class:`FinishReason`); error events also
+    carry ``error_code``/``error_message``: an :class:`ErrorCode` (LMDeploy's names, e.g.
+    ``context_length_exceeded``), or a code the engine library reported that lmdq does not know yet,
+    kept verbatim.
     """
 
     index: int
     text: str = ""
     input_token_len: int = 0
     generate_token_len: int = 0
-    finish_reason: str | None = None
-    error_code: str | None = None
+    finish_reason: FinishReason | None = None
+    error_code: ErrorCode | str | None = None
     error_message: str | None = None
     #: on the final event only, when asked for: per generated token (token_id, logprob, [(id, lp), ...])
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
@@ -68,16 +84,25 @@ class EngineEvent:
     #: the request was not streamed (its whole text comes on the final event): there is no first-token time
     whole: bool = False
 
+    def __post_init__(self) -> None:
+        # An engine may name the reason by its string ('stop'): it is the enum from here on, and a reason
+        # outside the contract fails here, in the engine's thread, naming itself.
+        if self.finish_reason is not None and not isinstance(self.finish_reason, FinishReason):
+            self.finish_reason = FinishReason(self.finish_reason)
+
 
 class Engine(Protocol):
-    """What the worker needs from an engine."""
+    """What the worker needs from an engine (the registry checks an engine class against it:
+    :func:`lmdq.worker.engines.registry.check_engine_class`)."""
 
-    #: 'lmdeploy' | 'transformers' | 'sim'
+    #: the registry name it was registered under ('lmdeploy' | 'transformers' | 'sim' | a plug-in's)
     name: str
     #: what results report as ``backend``: 'turbomind' | 'pytorch' | 'transformers' | 'sim'
     backend: str
     #: the model name results report (``--served-model-name``)
     model_name: str
+    #: sequences it runs at once (continuous-batching slots): the worker keeps this many requests in it
+    capacity: int
 
     def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
         """Generate for all ``requests`` at once, yielding events interleaved across them.
@@ -109,7 +134,7 @@ class Borrowed:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self.name, self.backend, self.model_name = engine.name, engine.backend, engine.model_name
-        self.capacity = getattr(engine, "capacity", None) or getattr(engine, "max_batch", None) or 1
+        self.capacity = engine_capacity(engine)
 
     def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
         return self._engine.stream(requests, abort)
@@ -122,3 +147,25 @@ class Borrowed:
 
     def close(self) -> None:
         """Deliberately a no-op: the owner closes the engine."""
+
+
+def engine_capacity(engine: Engine) -> int:
+    """``engine.capacity``, checked: an engine without a positive int ``capacity`` (one that calls it
+    ``max_batch``, say) is an :class:`EngineContractError`, not a worker quietly running one slot."""
+    capacity = getattr(engine, "capacity", None)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise EngineContractError(
+            f"engine {getattr(engine, 'name', type(engine).__name__)!r} has capacity={capacity!r}: the Engine "
+            "contract asks for a positive int (the sequences it runs at once)")
+    return capacity
+
+
+def error_code(code: str | None) -> ErrorCode | str | None:
+    """A code an engine library reported, as lmdq's :class:`ErrorCode` when it is one of them; an
+    unknown one is kept verbatim (LMDeploy adds codes; a result must still say what it said)."""
+    if code is None:
+        return None
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return code

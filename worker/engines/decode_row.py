@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from lmdq.contract import FinishReason
 from lmdq.worker.engines.base import EngineEvent
 from lmdq.worker.engines.rich_outputs import RichOutputs
 from lmdq.worker.engines.sampling import Sampling, next_token
@@ -64,7 +65,7 @@ class DecodeRow:
         self.text = ""
         self.emitted = 0
         self._last_event_at = 0
-        self.finish: str | None = None
+        self.finish: FinishReason | None = None
 
     def banned(self) -> list[int]:
         """Ids this step may not pick: ignore_eos bans, plus the stop ids until min_new_tokens exist."""
@@ -83,7 +84,7 @@ class DecodeRow:
         """Apply ``token``: sets :attr:`finish` when the request is done, else may return a progress event."""
         s = self.s
         if token in s.stop_ids:
-            self.finish = "stop"
+            self.finish = FinishReason.stop
             return None
         self.gen_ids.append(token)
         self.history = self._torch.cat([self.history, self.history.new_tensor([token])])
@@ -97,10 +98,10 @@ class DecodeRow:
             # tokens there); stable_before keeps U+FFFD-completed characters searchable.
             pos = find_stop(self.text, s.stop_words, stable_before)
             if pos is not None:
-                self.text, self.finish = self.text[:pos], "stop"
+                self.text, self.finish = self.text[:pos], FinishReason.stop
                 return None
         if len(self.gen_ids) >= s.max_new_tokens:
-            self.finish = "length"
+            self.finish = FinishReason.length
             return None
         end = safe_text_end(self.text, s.stop_words)
         if end > self.emitted or len(self.gen_ids) - self._last_event_at >= EVENT_EVERY_TOKENS:
@@ -112,7 +113,7 @@ class DecodeRow:
             )
         return None
 
-    def final_event(self, finish: str | None = None) -> EngineEvent:
+    def final_event(self, finish: FinishReason | None = None) -> EngineEvent:
         """The request's one final event (``finish`` overrides, e.g. 'abort'), with the unsent text tail."""
         tensors = self.rich.tensors(self._vocab_size, 0)
         return EngineEvent(

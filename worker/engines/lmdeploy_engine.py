@@ -12,7 +12,7 @@ Engine death (issue 13). LMDeploy reports a dead engine as a per-request error: 
 ``RPCServerDeadError``), and the pipeline looks usable. Failing those requests would drain a whole queue
 into failures, so an engine-level error is checked against the engine before it is handed up: a dead
 engine process, LMDeploy's RPC marked dead, the backend's own health check, or every request in flight
-failing at once (failure_burst.py) → ``stream`` raises ``EngineDead`` and ``alive()`` is False from then on.
+failing at once (engine_health.py) → ``stream`` raises ``EngineDead`` and ``alive()`` is False from then on.
 The engine's processes are guarded against outliving the worker (orphan_guard.py).
 """
 
@@ -31,13 +31,22 @@ from typing import Any
 
 import structlog
 
+from lmdq.contract import ErrorCode, FinishReason
 from lmdq.guided import to_lmdeploy
 from lmdq.worker.engine_config import LMDeployConfig
 from lmdq.worker.engines import orphan_guard
-from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
-from lmdq.worker.engines.failure_burst import FailureBurst
+from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest, error_code
+from lmdq.worker.engines.engine_health import EngineHealth
+from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget, model_folder_name
 
-__all__ = ["LMDeployEngine", "build_backend_config", "build_gen_config", "resolve_chat_template"]
+__all__ = [
+    "SPEC",
+    "LMDeployEngine",
+    "build_backend_config",
+    "build_gen_config",
+    "build_pipeline",
+    "resolve_chat_template",
+]
 
 log = logging.getLogger("lmdq.lmdeploy")
 #: lifecycle events (engine death) go to the worker's structured log
@@ -45,7 +54,7 @@ slog = structlog.get_logger("lmdq.lmdeploy")
 
 #: LMDeploy error codes that can mean "the engine is gone" rather than "this request is wrong"
 #: (serve/core/exceptions.py ErrorCode: INTERNAL_ERROR, ENGINE_UNAVAILABLE); checked, never assumed.
-ENGINE_LEVEL_ERRORS = frozenset({"internal_error", "engine_unavailable"})
+ENGINE_LEVEL_ERRORS = frozenset({ErrorCode.internal_error, ErrorCode.engine_unavailable})
 #: how long the backend's health check may take before it counts as no answer (not as dead)
 HEALTH_PROBE_TIMEOUT_S = 5.0
 #: one health check answers for every engine-level error within this window (an error wave, one probe)
@@ -238,45 +247,52 @@ def _exit_description(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def build_pipeline(config: LMDeployConfig, model_path: str, log_level: str = "WARNING") -> tuple[Any, frozenset[int]]:
+    """The real ``lmdeploy.pipeline`` for ``config`` (the factory :meth:`LMDeployEngine.load` uses), and
+    the process groups LMDeploy started for it (killed at close, whatever is left of them)."""
+    from lmdeploy import pipeline
+
+    orphan_guard.install()  # before LMDeploy starts any process: they all die with this one
+    groups_before = orphan_guard.tracked_groups()
+    pipe = pipeline(
+        model_path,
+        backend_config=build_backend_config(config),
+        chat_template_config=resolve_chat_template(config.chat_template),
+        log_level=log_level,
+    )
+    return pipe, frozenset(orphan_guard.tracked_groups() - groups_before)
+
+
 class LMDeployEngine:
-    name = "lmdeploy"
-    _dead: str | None = None
-    _groups: frozenset[int] = frozenset()
+    """The :class:`~lmdq.worker.engines.base.Engine` contract on one LMDeploy pipeline.
+
+    The pipeline is injected: :meth:`load` builds the real one (:func:`build_pipeline`); tests hand in a
+    stand-in with the part of ``lmdeploy.Pipeline`` the engine uses (``stream_infer``, ``session``,
+    ``backend_config``, ``close``), through this same constructor."""
+
+    name: str = "lmdeploy"
+    backend: str
+    model_name: str
+    capacity: int
     engine_pid: int | None = None
 
     def __init__(
         self,
-        config: LMDeployConfig | None = None,
+        pipe: Any,
+        config: LMDeployConfig,
         /,
         *,
-        model_path: str,
-        served_model_name: str | None = None,
-        log_level: str = "WARNING",
+        model_name: str,
+        groups: frozenset[int] = frozenset(),
         emit_interval_s: float = 0.5,
-        **overrides: Any,
     ) -> None:
-        """``config`` (default: :class:`LMDeployConfig`'s defaults) with ``overrides`` over it, by name
-        (``backend="pytorch"``): the settings are declared once, in LMDeployConfig."""
-        config = LMDeployConfig.from_values(config, **overrides)
-        _check_tp(config.tp, model_path)
-        from lmdeploy import pipeline
-
-        dtype, warning = resolve_dtype(model_path, config.dtype)
-        if warning:
-            log.warning(warning)
-        self.dtype = dtype
-        self.config = config.model_copy(update={"dtype": dtype})
-        cfg = build_backend_config(self.config)
-        orphan_guard.install()  # before LMDeploy starts any process: they all die with this one
-        groups_before = orphan_guard.tracked_groups()
-        self.pipe = pipeline(
-            model_path,
-            backend_config=cfg,
-            chat_template_config=resolve_chat_template(config.chat_template),
-            log_level=log_level,
-        )
-        self.model_name = served_model_name or Path(model_path.rstrip("/")).name
-        bc = self.pipe.backend_config
+        """``pipe``: an ``lmdeploy.Pipeline`` built for ``config`` (whose ``dtype`` is resolved);
+        ``groups``: the process groups it started (killed at close)."""
+        self.pipe = pipe
+        self.config = config
+        self.dtype = config.dtype
+        self.model_name = model_name
+        bc = pipe.backend_config
         self.backend = "pytorch" if type(bc).__name__.startswith("Pytorch") else "turbomind"
         self.capacity = int(getattr(bc, "max_batch_size", None) or 128)
         self.raw = config.raw
@@ -287,20 +303,42 @@ class LMDeployEngine:
                                        else 1024 if self.backend == "turbomind" else 0)
         self.emit_interval_s = emit_interval_s
         self._closed = False
-        self._init_lifecycle(orphan_guard.tracked_groups() - groups_before)
-
-    def _init_lifecycle(self, groups: set[int]) -> None:
-        """Death-detection state (split out so tests can drive it on a stand-in pipeline)."""
         #: the process groups LMDeploy started for this engine (killed at close, whatever is left of them)
         self._groups = frozenset(groups)
+        # engine-death state
         self._dead: str | None = None
-        self._burst = FailureBurst()
+        self._health = EngineHealth()
         self._probe_lock = threading.Lock()
         self._probe_at = float("-inf")
         self._probe_reason: str | None = None
         proc = self._engine_process()
         #: the engine process (``enable_mp_engine``), None when the engine runs in this process
-        self.engine_pid: int | None = proc.pid if proc is not None else None
+        self.engine_pid = proc.pid if proc is not None else None
+
+    @classmethod
+    def load(
+        cls,
+        config: LMDeployConfig | None = None,
+        /,
+        *,
+        model_path: str,
+        served_model_name: str | None = None,
+        log_level: str = "WARNING",
+        emit_interval_s: float = 0.5,
+        **overrides: Any,
+    ) -> LMDeployEngine:
+        """The engine on a real pipeline: ``config`` (default: :class:`LMDeployConfig`'s defaults) with
+        ``overrides`` over it, by name (``backend="pytorch"``): the settings are declared once, in
+        LMDeployConfig."""
+        config = LMDeployConfig.from_values(config, **overrides)
+        _check_tp(config.tp, model_path)
+        dtype, warning = resolve_dtype(model_path, config.dtype)
+        if warning:
+            log.warning(warning)
+        config = config.model_copy(update={"dtype": dtype})
+        pipe, groups = build_pipeline(config, model_path, log_level)
+        return cls(pipe, config, model_name=served_model_name or Path(model_path.rstrip("/")).name,
+                   groups=groups, emit_interval_s=emit_interval_s)
 
     def count_tokens(self, text: str) -> int:
         return len(self.pipe.async_engine.tokenizer.encode(text, add_bos=False))
@@ -426,8 +464,6 @@ class LMDeployEngine:
         return EngineDead(self._dead)
 
     def stream(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
-        if "_burst" not in self.__dict__:  # built without __init__ (tests drive a stand-in pipeline)
-            self._init_lifecycle(set())
         if self._dead:
             raise EngineDead(self._dead)
         if self._closed:
@@ -450,8 +486,8 @@ class LMDeployEngine:
             p = r.params.resolved()
             conflict = _unsupported(self.pipe.backend_config, p)
             if conflict:
-                yield EngineEvent(index=r.index, finish_reason="error", error_code="unsupported_feature",
-                                  error_message=conflict)
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error,
+                                  error_code=ErrorCode.unsupported_feature, error_message=conflict)
             else:
                 kept.append(r)
                 params.append(p)
@@ -464,7 +500,7 @@ class LMDeployEngine:
         sessions = [self.pipe.session() for _ in group]
         open_ = set(range(len(group)))
         done = threading.Event()
-        burst = self._burst
+        burst = self._health
         held: list[tuple[int, EngineEvent]] = []  # engine-level errors waiting for the verdict
 
         def watch_abort() -> None:
@@ -524,7 +560,8 @@ class LMDeployEngine:
                     last_emit[i] = now
                 else:
                     open_.discard(i)
-                    if out.finish_reason == "error" and getattr(out, "error_code", None) in ENGINE_LEVEL_ERRORS:
+                    code = error_code(getattr(out, "error_code", None))
+                    if out.finish_reason == FinishReason.error and code in ENGINE_LEVEL_ERRORS:
                         reason = self._death_reason() or self._probe_health()
                         if reason:
                             raise self._dead_error(reason)
@@ -534,7 +571,7 @@ class LMDeployEngine:
                         held.append((epoch, EngineEvent(
                             index=group[i].index, text="".join(pending.pop(i, ())),
                             input_token_len=out.input_token_len or 0, generate_token_len=out.generate_token_len or 0,
-                            finish_reason="error", error_code=out.error_code,
+                            finish_reason=FinishReason.error, error_code=error_code(out.error_code),
                             error_message=getattr(out, "error_message", None))))
                         continue
                     if out.finish_reason in ("stop", "length"):
@@ -548,8 +585,9 @@ class LMDeployEngine:
                           } if final and out.finish_reason != "error" else None
                 yield EngineEvent(index=group[i].index, text="".join(pending.pop(i, ())),
                                   input_token_len=out.input_token_len or 0,
-                                  generate_token_len=out.generate_token_len or 0, finish_reason=out.finish_reason,
-                                  error_code=getattr(out, "error_code", None),
+                                  generate_token_len=out.generate_token_len or 0,
+                                  finish_reason=FinishReason(out.finish_reason) if final else None,
+                                  error_code=error_code(getattr(out, "error_code", None)),
                                   error_message=getattr(out, "error_message", None),
                                   logprobs=rich_lp, tensors=rich_t or None, whole=not streamed)
             for epoch, ev in held:  # the call is over: wait for the verdict on its held errors
@@ -585,7 +623,7 @@ class LMDeployEngine:
         does not stream. So a call streams only if one of its requests may be long: ``max_new_tokens`` of at
         least ``stream_from_new_tokens`` (or unset). Shorter requests come back whole, which a reader of
         the results cannot tell apart except by the missing partials and first-token time."""
-        floor = self.__dict__.get("stream_from_new_tokens", 0)
+        floor = self.stream_from_new_tokens
         return any(p.get("max_new_tokens") is None or p["max_new_tokens"] >= floor for p in params)
 
     def infer_all(self, requests: Sequence[EngineRequest]) -> list[Any]:
@@ -650,3 +688,16 @@ class LMDeployEngine:
                     self.pipe.close()
             finally:
                 orphan_guard.kill_groups(self._groups)
+
+
+def _build(config: LMDeployConfig, target: EngineTarget) -> LMDeployEngine:
+    if target.model is None:
+        raise ValueError("--engine lmdeploy needs --model (a model folder or hub id)")
+    return LMDeployEngine.load(config, model_path=target.model, served_model_name=target.served_model_name)
+
+
+SPEC = EngineSpec(
+    name="lmdeploy", settings=LMDeployConfig, factory=_build, engine=LMDeployEngine,
+    served_name=model_folder_name, bench=BenchEntry(needs_model=True),
+    summary="LMDeploy's pipeline: TurboMind or PyTorch backend (GPU)",
+)

@@ -6,6 +6,7 @@ caller's fault (``bad_request``).
 
 from __future__ import annotations
 
+from lmdq.contract import ErrorCode, FinishReason
 from lmdq.worker.engines.base import EngineEvent
 
 __all__ = ["BadRequest", "error_event"]
@@ -16,14 +17,14 @@ class BadRequest(ValueError):
 
 
 def error_event(
-    index: int, code: str, message: str, *, input_token_len: int = 0, generate_token_len: int = 0
+    index: int, code: ErrorCode, message: str, *, input_token_len: int = 0, generate_token_len: int = 0
 ) -> EngineEvent:
     """A final error event (the request fails alone; the call carries on)."""
     return EngineEvent(
         index=index,
         input_token_len=input_token_len,
         generate_token_len=generate_token_len,
-        finish_reason="error",
+        finish_reason=FinishReason.error,
         error_code=code,
         error_message=message,
     )

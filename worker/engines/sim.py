@@ -50,10 +50,12 @@ from typing import Any
 
 import structlog
 
+from lmdq.contract import ErrorCode, FinishReason
 from lmdq.worker.engine_config import SimConfig
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget
 
-__all__ = ["SIM_CONTEXT_LEN", "SimEngine", "minimal_instance"]
+__all__ = ["SIM_CONTEXT_LEN", "SPEC", "SimEngine", "minimal_instance"]
 
 #: Steps whose occupancy :attr:`SimEngine.occupancy` keeps (a long-running sim worker must not grow).
 OCCUPANCY_STEPS = 100_000
@@ -130,6 +132,8 @@ class _Seq:
 class SimEngine:
     name = "sim"
     backend = "sim"
+    model_name: str
+    capacity: int
     #: a request whose prompt contains this kills the engine when admitted (fault tests)
     poison_marker = "[[sim:poison]]"
 
@@ -144,6 +148,7 @@ class SimEngine:
         # detokenizes in Python in the worker's process): lets the sim show GIL contention.
         self.step_cpu_s = cfg.step_cpu_ms / 1000.0
         self.max_batch = cfg.max_batch
+        self.capacity = cfg.max_batch  # the Engine contract's name for it
         self.session_len = cfg.session_len if cfg.session_len is not None else SIM_CONTEXT_LEN
         self.emit_every = cfg.emit_every
         self.sim_vocab = cfg.vocab
@@ -294,11 +299,11 @@ class SimEngine:
             tensors[key] = rng_np.standard_normal((rows, width), dtype=np.float32)
         return logprobs, tensors or None
 
-    def _finish(self, s: _Seq, reason: str, code: str | None = None, msg: str | None = None) -> None:
+    def _finish(self, s: _Seq, reason: FinishReason, code: ErrorCode | None = None, msg: str | None = None) -> None:
         s.done = True
-        if reason == "abort" and s.words:
+        if reason is FinishReason.abort and s.words:
             s.text = " ".join(s.words[: s.n])
-        logprobs, tensors = self._rich(s) if reason != "error" else (None, None)
+        logprobs, tensors = self._rich(s) if reason is not FinishReason.error else (None, None)
         s.out.put(
             EngineEvent(
                 index=s.req.index,
@@ -317,13 +322,13 @@ class SimEngine:
     def _admit(self, s: _Seq) -> bool:
         """Requests that end before decoding (context length, injected errors, aborted)."""
         if s.abort.is_set():
-            self._finish(s, "abort")
+            self._finish(s, FinishReason.abort)
             return False
         if s.input_len >= self.session_len:
             self._finish(
                 s,
-                "error",
-                "context_length_exceeded",
+                FinishReason.error,
+                ErrorCode.context_length_exceeded,
                 f"prompt has {s.input_len} tokens, session_len is {self.session_len}",
             )
             return False
@@ -331,7 +336,7 @@ class SimEngine:
             self._dead = f"simulated engine death: poison prompt (request {s.req.index} of its call)"
             return False
         if "[[sim:error]]" in (s.req.prompt or str(s.req.messages)):
-            self._finish(s, "error", "internal_error", "simulated per-request failure")
+            self._finish(s, FinishReason.error, ErrorCode.internal_error, "simulated per-request failure")
             return False
         s.max_new = min(s.max_new, self.session_len - s.input_len)
         self._prefill(s)
@@ -344,7 +349,7 @@ class SimEngine:
 
     def _step(self, s: _Seq) -> None:
         if s.abort.is_set():
-            self._finish(s, "abort")
+            self._finish(s, FinishReason.abort)
             return
         s.n += 1
         if s.stop_words:
@@ -354,11 +359,11 @@ class SimEngine:
                 pos = s.text.find(w)
                 if pos >= 0:
                     s.text = s.text[:pos].rstrip()
-                    self._finish(s, "stop")
+                    self._finish(s, FinishReason.stop)
                     return
         if s.n >= s.max_new:
             s.text = " ".join(s.words[: s.n])
-            self._finish(s, "stop" if s.guided is not None else "length")
+            self._finish(s, FinishReason.stop if s.guided is not None else FinishReason.length)
         elif s.n == 1 or s.n % s.emit_every == 0:
             s.text = " ".join(s.words[: s.n])
             # Hold back a possible stop-word prefix: emit only text that can no longer change.
@@ -476,3 +481,22 @@ def minimal_instance(schema: dict[str, Any]) -> Any:
     if typ == "null":
         return None
     return {}
+
+
+def _build(config: SimConfig, target: EngineTarget) -> SimEngine:
+    return SimEngine(config, model_name=target.served_model_name)
+
+
+def _bench_label(config: SimConfig, engine: object, label: str) -> str:
+    knobs = f"step={config.step_ms}ms,max_batch={config.max_batch}"
+    if config.emit_every != SimConfig().emit_every or config.step_cpu_ms:
+        knobs += f",emit_every={config.emit_every},step_cpu={config.step_cpu_ms}ms"
+    return f"sim({knobs})"
+
+
+SPEC = EngineSpec(
+    name="sim", settings=SimConfig, factory=_build, engine=SimEngine,
+    served_name=lambda model: model or "sim",
+    bench=BenchEntry(label=_bench_label, needs_model=False),
+    summary="simulated continuous batching, no model (queue, fault and load tests)",
+)

@@ -52,17 +52,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmdq.contract import ChatMessage
+from lmdq.contract import ChatMessage, ErrorCode, FinishReason
 from lmdq.worker.engine_config import TransformersConfig
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.decode_row import EVENT_EVERY_TOKENS, DecodeRow, batchable
 from lmdq.worker.engines.guided_decoding import GrammarCache, GuidedMatcher
+from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget
 from lmdq.worker.engines.request_errors import BadRequest, error_event
 from lmdq.worker.engines.rich_outputs import RichOutputs
 from lmdq.worker.engines.sampling import Sampling, next_token
 from lmdq.worker.engines.stop_words import REPLACEMENT_CHAR, find_stop, safe_text_end
 
-__all__ = ["TransformersEngine", "find_stop", "safe_text_end"]
+__all__ = ["SPEC", "TransformersEngine", "find_stop", "safe_text_end"]
 
 #: The old private name, kept importable (tests use it).
 _BadRequest = BadRequest
@@ -78,6 +79,8 @@ class TransformersEngine:
 
     name: str = "transformers"
     backend: str = "transformers"
+    model_name: str
+    capacity: int
 
     def __init__(
         self,
@@ -109,7 +112,7 @@ class TransformersEngine:
 
         path = Path(model_path).expanduser()
         self.model_path = path
-        self.model_name: str = served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
+        self.model_name = served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
@@ -145,6 +148,8 @@ class TransformersEngine:
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids())
         self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))
         self.max_batch: int = cfg.max_batch_rows
+        #: the Engine contract's capacity: the rows it decodes at once
+        self.capacity = self.max_batch
         pad = getattr(self._tokenizer, "pad_token_id", None)
         # The pad id only fills masked positions, so any valid id does.
         self._pad_id: int = pad if isinstance(pad, int) else min(self.eos_token_ids, default=0)
@@ -245,7 +250,7 @@ class TransformersEngine:
         batch: list[DecodeRow] = []
         for req in requests:
             if abort.is_set():
-                yield EngineEvent(index=req.index, finish_reason="abort")
+                yield EngineEvent(index=req.index, finish_reason=FinishReason.abort)
                 continue
             prepared = self._prepare(req)
             if isinstance(prepared, EngineEvent):
@@ -274,15 +279,15 @@ class TransformersEngine:
             input_ids = self._prompt_ids(req)
             sampling = self._sampling(req, len(input_ids))
         except BadRequest as exc:
-            return error_event(req.index, "bad_request", str(exc))
+            return error_event(req.index, ErrorCode.bad_request, str(exc))
         except Exception as exc:  # a bug or an odd tokenizer: this request fails, the call goes on
             log.exception("preparing request %d failed", req.index)
-            return error_event(req.index, "internal_error", f"{type(exc).__name__}: {exc}")
+            return error_event(req.index, ErrorCode.internal_error, f"{type(exc).__name__}: {exc}")
         input_len = len(input_ids)
         if input_len >= self.session_len:
             return error_event(
                 req.index,
-                "context_length_exceeded",
+                ErrorCode.context_length_exceeded,
                 f"Input length ({input_len}) must be smaller than the model context length ({self.session_len}).",
                 input_token_len=input_len,
             )
@@ -323,7 +328,7 @@ class TransformersEngine:
             while active:
                 if abort.is_set():
                     for r in active:
-                        yield r.final_event("abort")
+                        yield r.final_event(FinishReason.abort)
                     return
                 picks: list[int | Exception] = []
                 with self._model_lock:
@@ -355,7 +360,7 @@ class TransformersEngine:
                         event = r.advance(pick)
                     except Exception as exc:  # this row's pick or text broke: it fails alone
                         log.error("generation of request %d failed: %r", r.index, exc)
-                        r.finish = "error"
+                        r.finish = FinishReason.error
                         yield self._row_error(r, exc)
                         continue
                     if r.finish is not None:
@@ -391,7 +396,7 @@ class TransformersEngine:
         """The final internal_error event of a row that failed mid-generation (the others go on)."""
         return error_event(
             r.index,
-            "internal_error",
+            ErrorCode.internal_error,
             f"{type(exc).__name__}: {exc}",
             input_token_len=r.input_len,
             generate_token_len=len(r.gen_ids),
@@ -479,11 +484,11 @@ class TransformersEngine:
         matcher: GuidedMatcher | None = None if s.grammar is None else self._grammars.matcher(s.grammar)
         gen_ids: list[int] = []
         text, emitted, last_event_at = "", 0, 0
-        finish: str | None = None
+        finish: FinishReason | None = None
         try:
             while finish is None:
                 if abort.is_set():
-                    finish = "abort"
+                    finish = FinishReason.abort
                     break
                 with self._model_lock:
                     if self._model is None:
@@ -506,11 +511,11 @@ class TransformersEngine:
                             matcher.mask(logits)
                         banned = s.banned_ids + (min_ban if len(gen_ids) < s.min_new_tokens else [])
                         if matcher is not None and matcher.exhausted(logits, banned):
-                            finish = "stop"  # the grammar (with the bans) leaves no token: it is done
+                            finish = FinishReason.stop  # the grammar (with the bans) leaves no token: it is done
                             break
                         token = next_token(torch, logits, history, s, banned, generator)
                 if token in s.stop_ids:
-                    finish = "stop"
+                    finish = FinishReason.stop
                     break
                 if matcher is not None and not matcher.accept(token):
                     raise RuntimeError(f"the grammar rejected token {token}")
@@ -528,13 +533,13 @@ class TransformersEngine:
                     # stop tokens there); stable_before keeps U+FFFD-completed characters searchable.
                     pos = find_stop(text, s.stop_words, stable_before)
                     if pos is not None:
-                        text, finish = text[:pos], "stop"
+                        text, finish = text[:pos], FinishReason.stop
                         break
                 if matcher is not None and matcher.is_terminated():
-                    finish = "stop"
+                    finish = FinishReason.stop
                     break
                 if len(gen_ids) >= s.max_new_tokens:
-                    finish = "length"
+                    finish = FinishReason.length
                     break
                 end = safe_text_end(text, s.stop_words)
                 if end > emitted or len(gen_ids) - last_event_at >= _EVENT_EVERY_TOKENS:
@@ -550,7 +555,7 @@ class TransformersEngine:
             log.exception("generation of request %d failed", index)
             yield error_event(
                 index,
-                "internal_error",
+                ErrorCode.internal_error,
                 f"{type(exc).__name__}: {exc}",
                 input_token_len=input_len,
                 generate_token_len=len(gen_ids),
@@ -586,3 +591,28 @@ def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise BadRequest(f"invalid message: {exc}") from exc
         out.append({**raw, "role": msg.role, "content": content})
     return out
+
+
+def _served_name(model: str | None) -> str:
+    if not model:
+        from lmdq.worker.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    return Path(model.rstrip("/")).name
+
+
+def _build(config: TransformersConfig, target: EngineTarget) -> TransformersEngine:
+    """No ``--model`` means the embedded default: SmolLM2-135M-Instruct."""
+    from lmdq.worker.default_model import ensure_default_model
+
+    path = Path(target.model) if target.model else ensure_default_model()
+    return TransformersEngine(config, model_path=path, served_model_name=target.served_model_name)
+
+
+SPEC = EngineSpec(
+    name="transformers", settings=TransformersConfig, factory=_build, engine=TransformersEngine,
+    served_name=_served_name,
+    bench=BenchEntry(label=lambda config, engine, label: str(getattr(engine, "model_path", label)),
+                     needs_model=False),
+    summary="plain transformers on CPU or one GPU; the embedded SmolLM2 when no --model",
+)
