@@ -17,7 +17,7 @@ import redis
 from lmdq.contract import BatchStatus
 from lmdq.jobs.queue import JobQueue
 from lmdq.redis.keys import Keys, queue_name, rq_queue_key
-from lmdq.redis.wakeup import WAKE_LUA
+from lmdq.redis.scripts import WAKE
 from tests.conftest import RedisServer, start_worker
 from tests.faultkit import SIM, events, no_traceback, stopped_stats, submit, wait_for
 from tests.helpers import wait_batch, write_jsonl
@@ -77,7 +77,7 @@ def _commands(client: redis.Redis) -> int:
 
 def test_wake_key_lua_names_the_same_key_as_keys_wake(client: redis.Redis) -> None:
     """The release and reap scripts derive the wake list from a job's in-flight list on the server."""
-    probe = WAKE_LUA + "return lmdq_wake_key(ARGV[1]) or ''"
+    probe = "".join(f.source for f in WAKE.closure()) + "return lmdq_wake_key(ARGV[1]) or ''"
     for prefix in ("lmdq", "a:inflight:b", "t-1"):
         for model in ("sim", "HuggingFaceTB/SmolLM2-135M", "m:inflight:x"):
             k = Keys(prefix)

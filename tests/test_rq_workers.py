@@ -61,9 +61,10 @@ def test_registry_writes_an_rq_worker_record(client: redis.Redis, prefix: str) -
 
 def test_utc_stamp_matches_python_across_dates(client: redis.Redis) -> None:
     """The script's own civil-date arithmetic, checked against Python for leap days and centuries."""
-    from lmdq.workers.registry import _NOW
+    from lmdq.redis.scripts import RQ_CLOCK
 
-    script = client.register_script(_NOW.replace("redis.call('TIME')", "{ARGV[1], ARGV[2]}") + "return utc()")
+    probe = RQ_CLOCK.source.replace("redis.call('TIME')", "{ARGV[1], ARGV[2]}")
+    script = client.register_script(probe + "return utc()")
     for ts in (0, 951782400, 951868799, 1709164800, 4107542399, 1767225599, 1767225600):
         got = script(args=[ts, 123456]).decode()
         want = datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.123456Z")

@@ -51,11 +51,11 @@ from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
 from lmdq.jobs.decode import JobRefused, decode_job
 from lmdq.jobs.queue import JobQueue, job_id_for, job_id_prefix
 from lmdq.logs.config import get_logger
+from lmdq.redis import scripts
 from lmdq.redis.connection import Refusal, refusal, server_address
 from lmdq.redis.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.redis.replies import reply_text
-from lmdq.redis.wakeup import WAKE_LUA
-from lmdq.results.store import BATCH_ENDED_LUA, RUNNING_TTL_S, ResultStore, staging_ttl
+from lmdq.results.store import RUNNING_TTL_S, ResultStore, staging_ttl
 from lmdq.workers.registry import ModelRegistry
 
 __all__ = ["BatchLedger", "Purged", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
@@ -70,149 +70,12 @@ _RQ_QUEUES = "rq:queues"
 _FETCH_CHUNK = 500
 """Jobs fetched per round trip when reading a batch's requests back for ``retry``."""
 
-# ``lmdq_push(qkey, ids, queues)``: push job ids onto queue key ``qkey``, or, when it is '' (a batch over
-# several models), each onto its own model's queue, the one its job hash names as ``origin`` (the ledger's
-# stage wrote it); every queue used joins RQ's set of queues ``queues``.
-_PUSH_LUA = f"""
-local function lmdq_push(qkey, ids, queues)
-  if #ids == 0 then return end
-  if qkey ~= '' then
-    for s = 1, #ids, 4000 do
-      redis.call('RPUSH', qkey, unpack(ids, s, math.min(s + 3999, #ids)))
-    end
-    redis.call('SADD', queues, qkey)
-    return
-  end
-  for _, id in ipairs(ids) do
-    local q = redis.call('HGET', '{Job.redis_job_namespace_prefix}' .. id, 'origin')
-    if q then
-      local k = '{rq_queue_key("")}' .. q
-      redis.call('RPUSH', k, id)
-      redis.call('SADD', queues, k)
-    end
-  end
-end
-"""
 
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
-# ARGV: queue key ('': each job to its own model's queue, see _PUSH_LUA), chunk, now, running ttl.
-# Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
-# Every key of the batch takes the running TTL here (lmdq.results.store: TTLs count from the batch's end).
-_COMMIT = WAKE_LUA + _PUSH_LUA + f"""
-if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
-local n = redis.call('LLEN', KEYS[1])
-local chunk = tonumber(ARGV[2])
-for s = 0, n - 1, chunk do
-  local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
-  lmdq_push(ARGV[1], ids, KEYS[3])
-  for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[4]) end
-end
-redis.call('EXPIRE', KEYS[4], ARGV[4])
-local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
-local bid = string.match(KEYS[4], ':batch:([^:]+)$')
-if idem and bid and redis.call('GET', idem) == bid then redis.call('EXPIRE', idem, ARGV[4]) end
-if redis.call('HGET', KEYS[4], '{F.status}') == '{BatchStatus.validating.value}' then
-  redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
-end
-redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-if n > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
-return n
-"""
 
-# Progressive staging: the batch's staged jobs from ``visible_jobs`` up to ARGV[2] become visible.
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
-# ARGV: queue key ('': each job to its own model's queue, see _PUSH_LUA), jobs visible after this call,
-# requests visible after this call, now, running ttl, '1' for
-# the last call (every job is visible). Returns the jobs made visible, -1 when they were already (a re-sent
-# call), -2 when the batch is no longer live (cancelled while it was being staged: nothing more is pushed).
-# TTLs as _COMMIT's: what is visible (job hashes, record, job list, idempotency key) takes the running TTL.
-_COMMIT_UPTO = WAKE_LUA + _PUSH_LUA + f"""
-local st = redis.call('HGET', KEYS[4], '{F.status}')
-if st ~= '{BatchStatus.validating.value}' and st ~= '{BatchStatus.queued.value}'
-   and st ~= '{BatchStatus.in_progress.value}' then return -2 end
-local have = tonumber(redis.call('HGET', KEYS[4], '{F.visible_jobs}') or '0')
-local upto = tonumber(ARGV[2])
-if have >= upto then return -1 end
-local ids = redis.call('LRANGE', KEYS[1], have, upto - 1)
-lmdq_push(ARGV[1], ids, KEYS[3])
-for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[5]) end
-redis.call('EXPIRE', KEYS[4], ARGV[5])
-local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
-local bid = string.match(KEYS[4], ':batch:([^:]+)$')
-if idem and bid and redis.call('GET', idem) == bid then redis.call('EXPIRE', idem, ARGV[5]) end
-if st == '{BatchStatus.validating.value}' then
-  redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
-end
-if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 0 then redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[4]) end
-redis.call('HSET', KEYS[4], '{F.visible_jobs}', upto, '{F.visible_requests}', ARGV[3])
-if ARGV[6] == '1' then redis.call('HSET', KEYS[4], '{F.staged_at}', ARGV[4]) end
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-if #ids > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
-return #ids
-"""
 
-# A batch whose progressive staging stopped part-way: the requests never made visible count as cancelled
-# (once: fenced on staging_failed) and the batch moves to cancelling (cancelled when nothing else is left).
-# KEYS: batch hash, cancelled set. ARGV: batch id, reason, now, ttl. Returns the requests counted, -1 when
-# counted already, -2 when the batch is fully staged (nothing to count) or has no progressive record.
-_ABANDON = BATCH_ENDED_LUA + f"""
-if redis.call('HEXISTS', KEYS[1], '{F.staged_at}') == 1 then return -2 end
-if redis.call('HEXISTS', KEYS[1], '{F.visible_jobs}') == 0 then return -2 end
-if redis.call('HSETNX', KEYS[1], '{F.staging_failed}', ARGV[2]) == 0 then return -1 end
-local b = redis.call('HMGET', KEYS[1], '{F.total}', '{F.visible_requests}', '{F.status}')
-local unqueued = tonumber(b[1] or '0') - tonumber(b[2] or '0')
-if unqueued > 0 then redis.call('HINCRBY', KEYS[1], '{F.cancelled}', unqueued) end
-local st = b[3]
-if st == '{BatchStatus.validating.value}' or st == '{BatchStatus.queued.value}'
-   or st == '{BatchStatus.in_progress.value}' then
-  redis.call('HSET', KEYS[1], '{F.status}', '{BatchStatus.cancelling.value}', '{F.cancelling_at}', ARGV[3])
-  st = '{BatchStatus.cancelling.value}'
-end
-redis.call('SADD', KEYS[2], ARGV[1])
-local c = redis.call('HMGET', KEYS[1], '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}')
-local done = 0
-for i = 1, 4 do done = done + tonumber(c[i] or '0') end
-if st == '{BatchStatus.cancelling.value}' and done >= tonumber(b[1] or '0') then
-  redis.call('HSET', KEYS[1], '{F.status}', '{BatchStatus.cancelled.value}', '{F.cancelled_at}', ARGV[3])
-  lmdq_batch_ended(KEYS[1], ARGV[4])
-end
-return unqueued
-"""
 
-# KEYS: queue list.  ARGV: id prefix.  Returns the removed ids. One pass that rebuilds the list
-# without the batch's ids: O(queue length), not O(jobs x queue) as one LREM per job would be.
-_REMOVE_PREFIX = """
-local ids = redis.call('LRANGE', KEYS[1], 0, -1)
-local keep, gone = {}, {}
-local p = ARGV[1]
-for _, id in ipairs(ids) do
-  if string.sub(id, 1, string.len(p)) == p then table.insert(gone, id) else table.insert(keep, id) end
-end
-if #gone > 0 then
-  redis.call('DEL', KEYS[1])
-  for s = 1, #keep, 4000 do
-    redis.call('RPUSH', KEYS[1], unpack(keep, s, math.min(s + 3999, #keep)))
-  end
-end
-return gone
-"""
 
-# KEYS: queue list.  ARGV: id prefix.  Returns the ids on the queue that start with the prefix (read only).
-_FIND_PREFIX = """
-local out = {}
-local p = ARGV[1]
-for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
-  if string.sub(id, 1, string.len(p)) == p then table.insert(out, id) end
-end
-return out
-"""
 
-# KEYS: idempotency key.  ARGV: batch id.  Deletes the key only while it still names this batch.
-_RELEASE_KEY = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 def _manifest(raw: Any, total: int) -> list[tuple[int, str]] | None:
@@ -362,12 +225,12 @@ class BatchLedger:
         # the same cap the workers read jobs with (LMDQ_MAX_JOB_BYTES): staging refuses a job over it, and
         # retry reads its source jobs within it
         self.jobs = JobQueue(client, keys=keys, job_ttl_s=staging_ttl(ttl_s), max_job_bytes=max_job_bytes)
-        self._commit = client.register_script(_COMMIT)
-        self._find_prefix = client.register_script(_FIND_PREFIX)
-        self._remove_prefix = client.register_script(_REMOVE_PREFIX)
-        self._release_key = client.register_script(_RELEASE_KEY)
-        self._commit_upto = client.register_script(_COMMIT_UPTO)
-        self._abandon = client.register_script(_ABANDON)
+        self._commit = scripts.COMMIT.bind(client)
+        self._find_prefix = scripts.FIND_PREFIX.bind(client)
+        self._remove_prefix = scripts.REMOVE_PREFIX.bind(client)
+        self._release_key = scripts.RELEASE_KEY.bind(client)
+        self._commit_upto = scripts.COMMIT_UPTO.bind(client)
+        self._abandon = scripts.ABANDON.bind(client)
         self._log = get_logger("lmdq.batches.ledger")
 
     @contextmanager

@@ -24,12 +24,12 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
-from redis.commands.core import Script
 from rq.job import Job
 
 from lmdq.contract import MAX_JOB_REQUESTS, Batch, JobPayload
 from lmdq.jobs.data import MAX_FIELD_BYTES, REQUESTS_FIELD, JobRefused, NotDecodable
 from lmdq.jobs.queue import JobQueue, job_id_for
+from lmdq.redis import scripts
 from lmdq.results.output_urls import OutputPolicy, OutputUrlRejected
 
 __all__ = [
@@ -72,15 +72,6 @@ MAX_JOB_ID_CHARS = 256
 MAX_BATCH_RECORD_BYTES = 1 << 20
 """Cap on a batch record's ``meta`` field (a Batch with 16 metadata pairs and params is a few kB)."""
 
-# KEYS: batch hash.  ARGV: cap on 'meta'.  Returns false | {'too_large', size} | {'ok', meta, total}
-_READ_BATCH = """
-if redis.call('TYPE', KEYS[1])['ok'] ~= 'hash' then return false end
-local n = redis.call('HSTRLEN', KEYS[1], 'meta')
-if n > tonumber(ARGV[1]) then return {'too_large', n} end
-local v = redis.call('HMGET', KEYS[1], 'meta', 'total')
-return {'ok', v[1], v[2]}
-"""
-_READ_BATCH_SCRIPT = Script(None, _READ_BATCH.encode())  # type: ignore[arg-type]  # EVALSHA, re-loaded on NOSCRIPT
 
 
 def decode_job(
@@ -166,7 +157,7 @@ def undecodable(client: redis.Redis, queue: JobQueue, job_id: str, reason: str) 
 
 def _batch_record(client: redis.Redis, queue: JobQueue, batch_id: str) -> tuple[Batch, int]:
     """The producer's record of ``batch_id`` (size-capped, validated) and its request total."""
-    got: Any = _READ_BATCH_SCRIPT(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
+    got: Any = scripts.READ_BATCH(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
     if not got or got[1] is None:
         raise JobRefused(f"batch {batch_id}: no batch record (deleted, expired, or the job is forged)")
     if got[0] == b"too_large":

@@ -35,30 +35,15 @@ from lmdq.jobs.data import (
     manifest,
     read_job,
 )
+from lmdq.redis import scripts
 from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
-from lmdq.redis.lease_scripts import CLAIM, DROP_OWN_LEASE, HEARTBEAT, REAP, RELEASE
-from lmdq.redis.wakeup import WAKE_LUA
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
 SERIALIZER = JSONSerializer()
 
-# KEYS: job hash, its batch's record.  Run last in the MULTI of every RQ bookkeeping write a worker makes
-# for a job (started, ended, re-queued): RQ's HSETs re-create a job hash that ``purge`` deleted, with no
-# TTL; with the batch gone, the re-created hash goes too.
-_DROP_ORPHAN = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
-# KEYS: leases, owners, the right queue, its model's wake list.  ARGV: job id, worker.
-# Fenced like RELEASE: only the lease holder moves the job; the lease goes and the job is pushed to the
-# FRONT of the queue of the model its batch names, in one step (nothing between "off" and "on").
-_MOVE = WAKE_LUA + DROP_OWN_LEASE + """redis.call('LPUSH', KEYS[3], ARGV[1])
-lmdq_wake(KEYS[4])
-return 1
-"""
 
 
 def generate(payload: dict[str, Any]) -> None:
@@ -146,12 +131,12 @@ class JobQueue:
         self.keys = keys or Keys()
         self.job_ttl_s = job_ttl_s
         self.max_job_bytes = max_job_bytes
-        self._claim = client.register_script(CLAIM)
-        self._heartbeat = client.register_script(HEARTBEAT)
-        self._release = client.register_script(RELEASE)
-        self._reap = client.register_script(REAP)
-        self._move = client.register_script(_MOVE)
-        self._drop_orphan = client.register_script(_DROP_ORPHAN)
+        self._claim = scripts.CLAIM.bind(client)
+        self._heartbeat = scripts.HEARTBEAT.bind(client)
+        self._release = scripts.RELEASE.bind(client)
+        self._reap = scripts.REAP.bind(client)
+        self._move = scripts.MOVE_JOB.bind(client)
+        self._drop_orphan = scripts.DROP_ORPHAN.bind(client)
 
     # ---- producer side -----------------------------------------------------------------
     def stage(self, payload: dict[str, Any], *, queue: str, job_no: int, pipe: Any) -> str:

@@ -19,30 +19,12 @@ from __future__ import annotations
 
 import redis
 
+from lmdq.redis import scripts
 from lmdq.redis.keys import Keys, rq_queue_key
 
 __all__ = ["IdleRoster"]
 
-# KEYS: roster.  ARGV: worker, ttl.  The key itself expires with its youngest entry's TTL.
-_ENTER = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])))
-return 1
-"""
 
-# KEYS: roster, queue1..n.  ARGV: worker.  Read-only: {other idle workers, visible jobs}.
-_LOOK = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local idle = redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
-local mine = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or '0')
-if mine > now then idle = idle - 1 end
-local visible = 0
-for i = 2, #KEYS do visible = visible + redis.call('LLEN', KEYS[i]) end
-return {idle, visible}
-"""
 
 
 class IdleRoster:
@@ -53,8 +35,8 @@ class IdleRoster:
         self.key = keys.idle(model)
         self.name = name
         self.ttl_s = max(1.0, ttl_s)
-        self._enter = client.register_script(_ENTER)
-        self._look = client.register_script(_LOOK)
+        self._enter = scripts.IDLE_ENTER.bind(client)
+        self._look = scripts.IDLE_LOOK.bind(client)
         #: when (monotonic, this process) the entry was last written; None: not in the roster
         self.entered_at: float | None = None
 

@@ -29,7 +29,6 @@ __all__ = [
     "InvalidModelName",
     "check_model_name",
     "model_count_field",
-    "WAKE_KEY_LUA",
     "Keys",
     "model_slug",
     "queue_name",
@@ -113,18 +112,6 @@ BATCH_TIME_FIELDS = (
 """Unix-time fields kept outside ``meta`` (set as the batch moves on)."""
 
 
-WAKE_KEY_LUA = """
-local function lmdq_wake_key(inflight)
-  local wake, n = string.gsub(inflight, ':inflight:([^:]*)$', ':wake:%1')
-  if n == 1 then return wake end
-  return nil
-end
-"""
-"""Lua: ``lmdq_wake_key(inflight)`` is :meth:`Keys.wake` of the model whose :meth:`Keys.inflight` list is
-``inflight`` (nil for a name that is not one). The release and reap scripts know a job's model only by
-the in-flight list its owner entry names; a slug holds no ':' (the name rule admits none, and
-:func:`model_slug` escapes one), so the anchored pattern cannot match inside the prefix.
-(tests/test_idle.py checks it against :meth:`Keys.wake` on a real server.)"""
 
 
 class InvalidModelName(LmdqError, ValueError):

@@ -8,7 +8,7 @@ re-queue (drain, retry, engine death) and reap. An idle worker BLPOPs that list 
 tries an ordinary claim. Claims still go through the lease Lua only, so leases and exactly-once are
 untouched: a token only says "look now".
 
-The list holds at most one token (:data:`WAKE_LUA` pushes only onto an empty list), so it cannot grow
+The list holds at most one token (:data:`lmdq.redis.scripts.WAKE` pushes only onto an empty list), so it cannot grow
 while no worker listens. One token wakes one idle worker; a worker woken that way which claims a full
 share passes the token on (:meth:`WakeUp.notify`), so a large batch wakes the idle workers one after
 another, each a round trip after the last, without a thundering herd.
@@ -26,20 +26,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from lmdq.redis.keys import WAKE_KEY_LUA, Keys
+from lmdq.redis import scripts
+from lmdq.redis.keys import Keys
 
-__all__ = ["WAKE_LUA", "WakeUp"]
+__all__ = ["WakeUp"]
 
-WAKE_LUA = WAKE_KEY_LUA + """
-local function lmdq_wake(key)
-  if key and redis.call('LLEN', key) == 0 then redis.call('RPUSH', key, '1') end
-end
-"""
-"""Lua: ``lmdq_wake(key)`` leaves one token on the wake list ``key`` (nil: nothing), and
-``lmdq_wake(lmdq_wake_key(inflight))`` on the one of the model an in-flight list belongs to (scripts
-that queue jobs include it)."""
 
-_NOTIFY = WAKE_LUA + "lmdq_wake(KEYS[1])\nreturn 1\n"
 
 BLOCK_MARGIN_S = 10.0
 """The blocking connection's socket timeout is the block plus this: a reply later than that means Redis
@@ -53,7 +45,7 @@ class WakeUp:
         self.client = client
         self.key = keys.wake(model)
         self.block_s = block_s
-        self._notify = client.register_script(_NOTIFY)
+        self._notify = scripts.WAKE_NOTIFY.bind(client)
         kw = dict(client.connection_pool.connection_kwargs)
         kw["socket_timeout"] = block_s + BLOCK_MARGIN_S
         # No reconnect-and-resend: close() cuts the connection to end a block early, and a resent BLPOP

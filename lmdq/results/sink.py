@@ -59,8 +59,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmdq.contract import BATCH_ID_PATTERN, Batch, JobPayload, ResultStatus
 from lmdq.errors import ResultsUnavailable
+from lmdq.redis import scripts
 from lmdq.redis.keys import Keys
-from lmdq.results.store import _BATCH_TTL, ResultStore
+from lmdq.results.store import ResultStore
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["PendingShard", "ShardEntry", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard",
@@ -69,32 +70,7 @@ __all__ = ["PendingShard", "ShardEntry", "add_pending", "claim_pending", "drop_p
 _MAX_ENTRY_BYTES = 1 << 20
 """An index entry larger than this is not lmdq's (a job holds at most ``MAX_JOB_REQUESTS``)."""
 
-_OOM_GUARD = "redis.call('HDEL', KEYS[2], '\\0lmdq-oom-guard')\n"
-"""A script's first write decides whether Redis, full under ``maxmemory`` + ``noeviction``, runs it: a
-command that may grow memory (HSET, ZADD, SETBIT) is refused, one that cannot (HDEL of a field that
-never exists) is not, and lets the rest through (the same guard as lmdq.redis.lease_scripts' heartbeat). A
-seal frees far more than it adds, and the retry schedule is what frees the rest once the sink answers:
-both must work in a Redis filled by the very records they are there to move out."""
 
-# KEYS: results, shards index, sealed bitmap, batch.  ARGV: job_no, entry JSON, ttl, index1, index2, ...
-# 1: sealed now; 0: sealed already (another flush won); -1: a record is missing (purged/expired batch).
-_SEAL = _BATCH_TTL + _OOM_GUARD + """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
-if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
-for i = 4, #ARGV do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then return -1 end
-end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-for i = 4, #ARGV do
-  redis.call('SETBIT', KEYS[3], ARGV[i], 1)
-  redis.call('HDEL', KEYS[1], ARGV[i])
-end
-local ttl = batch_ttl(KEYS[4], ARGV[3])
-for k = 2, 3 do
-  if redis.call('TTL', KEYS[k]) < 0 then redis.call('EXPIRE', KEYS[k], ttl) end
-end
-return 1
-"""
 
 
 SHARD_NAME = re.compile(r"^results-[0-9]{6,10}\.jsonl$")
@@ -197,8 +173,8 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
             key, b"".join(v + b"\n" for v in vals))
     if cancel is not None and cancel.is_set():
         raise SinkAbandoned(f"seal of {key}: not done (the worker is past its drain deadline)")
-    sealed = client.eval(_SEAL, 4, keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid),
-                         job, entry.encode(), ttl_s, *indices)
+    sealed = scripts.SEAL_SHARD(keys=[keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid)],
+                                args=[job, entry.encode(), ttl_s, *indices], client=client)
     if int(sealed) < 0:
         return None
     if int(sealed) == 0:  # another flush sealed it first: its entry is the one that counts
@@ -217,40 +193,9 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
 # capped, jittered backoff of lmdq.redis.connection.RetryPolicy. A successful write seals the job (freeing
 # Redis) and removes its entry; an entry whose batch is gone is dropped.
 
-_NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 
-# KEYS: schedule zset, data hash, the batch's shard index. ARGV: member, data JSON, delay_s, job_no.
-# 0 (and the entry removed): the job is sealed already (another flush landed meanwhile).
-_ADD = _NOW + _OOM_GUARD + """
-if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 1 then
-  redis.call('ZREM', KEYS[1], ARGV[1])
-  redis.call('HDEL', KEYS[2], ARGV[1])
-  return 0
-end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return 1
-"""
 
-# KEYS: schedule zset, data hash. ARGV: max entries, lease_s, ahead_s (also take entries due that much
-# later). Returns member, data, member, data, ...
-_CLAIM = _NOW + _OOM_GUARD + """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[3]), 'LIMIT', 0, tonumber(ARGV[1]))
-local out = {}
-for _, m in ipairs(due) do
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), m)
-  out[#out + 1] = m
-  out[#out + 1] = redis.call('HGET', KEYS[2], m) or ''
-end
-return out
-"""
 
-# KEYS: schedule zset, data hash. ARGV: member. (A script, not MULTI: Redis 6 refuses a MULTI under OOM.)
-_DROP = _OOM_GUARD + """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-return 1
-"""
 
 _MEMBER = re.compile(BATCH_ID_PATTERN.rstrip("$") + r":([0-9]{1,10})$")
 
@@ -286,7 +231,8 @@ def add_pending(client: redis.Redis, keys: Keys, p: PendingShard, delay_s: float
     unless the job is sealed by now (two sweeps of one entry: the one that failed must not bring
     back what the other finished)."""
     z, h = pending_keys(keys)
-    client.eval(_ADD, 3, z, h, keys.shards(p.batch_id), p.member, p.data(), f"{delay_s:.3f}", p.job_no)
+    scripts.PENDING_ADD(keys=[z, h, keys.shards(p.batch_id)], args=[p.member, p.data(), f"{delay_s:.3f}", p.job_no],
+                        client=client)
 
 
 def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float, ahead_s: float = 0.0
@@ -294,7 +240,7 @@ def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float
     """Up to ``limit`` entries due now (or within ``ahead_s``), each pushed ``lease_s`` ahead (ours to
     try meanwhile). Entries that are not lmdq's are removed (they could never be retried)."""
     z, h = pending_keys(keys)
-    raw = client.eval(_CLAIM, 2, z, h, limit, f"{lease_s:.3f}", f"{ahead_s:.3f}")
+    raw = scripts.PENDING_CLAIM(keys=[z, h], args=[limit, f"{lease_s:.3f}", f"{ahead_s:.3f}"], client=client)
     out: list[PendingShard] = []
     for m, d in zip(raw[0::2], raw[1::2]):
         member = m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m)
@@ -313,7 +259,7 @@ def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float
 def drop_pending(client: redis.Redis, keys: Keys, member: str) -> None:
     """Take ``member`` off the retry schedule (its shard landed, or it can never be written)."""
     z, h = pending_keys(keys)
-    client.eval(_DROP, 2, z, h, member)
+    scripts.PENDING_DROP(keys=[z, h], args=[member], client=client)
 
 
 def pending_count(client: redis.Redis, keys: Keys) -> int:

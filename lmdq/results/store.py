@@ -30,10 +30,10 @@ from rq.job import Job
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
 from lmdq.errors import BatchNotFound
+from lmdq.redis import scripts
 from lmdq.redis.keys import (
     BATCH_COUNT_FIELDS,
     BATCH_TIME_FIELDS,
-    MODEL_COUNT_PREFIX,
     BatchField,
     Keys,
     model_count_field,
@@ -43,7 +43,7 @@ from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 _JOB_PREFIX = Job.redis_job_namespace_prefix
 
-__all__ = ["BATCH_ENDED_LUA", "RUNNING_TTL_S", "STAGING_TTL_S", "ResultStore", "staging_ttl"]
+__all__ = ["RUNNING_TTL_S", "STAGING_TTL_S", "ResultStore", "staging_ttl"]
 
 F = BatchField
 
@@ -61,94 +61,10 @@ def staging_ttl(ttl_s: int) -> int:
     return max(int(ttl_s), STAGING_TTL_S)
 
 
-BATCH_ENDED_LUA = f"""
-local function lmdq_batch_ended(batch, fallback)
-  local ttl = tonumber(redis.call('HGET', batch, '{F.ttl}') or '') or tonumber(fallback)
-  for _, suffix in ipairs({{'', ':results', ':partials', ':shards', ':sealed', ':jobs'}}) do
-    redis.call('EXPIRE', batch .. suffix, ttl)
-  end
-  local jobs = batch .. ':jobs'
-  local n = redis.call('LLEN', jobs)
-  for s = 0, n - 1, 1000 do
-    for _, jid in ipairs(redis.call('LRANGE', jobs, s, s + 999)) do
-      redis.call('EXPIRE', '{_JOB_PREFIX}' .. jid, ttl)
-    end
-  end
-  local idem = redis.call('HGET', batch, '{F.idempotency}')
-  local id = string.match(batch, ':batch:([^:]+)$')
-  if idem and id and redis.call('GET', idem) == id then redis.call('EXPIRE', idem, ttl) end
-end
-"""
-"""Lua: ``lmdq_batch_ended(batch_key, fallback_ttl)`` starts the batch's retention: every key of the batch
-(record, results, partials, shard index, sealed bits, job list, job hashes, idempotency key) expires
-``ttl`` seconds from now. O(jobs), once per batch (about 1 µs a job)."""
 
-# The TTL a key the workers create takes: what is left of the batch record's own (so every key of a
-# batch goes at the same moment: submit's --result-ttl), or ARGV ttl when the record has none.
-_BATCH_TTL = """
-local function batch_ttl(batch, fallback)
-  local t = redis.call('TTL', batch)
-  if t > 0 then return t end
-  return tonumber(fallback)
-end
-"""
 
-# KEYS: results, batch, partials, sealed. ARGV: index, json, counter field, now, ttl, generated tokens, the
-# result's model ('' for none: its per-model counter, ``by_model:<model>:<counter>``, is left alone).
-# Refused (0): a duplicate (HSETNX), a request whose result is already in a shard (sealed bit: the
-# record was trimmed after the shard was written, see lmdq.results.sink), or a batch with no record (purged
-# or expired: writing would bring back counters without a TTL).
-_WRITE_RESULT = _BATCH_TTL + BATCH_ENDED_LUA + f"""
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-if redis.call('GETBIT', KEYS[4], ARGV[1]) == 1 then return 0 end
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], batch_ttl(KEYS[2], ARGV[5])) end
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
-if ARGV[7] and ARGV[7] ~= '' then
-  redis.call('HINCRBY', KEYS[2], '{MODEL_COUNT_PREFIX}' .. ARGV[7] .. ':' .. ARGV[3], 1)
-end
-if tonumber(ARGV[6] or '0') > 0 then redis.call('HINCRBY', KEYS[2], '{F.output_tokens}', ARGV[6]) end
-local b = redis.call('HMGET', KEYS[2], '{F.total}', '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}',
-                     '{F.status}')
-local done = 0
-for i = 2, 5 do done = done + tonumber(b[i] or '0') end
-if b[1] and done >= tonumber(b[1]) then
-  local st = b[6]
-  local final = '{BatchStatus.completed.value}'
-  if st == '{BatchStatus.cancelling.value}' or st == '{BatchStatus.cancelled.value}' then
-    final = '{BatchStatus.cancelled.value}'
-  elseif tonumber(b[5] or '0') > 0 then final = '{BatchStatus.expired.value}' end
-  redis.call('HSET', KEYS[2], '{F.status}', final, final .. '_at', ARGV[4])
-  lmdq_batch_ended(KEYS[2], ARGV[5])
-end
-return 1
-"""
 
-# KEYS: results, partials, sealed, batch. ARGV: index, json, ttl
-_WRITE_PARTIAL = _BATCH_TTL + """
-if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end
-if redis.call('GETBIT', KEYS[3], ARGV[1]) == 1 then return 0 end
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], batch_ttl(KEYS[4], ARGV[3])) end
-return 1
-"""
 
-# KEYS: batch. ARGV: from-status list (comma separated), to-status, timestamp field, now, ttl, to is terminal
-_TRANSITION = BATCH_ENDED_LUA + f"""
-local st = redis.call('HGET', KEYS[1], '{F.status}')
-if not st then return nil end
-for s in string.gmatch(ARGV[1], '[^,]+') do
-  if s == st then
-    redis.call('HSET', KEYS[1], '{F.status}', ARGV[2])
-    if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
-    if ARGV[6] == '1' then lmdq_batch_ended(KEYS[1], ARGV[5]) end
-    return ARGV[2]
-  end
-end
-return st
-"""
 
 
 
@@ -176,9 +92,9 @@ class ResultStore:
         self.client = client
         self.keys = keys or Keys()
         self.ttl_s = ttl_s
-        self._write_result = client.register_script(_WRITE_RESULT)
-        self._write_partial = client.register_script(_WRITE_PARTIAL)
-        self._transition = client.register_script(_TRANSITION)
+        self._write_result = scripts.WRITE_RESULT.bind(client)
+        self._write_partial = scripts.WRITE_PARTIAL.bind(client)
+        self._transition = scripts.TRANSITION.bind(client)
 
     # ---- batches -------------------------------------------------------------------------
     def create_batch(self, batch: Batch, *, extra: Mapping[str, str] | None = None) -> None:
