@@ -251,17 +251,25 @@ def e2e(
     workdir: Annotated[Path | None, typer.Option(help="keep the workload, the logs and raw.json here")] = None,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
+    lmdq_variant: Annotated[list[str] | None, typer.Option(
+        help="NAME or NAME:K=V,K=V (repeatable): one lmdq side per variant against the one raw side, its worker "
+             "started with those LMDQ_* settings (e.g. whole:STREAM_FROM_NEW_TOKENS=100000)")] = None,
+    py_spy: Annotated[str | None, typer.Option(help="py-spy binary: record each worker during --profile-batch")
+                      ] = None,
+    profile_batch: Annotated[int, typer.Option(help="which batch --py-spy records (0 = the first)")] = 1,
 ) -> None:
     """Real CLIs (an lmdq-worker process, an lmdq-producer submit process per batch) vs a raw pipe() process
     on the same prompts; the LAST line printed is a JSON object (lmdq.bench.e2e)."""
-    from lmdq.bench.e2e import E2EConfig, run_e2e
+    from lmdq.bench.e2e import E2EConfig, parse_variant, run_e2e
     from lmdq.bench.local_redis import local_redis
 
     model_path, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
     model_path = model_path or engine
     cfg = E2EConfig(engine=engine, workload=workload, n=n, batches=batches, batch_size=batch_size, min_input=min_input,
                     max_input=max_input, min_output=min_output, max_output=max_output,
-                    chat_max_new_tokens=chat_max_new_tokens, raw_warmup=raw_warmup)
+                    chat_max_new_tokens=chat_max_new_tokens, raw_warmup=raw_warmup,
+                    variants=tuple(parse_variant(v) for v in lmdq_variant or ()), py_spy=py_spy,
+                    profile_batch=profile_batch)
     with local_redis(redis_url) as url:
         res = run_e2e(cfg, model=model_path, engine_settings=engine_settings, redis_url=url, work=workdir,
                       log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -269,9 +277,11 @@ def e2e(
     print(f"{'batch':>6s} {'raw tok/s':>10s} {'lmdq tok/s':>11s} {'lmdq/raw':>9s}")
     for b, (r, q) in enumerate(zip(res["raw"]["batches"], res["lmdq"]["batches"])):
         print(f"{b:>6d} {r['tok_s']:>10,.0f} {q['tok_s']:>11,.0f} {q['tok_s'] / r['tok_s']:>9.3f}")
-    later = f"{res['ratio_later']:.3f}" if res.get("ratio_later") else "n/a"
-    print(f"first batch {res['ratio_first']:.3f}, later batches {later}, all {res['ratio_all']:.3f}; start to "
-          f"ready: raw {res['raw']['ready_s']} s, lmdq {res['lmdq']['ready_s']} s")
+    for name, v in res["variants"].items():
+        later = f"{v['ratio_later']:.3f}" if v.get("ratio_later") else "n/a"
+        print(f"lmdq[{name}]: first batch {v['ratio_first']:.3f}, later batches {later}, all {v['ratio_all']:.3f} "
+              f"(per batch {', '.join(f'{x:.3f}' for x in v['ratio_per_batch'])}); start to ready: raw "
+              f"{res['raw']['ready_s']} s, lmdq {v['lmdq']['ready_s']} s")
     keep = ["model", "workload", "n", "batches", "ratio_first", "ratio_later", "ratio_all", "raw_first_tok_s",
             "lmdq_first_tok_s", "raw_later_tok_s", "lmdq_later_tok_s"]
     _emit({k: res.get(k) for k in keep} | {"detail": res}, output)

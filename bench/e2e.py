@@ -65,6 +65,66 @@ class E2EConfig:
     raw_warmup: bool = True
     seed: int = 0
     timeout_s: float = 1200.0
+    #: lmdq sides to run against the one raw side, each with its own worker: (name, extra LMDQ_* env);
+    #: empty = one side named "default" with the worker's defaults
+    variants: tuple[tuple[str, dict[str, str]], ...] = ()
+    #: a py-spy binary: record the worker (all threads, collapsed stacks) during batch ``profile_batch``
+    py_spy: str | None = None
+    profile_batch: int = 1
+    profile_s: float = 12.0
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME`` or ``NAME:K=V,K=V`` (``--lmdq-variant``): K is a worker setting's env name, with or without
+    the ``LMDQ_`` prefix (``whole:STREAM_FROM_NEW_TOKENS=100000``)."""
+    name, _, rest = spec.partition(":")
+    env: dict[str, str] = {}
+    for kv in filter(None, rest.split(",")):
+        k, eq, v = kv.partition("=")
+        if not eq or not k.strip():
+            raise ValueError(f"--lmdq-variant {spec!r}: expected NAME:K=V[,K=V...]")
+        k = k.strip().upper()
+        env[k if k.startswith("LMDQ_") else f"LMDQ_{k}"] = v.strip()
+    if not name.strip():
+        raise ValueError(f"--lmdq-variant {spec!r}: a name comes first")
+    return name.strip(), env
+
+
+def _proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of one process (/proc; 0.0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (the engine process, its compile workers), from /proc's ppid."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process (``main``) and of its descendants together (``children``): where a
+    batch's CPU went, the worker's own threads against LMDeploy's engine process."""
+    return {"main": round(_proc_cpu(pid), 2), "children": round(sum(_proc_cpu(c) for c in _descendants(pid)), 2)}
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before[k], 2) for k in before}
 
 
 def make_workload(cfg: E2EConfig, model: str, path: Path) -> dict[str, Any]:
@@ -145,23 +205,38 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> N
 
 
 def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
-             redis_url: str, log: Any) -> dict[str, Any]:
-    """One lmdq-worker process (ready first), then per batch one lmdq-producer submit process."""
+             redis_url: str, log: Any, name: str = "default", extra_env: dict[str, str] | None = None,
+             profiled: bool = True) -> dict[str, Any]:
+    """One lmdq-worker process (ready first), then per batch one lmdq-producer submit process. ``name`` and
+    ``extra_env``: one of several lmdq sides (``E2EConfig.variants``), its worker started with that env;
+    ``profiled``: py-spy records this side (``E2EConfig.py_spy``: the first side only)."""
     port = _free_port()
     env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_ENGINE": cfg.engine,
            "LMDQ_SERVED_MODEL_NAME": "bench", "LMDQ_HEALTH_PORT": str(port), "LMDQ_LOG_FORMAT": "json",
-           **({"LMDQ_MODEL": model} if cfg.engine != "sim" else {}), **_engine_env(engine_settings)}
+           **({"LMDQ_MODEL": model} if cfg.engine != "sim" else {}), **_engine_env(engine_settings),
+           **(extra_env or {})}
     client = connect(redis_url)
     store = ResultStore(client, keys=Keys(env.get("LMDQ_KEY_PREFIX", "lmdq")))
     t_start = time.monotonic()
-    wlog = (work / "worker.log").open("wb")
+    log_name = "worker.log" if name == "default" else f"worker_{name}.log"
+    wlog = (work / log_name).open("wb")
     w = subprocess.Popen([sys.executable, "-m", "lmdq.worker"], env=env, stdout=wlog, stderr=subprocess.STDOUT)
     batches = []
+    profile: dict[str, Any] | None = None
     try:
         _wait_ready(port, w, cfg.timeout_s)
         ready_s = round(time.monotonic() - t_start, 2)
-        log(f"lmdq: worker ready in {ready_s} s (load + warm-up)")
+        log(f"lmdq[{name}]: worker ready in {ready_s} s (load + warm-up)")
         for b in range(cfg.batches):
+            spy = None
+            if cfg.py_spy and profiled and b == cfg.profile_batch:
+                out_file = work / f"pyspy_{name}_b{b}.txt"
+                spy = subprocess.Popen(
+                    [cfg.py_spy, "record", "--pid", str(w.pid), "--duration", str(int(cfg.profile_s)), "--rate", "100",
+                     "--format", "raw", "--threads", "--nonblocking", "--subprocesses", "-o", str(out_file)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                profile = {"batch": b, "file": out_file.name, "duration_s": cfg.profile_s}
+            cpu0 = tree_cpu(w.pid)
             t0 = time.time()
             sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(workload), "--model", "bench",
                                   "--batch-size", str(cfg.batch_size)], env=env, capture_output=True,
@@ -178,6 +253,15 @@ def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[s
                 if w.poll() is not None or time.monotonic() > end:
                     raise RuntimeError(f"batch {bid} not done (worker exit {w.poll()})")
                 time.sleep(0.05)
+            cpu = cpu_delta(cpu0, tree_cpu(w.pid))
+            if spy is not None:
+                try:
+                    _, err = spy.communicate(timeout=cfg.profile_s + 30)
+                    if profile is not None:
+                        profile["rc"] = spy.returncode
+                        profile["stderr"] = err.decode(errors="replace")[-500:]
+                except subprocess.TimeoutExpired:
+                    spy.kill()
             rows = [Result.model_validate_json(raw) for _, raw in store.iter_results(bid, cfg.n, partial=False) if raw]
             toks = sum(r.generate_token_len for r in rows)
             done = batch.completed_at or max(r.timings.finished_at or 0 for r in rows)
@@ -186,9 +270,11 @@ def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[s
             batches.append({"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
                             "results": len(rows), "not_completed": not_done,
                             "first_visible_s": round((batch.queued_at or t0) - t0, 3),
-                            "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid})
-            log(f"lmdq batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible after "
-                f"{batches[-1]['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s)")
+                            "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid,
+                            "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"]})
+            log(f"lmdq[{name}] batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible "
+                f"after {batches[-1]['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s; CPU s: worker "
+                f"{cpu['main']}, engine processes {cpu['children']})")
     finally:
         if w.poll() is None:
             w.send_signal(signal.SIGTERM)
@@ -198,11 +284,11 @@ def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[s
                 w.kill()
                 w.wait(30)
         wlog.close()
-    lines = [ln for ln in (work / "worker.log").read_text(errors="replace").splitlines() if ln.strip()]
+    lines = [ln for ln in (work / log_name).read_text(errors="replace").splitlines() if ln.strip()]
     non_json = [ln for ln in lines if not _json_object(ln)]
-    return {"ready_s": ready_s, "batches": batches, "worker_exit": w.returncode, "worker_log_lines": len(lines),
-            "worker_log_non_json": len(non_json), "worker_log_non_json_sample": non_json[:3],
-            "warmup": _warmup_event(lines)}
+    return {"name": name, "env": extra_env or {}, "ready_s": ready_s, "batches": batches, "worker_exit": w.returncode,
+            "worker_log_lines": len(lines), "worker_log_non_json": len(non_json),
+            "worker_log_non_json_sample": non_json[:3], "warmup": _warmup_event(lines), "profile": profile}
 
 
 def _json_object(line: str) -> dict[str, Any] | None:
@@ -250,6 +336,10 @@ def run_e2e(cfg: E2EConfig, *, model: str, engine_settings: dict[str, Any], redi
         workload = wd / "workload.jsonl"
         info = make_workload(cfg, model, workload)
         raw = run_raw(cfg, model, workload, engine_settings, wd, log)
-        lmdq = run_lmdq(cfg, model, workload, engine_settings, wd, redis_url, log)
+        sides = [run_lmdq(cfg, model, workload, engine_settings, wd, redis_url, log, name=name, extra_env=env,
+                          profiled=i == 0)
+                 for i, (name, env) in enumerate(cfg.variants or (("default", {}),))]
+    lmdq = sides[0]
     return {**info, "batches": cfg.batches, "batch_size": cfg.batch_size, "raw": raw, "lmdq": lmdq,
-            **summarize(raw, lmdq)}
+            **summarize(raw, lmdq),
+            "variants": {s["name"]: {"env": s["env"], **summarize(raw, s), "lmdq": s} for s in sides}}

@@ -10,6 +10,7 @@ worker's own warm-up (:meth:`LMDeployEngine.warm_up`) first, so both sides start
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ def _one_call(eng: Any, prompts: list[Any], params: list[dict[str, Any]], chat: 
 
 def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    from lmdq.bench.e2e import cpu_delta, tree_cpu
     from lmdq.worker.engine_factory import build_engine
     from lmdq.worker.settings import load_worker_settings
 
@@ -73,15 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts, params, chat = load_workload(Path(spec["workload"]))
     batches = []
     for b in range(int(spec["batches"])):
+        cpu0 = tree_cpu(os.getpid())
         t = time.perf_counter()
         res = _one_call(eng, prompts, params, chat)
         secs = time.perf_counter() - t
+        cpu = cpu_delta(cpu0, tree_cpu(os.getpid()))
         toks = sum(int(r.generate_token_len) for r in res)
         bad = sum(1 for r in res if r.finish_reason not in ("stop", "length"))
         batches.append({"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
-                        "not_finished": bad})
-        print(f"raw batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s", file=sys.stderr,
-              flush=True)
+                        "not_finished": bad, "cpu_s": cpu["main"], "engine_cpu_s": cpu["children"]})
+        print(f"raw batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (CPU s: this process "
+              f"{cpu['main']}, engine processes {cpu['children']})", file=sys.stderr, flush=True)
     out["batches"] = batches
     eng.close()
     Path(spec["output"]).write_text(json.dumps(out) + "\n")

@@ -58,12 +58,20 @@ e2e() {  # e2e NAME BACKEND WORKLOAD
     "$PWD/bench" > /dev/null 2>&1
   if [ "$wl" = chat ]; then args=(--model "$M" --dtype float16 --workload chat --n "${E2E_N:-2048}")
   else args=(--random-llama8b /root/llama8b --tokenizer-from gpu-bundle/tok --workload mixed --n "${E2E_N:-1024}"); fi
+  # E2E_PYSPY=1: py-spy (carried in 1-wheels) records each worker during batch 1; E2E_ARGS: more bench flags,
+  # e.g. "--lmdq-variant default --lmdq-variant whole:STREAM_FROM_NEW_TOKENS=100000" (several lmdq sides)
+  local spy=(); [ "${E2E_PYSPY:-0}" = 1 ] && [ -x /root/site/bin/py-spy ] && spy=(--py-spy /root/site/bin/py-spy)
+  # shellcheck disable=SC2086
   timeout $(( ${E2E_TIMEOUT:-585} - SECONDS )) python3 -m lmdq.bench e2e --backend "$backend" "${args[@]}" \
-    --batches "${E2E_BATCHES:-3}" --workdir "/tmp/e2e_$name" -o "$OUT/e2e_$name.json" > "$OUT/e2e_$name.log" 2>&1
+    --batches "${E2E_BATCHES:-3}" --workdir "/tmp/e2e_$name" "${spy[@]}" ${E2E_ARGS:-} -o "$OUT/e2e_$name.json" \
+    > "$OUT/e2e_$name.log" 2>&1
   echo "e2e $name rc=$?"
-  cp "/tmp/e2e_$name/worker.log" "$OUT/e2e_${name}_worker.log" 2>/dev/null
-  cp "/tmp/e2e_$name/raw.log" "$OUT/e2e_${name}_raw.log" 2>/dev/null
-  grep -E "^ +[0-9]+ |^first batch|^raw batch|^lmdq batch|^lmdq: worker|Error|error" "$OUT/e2e_$name.log" | tail -14
+  for f in /tmp/e2e_"$name"/worker*.log /tmp/e2e_"$name"/raw.log; do
+    [ -f "$f" ] && cp "$f" "$OUT/e2e_${name}_$(basename "$f")"
+  done
+  # py-spy's collapsed stacks, compressed (one file each, within what comes back)
+  for f in /tmp/e2e_"$name"/pyspy_*.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/e2e_${name}_$(basename "$f").gz"; done
+  grep -E "^ +[0-9]+ |first batch|^raw batch|^lmdq.* batch|^lmdq.*worker ready|Error|error" "$OUT/e2e_$name.log" | tail -24
   if [ "${E2E_PROFILE:-0}" = 1 ]; then
     python3 scripts/gpu/submit_profile.py "/tmp/e2e_$name/workload.jsonl" "$OUT/submit_profile_$name.txt" 2>&1 | tail -8
   fi
