@@ -19,7 +19,7 @@
 # before), E2E_WORKLOAD=mixed (random 8B shape: carry gpu-bundle/tok on a fresh machine) | chat (SmolLM2: after
 # `suite` converted it); E2E_PROFILE=1 also profiles one submit of the workload (scripts/gpu/submit_profile.py).
 set -uo pipefail
-stage=${1:?stage bench|setup|suite|tp|parity|faults|prefix|tm|tmsuite|tmbench|e2e}
+stage=${1:?stage bench|setup|suite|tp|parity|faults|prefix|tm|tmsuite|tmbench|e2e|samples}
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
@@ -29,6 +29,11 @@ done
 for d in worker producer bench; do [ -e "lmdq/$d" ] || ln -s "../$d" "lmdq/$d"; done
 export PYTHONPATH=/root/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 LMDQ_GPU_TOKENIZER=$PWD/gpu-bundle/tok
 M=/root/models/smollm2-135m-instruct
+# the suite: test_lmdeploy_gpu.py and the GPU checks of issue 24 (n samples, LoRA, scores) where present;
+# SUITE_FILES names others; SUITE_NOTES: the lines the tests print that the call's summary keeps
+SUITE_FILES=${SUITE_FILES:-$(ls tests/gpu/test_lmdeploy_gpu.py tests/gpu/test_samples_gpu.py tests/gpu/test_lora_gpu.py \
+  tests/gpu/test_scores_gpu.py 2>/dev/null | tr '\n' ' ')}
+SUITE_NOTES=${SUITE_NOTES:-"samples-gpu|scores-gpu|lora-gpu|\\[scores|\\[lora"}
 env_txt() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c "import sys,torch,lmdeploy,transformers,triton;print('python',sys.version.split()[0],'torch',torch.__version__,'cuda',torch.version.cuda,'lmdeploy',lmdeploy.__version__,'transformers',transformers.__version__,'triton',triton.__version__)"
@@ -88,10 +93,11 @@ case $stage in
     run=${TM_RUN:-none}; [ "$stage" = tmsuite ] && run=suite; [ "$stage" = tmbench ] && run=bench
     if [ "$run" = suite ]; then
       env_txt
-      timeout "${SUITE_TIMEOUT:-540}" python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -o cache_dir=/tmp/pyc -rA \
+      # shellcheck disable=SC2086
+      timeout "${SUITE_TIMEOUT:-540}" python3 -m pytest $SUITE_FILES -v -s -o cache_dir=/tmp/pyc -rA \
         2>&1 | grep -v DEBUG > "$OUT/gpu_suite_both.log"
-      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|turbomind (generation|all)|backend auto|progress bars as" \
-        "$OUT/gpu_suite_both.log" | tail -40
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|turbomind (generation|all)|backend auto|progress bars as|$SUITE_NOTES" \
+        "$OUT/gpu_suite_both.log" | tail -60
     elif [ "$run" = bench ]; then
       [ "${TM_BENCH:-1}" = 1 ] && EFF_TIMEOUT=${TM_EFF_TIMEOUT:-280} eff tm_turbomind 1 --backend turbomind --repeat 2 --skip-naive
       [ "${PT_BENCH:-1}" = 1 ] && EFF_TIMEOUT=${PT_EFF_TIMEOUT:-280} eff tm_pytorch 1 --backend pytorch --repeat 1 --skip-naive
@@ -122,19 +128,27 @@ case $stage in
       ${PREFIX_ARGS:-} -o "$OUT/prefix_gpu.json" > "$OUT/prefix.log" 2>&1
     echo "rc=$?"; grep -E "^(workload|lmdq|raw|path|random)" "$OUT/prefix.log" | tail -8
     ;;
+  samples)  # issue 24: lmdq-bench samples, P prompts x n=8 vs the same requests one per line (SmolLM2 after `suite`)
+    timeout $(( ${SAMPLES_TIMEOUT:-585} - SECONDS )) python3 -m lmdq.bench samples --engine lmdeploy --backend pytorch \
+      --model "$M" --dtype float16 --prompts "${SAMPLES_PROMPTS:-1024}" --n 8 ${SAMPLES_ARGS:-} \
+      -o "$OUT/samples_gpu.json" > "$OUT/samples_gpu.log" 2>&1
+    echo "samples rc=$?"; grep -vE "^\{|DEBUG" "$OUT/samples_gpu.log" | tail -12
+    ;;
   setup) tail -2 "$OUT/setup_$stage.log" ;;
   parity)
     timeout 400 python3 -m pytest tests/gpu/test_parity.py -v -p no:cacheprovider 2>&1 | tee "$OUT/parity.log" | tail -8
     ;;
   suite)
     env_txt
-    timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu/test_lmdeploy_gpu.py -v -s -o cache_dir=/tmp/pyc -rA 2>&1 \
+    # shellcheck disable=SC2086
+    timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest $SUITE_FILES -v -s -o cache_dir=/tmp/pyc -rA 2>&1 \
       | grep -v DEBUG > "$OUT/gpu_suite.log"
-    grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests|progress bars as events" "$OUT/gpu_suite.log" \
-      | tail -24
+    grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests|progress bars as events|$SUITE_NOTES" "$OUT/gpu_suite.log" \
+      | tail -50
     # anything failed: the same tests again with the engine loop in-process, to tell mp-engine issues apart
     if [ "${RERUN:-1}" = 1 ] && grep -qE "^(FAILED|ERROR)" "$OUT/gpu_suite.log"; then
-      LMDQ_MP_ENGINE=0 timeout 150 python3 -m pytest tests/gpu/test_lmdeploy_gpu.py --lf -v -s -o cache_dir=/tmp/pyc \
+      # shellcheck disable=SC2086
+      LMDQ_MP_ENGINE=0 timeout 150 python3 -m pytest $SUITE_FILES --lf -v -s -o cache_dir=/tmp/pyc \
         -rA 2>&1 | grep -v DEBUG > "$OUT/gpu_suite_inproc_rerun.log"
       echo "--- rerun with LMDQ_MP_ENGINE=0:"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_suite_inproc_rerun.log" | tail -8
     fi
