@@ -224,7 +224,8 @@ def test_200_concurrent_scrapes_with_10000_batches_answer_without_touching_redis
 def test_a_read_walks_junk_sets_within_its_scan_budget(client: redis.Redis, prefix: str) -> None:
     """A models hash of 50,000 junk names: the read takes at most SCAN_CALLS short HSCANs (no HKEYS of
     the whole hash), serves at most MAX_MODELS models and says it was cut short."""
-    from lmdq.metrics.exporter import MAX_MODELS, SCAN_CALLS, SnapshotCollector
+    from lmdq.metrics.exporter import SnapshotCollector
+    from lmdq.redis.queue_stats import MAX_MODELS, SCAN_CALLS
 
     k = Keys(prefix)
     with client.pipeline(transaction=False) as p:

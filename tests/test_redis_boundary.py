@@ -30,20 +30,15 @@ SCRIPTS_MODULE = "lmdq/redis/scripts.py"
 #: Modules outside lmdq/redis/ that still call Redis commands themselves (the part of issue 30 not done
 #: yet: each should move its calls into a data-access module under lmdq/redis/). Exact: see the module doc.
 NOT_YET_MOVED = {
-    "lmdq/api/backend.py",
     "lmdq/api/batches.py",
     "lmdq/api/files.py",
     "lmdq/api/paging.py",
-    "lmdq/batches/headroom.py",
     "lmdq/batches/ledger.py",
     "lmdq/client/client.py",
-    "lmdq/jobs/decode.py",
     "lmdq/jobs/queue.py",
-    "lmdq/metrics/exporter.py",
     "lmdq/results/sink.py",
     "lmdq/results/store.py",
     "lmdq/workers/registry.py",
-    "worker/runner.py",
     "bench/exporter_bench.py",
     "bench/fleet.py",
     "bench/local_redis.py",

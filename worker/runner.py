@@ -32,6 +32,7 @@ import structlog
 from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, Result, ResultStatus, Timings
 from lmdq.jobs.decode import OutputNotAllowed, UndecodableJob, decode_job
 from lmdq.jobs.queue import Charge, Claim, JobQueue
+from lmdq.redis import reads
 from lmdq.redis.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.redis.idle_roster import IdleRoster
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name, queue_names
@@ -573,7 +574,7 @@ class Worker:
         (exactly once: a request that has a result already keeps it). The reason says what to change;
         ``lmdq-producer retry`` re-runs the requests once workers can read them."""
         now = time.time()
-        status = with_reconnect(lambda: self.client.hget(self.keys.batch(e.batch.id), "status"),
+        status = with_reconnect(lambda: reads.batch_status(self.client, self.keys, e.batch.id),
                                 on_retry=self._redis_retry)
         cancelled = status in (BatchStatus.cancelling.value.encode(), BatchStatus.cancelled.value.encode())
         error = None if cancelled else ErrorInfo(code=ErrorCode.undecodable_job, message=str(e))

@@ -15,6 +15,7 @@ import redis
 
 from lmdq.api.settings import ApiSettings
 from lmdq.contract import Batch
+from lmdq.redis import server
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
@@ -101,6 +102,6 @@ class Backend:
 
     def ping(self) -> bool:
         try:
-            return bool(self.client.ping())
+            return server.ping(self.client)
         except redis.RedisError:
             return False

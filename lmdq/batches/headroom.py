@@ -25,6 +25,7 @@ import redis
 
 from lmdq.contract import GenerationParams
 from lmdq.errors import SubmitRejected
+from lmdq.redis import server
 
 __all__ = ["Footprint", "RedisMemory", "check_batch_fits", "check_headroom", "estimate", "redis_memory"]
 
@@ -74,7 +75,7 @@ def redis_memory(client: redis.Redis) -> RedisMemory | None:
     """INFO memory's ``used_memory`` and ``maxmemory``, or None where INFO is not allowed (some
     managed services rename or restrict it: the check is then skipped, not the submit)."""
     try:
-        info = client.info("memory")
+        info = server.memory_info(client)
     except redis.ResponseError:
         return None
     try:

@@ -29,7 +29,7 @@ from rq.job import Job
 from lmdq.contract import MAX_JOB_REQUESTS, Batch, JobPayload
 from lmdq.jobs.data import MAX_FIELD_BYTES, REQUESTS_FIELD, JobRefused, NotDecodable
 from lmdq.jobs.queue import JobQueue, job_id_for
-from lmdq.redis import scripts
+from lmdq.redis import reads, scripts
 from lmdq.results.output_urls import OutputPolicy, OutputUrlRejected
 
 __all__ = [
@@ -138,11 +138,10 @@ def undecodable(client: redis.Redis, queue: JobQueue, job_id: str, reason: str) 
         return JobRefused(reason)
     if int(m.group(2)) >= max(1, batch.num_jobs):
         return JobRefused(f"{reason} (job {int(m.group(2))} is not one of the batch's {batch.num_jobs} jobs)")
-    key = Job.key_for(job_id)
     cap = max(MAX_FIELD_BYTES, min(queue.max_job_bytes, 64 << 20))
-    if int(client.hstrlen(key, REQUESTS_FIELD)) > cap:
+    size, raw = reads.capped_job_field(client, job_id, REQUESTS_FIELD, cap)
+    if size > cap:
         return JobRefused(f"{reason} (its request list is over {cap:,} bytes)")
-    raw = client.hget(key, REQUESTS_FIELD)
     try:
         pairs = json.loads(raw) if raw is not None else None
         requests = [(int(i), str(c)) for i, c in pairs] if isinstance(pairs, list) else []
