@@ -411,9 +411,6 @@ class Result(_Strict):
     timings: Timings = Field(default_factory=Timings)
     logprobs: list[TokenLogprob] | None = None
     tensors: dict[str, TensorRef] | None = None
-    #: set on the COMPACT record workers before the shard index (lmdq.results.sink) left in Redis once the full
-    #: one was in a results shard: that shard's name under ``<Batch.results_url>/<batch_id>/``
-    stored_at: str | None = None
 
     @property
     def final(self) -> bool:

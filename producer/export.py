@@ -7,22 +7,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from lmdq.contract import Batch, Endpoint, ErrorCode, Result, ResultStatus, TokenLogprob
+from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
-__all__ = ["is_openai_error", "iter_lmdq_lines", "iter_openai", "iter_openai_lines", "openai_token", "to_openai"]
-
-
-def _records(store: ResultStore, batch: Batch, *, partial: bool) -> Iterator[tuple[int, bytes | None]]:
-    """Full records in input order; with a results URL, jobs already moved to their shards are read
-    from there (jobs not flushed yet are still whole in Redis): :func:`lmdq.results.sink.iter_records`."""
-    from lmdq.results.sink import iter_records
-
-    return iter_records(store, batch, partial=partial)
+__all__ = ["is_openai_error", "iter_lmdq_lines", "iter_openai", "openai_token", "to_openai"]
 
 
 def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -> Iterator[bytes]:
-    """One JSON line per request, in input order; requests with no record yet are skipped."""
-    for _, raw in _records(store, batch, partial=partial):
+    """One JSON line per request, in input order, read through the one reader (Redis and sealed
+    shards alike); requests with no record yet are skipped."""
+    for _, raw in ResultReader.of(store, batch).records(partial=partial):
         if raw is not None:
             yield raw + b"\n"
 
@@ -135,13 +129,7 @@ def to_openai(r: Result) -> dict[str, Any]:
 def iter_openai(store: ResultStore, batch: Batch) -> Iterator[tuple[bool, bytes]]:
     """OpenAI Batch output lines as ``(is_error, line)``: final results only (partials are not answers
     yet), so a caller can send errors to their own file as OpenAI's Batch API does."""
-    for _, raw in _records(store, batch, partial=False):
+    for _, raw in ResultReader.of(store, batch).records(partial=False):
         if raw is not None:
             r = Result.model_validate_json(raw)
             yield is_openai_error(r), json.dumps(to_openai(r), ensure_ascii=False).encode() + b"\n"
-
-
-def iter_openai_lines(store: ResultStore, batch: Batch) -> Iterator[bytes]:
-    """OpenAI Batch output, successes and errors in one stream, in input order."""
-    for _, line in iter_openai(store, batch):
-        yield line

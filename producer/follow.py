@@ -4,26 +4,25 @@ Which results are new is found without a change log: the batch's counters say ho
 results exist (``done``), so a poll knows how many it has not written yet and scans the requests
 it has not written, lowest index first, only until it has found that many. Jobs are claimed in
 queue order, so new results sit near the front of what is left and a poll reads little; its cost
-is bounded by the requests still outstanding, never by the batch. With a results sink a finished
-job's records leave Redis for its shard (:mod:`lmdq.results.sink`): a poll first reads the shard index and
-takes new shards' records from there.
+is bounded by the requests still outstanding, never by the batch. Records are read through the one
+reader (:class:`lmdq.results.reader.ResultReader`), so with a results sink the records a finished
+job moved to its shard are found there, as ``results`` finds them.
 
 Finish order (the default) writes results as polls find them. ``in_order`` writes input order and
 holds back only what must wait: request ``i`` is written as soon as every request before it is,
-never later; what arrived early waits in Redis (or in the shard lines just read), not in a buffer
-of the whole batch. When the batch ends, whatever was not written yet is (a request with no
-record at all, which a purge could cause, is skipped as ``results`` skips it).
+never later; what arrived early waits where it is stored (Redis or its shard), not in a buffer of
+the whole batch. When the batch ends, whatever was not written yet is (a request with no record at
+all, which a purge could cause, is skipped as ``results`` skips it).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from lmdq.contract import Batch
 from lmdq.producer.progress import BatchProgress
-from lmdq.results.sink import _read_shard, read_index
-from lmdq.results.sink import iter_records as iter_all_records
+from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
 __all__ = ["FOLLOW_POLL_S", "Follower", "follow"]
@@ -44,18 +43,13 @@ class Follower:
     """
 
     def __init__(self, store: ResultStore, batch: Batch, *, in_order: bool = False) -> None:
-        self.store = store
-        self.batch_id = batch.id
+        self.reader = ResultReader.of(store, batch, chunk=CHUNK)
         self.total = batch.request_counts.total
-        self.results_url = batch.results_url
         self.in_order = in_order
         self.written = bytearray(self.total)  # 1: that request's record has been returned
         self.n_written = 0
         self.next = 0  # in order: the first index not written; finish order: the first maybe not written
         self.finished = False
-        self._held: dict[int, bytes] = {}  # in order: shard lines of requests that must wait
-        self._sealed_jobs: set[int] = set()  # shards already read
-        self._index_len = 0
 
     def poll(self, b: Batch) -> list[bytes]:
         """New final records since the last poll (see the class doc)."""
@@ -67,109 +61,32 @@ class Follower:
             self.finished = True
         return out
 
-    # ---- finish order ---------------------------------------------------------------------
     def _finish_order(self, done: int) -> list[bytes]:
         need = done - self.n_written
         if need <= 0:
             return []
-        out = self._from_new_shards()
-        need -= len(out)
-        pos = self.next
-        while need > 0:
-            idx = self._unwritten(pos, CHUNK)
-            if not idx:
-                break
-            pos = idx[-1] + 1
-            for i, raw in zip(idx, self.store.finals(self.batch_id, idx)):
-                if raw is not None:
-                    out.append(self._take(i, raw))
-                    need -= 1
-        return out
+        first = self.written.find(0, self.next)
+        self.next = first if first >= 0 else self.total
+        return [self._take(i, raw) for i, raw in self.reader.new_finals(self.written, need, start=self.next)]
 
-    def _unwritten(self, start: int, n: int) -> list[int]:
-        """Up to ``n`` indices from ``start`` whose record was not written; moves :attr:`next` past a
-        written prefix."""
-        w = self.written
-        first = w.find(0, start)
-        if start == self.next:
-            self.next = first if first >= 0 else self.total
-        out: list[int] = []
-        i = first
-        while 0 <= i < self.total and len(out) < n:
-            out.append(i)
-            i = w.find(0, i + 1)
-        return out
-
-    def _from_new_shards(self) -> list[bytes]:
-        """Records of jobs sealed into their shard since the last look, not written yet."""
-        if not self.results_url:
-            return []
-        client, keys = self.store.client, self.store.keys
-        n = int(client.hlen(keys.shards(self.batch_id)))
-        if n == self._index_len:
-            return []
-        self._index_len = n
-        out: list[bytes] = []
-        base = f"{self.results_url.rstrip('/')}/{self.batch_id}"
-        for job_no, entry in sorted(read_index(client, keys, self.batch_id, self.total).items()):
-            if job_no in self._sealed_jobs:
-                continue
-            self._sealed_jobs.add(job_no)
-            indices = list(entry.indices())
-            if all(self.written[i] for i in indices):
-                continue
-            lines = _read_shard(f"{base}/{entry.shard}", indices)
-            for i in indices:
-                raw = lines.get(i)
-                if raw is None or self.written[i]:
-                    continue
-                if self.in_order:
-                    self._held[i] = raw  # written by _in_order once every request before it is
-                else:
-                    out.append(self._take(i, raw))
-        return out
-
-    # ---- input order ----------------------------------------------------------------------
     def _in_order(self) -> list[bytes]:
         out: list[bytes] = []
-        looked_at_shards = False
         while self.next < self.total:
-            if self.next in self._held:
-                out.append(self._take(self.next, self._held.pop(self.next)))
-                self.next += 1
-                continue
             idx = list(range(self.next, min(self.total, self.next + CHUNK)))
-            stopped = False
-            for i, raw in zip(idx, self.store.finals(self.batch_id, idx)):
-                raw = raw if raw is not None else self._held.pop(i, None)
+            for i, raw in zip(idx, self.reader.finals(idx)):
                 if raw is None:
-                    stopped = True
-                    break
+                    return out
                 out.append(self._take(i, raw))
                 self.next = i + 1
-            if not stopped:
-                continue
-            if looked_at_shards or not self.results_url:
-                break
-            looked_at_shards = True  # the missing one may be in a shard sealed since the last poll
-            self._from_new_shards()
-            if self.next not in self._held:
-                break
         return out
 
-    # ---- the end --------------------------------------------------------------------------
     def _rest(self, b: Batch) -> list[bytes]:
         """The batch has ended: every record not written yet, in input order (read once more only
         when some are missing, so an ordinary end costs nothing)."""
-        if self.n_written >= b.request_counts.done and not self._held:
+        if self.n_written >= b.request_counts.done:
             return []
-        return list(self._remaining(b))
-
-    def _remaining(self, b: Batch) -> Iterator[bytes]:
-        for i, raw in iter_all_records(self.store, b, partial=False):
-            if raw is not None and not self.written[i]:
-                yield self._take(i, raw)
-        self._held.clear()
+        return [self._take(i, raw) for i, raw in self.reader.records(partial=False)
+                if raw is not None and not self.written[i]]
 
     def _take(self, i: int, raw: bytes) -> bytes:
         self.written[i] = 1

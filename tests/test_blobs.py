@@ -265,7 +265,7 @@ def test_flush_job_rerun_writes_every_request_exactly_once(tmp_path: Path, clien
 
     out = [json.loads(x) for x in iter_lmdq_lines(store, store.get_batch(b))]
     assert [(x["index"], x["text"]) for x in out] == [(3, "answer 3"), (4, "answer 4"), (5, "")]
-    assert all(x["stored_at"] is None for x in out)
+    assert all("stored_at" not in x for x in out)  # full records (the compact kind is gone with 0.1.0)
 
 
 def _submit(path: Path, env: dict[str, str], *extra: str) -> str:
@@ -308,7 +308,8 @@ def test_results_sink_on_s3_end_to_end(tmp_path: Path, env: dict[str, str], clie
         outs[bid] = [Result.model_validate_json(x) for x in p.stdout.splitlines()]
     got = outs[with_sink]
     assert [r.custom_id for r in got] == [f"r{i}" for i in range(n)]
-    assert all(r.text and r.generate_token_len == 64 and r.stored_at is None for r in got)
+    assert all(r.text and r.generate_token_len == 64 for r in got)
+    assert all(b'"stored_at"' not in x for x in p.stdout.splitlines())  # full records, never compact ones
     assert [r.text for r in got] == [r.text for r in outs[without]]
     p = run_cli("producer", "results", with_sink, "--format", "openai", env=env)
     assert p.returncode == 0 and len(p.stdout.splitlines()) == n

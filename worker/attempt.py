@@ -123,7 +123,19 @@ class JobAttempt:
             output_refusal: str | None = None) -> AttemptEnd:
         """One attempt. ``output_refusal``: the batch names an output URL this worker may not write to
         (:class:`lmdq.jobs.decode.OutputNotAllowed`): its unfinished requests end ``failed`` with
-        ``output_url_not_allowed`` instead of running, and the job ends failed (never retried)."""
+        ``output_url_not_allowed`` instead of running, and the job ends failed (never retried).
+
+        A job that ends (done or failed, its lease still ours) is sealed by the writer that wrote its
+        results: with a results URL its shard is written and its records leave Redis
+        (:meth:`ResultWriter.seal`); ``held.forget`` then says whether its job hash can go too."""
+        end = self._run(held, payload, job, jlog, output_refusal=output_refusal)
+        if end.outcome in (Outcome.done, Outcome.failed) and held.abort_reason is not AbortReason.lost:
+            entry = self.writer.seal(payload, jlog)
+            held.forget = entry is not None and entry.all_completed()
+        return end
+
+    def _run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
+             output_refusal: str | None) -> AttemptEnd:
         claim = held.claim
         enq = job.enqueued_at.timestamp() if job.enqueued_at else None
         started = self.clock()

@@ -17,13 +17,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
-from lmdq.contract import Result
+from lmdq.contract import JobPayload, Result
 from lmdq.redis.connection import RETRYABLE_ERRORS, RetryPolicy, refusal, with_reconnect
+from lmdq.results.shards import ShardEntry
 from lmdq.results.store import ResultStore
+
+if TYPE_CHECKING:
+    from lmdq.worker.results_sink import ResultsSink
 
 __all__ = ["ResultWriter", "StoreRefused", "WriteAbandoned", "is_store_refusal"]
 
@@ -51,8 +55,11 @@ class WriteAbandoned(Exception):
 class ResultWriter:
     """Final and partial results, and the retry policy for every store call of a job."""
 
-    def __init__(self, store: ResultStore, *, log: Any, give_up: threading.Event, cap_s: float = 5.0) -> None:
+    def __init__(self, store: ResultStore, *, log: Any, give_up: threading.Event, cap_s: float = 5.0,
+                 sink: ResultsSink | None = None) -> None:
         self.store = store
+        #: the worker's shard writes: a job that ends is sealed here, where its results were written
+        self.sink = sink
         self.log = log
         #: set when the worker must end now (second signal, drain deadline passed)
         self.give_up = give_up
@@ -153,6 +160,14 @@ class ResultWriter:
                 self.stats["duplicates"] += len(news) - sum(news)
             for (_, f), new in zip(batch, news):
                 f.set_result(new)
+
+    def seal(self, payload: JobPayload, jlog: Any) -> ShardEntry | None:
+        """A job whose results are all written: with a results URL, its shard is written and sealed
+        (:mod:`lmdq.sink`); returns its index entry, or None (no sink, or the shard write failed and is
+        retried by the sweeper while the records stay in Redis). Call only after :meth:`wait`."""
+        if self.sink is None or not payload.results_url:
+            return None
+        return self.sink.flush(payload, jlog)
 
     def partial(self, result: Result) -> None:
         """Best effort: partial text is a progress hint, so a store fault skips it instead of

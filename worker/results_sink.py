@@ -28,25 +28,17 @@ from typing import Any
 
 import redis
 
-from lmdq.contract import JobPayload, ResultStatus
-from lmdq.errors import BatchNotFound
-from lmdq.logs.redaction import redact_url
 from lmdq.redis.connection import RetryPolicy, with_reconnect
+from lmdq.contract import JobPayload
+from lmdq.errors import BatchNotFound
 from lmdq.redis.keys import Keys
 from lmdq.results.output_urls import OutputPolicy, shown
-from lmdq.results.sink import (
-    PendingShard,
-    ShardEntry,
-    add_pending,
-    claim_pending,
-    drop_pending,
-    flush_job,
-    flush_shard,
-    ranges_of,
-)
+from lmdq.logs.redaction import redact_url
+from lmdq.results.shards import ShardEntry, ranges_of
+from lmdq.results.sink import PendingShard, add_pending, claim_pending, drop_pending, flush_job, flush_shard
 from lmdq.results.store import ResultStore
 
-__all__ = ["EVERY_ENTRY_S", "ResultsSink", "all_completed"]
+__all__ = ["EVERY_ENTRY_S", "ResultsSink"]
 
 SWEEP_BATCH = 16
 """Retry-schedule entries one sweep claims at most (each is one shard write, bounded by the timeout)."""
@@ -218,8 +210,3 @@ class ResultsSink:
 def _shown(url: str) -> str:
     """The sink as a log line may show it: credentials, query and fragment never printed."""
     return redact_url(url) if "://" in url else shown(url)
-
-
-def all_completed(entry: ShardEntry | None) -> bool:
-    """Whether nothing in the job is left for ``retry`` (which reads failed requests from the job)."""
-    return entry is not None and set(entry.counts) <= {ResultStatus.completed}

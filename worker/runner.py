@@ -46,7 +46,7 @@ from lmdq.worker.engines.base import Engine, engine_capacity
 from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_writer import ResultWriter, WriteAbandoned, is_store_refusal
-from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink, all_completed
+from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink
 from lmdq.worker.settings import WorkerSettings
 from lmdq.workers.registry import WorkerRegistry
 
@@ -125,10 +125,10 @@ class Worker:
         self._give_up = threading.Event()
         self._dead: str | None = None  # why the engine is gone, once it is
         self.log = log.bind(worker=self.name, model=self.model)
-        self.writer = ResultWriter(self.store, log=self.log, give_up=self._give_up)
         self.sink = ResultsSink(client, self.keys, store=self.store, outputs=self.outputs, log=self.log,
                                 timeout_s=settings.sink_timeout_s, retry_max_s=settings.sink_retry_max_s,
                                 ttl_s=settings.result_ttl_s, stopping=self._stop, on_retry=self._redis_retry)
+        self.writer = ResultWriter(self.store, log=self.log, give_up=self._give_up, sink=self.sink)
         self.attempt = JobAttempt(engine=engine, jobs=self.jobs, store=self.store, writer=self.writer,
                                   settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock,
                                   request_done=self._request_done)
@@ -491,9 +491,6 @@ class Worker:
                     self._slot.notify_all()
             jlog = jlog.bind(batch=payload.batch_id)
             end = self.attempt.run(held, payload, job, jlog, output_refusal=output_refusal)
-            if end.outcome in (Outcome.done, Outcome.failed) and payload.results_url \
-                    and held.abort_reason is not AbortReason.lost:
-                held.forget = all_completed(self.sink.flush(payload, jlog))
             self._counts["jobs"] += 1
         except WriteAbandoned as e:
             jlog.warning("stopping while Redis refuses writes: job left to its lease, another worker re-runs it",

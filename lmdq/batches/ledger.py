@@ -755,12 +755,13 @@ class BatchLedger:
     # ---- retry's sources ------------------------------------------------------------------------
     def indices_with(self, batch: Batch, statuses: set[ResultStatus]) -> list[int]:
         """Indices of the batch's final results whose status is in ``statuses``, in input order."""
-        from lmdq.results.sink import iter_records
+        from lmdq.results.reader import ResultReader
 
         wanted = {s.value for s in statuses}
         out = []
         # Jobs in a results shard: only the shards whose index entry counts a wanted status are read.
-        for index, raw in iter_records(self.store, batch, partial=False, need=lambda e: e.has_any(statuses)):
+        reader = ResultReader.of(self.store, batch)
+        for index, raw in reader.records(partial=False, need=lambda e: e.has_any(statuses)):
             if raw is None:
                 continue
             try:

@@ -339,10 +339,9 @@ class Batch:
 
     # ---- results ------------------------------------------------------------------------------
     def _raw_records(self, *, partial: bool = False) -> Iterator[bytes]:
-        from lmdq.results.sink import iter_records
+        from lmdq.results.reader import ResultReader
 
-        info = self.info()
-        for _, raw in iter_records(self.client._store(), info, partial=partial):
+        for _, raw in ResultReader.of(self.client._store(), self.info()).records(partial=partial):
             if raw is not None:
                 yield raw
 
@@ -372,8 +371,11 @@ class Batch:
         A poll reads the batch's counters (one Redis call); only when they moved does it look for the
         new records, from the first request not yielded yet and only until it found as many as the
         counters say were added, so a poll costs little however large the batch."""
+        from lmdq.results.reader import ResultReader
+
         info = self.info()
         total = info.request_counts.total
+        reader = ResultReader.of(self.client._store(), info)
         seen = bytearray(total)
         yielded = 0
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -382,7 +384,7 @@ class Batch:
             need = info.request_counts.done - yielded
             new = 0
             if need > 0:
-                for i, raw in self._new_records(info, seen, need):
+                for i, raw in reader.new_finals(seen, need):
                     seen[i] = 1
                     new += 1
                     yield Result.model_validate_json(raw)
@@ -400,33 +402,6 @@ class Batch:
             else:
                 interval = poll_interval
             info = self.info(patient=True)
-
-    def _new_records(self, info: BatchInfo, seen: bytearray, need: int) -> Iterator[tuple[int, bytes]]:
-        """(index, final record) of up to ``need`` requests not in ``seen`` that have one now."""
-        store = self.client._store()
-        found = 0
-        if info.results_url:  # records move to shards: read through the sink (a pass over the batch)
-            from lmdq.results.sink import iter_records
-
-            for i, raw in iter_records(store, info, partial=False):
-                if raw is not None and not seen[i]:
-                    yield i, raw
-                    found += 1
-                    if found >= need:
-                        return
-            return
-        key = store.keys.results(self.id)
-        lo = max(0, seen.find(0))
-        for s in range(lo, len(seen), 2000):
-            idx = [i for i in range(s, min(len(seen), s + 2000)) if not seen[i]]
-            if not idx:
-                continue
-            for i, raw in zip(idx, store.client.hmget(key, idx)):
-                if raw is not None:
-                    yield i, raw
-                    found += 1
-            if found >= need:
-                return
 
     # ---- Arrow / pandas / Parquet ---------------------------------------------------------------
     def to_arrow(self) -> Any:

@@ -220,7 +220,7 @@ class Keys:
         return f"{self.prefix}:batch:{batch_id}:partials"
 
     def shards(self, batch_id: str) -> str:
-        """Hash: job number -> :class:`lmdq.results.sink.ShardEntry` JSON, one field per job whose results went to
+        """Hash: job number -> :class:`lmdq.results.shards.ShardEntry` JSON, one field per job whose results went to
         its shard in the batch's results URL (the per-request records are deleted from ``results``)."""
         return f"{self.prefix}:batch:{batch_id}:shards"
 

@@ -40,8 +40,10 @@ Step 3 is atomic, so a job's records are either all in Redis (shard not trusted 
 or all in its shard (entry present). If the shard cannot be written (sink unreachable, full, slower
 than the timeout), the full records stay in Redis and are served from there, and the job goes on a
 fleet-wide retry schedule (:func:`add_pending`) that every worker's sweeper works through until the
-write lands and the job is sealed (``lmdq.worker.results_sink``). Readers (:func:`iter_records`) take each
-request from Redis or from its job's shard accordingly, in input order, whatever the job layout.
+write lands and the job is sealed (``lmdq.worker.results_sink``). The one reader
+(:class:`lmdq.results.reader.ResultReader`) takes each request from Redis or from its job's shard
+accordingly, in input order, whatever the job layout. The shard format and the index entry are
+:mod:`lmdq.results.shards`.
 """
 
 from __future__ import annotations
@@ -49,77 +51,20 @@ from __future__ import annotations
 import json
 import re
 import threading
-from array import array
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmdq.contract import BATCH_ID_PATTERN, Batch, JobPayload, ResultStatus
-from lmdq.errors import ResultsUnavailable
+from lmdq.contract import BATCH_ID_PATTERN, JobPayload, ResultStatus
 from lmdq.redis import scripts
 from lmdq.redis.keys import Keys
-from lmdq.results.store import ResultStore
+from lmdq.results.shards import MAX_ENTRY_BYTES, ShardEntry, decode_entry, shard_key
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
-__all__ = ["PendingShard", "ShardEntry", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard",
-           "iter_records", "pending_count", "pending_keys", "ranges_of", "read_index", "shard_key"]
-
-_MAX_ENTRY_BYTES = 1 << 20
-"""An index entry larger than this is not lmdq's (a job holds at most ``MAX_JOB_REQUESTS``)."""
+__all__ = ["PendingShard", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard",
+           "pending_count", "pending_keys"]
 
 
-
-
-SHARD_NAME = re.compile(r"^results-[0-9]{6,10}\.jsonl$")
-"""A results shard's name under ``<results URL>/<batch id>/``: checked wherever one is read from Redis."""
-
-
-class ShardEntry(BaseModel):
-    """One job's line in the batch's shard index: where its results are and what they were.
-
-    ``ranges`` are inclusive ``[first, last]`` runs of request indices (one run for a job of
-    consecutive requests; several when jobs group requests out of input order). ``counts`` lets
-    ``retry`` skip shards that hold nothing to retry. Read back from Redis, so validated (untrusted).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    shard: str = Field(pattern=SHARD_NAME.pattern)
-    ranges: list[tuple[int, int]] = Field(min_length=1)
-    counts: dict[ResultStatus, int] = Field(default_factory=dict)
-
-    @classmethod
-    def of(cls, shard: str, indices: Iterable[int], statuses: Iterable[ResultStatus]) -> ShardEntry:
-        return cls(shard=shard, ranges=ranges_of(indices), counts=dict(Counter(statuses)))
-
-    def indices(self) -> Iterator[int]:
-        for lo, hi in self.ranges:
-            yield from range(lo, hi + 1)
-
-    def has_any(self, statuses: set[ResultStatus]) -> bool:
-        return any(self.counts.get(s, 0) > 0 for s in statuses)
-
-    def encode(self) -> str:
-        return self.model_dump_json(exclude_defaults=True)
-
-
-def ranges_of(indices: Iterable[int]) -> list[tuple[int, int]]:
-    """Inclusive ``[first, last]`` runs of the sorted ``indices``."""
-    runs: list[tuple[int, int]] = []
-    for i in sorted(indices):
-        if runs and runs[-1][1] == i - 1:
-            runs[-1] = (runs[-1][0], i)
-        else:
-            runs.append((i, i))
-    return runs
-
-
-def shard_key(batch_id: str, job_no: int) -> str:
-    """The shard's key under the results URL."""
-    return f"{batch_id}/results-{job_no:06d}.jsonl"
 
 
 def _status(raw: bytes) -> ResultStatus:
@@ -159,18 +104,15 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
     ikey = keys.shards(bid)
     done = client.hget(ikey, job)
     if done is not None:
-        return _entry(done)
+        return decode_entry(done)
     got = client.hmget(keys.results(bid), indices)
     if any(v is None for v in got):
         return None
     vals: list[bytes] = [v for v in got if isinstance(v, bytes)]
     key = shard_key(bid, job_no)
     entry = ShardEntry.of(key.rsplit("/", 1)[1], indices, (_status(v) for v in vals))
-    # Compact records (what workers before the shard index left after writing the shard) mean the
-    # shard is complete already: seal the job without rewriting it from them.
-    if all(_stored_at(v) is None for v in vals):
-        BlobStore.from_url(results_url, timeout_s=timeout_s, cancel=cancel).put_bytes(
-            key, b"".join(v + b"\n" for v in vals))
+    BlobStore.from_url(results_url, timeout_s=timeout_s, cancel=cancel).put_bytes(
+        key, b"".join(v + b"\n" for v in vals))
     if cancel is not None and cancel.is_set():
         raise SinkAbandoned(f"seal of {key}: not done (the worker is past its drain deadline)")
     sealed = scripts.SEAL_SHARD(keys=[keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid)],
@@ -179,7 +121,7 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
         return None
     if int(sealed) == 0:  # another flush sealed it first: its entry is the one that counts
         again = client.hget(ikey, job)
-        return _entry(again) if again is not None else None
+        return decode_entry(again) if again is not None else None
     return entry
 
 
@@ -246,7 +188,7 @@ def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float
         member = m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m)
         got = _MEMBER.fullmatch(member)
         try:
-            if got is None or not isinstance(d, bytes) or len(d) > _MAX_ENTRY_BYTES:
+            if got is None or not isinstance(d, bytes) or len(d) > MAX_ENTRY_BYTES:
                 raise ValueError("not an lmdq entry")
             data = json.loads(d)
             out.append(PendingShard(batch_id=member.split(":", 1)[0], job_no=int(got[1]), ranges=data["r"],
@@ -265,129 +207,3 @@ def drop_pending(client: redis.Redis, keys: Keys, member: str) -> None:
 def pending_count(client: redis.Redis, keys: Keys) -> int:
     """Shard writes waiting to be retried, fleet-wide."""
     return int(client.zcard(pending_keys(keys)[0]))
-
-
-def _entry(raw: Any) -> ShardEntry | None:
-    if not isinstance(raw, bytes) or len(raw) > _MAX_ENTRY_BYTES:
-        return None
-    try:
-        return ShardEntry.model_validate_json(raw)
-    except ValidationError:
-        return None
-
-
-def read_index(client: redis.Redis, keys: Keys, batch_id: str, total: int) -> dict[int, ShardEntry]:
-    """The batch's shard index, validated: entries that are not lmdq's, or name indices outside the
-    batch, are left out (their requests then read as missing, never from a wrong place)."""
-    out: dict[int, ShardEntry] = {}
-    for field, raw in client.hscan_iter(keys.shards(batch_id), count=1000):
-        try:
-            job_no = int(field)
-        except ValueError:
-            continue
-        e = _entry(raw)
-        if e is not None and job_no >= 0 and all(0 <= lo <= hi < total for lo, hi in e.ranges):
-            out[job_no] = e
-    return out
-
-
-def _index_of(line: bytes, uri: str) -> int:
-    try:
-        return int(json.loads(line)["index"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ResultsUnavailable(f"results shard {uri} has a line that is not a result") from e
-
-
-def _read_shard(uri: str, expected: list[int] | None = None) -> dict[int, bytes]:
-    """index -> line of one shard. A shard holds its job's records in index order, so with the job's
-    ``expected`` indices (its index entry) only the first and last lines are parsed to check that;
-    any other shard is parsed line by line."""
-    from lmdq.results.blobs import read_uri
-
-    try:
-        data = read_uri(uri)
-    except Exception as e:  # noqa: BLE001 - any storage error is the same answer to the user
-        raise ResultsUnavailable(f"cannot read results shard {uri}: {type(e).__name__}: {e}") from e
-    lines = [ln for ln in data.splitlines() if ln.strip()]
-    if (expected and len(lines) == len(expected) and _index_of(lines[0], uri) == expected[0]
-            and _index_of(lines[-1], uri) == expected[-1]):
-        return dict(zip(expected, lines))
-    return {_index_of(ln, uri): ln for ln in lines}
-
-
-class _Shards:
-    """Shards being read, each loaded once and dropped when its last request has been served: jobs of
-    consecutive requests keep one shard open at a time, jobs that group requests out of input order
-    keep open only those with requests still to come."""
-
-    def __init__(self, base: str, entries: dict[int, ShardEntry], remaining: dict[int, int]) -> None:
-        self.base = base
-        self.entries = entries
-        self.remaining = remaining
-        self.open: dict[int, dict[int, bytes]] = {}
-
-    def line(self, job_no: int, index: int) -> bytes:
-        lines = self.open.get(job_no)
-        uri = f"{self.base}/{self.entries[job_no].shard}"
-        if lines is None:
-            lines = self.open[job_no] = _read_shard(uri, list(self.entries[job_no].indices()))
-        self.remaining[job_no] -= 1
-        if self.remaining[job_no] <= 0:
-            del self.open[job_no]
-        try:
-            return lines[index]
-        except KeyError:
-            raise ResultsUnavailable(f"results shard {uri} has no record for request index {index}") from None
-
-
-def _stored_at(raw: bytes) -> str | None:
-    """The shard name on a COMPACT record (what workers before the shard index left in Redis)."""
-    if b'"stored_at"' not in raw or b'"stored_at":null' in raw:  # a full record (pydantic's JSON has no spaces)
-        return None
-    v = json.loads(raw).get("stored_at")
-    if not isinstance(v, str):
-        return None
-    if not SHARD_NAME.fullmatch(v):  # read from Redis: a name like '../../x' must never become a path
-        raise ResultsUnavailable(f"a result record names {v[:80]!r} as its shard: not a results shard name")
-    return v
-
-
-def iter_records(
-    store: ResultStore, batch: Batch, *, partial: bool = True,
-    need: Callable[[ShardEntry], bool] | None = None,
-) -> Iterator[tuple[int, bytes | None]]:
-    """(index, full record or None) for every request of ``batch``, in input order.
-
-    Requests of sealed jobs come from their shard, the others from Redis (with the partial record
-    as a fallback when ``partial``). ``need`` skips shards: a job whose entry it rejects yields None
-    for its requests without its shard being read (``retry`` reads only shards holding failures).
-    """
-    total = batch.request_counts.total
-    pairs = store.iter_results(batch.id, total, partial=partial)
-    if not batch.results_url:
-        yield from pairs
-        return
-    base = f"{batch.results_url.rstrip('/')}/{batch.id}"
-    entries = read_index(store.client, store.keys, batch.id, total)
-    owner = array("l", [-1]) * total
-    for job_no, e in entries.items():
-        for lo, hi in e.ranges:
-            owner[lo : hi + 1] = array("l", [job_no]) * (hi - lo + 1)
-    wanted = {j for j, e in entries.items() if need is None or need(e)}
-    remaining = dict(Counter(j for j in owner if j in wanted)) if entries else {}
-    shards = _Shards(base, entries, remaining)
-    legacy: dict[str, dict[int, bytes]] = {}
-    for i, raw in pairs:
-        job_no = owner[i]
-        if job_no >= 0:
-            yield i, (shards.line(job_no, i) if job_no in wanted else None)
-            continue
-        if raw is not None and (name := _stored_at(raw)) is not None:
-            uri = f"{base}/{name}"
-            if uri not in legacy:
-                legacy.clear()
-                legacy[uri] = _read_shard(uri)
-            if i not in legacy[uri]:
-                raise ResultsUnavailable(f"results shard {uri} has no record for request index {i}")
-            raw = legacy[uri][i]
-        yield i, raw

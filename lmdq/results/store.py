@@ -230,24 +230,46 @@ class ResultStore:
         )
 
     def iter_results(
-        self, batch_id: str, total: int, *, chunk: int = 2000, partial: bool = True
+        self, batch_id: str, total: int | None = None, *, partial: bool = True
     ) -> Iterator[tuple[int, bytes | None]]:
-        """(index, raw JSON or None) for every request in input order, pipelined in chunks.
+        """(index, raw JSON or None) for the first ``total`` requests (default: all), in input order,
+        wherever each record is: Redis, or its job's shard once sealed. Missing finals fall back to the
+        partial record when ``partial`` is set. The one reader's (:class:`lmdq.results.reader.ResultReader`)
+        shortcut for callers that know the batch by its id; a batch without a record reads Redis only
+        (its shard index, if it ever had one, expired or was purged with it)."""
+        from lmdq.results.reader import ResultReader
 
-        Missing finals fall back to the partial record when ``partial`` is set.
-        """
-        rkey, pkey = self.keys.results(batch_id), self.keys.partials(batch_id)
-        for start in range(0, total, chunk):
-            idx = list(range(start, min(total, start + chunk)))
-            with self.client.pipeline(transaction=False) as p:
-                p.hmget(rkey, idx)
-                if partial:
-                    p.hmget(pkey, idx)
-                got = p.execute()
-            finals = got[0]
-            partials = got[1] if partial else [None] * len(idx)
-            for i, f, pp in zip(idx, finals, partials):
-                yield i, f if f is not None else pp
+        try:
+            b = self.get_batch(batch_id)
+        except BatchNotFound:
+            reader = ResultReader(self, batch_id, total or 0)
+        else:
+            reader = ResultReader.of(self, b)
+        return reader.records(partial=partial, stop=total)
+
+    def read_records(self, batch_id: str, indices: list[int], *, partial: bool
+                     ) -> tuple[list[bytes | None], list[bytes | None]]:
+        """The final (and, with ``partial``, in-progress) records in Redis of ``indices``, one round trip.
+        Only :class:`lmdq.results.reader.ResultReader` calls this: a record may be in a shard instead."""
+        with self.client.pipeline(transaction=False) as p:
+            p.hmget(self.keys.results(batch_id), indices)
+            if partial:
+                p.hmget(self.keys.partials(batch_id), indices)
+            got = p.execute()
+        finals: list[bytes | None] = [v if isinstance(v, bytes) else None for v in got[0]]
+        partials: list[bytes | None] = [None] * len(indices)
+        if partial:
+            partials = [v if isinstance(v, bytes) else None for v in got[1]]
+        return finals, partials
+
+    def index_len(self, batch_id: str) -> int:
+        """Jobs in the batch's shard index (it only grows: a reader re-reads it when this changed)."""
+        return int(self.client.hlen(self.keys.shards(batch_id)))
+
+    def index_items(self, batch_id: str) -> Iterator[tuple[Any, Any]]:
+        """The batch's shard index as raw (job number, entry) pairs from Redis (untrusted:
+        :func:`lmdq.results.shards.read_index` validates them)."""
+        yield from self.client.hscan_iter(self.keys.shards(batch_id), count=1000)
 
     def output_tokens(self, batch_id: str) -> int:
         """Generated tokens of the batch's final results so far (the results script counts them)."""
@@ -256,13 +278,6 @@ class ResultStore:
             return max(0, int(raw)) if raw is not None else 0
         except ValueError:  # read from Redis: untrusted
             return 0
-
-    def finals(self, batch_id: str, indices: list[int]) -> list[bytes | None]:
-        """The final records of ``indices`` (None where a request has none in Redis), one round trip."""
-        if not indices:
-            return []
-        got = self.client.hmget(self.keys.results(batch_id), indices)
-        return [v if isinstance(v, bytes) else None for v in got]
 
     def partial_count(self, batch_id: str) -> int:
         return int(self.client.hlen(self.keys.partials(batch_id)))
