@@ -247,7 +247,7 @@ def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[s
             bid = sub.stdout.decode().strip().splitlines()[-1]
             end = time.monotonic() + cfg.timeout_s
             while True:
-                batch = store.get_batch(bid)
+                batch = store.batches.get(bid)
                 if batch.status.terminal:
                     break
                 if w.poll() is not None or time.monotonic() > end:

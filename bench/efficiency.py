@@ -143,7 +143,7 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
                              allow_unknown_model=True)
         batch, _ = submit_file(f, opts, client=client, keys=keys, ttl_s=3600)
     store = ResultStore(client, keys=keys)
-    while not store.get_batch(batch.id).status.terminal:
+    while not store.batches.get(batch.id).status.terminal:
         time.sleep(0.01)
     w.stop()
     th.join(60)
@@ -151,11 +151,11 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
 
     rs = [Result.model_validate_json(raw) for _, raw in store.iter_results(batch.id, cfg.n, partial=False) if raw]
     # The batch's completed_at is stamped by the Lua that stores its last result: "last result stored".
-    t_end = store.get_batch(batch.id).completed_at or max(r.timings.finished_at or 0 for r in rs)
+    t_end = store.batches.get(batch.id).completed_at or max(r.timings.finished_at or 0 for r in rs)
     toks = sum(r.generate_token_len for r in rs)
     assert len(rs) == cfg.n, f"{len(rs)} results for {cfg.n} prompts"
     # From the moment the jobs became visible on the queue (commit) to the last result stored.
-    t0 = store.get_batch(batch.id).queued_at or batch.created_at
+    t0 = store.batches.get(batch.id).queued_at or batch.created_at
     if timelines is not None:
         timelines.append(_timeline(rs, t0))
     return t_end - t0, toks

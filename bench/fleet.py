@@ -173,12 +173,12 @@ def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: in
 
     def done() -> bool:
         procs.check()
-        return store.get_batch(batch.id).status.terminal
+        return store.batches.get(batch.id).status.terminal
 
     wait_until(done, 600, f"batch of {n:,} requests", interval=0.25)
     after, stats1 = _Snap.of(client), client.info("commandstats")
     mem1 = _key_memory(client)
-    b = store.get_batch(batch.id)
+    b = store.batches.get(batch.id)
     assert b.status is BatchStatus.completed and b.request_counts.completed == n, b.request_counts
     secs = (b.completed_at or 0) - (b.queued_at or 0)
     out = {"workers": n_workers, "requests": n, "seconds": round(secs, 3),
@@ -204,7 +204,7 @@ def _running_memory(client: redis.Redis, store: ResultStore, cfg: FleetConfig, l
         log(f"{e}; measured with {client.hlen(keys.partials(batch.id))} of {n} partials")
     per = round((_key_memory(client) - before) / n)
     BatchLedger(client, keys=keys, ttl_s=3600).cancel(batch.id)
-    wait_until(lambda: store.get_batch(batch.id).status.terminal and client.llen(keys.inflight(MODEL)) == 0, 120,
+    wait_until(lambda: store.batches.get(batch.id).status.terminal and client.llen(keys.inflight(MODEL)) == 0, 120,
           "the cancelled batch to leave the worker")
     return per
 

@@ -104,8 +104,8 @@ def run_split_and_fleet(cfg: PrefixConfig, *, workers: int, engine: str, env: di
                              params=GenerationParams(max_new_tokens=cfg.output_len, ignore_eos=True, do_sample=False))
         batch, _ = submit_file(workload, opts, client=client, keys=Keys(PREFIX), ttl_s=3600)
         store = ResultStore(client, keys=Keys(PREFIX))
-        wait_until(lambda: store.get_batch(batch.id).status.terminal, timeout_s, "the batch")
-        b = store.get_batch(batch.id)
+        wait_until(lambda: store.batches.get(batch.id).status.terminal, timeout_s, "the batch")
+        b = store.batches.get(batch.id)
         assert b.request_counts.completed == cfg.n, b.request_counts
         toks = sum(json.loads(raw)["generate_token_len"] for _, raw in store.iter_results(batch.id, cfg.n) if raw)
         lmdq_s = (b.completed_at or 0) - (b.queued_at or 0)

@@ -60,7 +60,7 @@ def _one(client: redis.Redis, url: str, n: int, batch_size: int, tokens: int, si
     _worker(client, url, prefix, str(work))
     t2 = time.perf_counter()
     store = ResultStore(client, keys=Keys(prefix))
-    b = store.get_batch(batch.id)
+    b = store.batches.get(batch.id)
     if b.status is not BatchStatus.completed or b.request_counts.completed != n:
         raise RuntimeError(f"batch ended {b.status.value} with {b.request_counts}")
     after = int(client.info("memory")["used_memory"])

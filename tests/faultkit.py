@@ -66,7 +66,7 @@ def owners(client: redis.Redis, prefix: str) -> dict[str, str]:
 def assert_exactly_once(client: redis.Redis, prefix: str, bid: str, ids: list[str]) -> list[Result]:
     """Every input custom_id has exactly one final result; counts and store agree; nothing left over."""
     k = Keys(prefix)
-    b = ResultStore(client, keys=k).get_batch(bid)
+    b = ResultStore(client, keys=k).batches.get(bid)
     res = results_of(client, prefix, bid)
     got = [r.custom_id for r in res]
     missing = set(ids) - set(got)

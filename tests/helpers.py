@@ -23,7 +23,7 @@ def wait_batch(client: redis.Redis, prefix: str, batch_id: str, timeout: float =
     store = ResultStore(client, keys=Keys(prefix))
     deadline = time.monotonic() + timeout
     while True:
-        b = store.get_batch(batch_id)
+        b = store.batches.get(batch_id)
         if b.status.terminal:
             return b
         if time.monotonic() > deadline:
@@ -33,7 +33,7 @@ def wait_batch(client: redis.Redis, prefix: str, batch_id: str, timeout: float =
 
 def results_of(client: redis.Redis, prefix: str, batch_id: str) -> list[Result]:
     store = ResultStore(client, keys=Keys(prefix))
-    b = store.get_batch(batch_id)
+    b = store.batches.get(batch_id)
     return [Result.model_validate_json(raw) for _, raw in store.iter_results(batch_id, b.request_counts.total) if raw]
 
 
@@ -51,7 +51,7 @@ PERSON_SCHEMA: dict[str, Any] = {
 
 def commit_staged(client: Any, keys: Any, batch_id: str, model: str, n_jobs: int, n_requests: int) -> int:
     """Make jobs staged with ``JobQueue.stage`` visible through the ledger's commit (the production one,
-    one Lua call); the batch record must exist (``ResultStore.create_batch``). Returns the jobs queued."""
+    one Lua call); the batch record must exist (``BatchRecords.create``). Returns the jobs queued."""
     from lmdq.batches.ledger import BatchLedger, Staged
     from lmdq.contract import Batch, BatchStatus, Priority, RequestCounts
 

@@ -91,7 +91,7 @@ def test_retry_command_resubmits_failed_requests_as_new_batch(tmp_path: Path, en
     assert res["too-long"].status is ResultStatus.completed and res["too-long"].generate_token_len == 3
     assert res["always-bad"].error is not None and res["always-bad"].error.code == "internal_error"
     # the original batch is untouched
-    assert ResultStore(client, keys=Keys(prefix)).get_batch(bid).request_counts == b.request_counts
+    assert ResultStore(client, keys=Keys(prefix)).batches.get(bid).request_counts == b.request_counts
     # the retry of the retry has one request left; a batch with nothing failed says so clearly
     again = [json.loads(run_cli("producer", "retry", new["id"], "--json", "--idempotency-key", "r2", env=env).stdout)
              for _ in range(2)]
@@ -154,7 +154,7 @@ def test_four_sigterm_drains_of_a_busy_worker_fail_nothing(tmp_path: Path, env: 
         no_traceback(log)
     assert client.hget(k.runs(), first_job) == b"4"  # the same job, interrupted four times ...
     assert client.hlen(k.attempts()) == 0  # ... and charged nothing
-    assert ResultStore(client, keys=k).get_batch(bid).request_counts.failed == 0
+    assert ResultStore(client, keys=k).batches.get(bid).request_counts.failed == 0
     assert start_worker(*SIM, "--sim-step-ms", "1", "--sim-max-batch", "64", "--burst", env=env).wait(120) == 0
     b = wait_batch(client, prefix, bid)
     assert b.status is BatchStatus.completed and (b.request_counts.completed, b.request_counts.failed) == (n, 0)

@@ -229,7 +229,7 @@ def test_flush_job_rerun_writes_every_request_exactly_once(tmp_path: Path, clien
     store = ResultStore(client, keys=keys)
     url = str(tmp_path / "sink")
     b = "batch_" + "0" * 24  # a job's batch id has the form lmdq makes (issue 14)
-    store.create_batch(Batch(id=b, model="m", status=BatchStatus.queued, batch_size=3,
+    store.batches.create(Batch(id=b, model="m", status=BatchStatus.queued, batch_size=3,
                              request_counts=RequestCounts(total=6), created_at=time.time(), results_url=url))
     payload = JobPayload(batch_id=b, model="m", job_no=1, results_url=url,
                          requests=[{"index": i, "custom_id": f"c{i}", "prompt": "p"} for i in (3, 4, 5)])
@@ -259,11 +259,11 @@ def test_flush_job_rerun_writes_every_request_exactly_once(tmp_path: Path, clien
     assert not store.write_result(Result(batch_id=b, custom_id="c3", index=3, status=ResultStatus.completed,
                                          text="dup", model="m"))
     assert not client.exists(keys.results(b))
-    assert store.get_batch(b).request_counts.completed == 2
+    assert store.batches.get(b).request_counts.completed == 2
     # the reader takes the job's records from its shard, in order
     from lmdq.producer.export import iter_lmdq_lines
 
-    out = [json.loads(x) for x in iter_lmdq_lines(store, store.get_batch(b))]
+    out = [json.loads(x) for x in iter_lmdq_lines(store, store.batches.get(b))]
     assert [(x["index"], x["text"]) for x in out] == [(3, "answer 3"), (4, "answer 4"), (5, "")]
     assert all("stored_at" not in x for x in out)  # full records (the compact kind is gone with 0.1.0)
 

@@ -225,7 +225,7 @@ def test_status_watch_outlives_a_redis_restart(env: dict[str, str]) -> None:
     w: subprocess.Popen[bytes] | None = None
     try:
         keys = Keys("watch")
-        ResultStore(redis.Redis.from_url(srv.url), keys=keys).create_batch(Batch(
+        ResultStore(redis.Redis.from_url(srv.url), keys=keys).batches.create(Batch(
             id="b1", model="sim", status=BatchStatus.queued, batch_size=1, request_counts=RequestCounts(total=1),
             created_at=time.time()))
         w = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "status", "b1", "--watch", "--interval", "0.05"],
@@ -243,7 +243,7 @@ def test_status_watch_outlives_a_redis_restart(env: dict[str, str]) -> None:
             assert line, "the watcher ended instead of waiting for Redis"
             line = w.stderr.readline().decode()
         srv.start()
-        ResultStore(redis.Redis.from_url(srv.url), keys=keys).transition("b1", [BatchStatus.queued],
+        ResultStore(redis.Redis.from_url(srv.url), keys=keys).batches.transition("b1", [BatchStatus.queued],
                                                                           BatchStatus.cancelled)
         out, err = w.communicate(timeout=120)
         assert w.returncode == 0, err.decode()

@@ -63,7 +63,7 @@ def test_worker_usage_error_is_one_line(env: dict[str, str]) -> None:
 def test_format_names_are_not_case_sensitive(env: dict[str, str], client: redis.Redis, prefix: str) -> None:
     store = ResultStore(client, keys=Keys(prefix))
     bid = "batch_" + "a" * 24
-    store.create_batch(Batch(id=bid, model="sim", status=BatchStatus.completed, batch_size=1,
+    store.batches.create(Batch(id=bid, model="sim", status=BatchStatus.completed, batch_size=1,
                              request_counts=RequestCounts(total=0), created_at=time.time()))
     p = run_cli("lmdq.producer", "results", bid, "--format", "OpenAI", env=env)
     assert p.returncode == 0, p.stderr
@@ -73,7 +73,7 @@ def test_results_to_an_unwritable_path_is_one_line(env: dict[str, str], client: 
     """bd9ca4b: a FileNotFoundError traceback."""
     store = ResultStore(client, keys=Keys(prefix))
     bid = "batch_" + "b" * 24
-    store.create_batch(Batch(id=bid, model="sim", status=BatchStatus.completed, batch_size=1,
+    store.batches.create(Batch(id=bid, model="sim", status=BatchStatus.completed, batch_size=1,
                              request_counts=RequestCounts(total=1), created_at=time.time()))
     p = run_cli("lmdq.producer", "results", bid, "-o", "/nonexistent/x.jsonl", env=env)
     assert _one_error(p, ExitCode.bad_input) == (
@@ -87,7 +87,7 @@ def test_an_unwritable_output_fails_before_the_wait(env: dict[str, str], client:
     written at the end, so its path is tried separately)."""
     store = ResultStore(client, keys=Keys(prefix))
     bid = "batch_" + ("c" if name.endswith("jsonl") else "d") * 24
-    store.create_batch(Batch(id=bid, model="sim", status=BatchStatus.in_progress, batch_size=1,
+    store.batches.create(Batch(id=bid, model="sim", status=BatchStatus.in_progress, batch_size=1,
                              request_counts=RequestCounts(total=1), created_at=time.time()))
     p = run_cli("lmdq.producer", "results", bid, "--wait", "--timeout", "600", "-o", f"/nonexistent/{name}",
                 env=env)
@@ -118,7 +118,7 @@ def test_submit_dash_reads_stdin(env: dict[str, str], client: redis.Redis, prefi
         assert p.returncode == 0, p.stderr.decode()
         b = json.loads(p.stdout)
         assert b["request_counts"]["total"] == 2 and b["input_file"] == "-"
-        batch = store.get_batch(b["id"])
+        batch = store.batches.get(b["id"])
         got = BatchLedger(client, keys=Keys(prefix), ttl_s=3600).source_requests(batch, [0, 1])
         assert [r.prompt for r in got] == prompts
     bad = run_cli("lmdq.producer", "submit", "-", "--model", "sim", "--allow-unknown-model", env=env,

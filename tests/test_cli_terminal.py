@@ -55,7 +55,7 @@ def test_help_names_every_option_whole_at_80_columns(env: dict[str, str], comman
 
 def _batch(store: ResultStore, status: BatchStatus, model: str, counts: RequestCounts) -> str:
     bid = f"batch_{uuid.uuid4().hex[:24]}"  # the shape lmdq's ids have (lmdq.contract.BATCH_ID_PATTERN)
-    store.create_batch(Batch(id=bid, model=model, status=status, batch_size=8, request_counts=counts,
+    store.batches.create(Batch(id=bid, model=model, status=status, batch_size=8, request_counts=counts,
                              created_at=time.time()))
     return bid
 
@@ -163,7 +163,7 @@ def test_status_watch_prints_plain_progress_lines_when_not_a_terminal(
             assert f" {bid} in_progress 0/4 done " in line, line
             line = err.next()
         assert re.search(r"\(25\.0%\) \d+\.\d req/s  \d[\d.,]* tok/s  ETA \S+ elapsed=", line), line
-        store.transition(bid, [BatchStatus.in_progress], BatchStatus.cancelled)
+        store.batches.transition(bid, [BatchStatus.in_progress], BatchStatus.cancelled)
         out = w.stdout.read().decode()
         assert w.wait(timeout=120) == 0, err.seen
         while err.next():

@@ -107,7 +107,7 @@ def test_partial_text_visible_during_long_generation(tmp_path: Path, env: dict[s
     store = ResultStore(client, keys=Keys(prefix))
     seen: list[Result] = []
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not store.get_batch(bid).status.terminal:
+    while time.monotonic() < deadline and not store.batches.get(bid).status.terminal:
         for _, raw in store.iter_results(bid, 1):
             if raw:
                 r = Result.model_validate_json(raw)
@@ -132,7 +132,7 @@ def test_burst_exits_when_queues_empty(env: dict[str, str]) -> None:
 def _wait_in_progress(store: ResultStore, bid: str, timeout: float = 20) -> None:
     """Until a worker has started the batch (the tests' own assertions say what happens if none did)."""
     deadline = time.monotonic() + timeout
-    while store.get_batch(bid).status is not BatchStatus.in_progress and time.monotonic() < deadline:
+    while store.batches.get(bid).status is not BatchStatus.in_progress and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -147,7 +147,7 @@ def test_sigterm_with_work_in_flight_requeues_and_exits_zero(tmp_path: Path, env
     time.sleep(0.5)
     w.send_signal(signal.SIGTERM)
     assert w.wait(30) == 0
-    b = store.get_batch(bid)
+    b = store.batches.get(bid)
     assert b.request_counts.done == 0  # nothing could finish in 1 s of drain ...
     from lmdq.redis.keys import queue_name, rq_queue_key
 

@@ -27,7 +27,7 @@ def _batch(store: ResultStore, total: int, results_url: str | None = None) -> Ba
     bid = f"batch_{time.time_ns():024x}"[:30]
     b = Batch(id=bid, model="sim", status=BatchStatus.in_progress, batch_size=2,
               request_counts=RequestCounts(total=total), created_at=time.time(), results_url=results_url)
-    store.create_batch(b)
+    store.batches.create(b)
     return b
 
 
@@ -45,16 +45,16 @@ def test_finish_order_writes_each_result_at_the_first_poll_after_it_is_stored(cl
     store = ResultStore(client, keys=Keys(prefix))
     b = _batch(store, 4)
     f = Follower(store, b)
-    assert f.poll(store.get_batch(b.id)) == []
+    assert f.poll(store.batches.get(b.id)) == []
     _store_result(store, b.id, 2)
-    assert _indices(f.poll(store.get_batch(b.id))) == [2]
-    assert f.poll(store.get_batch(b.id)) == []  # never twice
+    assert _indices(f.poll(store.batches.get(b.id))) == [2]
+    assert f.poll(store.batches.get(b.id)) == []  # never twice
     _store_result(store, b.id, 0)
     _store_result(store, b.id, 3, ResultStatus.failed)
-    assert _indices(f.poll(store.get_batch(b.id))) == [0, 3]
+    assert _indices(f.poll(store.batches.get(b.id))) == [0, 3]
     assert not f.finished
     _store_result(store, b.id, 1)
-    last = store.get_batch(b.id)
+    last = store.batches.get(b.id)
     assert last.status is BatchStatus.completed
     assert _indices(f.poll(last)) == [1] and f.finished
 
@@ -65,13 +65,13 @@ def test_in_order_holds_back_only_what_must_wait(client: redis.Redis, prefix: st
     f = Follower(store, b, in_order=True)
     _store_result(store, b.id, 1)
     _store_result(store, b.id, 2)
-    assert f.poll(store.get_batch(b.id)) == []  # 0 is not in: 1 and 2 must wait
+    assert f.poll(store.batches.get(b.id)) == []  # 0 is not in: 1 and 2 must wait
     _store_result(store, b.id, 0)
-    assert _indices(f.poll(store.get_batch(b.id))) == [0, 1, 2]  # all three at once, no later
+    assert _indices(f.poll(store.batches.get(b.id))) == [0, 1, 2]  # all three at once, no later
     _store_result(store, b.id, 4)
-    assert f.poll(store.get_batch(b.id)) == []
+    assert f.poll(store.batches.get(b.id)) == []
     _store_result(store, b.id, 3)
-    assert _indices(f.poll(store.get_batch(b.id))) == [3, 4] and f.finished
+    assert _indices(f.poll(store.batches.get(b.id))) == [3, 4] and f.finished
 
 
 @pytest.mark.parametrize("in_order", [False, True])
@@ -89,12 +89,12 @@ def test_results_sealed_into_shards_are_followed_from_there(client: redis.Redis,
         _store_result(store, b.id, i)
     assert flush_job(client, keys, jobs[1]) is not None
     assert client.hlen(keys.results(b.id)) == 0  # in the shard only
-    got = f.poll(store.get_batch(b.id))
+    got = f.poll(store.batches.get(b.id))
     assert _indices(got) == ([] if in_order else [2, 3])
     for i in (0, 1):
         _store_result(store, b.id, i)
     assert flush_job(client, keys, jobs[0]) is not None
-    got += f.poll(store.get_batch(b.id))
+    got += f.poll(store.batches.get(b.id))
     assert _indices(got) == ([0, 1, 2, 3] if in_order else [2, 3, 0, 1]) and f.finished
     assert [json.loads(r)["text"] for r in sorted(got, key=lambda r: json.loads(r)["index"])] == [
         f"answer {i}" for i in range(4)]
@@ -128,7 +128,7 @@ def test_cli_follow_writes_while_the_batch_runs_and_ends_with_it(client: redis.R
             assert json.loads(out.next())["index"] == 0
             _store_result(store, b.id, 1)
             assert json.loads(out.next())["index"] == 1
-        assert store.get_batch(b.id).status is BatchStatus.in_progress
+        assert store.batches.get(b.id).status is BatchStatus.in_progress
         _store_result(store, b.id, 3)
         assert json.loads(out.next())["index"] == 3
         assert out.next() == ""  # end of output: the batch ended, so did the command

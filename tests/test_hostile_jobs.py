@@ -354,7 +354,7 @@ def test_traversal_job_is_refused_and_nothing_is_written_outside(tmp_path: Path,
     sink, blobs = str(allowed / "sink"), str(allowed / "blobs")
     keys = Keys(prefix)
     store = ResultStore(client, keys=keys, ttl_s=3600)
-    store.create_batch(Batch(id="../../x", model=MODEL, status=BatchStatus.queued, batch_size=1, num_jobs=1,
+    store.batches.create(Batch(id="../../x", model=MODEL, status=BatchStatus.queued, batch_size=1, num_jobs=1,
                              request_counts=RequestCounts(total=1), created_at=time.time(),
                              results_url=sink, blob_url=blobs))
     # RQ only saves ids of letters, digits, '_' and '-': the traversal rides in the payload's batch_id

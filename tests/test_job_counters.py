@@ -19,7 +19,7 @@ from tests.helpers import commit_staged, stage_jobs
 
 def _queue(client: redis.Redis, prefix: str, bid: str = "b", n_jobs: int = 1) -> tuple[JobQueue, list[str]]:
     jq = JobQueue(client, keys=Keys(prefix))
-    ResultStore(client, keys=Keys(prefix)).create_batch(
+    ResultStore(client, keys=Keys(prefix)).batches.create(
         Batch(id=bid, model="sim", status=BatchStatus.queued, batch_size=1,
               request_counts=RequestCounts(total=n_jobs), created_at=time.time()))
     q = queue_name("sim", "normal", prefix)

@@ -14,7 +14,7 @@ from tests.helpers import commit_staged, stage_jobs
 
 
 def _batch(store: ResultStore, bid: str, total: int) -> None:
-    store.create_batch(Batch(id=bid, model="sim", status=BatchStatus.queued, batch_size=4,
+    store.batches.create(Batch(id=bid, model="sim", status=BatchStatus.queued, batch_size=4,
                              request_counts=RequestCounts(total=total), created_at=time.time()))
 
 
@@ -27,10 +27,10 @@ def test_final_result_written_once_and_counted_once(client: redis.Redis, prefix:
     _batch(store, "b1", 2)
     assert store.write_result(_res("b1", 0, text="first"))
     assert not store.write_result(_res("b1", 0, text="late duplicate"))
-    b = store.get_batch("b1")
+    b = store.batches.get("b1")
     assert b.request_counts.completed == 1 and b.status is BatchStatus.queued
     assert store.write_result(_res("b1", 1, ResultStatus.failed))
-    b = store.get_batch("b1")
+    b = store.batches.get("b1")
     assert b.request_counts.completed == 1 and b.request_counts.failed == 1
     assert b.status is BatchStatus.completed and b.completed_at is not None
     (_, raw0), _ = list(store.iter_results("b1", 2))

@@ -46,7 +46,7 @@ def step_clock_back(client: redis.Redis, keys: Keys, step_s: float = STEP_S) -> 
 def _queue(client: redis.Redis, prefix: str, n_jobs: int) -> tuple[JobQueue, list[str]]:
     k = Keys(prefix)
     jq = JobQueue(client, keys=k)
-    ResultStore(client, keys=k).create_batch(Batch(id="b", model="sim", status=BatchStatus.queued, batch_size=1,
+    ResultStore(client, keys=k).batches.create(Batch(id="b", model="sim", status=BatchStatus.queued, batch_size=1,
                                                    request_counts=RequestCounts(total=n_jobs), created_at=time.time()))
     q = queue_name("sim", "normal", prefix)
     stage_jobs(client, jq, "b", q, n_jobs)

@@ -11,11 +11,11 @@ import pytest
 import redis
 
 from lmdq.batches.ledger import BatchLedger, Staged, new_batch_id
+from lmdq.batches.records import RUNNING_TTL_S
 from lmdq.contract import Batch, BatchStatus, Priority, RequestCounts, ResultStatus
 from lmdq.errors import BatchNotFound, RedisRefused, RetryRejected, SubmitRejected
 from lmdq.jobs.queue import job_id_for
 from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
-from lmdq.results.store import RUNNING_TTL_S
 from tests.conftest import RedisServer, free_port
 
 TTL = 3600

@@ -197,7 +197,7 @@ def test_python_api_model_column_and_counts_by_model(env: dict[str, str], client
     with pytest.raises(lmdq.SubmitRejected, match="column 'which'"):
         c.submit([{"q": "x", "which": MODELS[0]}, {"q": "y", "which": None}], prompt_column="q",
                  model_column="which")
-    assert ResultStore(client, keys=Keys(prefix)).list_batches(10)[0].id == batch.id
+    assert ResultStore(client, keys=Keys(prefix)).batches.newest(10)[0].id == batch.id
 
 
 def test_cancel_of_a_several_model_batch_answers_every_queue(tmp_path: Path, env: dict[str, str],

@@ -101,7 +101,7 @@ def test_names_differing_in_dropped_characters_never_share_a_queue(tmp_path: Pat
     batch = _submit(client, prefix, f, "org/model-x", batch_size=4)
     other = _worker(client, redis_url, prefix, "org_model-x")  # burst: its queues are empty, it exits
     assert other["jobs"] == 0
-    assert ResultStore(client, keys=Keys(prefix)).get_batch(batch.id).status.value == "queued"
+    assert ResultStore(client, keys=Keys(prefix)).batches.get(batch.id).status.value == "queued"
     _worker(client, redis_url, prefix, "org/model-x")
     got = results_of(client, prefix, batch.id)
     assert len(got) == 8 and {r.model for r in got} == {"org/model-x"}
@@ -121,7 +121,7 @@ def test_a_worker_moves_another_models_job_to_that_models_queue(tmp_path: Path, 
     stats = _worker(client, redis_url, prefix, "model-b")
     assert stats["jobs"] == 0 and stats["results"] == 0
     assert client.lrange(a_high, 0, -1) == [job_id_for(batch.id, 0).encode()]  # back at its own priority
-    assert ResultStore(client, keys=Keys(prefix)).get_batch(batch.id).request_counts.done == 0
+    assert ResultStore(client, keys=Keys(prefix)).batches.get(batch.id).request_counts.done == 0
     assert not client.hget(Keys(prefix).attempts(), job_id_for(batch.id, 0))  # no attempt charged
     _worker(client, redis_url, prefix, "model-a")
     got = results_of(client, prefix, batch.id)

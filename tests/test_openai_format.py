@@ -49,7 +49,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def _nothing_enqueued(client: redis.Redis, prefix: str) -> None:
-    assert ResultStore(client, keys=Keys(prefix)).list_batches(10) == []
+    assert ResultStore(client, keys=Keys(prefix)).batches.newest(10) == []
     # this test's own queues only: the redis-server is shared by the session (other tests' prefixes)
     assert not [k for k in client.scan_iter(f"rq:queue:{prefix}:*")]
 

@@ -26,7 +26,7 @@ class Clock:
 
 def _batch(store: ResultStore, total: int, model: str = "sim") -> str:
     bid = f"batch_{time.time_ns():024x}"[:30]
-    store.create_batch(Batch(id=bid, model=model, status=BatchStatus.in_progress, batch_size=8,
+    store.batches.create(Batch(id=bid, model=model, status=BatchStatus.in_progress, batch_size=8,
                              request_counts=RequestCounts(total=total), created_at=time.time()))
     return bid
 
@@ -50,19 +50,19 @@ def test_a_log_gets_a_line_per_change_of_status_or_interval_not_per_poll(client:
     bid = _batch(store, 20)
     clock = Clock()
     p, out = _progress(client, prefix, clock)
-    p.update(store.get_batch(bid))
+    p.update(store.batches.get(bid))
     assert p.lines == 1
     for i in range(10):  # ten polls a second apart, one result each: progress, but no status change
         clock.t += 1
         _done(store, bid, i)
-        p.update(store.get_batch(bid))
+        p.update(store.batches.get(bid))
     assert p.lines == 1, out.getvalue()
     for _ in range(19):  # nothing at all changes for 19 more polls
         clock.t += 1
-        p.update(store.get_batch(bid))
+        p.update(store.batches.get(bid))
     assert p.lines == 1, out.getvalue()
     clock.t += 1  # 30 s after the first line: the interval has passed
-    p.update(store.get_batch(bid))
+    p.update(store.batches.get(bid))
     assert p.lines == 2, out.getvalue()
     line = out.getvalue().splitlines()[-1]
     # 10 done over the 30 s window: 0.3 req/s, 50 tokens: 1.7 tok/s; 10 left at 1/3 a second: ETA 30 s
@@ -70,7 +70,7 @@ def test_a_log_gets_a_line_per_change_of_status_or_interval_not_per_poll(client:
     for i in range(10, 20):
         _done(store, bid, i)
     clock.t += 1
-    b = store.get_batch(bid)
+    b = store.batches.get(bid)
     assert b.status is BatchStatus.completed
     p.update(b)
     p.update(b)  # the end is said once
@@ -87,7 +87,7 @@ def test_a_batch_no_live_worker_serves_says_so(client: redis.Redis, prefix: str)
     clock = Clock()
     p, out = _progress(client, prefix, clock, interval=5)
     for _ in range(12):
-        p.update(store.get_batch(bid))
+        p.update(store.batches.get(bid))
         clock.t += 1
     lines = out.getvalue().splitlines()
     hints = [ln for ln in lines if ln.startswith("hint: ")]
@@ -97,7 +97,7 @@ def test_a_batch_no_live_worker_serves_says_so(client: redis.Redis, prefix: str)
     # a worker starts: the hint goes (a change: a line at once, without the hint)
     WorkerRegistry(client, keys=Keys(prefix), name="w1", model="llama-70b", ttl_s=60).register(pid=1)
     clock.t += 5  # the next worker check
-    p.update(store.get_batch(bid))
+    p.update(store.batches.get(bid))
     assert len(out.getvalue().splitlines()) == 5 and not out.getvalue().splitlines()[-1].startswith("hint")
 
 
@@ -115,10 +115,10 @@ def test_watch_returns_at_the_deadline_or_the_end(client: redis.Redis, prefix: s
             _done(store, bid, 0)
             _done(store, bid, 1)
 
-    b = watch(lambda: store.get_batch(bid), p, store.get_batch(bid), clock=clock, sleep=sleep)
+    b = watch(lambda: store.batches.get(bid), p, store.batches.get(bid), clock=clock, sleep=sleep)
     assert b.status is BatchStatus.completed and len(sleeps) == 3
     other = _batch(store, 2)
-    b = watch(lambda: store.get_batch(other), p, store.get_batch(other), deadline=clock.t + 2.5, clock=clock,
+    b = watch(lambda: store.batches.get(other), p, store.batches.get(other), deadline=clock.t + 2.5, clock=clock,
               sleep=lambda s: setattr(clock, "t", clock.t + s))
     assert b.status is BatchStatus.in_progress
 

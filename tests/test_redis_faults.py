@@ -41,15 +41,15 @@ def test_redis_out_of_memory_for_60s_during_result_writes_loses_and_fails_nothin
                          "--worker-name", "full", env=env, log=log)
         procs.append(w)
         store = ResultStore(client, keys=Keys(prefix))
-        wait_for(lambda: store.get_batch(bid).request_counts.done >= 12, 60, "some results")
+        wait_for(lambda: store.batches.get(bid).request_counts.done >= 12, 60, "some results")
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", 1)  # every write that may grow memory is refused from now on
-        at_oom = store.get_batch(bid).request_counts.done
+        at_oom = store.batches.get(bid).request_counts.done
         t0 = time.monotonic()
         while time.monotonic() - t0 < 60:
             assert w.poll() is None, "the worker died while Redis was full"
             time.sleep(1)
-        during = store.get_batch(bid).request_counts
+        during = store.batches.get(bid).request_counts
         client.config_set("maxmemory", 0)
         b = wait_batch(client, prefix, bid, timeout=120)
         w.send_signal(signal.SIGTERM)
@@ -99,10 +99,10 @@ def test_redis_restart_mid_batch_completes(how: str, tmp_path: Path, env: dict[s
                          env=wenv, log=log)
         procs.append(w)
         store = ResultStore(client, keys=Keys(prefix))
-        wait_for(lambda: store.get_batch(bid).request_counts.done >= n // 5, 60, "some results")
+        wait_for(lambda: store.batches.get(bid).request_counts.done >= n // 5, 60, "some results")
         # everysec: what was acknowledged more than a second ago is on disk even after SIGKILL
         time.sleep(max(0.0, 1.5 - (time.monotonic() - accepted)))
-        done_before = store.get_batch(bid).request_counts.done
+        done_before = store.batches.get(bid).request_counts.done
         srv.stop(kill=how == "sigkill")
         time.sleep(2.0)  # the worker keeps streaming; its writes wait for Redis
         # a producer started while Redis is down waits for it instead of failing
@@ -141,7 +141,7 @@ def test_lua_scripts_reload_after_the_script_cache_is_lost() -> None:
         c = connect(srv.url)
         keys = Keys("s")
         store, jq = ResultStore(c, keys=keys), JobQueue(c, keys=keys)
-        store.create_batch(Batch(id="b", model="sim", status=BatchStatus.queued, batch_size=1,
+        store.batches.create(Batch(id="b", model="sim", status=BatchStatus.queued, batch_size=1,
                                  request_counts=RequestCounts(total=3), created_at=time.time()))
         q = queue_name("sim", "normal", "s")
         stage_jobs(c, jq, "b", q, 3)
@@ -154,7 +154,8 @@ def test_lua_scripts_reload_after_the_script_cache_is_lost() -> None:
             return fn()
 
         assert fresh(lambda: commit_staged(c, keys, "b", "sim", 3, 3)) == 3
-        assert fresh(lambda: store.transition("b", [BatchStatus.queued], BatchStatus.in_progress)) == "in_progress"
+        moved = fresh(lambda: store.batches.transition("b", [BatchStatus.queued], BatchStatus.in_progress))
+        assert moved == "in_progress"
         first = fresh(lambda: jq.claim([q], model="sim", worker="w", lease_s=30))
         second = fresh(lambda: jq.claim([q], model="sim", worker="w", lease_s=0.05))
         assert first is not None and second is not None
@@ -165,7 +166,7 @@ def test_lua_scripts_reload_after_the_script_cache_is_lost() -> None:
         assert fresh(lambda: store.write_result(res(0)))
         assert fresh(lambda: store.write_results([res(1), res(2)])) == 2
         assert fresh(lambda: jq.finish(first, worker="w"))
-        assert store.get_batch("b").status is BatchStatus.completed
+        assert store.batches.get("b").status is BatchStatus.completed
     finally:
         srv.cleanup()
 

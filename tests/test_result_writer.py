@@ -1,13 +1,16 @@
-"""Final results written behind the job's thread, in pipelined batches, on a real redis-server."""
+"""Final results written behind the job's thread, in pipelined batches, on a real redis-server; a job
+sealed by the writer that wrote its results."""
 
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import redis
 import structlog
 
-from lmdq.contract import Result, ResultStatus
+from lmdq.contract import Batch, BatchStatus, JobPayload, Request, RequestCounts, Result, ResultStatus
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
 from lmdq.worker.result_writer import ResultWriter
@@ -45,3 +48,35 @@ def test_results_queued_together_go_in_one_pipelined_call_each_written_once(clie
     w.wait(again)
     assert w.stats["results"] == 100 and w.stats["duplicates"] == 10
     assert int(client.hget(keys.batch("b"), "completed") or 0) == 100
+
+
+def test_a_job_is_sealed_by_the_writer_that_wrote_its_results(client: redis.Redis, prefix: str,
+                                                               tmp_path: Path) -> None:
+    """Sealing happens where results are written: the writer's ``seal`` writes the job's shard and moves
+    its records out of Redis; a job without a results URL, or a writer without a sink, seals nothing."""
+    from lmdq.results.output_urls import OutputPolicy
+    from lmdq.worker.results_sink import ResultsSink
+
+    keys = Keys(prefix)
+    store = ResultStore(client, keys=keys, ttl_s=3600)
+    sink_url = str(tmp_path / "sink")
+    b = Batch(id=f"batch_{time.time_ns():024x}"[:30], model="m", status=BatchStatus.in_progress, batch_size=4,
+              request_counts=RequestCounts(total=4), created_at=0.0, results_url=sink_url)
+    store.batches.create(b)
+    log = structlog.get_logger()
+    sink = ResultsSink(client, keys, store=store, outputs=OutputPolicy([sink_url]), log=log, timeout_s=10,
+                       retry_max_s=1, ttl_s=3600, stopping=threading.Event())
+    w = ResultWriter(store, log=log, give_up=threading.Event(), sink=sink)
+    payload = JobPayload(batch_id=b.id, model="m", job_no=0, results_url=sink_url,
+                         requests=[Request(index=i, custom_id=f"r{i}", prompt="p") for i in range(4)])
+    futs = [w.final_async(r) for r in _results(b.id, 4)]
+    w.wait(futs)
+    assert ResultWriter(store, log=log, give_up=threading.Event()).seal(payload, log) is None  # no sink
+    assert w.seal(payload.model_copy(update={"results_url": None}), log) is None  # no results URL
+    assert client.hlen(keys.results(b.id)) == 4 and not (tmp_path / "sink").exists()
+    entry = w.seal(payload, log)
+    assert entry is not None and entry.ranges == [(0, 3)] and entry.all_completed()
+    assert not client.exists(keys.results(b.id)) and client.hlen(keys.shards(b.id)) == 1
+    shard = tmp_path / "sink" / b.id / "results-000000.jsonl"
+    assert [Result.model_validate_json(x).index for x in shard.read_bytes().splitlines()] == [0, 1, 2, 3]
+    assert w.seal(payload, log) == entry and sink.stats["shards"] == 2  # sealed already: the same entry

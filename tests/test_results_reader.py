@@ -31,7 +31,7 @@ def _batch(store: ResultStore, results_url: str | None, total: int = N) -> Batch
     bid = f"batch_{time.time_ns():024x}"[:30]
     b = Batch(id=bid, model="sim", status=BatchStatus.in_progress, batch_size=2,
               request_counts=RequestCounts(total=total), created_at=time.time(), results_url=results_url)
-    store.create_batch(b)
+    store.batches.create(b)
     return b
 
 
@@ -62,7 +62,7 @@ def _half_sealed(client: redis.Redis, prefix: str, tmp_path: Path) -> tuple[Resu
     assert sorted(int(k) for k in client.hkeys(keys.results(b.id))) == [2, 3, 6, 7]  # the others: shards only
     assert sorted(p.name for p in (tmp_path / "sink" / b.id).iterdir()) == [
         "results-000000.jsonl", "results-000002.jsonl"]
-    return store, store.get_batch(b.id)
+    return store, store.batches.get(b.id)
 
 
 def _indices(raws: list[bytes]) -> list[int]:
@@ -128,7 +128,7 @@ def test_a_half_sealed_batch_reads_complete_through_the_python_api_and_the_http_
     from lmdq.api.settings import ApiSettings
 
     backend = Backend(ApiSettings(redis_url=redis_url, key_prefix=prefix), client=client)
-    lines = list(backend.openai_lines(backend.store.get_batch(b.id)))
+    lines = list(backend.openai_lines(backend.store.batches.get(b.id)))
     assert [json.loads(line)["custom_id"] for _, line in lines] == [f"r{i}" for i in range(N)]
     assert [i for i, (err, _) in enumerate(lines) if err] == [FAILED]
 
@@ -142,7 +142,7 @@ def test_jobs_sealed_while_the_batch_is_read_are_not_missed(client: redis.Redis,
     b = _batch(store, str(tmp_path / "sink"))
     _answer(store, b, range(N))
     _seal(client, keys, b, 0)
-    it = ResultReader.of(store, store.get_batch(b.id), chunk=2).records(partial=False)
+    it = ResultReader.of(store, store.batches.get(b.id), chunk=2).records(partial=False)
     first = [next(it), next(it)]  # job 0, from its shard (the index read: one entry)
     _seal(client, keys, b, 2, 3)  # after the reader's index read, before it reaches them
     rest = list(it)
@@ -158,16 +158,16 @@ def test_a_follower_finds_jobs_sealed_between_its_polls(client: redis.Redis, pre
     b = _batch(store, str(tmp_path / "sink"))
     f, g = Follower(store, b), Follower(store, b, in_order=True)
     _answer(store, b, [2, 3])
-    assert _indices(f.poll(store.get_batch(b.id))) == [2, 3]  # from Redis
-    assert g.poll(store.get_batch(b.id)) == []  # 0 is not in yet
+    assert _indices(f.poll(store.batches.get(b.id))) == [2, 3]  # from Redis
+    assert g.poll(store.batches.get(b.id)) == []  # 0 is not in yet
     _seal(client, keys, b, 1)
     _answer(store, b, [0, 1])
     _seal(client, keys, b, 0)
-    assert _indices(g.poll(store.get_batch(b.id))) == [0, 1, 2, 3]  # all four from the shards
-    assert _indices(f.poll(store.get_batch(b.id))) == [0, 1]  # never 2 and 3 twice
+    assert _indices(g.poll(store.batches.get(b.id))) == [0, 1, 2, 3]  # all four from the shards
+    assert _indices(f.poll(store.batches.get(b.id))) == [0, 1]  # never 2 and 3 twice
     _answer(store, b, range(4, N))
     _seal(client, keys, b, 3)
-    end = store.get_batch(b.id)
+    end = store.batches.get(b.id)
     assert _indices(f.poll(end)) == [4, 5, 6, 7] and f.finished
     assert _indices(g.poll(end)) == [4, 5, 6, 7] and g.finished
 
@@ -179,11 +179,11 @@ def test_need_skips_shards_without_reading_them(client: redis.Redis, prefix: str
     _answer(store, b, range(N))
     _seal(client, keys, b, 0, 1, 2, 3)
     (tmp_path / "sink" / shard_key(b.id, 1)).unlink()  # job 1 holds no failure: it must not be read
-    got = dict(ResultReader.of(store, store.get_batch(b.id)).records(
+    got = dict(ResultReader.of(store, store.batches.get(b.id)).records(
         partial=False, need=lambda e: e.has_any({ResultStatus.failed})))
     assert [i for i, raw in got.items() if raw is not None] == [4, 5]  # job 2's, the one with the failure
     with pytest.raises(ResultsUnavailable, match="cannot read results shard"):
-        list(ResultReader.of(store, store.get_batch(b.id)).records())
+        list(ResultReader.of(store, store.batches.get(b.id)).records())
 
 
 def test_partials_fill_in_only_for_requests_with_no_final_anywhere(client: redis.Redis, prefix: str,
@@ -195,7 +195,7 @@ def test_partials_fill_in_only_for_requests_with_no_final_anywhere(client: redis
     _seal(client, keys, b, 0)
     assert store.write_partial(Result(batch_id=b.id, custom_id="r2", index=2, status=ResultStatus.in_progress,
                                       model="sim", text="half"))
-    reader = ResultReader.of(store, store.get_batch(b.id))
+    reader = ResultReader.of(store, store.batches.get(b.id))
     with_partials = [(i, raw and json.loads(raw)["text"]) for i, raw in reader.records()]
     assert with_partials == [(0, "answer 0"), (1, "answer 1"), (2, "half"), (3, None)]
     assert [raw is None for _, raw in reader.records(partial=False)] == [False, False, True, True]
@@ -215,7 +215,7 @@ def test_an_index_entry_naming_a_file_outside_the_batch_folder_is_never_read(
         "0": json.dumps({"shard": "../../secret.jsonl", "ranges": [[0, 1]]}),
         "1": json.dumps({"shard": "results-000001.jsonl", "ranges": [[0, 5]]}),  # past the batch's end
         "x": b"\xff not json"})
-    got = list(ResultReader.of(store, store.get_batch(b.id)).records())
+    got = list(ResultReader.of(store, store.batches.get(b.id)).records())
     assert got == [(0, None), (1, None)]
 
 

@@ -83,7 +83,7 @@ def test_sink_leaves_at_most_100_bytes_per_completed_request(tmp_path: Path, pri
     batch = _submit(client, prefix, f, results_url=str(sink), params=GenerationParams(max_new_tokens=16))
     stats = _worker(client, private_redis.url, prefix, allowed_output_urls=str(tmp_path))
     store = ResultStore(client, keys=Keys(prefix))
-    b = store.get_batch(batch.id)
+    b = store.batches.get(batch.id)
     assert b.status is BatchStatus.completed and b.request_counts.completed == n
     assert stats["duplicates"] == 0
 
@@ -121,7 +121,7 @@ def test_a_rerun_after_the_trim_runs_and_writes_nothing(tmp_path: Path, client: 
     saved = {j: client.hgetall(Job.key_for(job_id_for(batch.id, j))) for j in range(2)}
     _worker(client, redis_url, prefix, allowed_output_urls=str(tmp_path))
     store = ResultStore(client, keys=keys)
-    first = list(iter_lmdq_lines(store, store.get_batch(batch.id)))
+    first = list(iter_lmdq_lines(store, store.batches.get(batch.id)))
     assert len(first) == 10 and client.hlen(keys.shards(batch.id)) == 2
     # the job as a dead worker left it: hash back, id back on its queue
     for j, fields in saved.items():
@@ -132,7 +132,7 @@ def test_a_rerun_after_the_trim_runs_and_writes_nothing(tmp_path: Path, client: 
     # a late writer (a worker presumed dead) is refused too, final or partial
     late = Result(batch_id=batch.id, custom_id="r1", index=1, status=ResultStatus.completed, text="late", model=MODEL)
     assert not store.write_result(late) and not store.write_partial(late)
-    b = store.get_batch(batch.id)
+    b = store.batches.get(batch.id)
     assert b.request_counts.completed == 10 and b.status is BatchStatus.completed
     assert not client.exists(keys.results(batch.id), keys.partials(batch.id))
     assert list(iter_lmdq_lines(store, b)) == first
@@ -148,7 +148,7 @@ def test_retry_reads_failures_from_the_shards_and_keeps_their_jobs(tmp_path: Pat
     f = write_jsonl(tmp_path / "p.jsonl", _rows(40, fail_every=16))  # failures at 3, 19, 35: jobs 0, 2, 4
     batch = _submit(client, prefix, f, results_url=str(tmp_path / "sink"), batch_size=8)
     _worker(client, redis_url, prefix, allowed_output_urls=str(tmp_path))
-    b = ResultStore(client, keys=Keys(prefix)).get_batch(batch.id)
+    b = ResultStore(client, keys=Keys(prefix)).batches.get(batch.id)
     assert b.request_counts.failed == 3 and b.request_counts.completed == 37
     have = [j for j in range(5) if client.exists(Job.key_for(job_id_for(batch.id, j)))]
     assert have == [0, 2, 4]
@@ -185,7 +185,7 @@ def test_lmdq_results_url_is_every_batchs_sink_unless_overridden(tmp_path: Path,
     stats = _worker(client, env["LMDQ_REDIS_URL"], prefix, results_url=str(sink))
     assert stats["jobs"] == 3
     store = ResultStore(client, keys=Keys(prefix))
-    done = [b for b in store.list_batches() if b.status.terminal]
+    done = [b for b in store.batches.newest() if b.status.terminal]
     by_url = {b.results_url: b for b in done}
     assert by_url[str(sink)].request_counts.completed == 4
     assert by_url[str(other)].request_counts.failed == 4  # outside the worker's allowed prefixes

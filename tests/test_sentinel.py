@@ -195,7 +195,7 @@ def test_worker_and_producer_ride_two_failovers_with_nothing_lost(tmp_path: Path
 
     def done(name: str, bid: str) -> int:
         try:
-            return store[name].get_batch(bid).request_counts.done
+            return store[name].batches.get(bid).request_counts.done
         except redis.RedisError:
             return -1
 
@@ -213,7 +213,7 @@ def test_worker_and_producer_ride_two_failovers_with_nothing_lost(tmp_path: Path
     sentinels.procs["b"].kill()  # unreplicated writes die with it: their jobs are re-run
     sentinels.procs["b"].wait(10)
     sentinels.wait_primary("a")
-    wait_for(lambda: store["a"].get_batch(bid_b).status.terminal, 120, "batch B to end on a")
+    wait_for(lambda: store["a"].batches.get(bid_b).status.terminal, 120, "batch B to end on a")
 
     client = sentinels.client("a")
     k = Keys(prefix)
@@ -224,7 +224,7 @@ def test_worker_and_producer_ride_two_failovers_with_nothing_lost(tmp_path: Path
              and client.llen(rq_queue_key(queue_name("sim", "normal", prefix))) == 0, 60,
              "the leases the failovers left to be reaped and released")
     for bid, ids in ((bid_a, ids_a), (bid_b, ids_b)):
-        assert store["a"].get_batch(bid).status is BatchStatus.completed
+        assert store["a"].batches.get(bid).status is BatchStatus.completed
         res = assert_exactly_once(client, prefix, bid, ids)
         assert all(r.status.value == "completed" and r.attempt == 1 for r in res)
     m = fresh(exporter_port)  # the exporter, on the same URL, reads the primary of the moment

@@ -133,7 +133,7 @@ def test_flush_to_a_hung_s3_seals_nothing_and_keeps_the_records(
     store = ResultStore(client, keys=keys)
     url = f"s3://{BUCKET}/unit"
     b = "batch_" + "1" * 24
-    store.create_batch(Batch(id=b, model="m", status=BatchStatus.queued, batch_size=2,
+    store.batches.create(Batch(id=b, model="m", status=BatchStatus.queued, batch_size=2,
                              request_counts=RequestCounts(total=2), created_at=time.time(), results_url=url))
     payload = JobPayload(batch_id=b, model="m", job_no=0, results_url=url,
                          requests=[{"index": i, "custom_id": f"c{i}", "prompt": "p"} for i in (0, 1)])
@@ -295,7 +295,7 @@ def test_sweeper_retries_only_real_jobs_of_allowed_sinks(tmp_path: Path, client:
     ok_url, other_url = str(tmp_path / "ok"), str(tmp_path / "other")
 
     def batch(bid: str, url: str) -> None:
-        store.create_batch(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=2,
+        store.batches.create(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=2,
                                  request_counts=RequestCounts(total=2), created_at=time.time(), results_url=url))
         for i in (0, 1):
             store.write_result(Result(batch_id=bid, custom_id=f"c{i}", index=i, status=ResultStatus.completed,
@@ -379,7 +379,7 @@ def test_a_sweep_tries_a_hung_sink_once_not_once_per_entry(
     store = ResultStore(client, keys=keys)
     url = f"s3://{BUCKET}/sweep"
     bid = "batch_" + "d" * 24
-    store.create_batch(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=1,
+    store.batches.create(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=1,
                              request_counts=RequestCounts(total=3), created_at=time.time(), results_url=url))
     for i in range(3):
         store.write_result(Result(batch_id=bid, custom_id=f"c{i}", index=i, status=ResultStatus.completed,
@@ -414,7 +414,7 @@ def test_a_full_redis_is_freed_when_the_sink_answers(tmp_path: Path, client: red
     store = ResultStore(client, keys=keys)
     url = str(tmp_path / "sink")
     bid = "batch_" + "e" * 24
-    store.create_batch(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=2,
+    store.batches.create(Batch(id=bid, model="m", status=BatchStatus.queued, batch_size=2,
                              request_counts=RequestCounts(total=2), created_at=time.time(), results_url=url))
     for i in (0, 1):
         store.write_result(Result(batch_id=bid, custom_id=f"c{i}", index=i, status=ResultStatus.completed,

@@ -44,7 +44,7 @@ def test_first_jobs_are_visible_while_the_rest_is_staged(tmp_path: Path, client:
 
     def at_first_commit() -> None:
         (bid,) = [b.decode().split(":")[-1] for b in client.keys(f"{prefix}:batch:*") if b.count(b":") == 2]
-        batch = ResultStore(client, keys=keys).get_batch(bid)
+        batch = ResultStore(client, keys=keys).batches.get(bid)
         seen.update(status=batch.status, queued=len(_queue(client, prefix)), jobs=batch.num_jobs,
                     visible=int(client.hget(keys.batch(bid), BatchField.visible_jobs.value) or 0))
 
@@ -81,7 +81,7 @@ def test_file_edited_after_the_first_jobs_cancels_the_batch(tmp_path: Path, clie
     assert "Staging stopped after 58 of 100 jobs" in msg and "it was cancelled" in msg, msg
     assert "420 were never queued" in msg, msg
     (bid,) = [b.decode().split(":")[-1] for b in client.keys(f"{prefix}:batch:*") if b.count(b":") == 2]
-    batch = ResultStore(client, keys=keys).get_batch(bid)
+    batch = ResultStore(client, keys=keys).batches.get(bid)
     assert batch.status is BatchStatus.cancelled
     assert batch.request_counts.cancelled == 1000 and batch.request_counts.done == batch.request_counts.total
     assert _queue(client, prefix) == []
@@ -110,7 +110,7 @@ def test_a_line_edited_past_the_read_ahead_is_refused_before_it_is_staged(tmp_pa
     msg = str(e.value)
     assert "line 19001 is not what was validated" in msg and "it was cancelled" in msg, msg
     (bid,) = [b.decode().split(":")[-1] for b in client.keys(f"{prefix}:batch:*") if b.count(b":") == 2]
-    assert ResultStore(client, keys=keys).get_batch(bid).status is BatchStatus.cancelled
+    assert ResultStore(client, keys=keys).batches.get(bid).status is BatchStatus.cancelled
     assert "PROMPT NUMBER" not in "".join(
         (client.hget(k, "data") or b"").decode("latin-1") for k in client.keys(f"rq:job:{bid}-*"))
 
@@ -195,7 +195,7 @@ def test_a_request_of_a_400k_line_file_completes_before_its_submit_exits(tmp_pat
         r = Result.model_validate_json(raw)
         assert r.status.value == "completed" and r.timings.finished_at is not None
         assert r.timings.finished_at < exited, (r.timings.finished_at, exited)
-        batch = store.get_batch(bid)
+        batch = store.batches.get(bid)
         assert batch.request_counts.total == 400_000 and batch.queued_at is not None
         print(f"\nfirst request done {exited - r.timings.finished_at:.2f} s before submit exited; "
               f"jobs visible {batch.queued_at - batch.created_at:.2f} s after the batch record was created")

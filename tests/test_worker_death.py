@@ -59,7 +59,7 @@ def test_sigkill_worker_three_times_nothing_lost_nothing_duplicated(tmp_path: Pa
     for k, (lo, hi) in enumerate(windows):
         at = int(rng.uniform(lo, hi) * n)
         name = f"A{k}"
-        wait_for(lambda at=at: store.get_batch(bid).request_counts.done >= at, 60, f"{at} results")
+        wait_for(lambda at=at: store.batches.get(bid).request_counts.done >= at, 60, f"{at} results")
         wait_for(lambda name=name: name in owners(client, prefix).values(), 30, f"{name} to hold a job")
         time.sleep(rng.uniform(0.0, 0.4))
         holding = sorted(j for j, w in owners(client, prefix).items() if w == name)
@@ -79,7 +79,7 @@ def test_sigkill_worker_three_times_nothing_lost_nothing_duplicated(tmp_path: Pa
     reaped = [e for lg in logs for e in events(lg) if e.get("event") == "re-queued job of a dead worker"]
     # A re-run is a request of a reaped job whose result came from a later run (another worker). Issue 13:
     # results no longer count runs as attempts, so re-runs are found from the reaped jobs, not `attempt`.
-    batch_size = ResultStore(client, keys=Keys(prefix)).get_batch(bid).batch_size
+    batch_size = ResultStore(client, keys=Keys(prefix)).batches.get(bid).batch_size
     reaped_jobs = {e["job"] for e in reaped}
     dead = {f"A{k}" for k in range(3)}
     reruns = [r for r in res if f"{bid}-{r.index // batch_size:06d}" in reaped_jobs and r.worker not in dead]
@@ -132,7 +132,7 @@ def test_presumed_dead_worker_late_results_never_overwrite(tmp_path: Path, env: 
     b.send_signal(signal.SIGTERM)
     assert a.wait(30) == 0 and b.wait(30) == 0
     assert client.hgetall(Keys(prefix).results(bid)) == before  # nothing overwritten
-    assert ResultStore(client, keys=Keys(prefix)).get_batch(bid).request_counts == counts  # nothing recounted
+    assert ResultStore(client, keys=Keys(prefix)).batches.get(bid).request_counts == counts  # nothing recounted
     res = assert_exactly_once(client, prefix, bid, ids)
     lost = [e for e in events(la) if e.get("event", "").startswith("lease lost")]
     assert {e["job"] for e in lost} <= set(frozen_jobs) and lost

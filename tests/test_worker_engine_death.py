@@ -90,12 +90,12 @@ def test_engine_killed_mid_batch_worker_exits_70_requeues_uncharged_health_fails
     th.start()
     store = ResultStore(client, keys=Keys(prefix))
     try:
-        wait_for(lambda: store.get_batch(bid).request_counts.done >= 6 and owners(client, prefix), 60,
+        wait_for(lambda: store.batches.get(bid).request_counts.done >= 6 and owners(client, prefix), 60,
                  "results and held jobs")
         assert _get(f"http://127.0.0.1:{port}/healthz")[0] == 200
         assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200
         held = len(owners(client, prefix))
-        done_before = store.get_batch(bid).request_counts.done
+        done_before = store.batches.get(bid).request_counts.done
         t = time.monotonic()
         eng.kill()
         th.join(60)
@@ -116,7 +116,7 @@ def test_engine_killed_mid_batch_worker_exits_70_requeues_uncharged_health_fails
     assert queued >= w.stats["requeued"]  # ... to the queue (nothing ran them since)
     assert client.hlen(k.attempts()) == 0, "an engine death charged an attempt"
     assert client.hlen(k.crashes()) > 0  # the jobs in the engine have the death on record
-    assert store.get_batch(bid).request_counts.failed == 0
+    assert store.batches.get(bid).request_counts.failed == 0
     # the supervisor's fresh worker (fresh engine) completes everything exactly once
     s2 = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0, max_attempts=1,
                         burst=True)
@@ -149,7 +149,7 @@ def test_poison_prompt_fails_alone_with_engine_crash_neighbours_complete(
         w = start_worker(*wargs, "--worker-name", f"w{i}", env=env, log=logs[-1])
         procs.append(w)
         codes.append(w.wait(120))
-        if store.get_batch(bid).status.terminal:
+        if store.batches.get(bid).status.terminal:
             break
     assert codes == [70, 70, 70, 0], codes
     b = wait_batch(client, prefix, bid, timeout=10)
@@ -215,7 +215,7 @@ def test_engine_failing_every_job_at_once_without_saying_so_is_taken_for_dead(
         th.join(30)
     k = Keys(prefix)
     assert client.hlen(k.attempts()) == 0, "a silent engine death charged an attempt"
-    assert ResultStore(client, keys=k).get_batch(bid).request_counts.failed == 0
+    assert ResultStore(client, keys=k).batches.get(bid).request_counts.failed == 0
     s2 = WorkerSettings(redis_url=redis_url, key_prefix=prefix, heartbeat_ttl_s=2, health_port=0, max_attempts=1,
                         burst=True)
     assert Worker(engine=SimEngine(model_name="sim", step_ms=0), client=client, settings=s2,

@@ -148,7 +148,7 @@ class JobAttempt:
         )
         if start.status in (BatchStatus.validating, BatchStatus.queued):
             self.writer.call(
-                lambda: self.store.transition(payload.batch_id, [BatchStatus.validating, BatchStatus.queued],
+                lambda: self.store.batches.transition(payload.batch_id, [BatchStatus.validating, BatchStatus.queued],
                                               BatchStatus.in_progress, BatchField.in_progress_at),
                 "mark batch in progress",
             )

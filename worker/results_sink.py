@@ -28,12 +28,12 @@ from typing import Any
 
 import redis
 
-from lmdq.redis.connection import RetryPolicy, with_reconnect
 from lmdq.contract import JobPayload
 from lmdq.errors import BatchNotFound
+from lmdq.logs.redaction import redact_url
+from lmdq.redis.connection import RetryPolicy, with_reconnect
 from lmdq.redis.keys import Keys
 from lmdq.results.output_urls import OutputPolicy, shown
-from lmdq.logs.redaction import redact_url
 from lmdq.results.shards import ShardEntry, ranges_of
 from lmdq.results.sink import PendingShard, add_pending, claim_pending, drop_pending, flush_job, flush_shard
 from lmdq.results.store import ResultStore
@@ -133,7 +133,7 @@ class ResultsSink:
 
     def _retry(self, p: PendingShard, down: set[str]) -> None:
         try:
-            batch = self.store.get_batch(p.batch_id)
+            batch = self.store.batches.get(p.batch_id)
         except BatchNotFound:
             drop_pending(self.client, self.keys, p.member)  # purged or expired: nothing to write
             return

@@ -77,13 +77,13 @@ class Backend:
         from lmdq.errors import BatchNotFound
 
         try:
-            return self.store.get_batch(batch_id)
+            return self.store.batches.get(batch_id)
         except BatchNotFound:
             return None
 
     def get_many(self, batch_ids: Iterable[str]) -> dict[str, Batch]:
         """Several batches in one round trip (a list page), by id; gone ones are left out."""
-        return {b.id: b for b in self.store.get_batches(batch_ids)}
+        return {b.id: b for b in self.store.batches.get_many(batch_ids)}
 
     def cancel(self, batch_id: str) -> Batch:
         """``lmdq-producer cancel``: queued jobs off the queue, in-flight requests aborted."""

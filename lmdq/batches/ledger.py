@@ -45,6 +45,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 
+from lmdq.batches.records import RUNNING_TTL_S, staging_ttl
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
 from lmdq.errors import IdempotencyConflict, PurgeRefused, RedisRefused, RetryRejected, SubmitRejected
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
@@ -55,7 +56,7 @@ from lmdq.redis import scripts
 from lmdq.redis.connection import Refusal, refusal, server_address
 from lmdq.redis.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.redis.replies import reply_text
-from lmdq.results.store import RUNNING_TTL_S, ResultStore, staging_ttl
+from lmdq.results.store import ResultStore
 from lmdq.workers.registry import ModelRegistry
 
 __all__ = ["BatchLedger", "Purged", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
@@ -266,7 +267,7 @@ class BatchLedger:
     # ---- lookups --------------------------------------------------------------------------
     def get(self, batch_id: str) -> Batch:
         """The batch record; raises BatchNotFound."""
-        return self.store.get_batch(batch_id)
+        return self.store.batches.get(batch_id)
 
     def known_models(self, extra: Iterable[str] = ()) -> set[str]:
         """Model names ``submit`` accepts: registered by an operator or served by some worker
@@ -327,7 +328,7 @@ class BatchLedger:
         """Write the batch record (status ``validating``: invisible to workers until commit);
         ``fingerprint``: what an idempotency key's later submits are compared with."""
         with self._refusals():
-            self.store.create_batch(batch, extra={F.fingerprint.value: fingerprint} if fingerprint else None)
+            self.store.batches.create(batch, extra={F.fingerprint.value: fingerprint} if fingerprint else None)
 
     def stage(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
@@ -601,7 +602,7 @@ class BatchLedger:
                 self._abandon(keys=[self.keys.batch(batch_id), self.keys.cancelled()],
                               args=[batch_id, "cancelled while it was being staged", time.time(), self.ttl_s])
         with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
-            self.store.transition(
+            self.store.batches.transition(
                 batch_id,
                 [BatchStatus.validating, BatchStatus.queued, BatchStatus.in_progress],
                 BatchStatus.cancelling,
@@ -621,7 +622,7 @@ class BatchLedger:
             self._cancel_unheld(batch, now)
             b = self.get(batch_id)
             if b.request_counts.done >= b.request_counts.total and b.status is BatchStatus.cancelling:
-                self.store.transition(batch_id, [BatchStatus.cancelling], BatchStatus.cancelled, F.cancelled_at)
+                self.store.batches.transition(batch_id, [BatchStatus.cancelling], BatchStatus.cancelled, F.cancelled_at)
         return self.get(batch_id)
 
     def in_flight(self, batch: Batch) -> int:

@@ -182,12 +182,12 @@ class Client:
 
     def batch(self, batch_id: str) -> Batch:
         """The batch ``batch_id`` (BatchNotFound if there is none, or it expired)."""
-        info = self._store().get_batch(batch_id)
+        info = self._store().batches.get(batch_id)
         return Batch(self, batch_id, info=info)
 
     def batches(self, limit: int = 20) -> list[Batch]:
         """The newest ``limit`` batches, newest first."""
-        return [Batch(self, b.id, info=b) for b in self._store().list_batches(limit)]
+        return [Batch(self, b.id, info=b) for b in self._store().batches.newest(limit)]
 
     def purge(self, batch_id: str, *, force: bool = False) -> Any:
         """Delete a batch from Redis now (record, results, jobs); returns what was deleted
@@ -251,7 +251,7 @@ class Batch:
         """The batch record now (status, counts, params, timestamps). ``patient``: a Redis that restarts
         meanwhile is waited for under lmdq's retry policy (about 2 minutes) instead of raising."""
         def get() -> BatchInfo:
-            info: BatchInfo = self.client._store().get_batch(self.id)
+            info: BatchInfo = self.client._store().batches.get(self.id)
             return info
 
         if patient:

@@ -56,7 +56,7 @@ def store_of(s: Stack) -> ResultStore:
 
 
 def counts(s: Stack, batch_id: str) -> Any:
-    return store_of(s).get_batch(batch_id).request_counts
+    return store_of(s).batches.get(batch_id).request_counts
 
 
 def out_dir(tmp_path: Path) -> Path:
