@@ -217,7 +217,7 @@ def test_model_rule_without_model_flag_lines_route_by_model(tmp_path: Path, env:
 
 def test_logprobs_come_from_the_results_shard(tmp_path: Path, env: dict[str, str], client: redis.Redis,
                                               prefix: str) -> None:
-    """With --results-url Redis keeps compact records (no logprobs): the OpenAI export reads the full
+    """With --results-url Redis keeps no record once a job is sealed: the OpenAI export reads the full
     ones from the batch's shard, so logprobs are not silently null there."""
     env = {**env, "LMDQ_ALLOWED_OUTPUT_URLS": str(tmp_path)}
     rows = [_chat(f"c{i}", f"question {i}", max_tokens=4, logprobs=True, top_logprobs=2) for i in range(3)]
@@ -225,7 +225,8 @@ def test_logprobs_come_from_the_results_shard(tmp_path: Path, env: dict[str, str
     bid = _submit(f, env, "--model", "sim", "--results-url", str(tmp_path / "sink"))["id"]
     assert start_worker(*SIM, env=env).wait(60) == 0
     assert wait_batch(client, prefix, bid).status is BatchStatus.completed
-    assert results_of(client, prefix, bid) == []  # the premise: Redis has no record, so no logprobs
+    assert not client.exists(Keys(prefix).results(bid))  # the premise: Redis has no record, so no logprobs
+    assert [r.custom_id for r in results_of(client, prefix, bid)] == ["c0", "c1", "c2"]  # the shard has them
     assert client.hlen(Keys(prefix).shards(bid)) == 1
     p = run_cli("lmdq.producer", "results", bid, "--format", "openai", env=env)
     assert p.returncode == 0, p.stderr.decode()
