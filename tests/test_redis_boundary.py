@@ -34,6 +34,7 @@ NOT_YET_MOVED = {
     "lmdq/api/files.py",
     "lmdq/api/paging.py",
     "lmdq/batches/ledger.py",
+    "lmdq/batches/records.py",
     "lmdq/client/client.py",
     "lmdq/jobs/queue.py",
     "lmdq/results/sink.py",

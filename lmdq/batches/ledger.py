@@ -56,7 +56,6 @@ from lmdq.redis import scripts
 from lmdq.redis.connection import Refusal, refusal, server_address
 from lmdq.redis.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.redis.replies import reply_text
-from lmdq.redis.wakeup import WAKE_LUA
 from lmdq.results.store import ResultStore
 from lmdq.workers.registry import ModelRegistry
 
