@@ -35,7 +35,6 @@ NOT_YET_MOVED = {
     "lmdq/api/paging.py",
     "lmdq/batches/ledger.py",
     "lmdq/batches/records.py",
-    "lmdq/client/client.py",
     "lmdq/jobs/queue.py",
     "lmdq/results/sink.py",
     "lmdq/results/store.py",
