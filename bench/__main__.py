@@ -1,4 +1,4 @@
-from lmdq.bench.cli import main
+from lmdq.cli.bench import main
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-from lmdq.producer.cli import main
+from lmdq.cli.producer import main
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,7 @@ def _cols(env: dict[str, str], n: int) -> dict[str, str]:
 
 
 def _option_names(command: str) -> list[str]:
-    from lmdq.producer.cli import app
+    from lmdq.cli.producer import app
 
     group = typer.main.get_command(app)
     assert isinstance(group, typer.core.TyperGroup)

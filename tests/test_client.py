@@ -2,7 +2,7 @@
 worker (sim engine, in a thread of this process): every source kind gives the same results; as_completed
 yields while later jobs of the batch have not started (a gate on the engine and its step counter, no
 wall clock); a DataFrame with a bad row names row and column and enqueues nothing; cancel and retry;
-Parquet / Arrow / pandas results with one schema; producer/cli.py makes no Redis or store call."""
+Parquet / Arrow / pandas results with one schema; lmdq/cli/producer.py makes no Redis or store call."""
 
 from __future__ import annotations
 
@@ -343,7 +343,7 @@ def test_the_check_below_can_fail() -> None:
 
 
 def test_producer_cli_makes_no_redis_or_store_call() -> None:
-    imported, called = _cli_imports_and_calls((ROOT / "producer/cli.py").read_text())
+    imported, called = _cli_imports_and_calls((ROOT / "lmdq/cli/producer.py").read_text())
     below = {m for m in imported if any(m == b or m.startswith(b + ".") for b in _BELOW_THE_API)}
     assert not below, below
     assert not called & _REDIS_COMMANDS, called & _REDIS_COMMANDS

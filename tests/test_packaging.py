@@ -783,7 +783,7 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"lmdq", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
-    for module in ("lmdq/worker/runner.py", "lmdq/producer/cli.py", "lmdq/bench/cli.py",
+    for module in ("lmdq/worker/runner.py", "lmdq/cli/producer.py", "lmdq/cli/bench.py",
                    "lmdq/worker/engines/sim.py", "lmdq/producer/formats/jsonl.py"):
         assert module in names
     for target in pyproject()["project"]["scripts"].values():
@@ -798,7 +798,7 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     for top in ("worker", "producer", "bench"):
         p = subprocess.run([sys.executable, "-c", f"import {top}"], cwd=cwd, env=env, capture_output=True, text=True)
         assert p.returncode != 0 and "ModuleNotFoundError" in p.stderr, (top, p.stderr)
-    p = subprocess.run([sys.executable, "-c", "import lmdq.producer.cli as m, lmdq.worker.runner as w; "
+    p = subprocess.run([sys.executable, "-c", "import lmdq.cli.producer as m, lmdq.worker.runner as w; "
                         "print(m.__file__); print(w.__file__)"], cwd=cwd, env=env, capture_output=True, text=True)
     assert p.returncode == 0 and all(ln.startswith(str(site)) for ln in p.stdout.split()), p.stdout + p.stderr
     for script in pyproject()["project"]["scripts"]:

@@ -193,7 +193,7 @@ def test_bench_cli_unsupported_flag_exits_2(env: dict[str, str]) -> None:
 
 
 def test_worker_help_lists_every_engine_setting_once() -> None:
-    from lmdq.worker.cli import app
+    from lmdq.cli.worker import app
 
     cmd = typer.main.get_command(app)
     opts = [o for p in cmd.params for o in p.opts]
@@ -205,7 +205,7 @@ def test_worker_help_lists_every_engine_setting_once() -> None:
 
 
 def _submit_command() -> Any:
-    from lmdq.producer.cli import app
+    from lmdq.cli.producer import app
 
     return typer.main.get_command(app).commands["submit"]  # type: ignore[attr-defined]
 
@@ -343,7 +343,7 @@ def _worker_loop_fields() -> list[str]:
 def test_worker_loop_flags_are_the_settings_fields() -> None:
     """lmdq-worker's loop flags are WorkerSettings' fields: name (the env var's), help and default from the
     field; the CLI declares no option of its own."""
-    from lmdq.worker.cli import app
+    from lmdq.cli.worker import app
 
     params = {p.name: p for p in typer.main.get_command(app).params}
     loop = _worker_loop_fields()
@@ -362,7 +362,7 @@ def test_worker_loop_flags_are_the_settings_fields() -> None:
 
 def test_worker_loop_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the CLI hands WorkerSettings: each given flag as its field, nothing for one not given."""
-    import lmdq.worker.cli as cli
+    import lmdq.cli.worker as cli
 
     seen: list[dict[str, Any]] = []
 

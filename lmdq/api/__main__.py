@@ -1,3 +1,3 @@
-from lmdq.api.cli import main
+from lmdq.cli.api import main
 
 main()
