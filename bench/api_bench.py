@@ -1,6 +1,6 @@
 """lmdq-api under load: a large upload's peak server memory, and many clients polling one batch.
 
-    python -m lmdq.bench.api_bench [--upload-mb 200] [--clients 50] [--polls 40] [--redis-url URL]
+    lmdq-bench api [--upload-mb 200] [--clients 50] [--polls 40] [--redis-url URL] [--submit]
 
 Starts a real redis-server (unless ``--redis-url``) and a real ``lmdq-api`` process on 127.0.0.1, and
 drives it through the official ``openai`` SDK (only ``base_url`` and ``api_key`` set):
@@ -32,11 +32,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from lmdq.bench.local_redis import local_redis
 
-__all__ = ["ApiProcess", "write_batch_file"]
+__all__ = ["ApiProcess", "report", "run", "write_batch_file"]
 
 
 def _free_port() -> int:
@@ -232,15 +230,8 @@ def run(upload_mb: int, clients: int, polls: int, redis_url: str | None, submit:
     return res
 
 
-def main(
-    upload_mb: int = typer.Option(200, help="size of the uploaded file, MB"),
-    clients: int = typer.Option(50, help="concurrent SDK clients polling batches.retrieve"),
-    polls: int = typer.Option(40, help="retrieve calls per client"),
-    redis_url: str | None = typer.Option(None, help="use this Redis instead of starting one"),
-    submit: bool = typer.Option(False, help="also submit the uploaded file as a batch (validation + enqueue "
-                                            "in the server) and report its time and the peak RSS after"),
-) -> None:
-    res = run(upload_mb, clients, polls, redis_url, submit)
+def report(res: dict[str, Any], *, clients: int, polls: int, submit: bool) -> None:
+    """The table, then the JSON line (``lmdq-bench api`` prints what :func:`run` measured)."""
     rows = [
         ("upload", f"{res['upload_bytes'] / 1e6:,.0f} MB in {res['upload_s']} s ({res['upload_mb_per_s']} MB/s)"),
         ("peak RSS", f"{res['server_peak_rss_mb_before']} MB before -> {res['server_peak_rss_mb']} MB after "
@@ -256,7 +247,3 @@ def main(
     for name, text in rows:
         print(f"{name:<13} {text}")
     print(json.dumps(res))
-
-
-if __name__ == "__main__":
-    typer.run(main)

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from lmdq.errors import ExitCode, RedisRefused, RedisUnavailable, run_cli
+from lmdq.cli.run import run_cli
+from lmdq.errors import ExitCode, RedisRefused, RedisUnavailable
 from lmdq.logs.redaction import redact_text, redact_url
 from lmdq.redis.connection import RETRYABLE_ERRORS, RetryPolicy, check_redis_url, connect, with_reconnect
 from lmdq.settings import CommonSettings

@@ -26,8 +26,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lmdq.cli.options import FlagSpec
 from lmdq.errors import BadSetting
+from lmdq.flags import FlagSpec
 
 __all__ = [
     "ENGINE_CONFIGS",

@@ -2,35 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Any
 
 import typer
 
-from lmdq.errors import EXIT_CODES_HELP, BadSetting, run_cli
+from lmdq.cli.options import model_options
+from lmdq.cli.run import run_cli
+from lmdq.errors import EXIT_CODES_HELP, BadSetting
+from lmdq.flags import FlagSpec, settings_flags
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None, epilog=EXIT_CODES_HELP,
                   help="Serve lmdq's OpenAI-compatible Files + Batches API.")
 
 
-def _load_settings() -> object:
+def _load_settings(**given: Any) -> object:
     from pydantic import ValidationError
 
     from lmdq.api.settings import ApiSettings
 
     try:
-        return ApiSettings()
+        return ApiSettings(**given)
     except ValidationError as e:
         names = "; ".join(f"LMDQ_{str(err['loc'][0]).upper() if err['loc'] else '?'}: {err['msg']}"
                           for err in e.errors(include_input=False, include_url=False))
         raise BadSetting(f"invalid setting {names}") from None
 
 
+def _flags() -> list[FlagSpec]:
+    """--host, --port (ApiSettings' api_host / api_port) and --redis-url, from their fields. The keys are
+    env vars or a file only: a flag would show them to anyone who can list processes."""
+    from lmdq.api.settings import ApiSettings
+
+    return settings_flags(ApiSettings, ["api_host", "api_port", "redis_url"], flat=lambda n: n.removeprefix("api_"))
+
+
 @app.command()
-def serve(
-    host: Annotated[str | None, typer.Option(help="listen address (default LMDQ_API_HOST, 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="listen port (default LMDQ_API_PORT, 8000)")] = None,
-    redis_url: Annotated[str | None, typer.Option(help="Redis URL (env LMDQ_REDIS_URL, then REDIS_URL)")] = None,
-) -> None:
+@model_options(_flags(), into="given")
+def serve(given: dict[str, Any]) -> None:
     """Serve /v1/files and /v1/batches for the tenants of LMDQ_API_KEYS / LMDQ_API_KEYS_FILE."""
     import uvicorn
 
@@ -40,17 +48,15 @@ def serve(
     from lmdq.api.settings import ApiSettings
     from lmdq.logs.config import configure_logging
 
-    s = _load_settings()
+    s = _load_settings(**given)
     assert isinstance(s, ApiSettings)
-    if redis_url:
-        s.redis_url = redis_url
     configure_logging(s.log_format, s.log_level)
     keyring = load_keyring(s.api_keys.get_secret_value() if s.api_keys else None, s.api_keys_file)
     app_ = create_app(s, keyring, Backend(s))
     # log_config=None: uvicorn's loggers propagate to lmdq's one JSON handler; its access log is off
     # (lmdq-api logs each request itself, with the tenant and never the key)
-    uvicorn.run(app_, host=host or s.api_host, port=s.api_port if port is None else port, log_config=None,
-                access_log=False, timeout_graceful_shutdown=10)
+    uvicorn.run(app_, host=s.api_host, port=s.api_port, log_config=None, access_log=False,
+                timeout_graceful_shutdown=10)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from lmdq.cli.options import model_options
-from lmdq.errors import run_cli
+from lmdq.cli.run import run_cli
 from lmdq.worker.engine_config import engine_flag_specs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -388,6 +388,22 @@ def exporter(
                                  log=lambda m: print(m, file=sys.stderr, flush=True))
     print(table(res))
     _emit(res, output)
+
+
+@app.command()
+def api(
+    upload_mb: Annotated[int, typer.Option(help="size of the uploaded file, MB")] = 200,
+    clients: Annotated[int, typer.Option(help="concurrent SDK clients polling batches.retrieve")] = 50,
+    polls: Annotated[int, typer.Option(help="retrieve calls per client")] = 40,
+    redis_url: Annotated[str | None, typer.Option(help="use this Redis instead of starting one")] = None,
+    submit: Annotated[bool, typer.Option(help="also submit the uploaded file as a batch (validation + enqueue "
+                                              "in the server) and report its time and the peak RSS after")] = False,
+) -> None:
+    """lmdq-api under load: a large upload's peak server memory, many SDK clients polling one batch
+    (lmdq.bench.api_bench); the LAST line is JSON."""
+    from lmdq.bench.api_bench import report, run
+
+    report(run(upload_mb, clients, polls, redis_url, submit), clients=clients, polls=polls, submit=submit)
 
 
 def main() -> None:

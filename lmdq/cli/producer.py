@@ -17,12 +17,14 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmdq.cli.options import model_options, settings_flags
+from lmdq.cli.options import model_options
+from lmdq.cli.run import run_cli
 from lmdq.client.client import MAX_NOTE, Client, load_settings
 from lmdq.client.client import Batch as ClientBatch
 from lmdq.client.options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
 from lmdq.contract import Batch, BatchStatus, Priority
-from lmdq.errors import EXIT_CODES_HELP, PurgeRefused, run_cli
+from lmdq.errors import EXIT_CODES_HELP, PurgeRefused
+from lmdq.flags import settings_flags
 from lmdq.logs.config import configure_logging
 from lmdq.metrics.exporter import EXPORTER_FLAGS
 from lmdq.producer.progress import DEFAULT_INTERVAL_S, POLL_S, BatchProgress

@@ -9,8 +9,9 @@ from typing import Any
 
 import typer
 
-from lmdq.cli.options import model_options, own_fields, settings_flags
-from lmdq.errors import run_cli
+from lmdq.cli.options import model_options
+from lmdq.cli.run import run_cli
+from lmdq.flags import own_fields, settings_flags
 from lmdq.logs.config import configure_logging, get_logger, route_child_logs
 from lmdq.logs.relay import install_relay
 from lmdq.logs.tqdm_events import install as install_tqdm_events

@@ -26,9 +26,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from lmdq.cli.options import FlagSpec, option_name
 from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
 from lmdq.errors import SubmitRejected
+from lmdq.flags import FlagSpec, option_name
 from lmdq.logs.redaction import redact_url
 from lmdq.producer.settings import ProducerSettings
 from lmdq.settings import DEFAULT_RESULT_TTL_S, default_of

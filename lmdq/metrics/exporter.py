@@ -1,5 +1,5 @@
 """Queue metrics for Prometheus, read from Redis by ONE small process: ``lmdq-producer exporter`` or
-``python -m lmdq.metrics.exporter``.
+``python -m lmdq.cli.exporter`` (the command line is :mod:`lmdq.cli.exporter`).
 
 Why not the workers: every worker exported the same queue depth, so ``sum by (model)`` counted it
 once per replica, and at zero replicas (KEDA scaled the workers away, jobs waiting) the series
@@ -44,21 +44,20 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import redis
 import structlog
-import typer
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from pydantic import Field
 
-from lmdq.cli.options import model_options, own_fields, settings_flags
+from lmdq.flags import own_fields, settings_flags
 from lmdq.redis.connection import connect, redact_url
 from lmdq.redis.keys import Keys
 from lmdq.redis.queue_stats import Snapshot, read_snapshot
 from lmdq.settings import CommonSettings
 
 __all__ = ["EXPORTER_FLAGS", "ExporterSettings", "QueueCollector", "SnapshotCollector", "View", "load_settings",
-           "main", "run", "serve", "start_metrics_server"]
+           "run", "serve", "start_metrics_server"]
 
 log = structlog.get_logger("lmdq.metrics.exporter")
 
@@ -296,27 +295,3 @@ def run(s: ExporterSettings) -> None:
     server.shutdown()
     server.collector.stop()
     log.info("exporter.stopped")
-
-
-@model_options([*EXPORTER_FLAGS, *settings_flags(ExporterSettings, ["redis_url"])], into="flags")
-def command(flags: dict[str, Any]) -> None:
-    """Serve queue depth, running jobs, live workers and batch counts per model on /metrics, read
-    from Redis every --interval-s by one collector. Run ONE per Redis (it needs no GPU; it works at
-    zero workers)."""
-    from lmdq.logs.config import configure_logging
-
-    s = load_settings(**flags)
-    configure_logging(s.log_format, s.log_level)
-    run(s)
-
-
-def main() -> None:
-    from lmdq.errors import run_cli
-
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
-    app.command()(command)
-    run_cli(app)
-
-
-if __name__ == "__main__":
-    main()
