@@ -118,7 +118,8 @@ _CLI_TYPES: dict[str, tuple[Any, Callable[[Any], Any] | None]] = {
     "result_ttl": (str, None),
 }
 
-#: The producer's older spellings of some generation flags, kept working beside the derived ``--<field>``.
+#: Second spellings of some generation flags beside the derived ``--<field>``: the OpenAI API's names
+#: (``--seed``, ``--stop``), the singular of a repeated flag, and the negative of a bool in words (``--greedy``).
 _GENERATION_ALIASES: dict[str, tuple[str, ...]] = {
     "random_seed": ("--seed",),
     "stop_words": ("--stop",),
