@@ -21,9 +21,9 @@ import redis
 
 from lmdq.bench.local_redis import keys_memory
 from lmdq.contract import BatchStatus, GenerationParams, Result
-from lmdq.producer.export import iter_lmdq_lines
 from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import Keys
+from lmdq.results.export import iter_lmdq_lines
 from lmdq.results.store import ResultStore
 
 __all__ = ["run_sink_bench"]

@@ -261,7 +261,7 @@ def test_flush_job_rerun_writes_every_request_exactly_once(tmp_path: Path, clien
     assert not client.exists(keys.results(b))
     assert store.batches.get(b).request_counts.completed == 2
     # the reader takes the job's records from its shard, in order
-    from lmdq.producer.export import iter_lmdq_lines
+    from lmdq.results.export import iter_lmdq_lines
 
     out = [json.loads(x) for x in iter_lmdq_lines(store, store.batches.get(b))]
     assert [(x["index"], x["text"]) for x in out] == [(3, "answer 3"), (4, "answer 4"), (5, "")]

@@ -315,10 +315,12 @@ def test_cli_submit_parquet_and_results_to_parquet(tmp_path: Path, env: dict[str
 _BELOW_THE_API = {"redis", "rq", "lmdq.redis.connection", "lmdq.results.store", "lmdq.batches.ledger",
                   "lmdq.workers.registry", "lmdq.redis.keys", "lmdq.results.sink", "lmdq.jobs.queue",
                   "lmdq.producer.submit", "lmdq.producer.retry", "lmdq.producer.cancel",
-                  "lmdq.producer.export", "lmdq.producer.formats", "lmdq.batches.headroom", "lmdq.guided"}
+                  "lmdq.results.openai", "lmdq.results.export", "lmdq.results.reader", "lmdq.results.writer",
+                  "lmdq.batches.records", "lmdq.producer.formats", "lmdq.batches.headroom", "lmdq.guided"}
 _REDIS_COMMANDS = {"hget", "hset", "hgetall", "hmget", "lrange", "llen", "rpush", "zadd", "zrevrange",
                    "pipeline", "execute", "eval", "evalsha", "register_script", "keys", "scan", "delete",
-                   "get_batch", "list_batches", "iter_results", "write_result", "enqueue", "purge_batch"}
+                   "get_batch", "list_batches", "iter_results", "write_result", "enqueue", "purge_batch",
+                   "newest", "get_many", "read_records", "new_finals"}
 
 
 def _cli_imports_and_calls(source: str) -> tuple[set[str], set[str]]:

@@ -77,8 +77,9 @@ def _complete(raws: list[bytes]) -> None:
 
 def test_a_half_sealed_batch_reads_complete_and_in_order_through_every_export_path(
         client: redis.Redis, redis_url: str, prefix: str, tmp_path: Path) -> None:
-    from lmdq.producer.export import iter_lmdq_lines, iter_openai
     from lmdq.producer.follow import Follower
+    from lmdq.results.export import iter_lmdq_lines
+    from lmdq.results.openai import iter_openai
     from tests.helpers import results_of
 
     store, b = _half_sealed(client, prefix, tmp_path)

@@ -18,9 +18,10 @@ import redis
 from rq.job import Job
 
 from lmdq.contract import BatchStatus, GenerationParams, Result, ResultStatus
-from lmdq.producer.export import iter_lmdq_lines, iter_openai
 from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import Keys, queue_names, rq_queue_key
+from lmdq.results.export import iter_lmdq_lines
+from lmdq.results.openai import iter_openai
 from lmdq.results.store import ResultStore
 from tests.conftest import RedisServer, run_cli
 from tests.helpers import write_jsonl

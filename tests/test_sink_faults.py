@@ -288,7 +288,7 @@ def test_sweeper_retries_only_real_jobs_of_allowed_sinks(tmp_path: Path, client:
 
     from lmdq.results.output_urls import OutputPolicy
     from lmdq.results.sink import PendingShard, add_pending, claim_pending, pending_keys
-    from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink
+    from lmdq.results.worker_sink import EVERY_ENTRY_S, ResultsSink
 
     keys = Keys(prefix)
     store = ResultStore(client, keys=keys)
@@ -371,7 +371,7 @@ def test_a_sweep_tries_a_hung_sink_once_not_once_per_entry(
 
     from lmdq.results.output_urls import OutputPolicy
     from lmdq.results.sink import PendingShard, add_pending
-    from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink
+    from lmdq.results.worker_sink import EVERY_ENTRY_S, ResultsSink
 
     for k, v in {**AWS_ENV, "LMDQ_S3_ENDPOINT_URL": proxy.url}.items():
         monkeypatch.setenv(k, v)
@@ -408,7 +408,7 @@ def test_a_full_redis_is_freed_when_the_sink_answers(tmp_path: Path, client: red
 
     from lmdq.results.output_urls import OutputPolicy
     from lmdq.results.sink import PendingShard, add_pending
-    from lmdq.worker.results_sink import ResultsSink
+    from lmdq.results.worker_sink import ResultsSink
 
     keys = Keys(prefix)
     store = ResultStore(client, keys=keys)

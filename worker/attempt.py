@@ -23,12 +23,12 @@ from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPa
 from lmdq.jobs.queue import Claim, JobQueue
 from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
+from lmdq.results.writer import ResultWriter
 from lmdq.worker.admission import EngineGate
 from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.engine_health import EngineHealth
 from lmdq.worker.outcomes import MAX_RUNS, SUSPECT_AFTER_CRASHES, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
-from lmdq.worker.result_writer import ResultWriter
 from lmdq.worker.settings import WorkerSettings
 from lmdq.worker.tensor_store import TensorStore
 

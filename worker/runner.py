@@ -10,7 +10,7 @@ re-queues what it holds without charging it, fails its health checks and exits w
 :data:`~lmdq.worker.outcomes.EXIT_ENGINE_DEAD` so its supervisor starts a fresh one.
 
 How many jobs to claim is :mod:`lmdq.worker.admission`; one job attempt :mod:`lmdq.worker.attempt`;
-writing results through store faults :mod:`lmdq.worker.result_writer`. Every Redis call goes through
+writing results through store faults :mod:`lmdq.results.writer`. Every Redis call goes through
 lmdq's core objects (:class:`~lmdq.jobs.queue.JobQueue`, :class:`~lmdq.results.store.ResultStore`,
 :class:`~lmdq.workers.registry.WorkerRegistry`).
 """
@@ -40,13 +40,13 @@ from lmdq.redis.wakeup import WakeUp
 from lmdq.results.output_urls import OutputPolicy
 from lmdq.results.sink import pending_count
 from lmdq.results.store import ResultStore
+from lmdq.results.worker_sink import EVERY_ENTRY_S, ResultsSink
+from lmdq.results.writer import ResultWriter, WriteAbandoned, is_store_refusal
 from lmdq.worker.admission import Admission, EngineGate, fair_share
 from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine, engine_capacity
 from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
-from lmdq.worker.result_writer import ResultWriter, WriteAbandoned, is_store_refusal
-from lmdq.worker.results_sink import EVERY_ENTRY_S, ResultsSink
 from lmdq.worker.settings import WorkerSettings
 from lmdq.workers.registry import WorkerRegistry
 
@@ -173,7 +173,7 @@ class Worker:
         self.registry.register(pid=os.getpid())
         hb = threading.Thread(target=self._heartbeat_loop, name="lmdq-heartbeat", daemon=True)
         hb.start()
-        # Shard writes that failed (here or on any worker) are retried until they land: lmdq.worker.results_sink
+        # Shard writes that failed (here or on any worker) are retried until they land: lmdq.results.worker_sink
         threading.Thread(target=self.sink.sweep_loop, args=(self._stop,), name="lmdq-sink-sweeper",
                          daemon=True).start()
         if self.s.idle_wait_s > 0 and not self.s.burst:  # a burst worker exits when idle instead
@@ -323,7 +323,7 @@ class Worker:
                 while self._held and time.monotonic() < deadline and not self._force.is_set() and self._dead is None:
                     self._slot.wait(0.2)
             # The drain is over: a shard not confirmed by now is not waited for, and nothing seals any
-            # more; those jobs keep their results in Redis (lmdq.worker.results_sink).
+            # more; those jobs keep their results in Redis (lmdq.results.worker_sink).
             self.sink.close()
             if self._held:
                 if self._dead is None:

@@ -95,7 +95,7 @@ class Backend:
     def openai_lines(self, batch: Batch) -> Iterator[tuple[bool, bytes]]:
         """``lmdq-producer results --format openai``: one OpenAI Batch output line per request, in input
         order, as ``(is_error, line)`` (errors go to the error file)."""
-        from lmdq.producer.export import iter_openai
+        from lmdq.results.openai import iter_openai
 
         lines: Iterator[tuple[bool, bytes]] = iter_openai(self.store, batch)
         return lines

@@ -281,8 +281,8 @@ class Batch:
         last record read (:mod:`lmdq.producer.follow`)."""
         import json
 
-        from lmdq.producer.export import is_openai_error, to_openai
         from lmdq.producer.follow import Follower, follow
+        from lmdq.results.openai import is_openai_error, to_openai
 
         def write(raw: bytes) -> None:
             if fmt == "openai":
@@ -354,7 +354,8 @@ class Batch:
     def lines(self, fmt: str = "lmdq") -> Iterator[tuple[bool, bytes]]:
         """Output lines in input order as ``(is_error, line)``: lmdq records (partials included) or
         OpenAI Batch output lines (final results only; is_error as OpenAI's error file takes them)."""
-        from lmdq.producer.export import iter_lmdq_lines, iter_openai
+        from lmdq.results.export import iter_lmdq_lines
+        from lmdq.results.openai import iter_openai
 
         store, info = self.client._store(), self.info()
         if fmt == "openai":

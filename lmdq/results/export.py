@@ -1,5 +1,7 @@
-"""A batch's results as Arrow: ONE schema (:data:`RESULT_COLUMNS`) for ``to_arrow``, ``to_pandas``,
-``to_parquet`` and ``lmdq-producer results -o out.parquet``.
+"""A batch's results exported: lmdq's own JSONL lines (:func:`iter_lmdq_lines`, ``results``), and Arrow
+with ONE schema (:data:`RESULT_COLUMNS`) for ``to_arrow``, ``to_pandas``, ``to_parquet`` and
+``lmdq-producer results -o out.parquet``. Every export reads through the one reader
+(:class:`lmdq.results.reader.ResultReader`); OpenAI's lines are :mod:`lmdq.results.openai`.
 
 One row per request that has a final result, in input order (``row`` is the request's 0-based input
 position, the index a DataFrame source had). Records are converted a chunk at a time
@@ -15,9 +17,21 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lmdq.contract import Batch
 from lmdq.errors import LmdqError
+from lmdq.results.reader import ResultReader
+from lmdq.results.store import ResultStore
 
-__all__ = ["CHUNK_ROWS", "RESULT_COLUMNS", "record_batches", "result_schema", "write_parquet"]
+__all__ = ["CHUNK_ROWS", "RESULT_COLUMNS", "iter_lmdq_lines", "record_batches", "result_schema", "write_parquet"]
+
+
+def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -> Iterator[bytes]:
+    """One JSON line per request, in input order, read through the one reader (Redis and sealed
+    shards alike); requests with no record yet are skipped."""
+    for _, raw in ResultReader.of(store, batch).records(partial=partial):
+        if raw is not None:
+            yield raw + b"\n"
+
 
 CHUNK_ROWS = 10_000
 """Results per record batch / Parquet row group."""

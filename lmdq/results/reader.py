@@ -1,7 +1,7 @@
 """The ONE reader of a batch's results: every export, follower and retry goes through it.
 
 A request's final record lives in one of two places: the batch's results hash in Redis, or (once
-its job is sealed, :mod:`lmdq.results.sealing`) a line of its job's shard under the batch's results
+its job is sealed, :mod:`lmdq.results.sink`) a line of its job's shard under the batch's results
 URL, found through the per-batch shard index. The seal moves a job's records from the first to the
 second in ONE Lua call (index entry in, records out), so a reader that asks Redis first and the
 index AFTER finds every record in one place or the other: a record missing from Redis whose job

@@ -4,7 +4,7 @@ A batch with a results URL keeps each finished job's records as ONE shard
 ``<URL>/<batch_id>/results-<job_no:06d>.jsonl`` (the exact bytes Redis held, one line per request,
 in index order), and one :class:`ShardEntry` per job in the batch's index hash (``Keys.shards``):
 the shard's name, the job's request indices as ranges, and its counts per status. How a job gets
-there is :mod:`lmdq.results.sealing`; reading goes through :class:`lmdq.results.reader.ResultReader`.
+there is :mod:`lmdq.results.sink`; reading goes through :class:`lmdq.results.reader.ResultReader`.
 
 Everything here is read back from Redis or from storage, so it is validated (untrusted input): an
 index entry that is not lmdq's, names a file that is not a shard, or indices outside the batch, is

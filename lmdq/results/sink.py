@@ -40,7 +40,7 @@ Step 3 is atomic, so a job's records are either all in Redis (shard not trusted 
 or all in its shard (entry present). If the shard cannot be written (sink unreachable, full, slower
 than the timeout), the full records stay in Redis and are served from there, and the job goes on a
 fleet-wide retry schedule (:func:`add_pending`) that every worker's sweeper works through until the
-write lands and the job is sealed (``lmdq.worker.results_sink``). The one reader
+write lands and the job is sealed (``lmdq.results.worker_sink``). The one reader
 (:class:`lmdq.results.reader.ResultReader`) takes each request from Redis or from its job's shard
 accordingly, in input order, whatever the job layout. The shard format and the index entry are
 :mod:`lmdq.results.shards`.

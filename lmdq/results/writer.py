@@ -8,6 +8,9 @@ capped backoff, for as long as it takes: a job whose requests already finished i
 info line closes it; the attempts in between are not logged one by one (a full Redis used to print
 a traceback per attempt, ~2,000 per worker in 30 s). While an episode lasts, :attr:`refusing` is set
 and the worker claims nothing: there is no point running more work that cannot be stored.
+
+A job that ends is sealed here too, by the writer that wrote its results (:meth:`ResultWriter.seal`):
+with a results URL its shard is written from Redis and its records leave Redis (:mod:`lmdq.results.sink`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from lmdq.results.shards import ShardEntry
 from lmdq.results.store import ResultStore
 
 if TYPE_CHECKING:
-    from lmdq.worker.results_sink import ResultsSink
+    from lmdq.results.worker_sink import ResultsSink
 
 __all__ = ["ResultWriter", "StoreRefused", "WriteAbandoned", "is_store_refusal"]
 

@@ -13,7 +13,7 @@ import structlog
 from lmdq.contract import Batch, BatchStatus, JobPayload, Request, RequestCounts, Result, ResultStatus
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
-from lmdq.worker.result_writer import ResultWriter
+from lmdq.results.writer import ResultWriter
 
 
 def _results(batch_id: str, n: int) -> list[Result]:
@@ -55,7 +55,7 @@ def test_a_job_is_sealed_by_the_writer_that_wrote_its_results(client: redis.Redi
     """Sealing happens where results are written: the writer's ``seal`` writes the job's shard and moves
     its records out of Redis; a job without a results URL, or a writer without a sink, seals nothing."""
     from lmdq.results.output_urls import OutputPolicy
-    from lmdq.worker.results_sink import ResultsSink
+    from lmdq.results.worker_sink import ResultsSink
 
     keys = Keys(prefix)
     store = ResultStore(client, keys=keys, ttl_s=3600)

@@ -1,4 +1,6 @@
-"""Write a batch's results in input order: lmdq's own records or OpenAI Batch output lines."""
+"""A batch's results as OpenAI Batch output lines (``results --format openai``, the HTTP API's output and
+error files, ``Batch.lines("openai")``), in input order, read through the one reader
+(:class:`lmdq.results.reader.ResultReader`); lmdq's own JSONL lines are :func:`lmdq.results.export.iter_lmdq_lines`."""
 
 from __future__ import annotations
 
@@ -10,15 +12,7 @@ from lmdq.contract import Batch, Endpoint, ErrorCode, Result, ResultStatus, Toke
 from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
-__all__ = ["is_openai_error", "iter_lmdq_lines", "iter_openai", "openai_token", "to_openai"]
-
-
-def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -> Iterator[bytes]:
-    """One JSON line per request, in input order, read through the one reader (Redis and sealed
-    shards alike); requests with no record yet are skipped."""
-    for _, raw in ResultReader.of(store, batch).records(partial=partial):
-        if raw is not None:
-            yield raw + b"\n"
+__all__ = ["is_openai_error", "iter_openai", "openai_token", "to_openai"]
 
 
 #: OpenAI's Batch API codes for requests that never ran; lmdq's ``failed`` results keep lmdq's own code
