@@ -226,3 +226,30 @@ def test_a_batch_without_a_record_reads_redis_only(client: redis.Redis, prefix: 
     store = ResultStore(client, keys=keys)
     client.hset(keys.results("gone"), "1", b'{"index": 1}')
     assert list(store.iter_results("gone", 3)) == [(0, None), (1, b'{"index": 1}'), (2, None)]
+
+
+def test_a_half_sealed_batch_reads_complete_through_the_results_cli(
+        client: redis.Redis, prefix: str, env: dict[str, str], tmp_path: Path) -> None:
+    """``lmdq-producer results`` as a user runs it: lmdq JSONL, OpenAI lines (errors to their own file),
+    Parquet, and ``--follow`` in both orders, on the same half-sealed batch."""
+    from tests.conftest import run_cli
+
+    _, b = _half_sealed(client, prefix, tmp_path)
+    p = run_cli("lmdq.producer", "results", b.id, env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    _complete(p.stdout.splitlines())
+    p = run_cli("lmdq.producer", "results", b.id, "--format", "openai", "--errors-file", str(tmp_path / "err.jsonl"),
+                env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    assert [json.loads(x)["custom_id"] for x in p.stdout.splitlines()] == [f"r{i}" for i in range(N) if i != FAILED]
+    assert [json.loads(x)["custom_id"] for x in (tmp_path / "err.jsonl").read_text().splitlines()] == [f"r{FAILED}"]
+    for follow in (("--follow",), ("--follow", "--in-order")):
+        p = run_cli("lmdq.producer", "results", b.id, *follow, env=env)
+        assert p.returncode == 0, p.stderr.decode()
+        _complete(p.stdout.splitlines())
+    pq = pytest.importorskip("pyarrow.parquet")
+    p = run_cli("lmdq.producer", "results", b.id, "-o", str(tmp_path / "out.parquet"), env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column("row").to_pylist() == list(range(N))
+    assert table.column("text").to_pylist() == [f"answer {i}" for i in range(N)]
