@@ -30,8 +30,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, Tim
 from rich.progress import Progress as Bar
 
 from lmdq.contract import Batch, BatchStatus
+from lmdq.redis.registry import ModelRegistry
 from lmdq.results.store import ResultStore
-from lmdq.workers.registry import ModelRegistry
 
 __all__ = [
     "DEFAULT_INTERVAL_S",

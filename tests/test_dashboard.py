@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmdq.metrics.exporter import QueueCollector
 from lmdq.redis.keys import Keys
+from lmdq.redis.registry import WorkerRegistry
 from lmdq.worker.health import WorkerHealth
-from lmdq.workers.registry import WorkerRegistry
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "lmdq-dashboard.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}

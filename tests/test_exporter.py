@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmdq.jobs.queue import JobQueue
 from lmdq.redis.keys import Keys, queue_names
-from lmdq.workers.registry import WorkerRegistry
+from lmdq.redis.registry import WorkerRegistry
 from tests.conftest import ROOT, RedisServer, free_port, run_cli
 from tests.helpers import write_jsonl
 

@@ -12,8 +12,8 @@ import redis
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
 from lmdq.producer.progress import BatchProgress, RateWindow, format_duration, watch
 from lmdq.redis.keys import Keys
+from lmdq.redis.registry import ModelRegistry, WorkerRegistry
 from lmdq.results.store import ResultStore
-from lmdq.workers.registry import ModelRegistry, WorkerRegistry
 
 
 class Clock:

@@ -38,7 +38,6 @@ NOT_YET_MOVED = {
     "lmdq/jobs/queue.py",
     "lmdq/results/sink.py",
     "lmdq/results/store.py",
-    "lmdq/workers/registry.py",
     "bench/exporter_bench.py",
     "bench/fleet.py",
     "bench/local_redis.py",

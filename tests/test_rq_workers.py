@@ -14,7 +14,7 @@ import redis
 from rq.worker import Worker as RqWorker
 
 from lmdq.redis.keys import Keys, queue_names, rq_worker_key, rq_workers_by_queue_key, rq_workers_key
-from lmdq.workers.registry import WorkerRegistry
+from lmdq.redis.registry import WorkerRegistry
 from tests.conftest import run_cli, start_worker
 from tests.helpers import wait_batch, write_jsonl
 

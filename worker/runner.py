@@ -12,7 +12,7 @@ re-queues what it holds without charging it, fails its health checks and exits w
 How many jobs to claim is :mod:`lmdq.worker.admission`; one job attempt :mod:`lmdq.worker.attempt`;
 writing results through store faults :mod:`lmdq.results.writer`. Every Redis call goes through
 lmdq's core objects (:class:`~lmdq.jobs.queue.JobQueue`, :class:`~lmdq.results.store.ResultStore`,
-:class:`~lmdq.workers.registry.WorkerRegistry`).
+:class:`~lmdq.redis.registry.WorkerRegistry`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lmdq.redis import reads
 from lmdq.redis.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.redis.idle_roster import IdleRoster
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name, queue_names
+from lmdq.redis.registry import WorkerRegistry
 from lmdq.redis.wakeup import WakeUp
 from lmdq.results.output_urls import OutputPolicy
 from lmdq.results.sink import pending_count
@@ -48,7 +49,6 @@ from lmdq.worker.engines.base import Engine, engine_capacity
 from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.settings import WorkerSettings
-from lmdq.workers.registry import WorkerRegistry
 
 __all__ = ["Worker", "default_worker_name"]
 

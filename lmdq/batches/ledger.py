@@ -55,9 +55,9 @@ from lmdq.logs.config import get_logger
 from lmdq.redis import scripts
 from lmdq.redis.connection import Refusal, refusal, server_address
 from lmdq.redis.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
+from lmdq.redis.registry import ModelRegistry
 from lmdq.redis.replies import reply_text
 from lmdq.results.store import ResultStore
-from lmdq.workers.registry import ModelRegistry
 
 __all__ = ["BatchLedger", "Purged", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
 
@@ -271,7 +271,7 @@ class BatchLedger:
 
     def known_models(self, extra: Iterable[str] = ()) -> set[str]:
         """Model names ``submit`` accepts: registered by an operator or served by some worker
-        (:class:`lmdq.workers.registry.ModelRegistry`), plus ``extra`` (the producer's LMDQ_KNOWN_MODELS)."""
+        (:class:`lmdq.redis.registry.ModelRegistry`), plus ``extra`` (the producer's LMDQ_KNOWN_MODELS)."""
         return ModelRegistry(self.client, keys=self.keys).known() | set(extra)
 
     # ---- idempotency ------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from lmdq.logs.config import configure_logging, get_logger, route_child_logs
 from lmdq.logs.relay import install_relay
 from lmdq.logs.tqdm_events import install as install_tqdm_events
 from lmdq.redis.connection import connect, redact_url
+from lmdq.redis.registry import redis_answers
 from lmdq.settings import CommonSettings
 from lmdq.worker.engine_config import engine_flag_specs, unused_env
 from lmdq.worker.settings import WorkerSettings, load_worker_settings
-from lmdq.workers.registry import redis_answers
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   # plain click help, as lmdq-producer: rich cuts long option names at 80 columns

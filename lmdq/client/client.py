@@ -31,7 +31,7 @@ from lmdq.contract import BatchStatus, Endpoint, Priority, RequestCounts, Result
 from lmdq.errors import BadSetting, InvalidArgument, LmdqError, WaitTimeout
 from lmdq.producer.formats.tabular import ColumnMap
 from lmdq.producer.settings import ProducerSettings
-from lmdq.workers.registry import MAX_NOTE
+from lmdq.redis.registry import MAX_NOTE
 
 __all__ = ["MAX_NOTE", "Batch", "BatchInfo", "Client"]
 
@@ -199,7 +199,7 @@ class Client:
                         ) -> list[bool]:
         """Register served model names so submit accepts them with no worker running; per name, whether
         it was new (adding one again replaces its note)."""
-        from lmdq.workers.registry import MAX_NOTE, ModelRegistry, check_model_name
+        from lmdq.redis.registry import MAX_NOTE, ModelRegistry, check_model_name
 
         for name in names:
             try:
@@ -212,15 +212,15 @@ class Client:
         return [registry.add(name, note=note) for name in names]
 
     def models(self) -> tuple[list[Any], float]:
-        """(registered and served models as :class:`lmdq.workers.registry.ModelInfo`, Redis' clock now)."""
-        from lmdq.workers.registry import ModelRegistry
+        """(registered and served models as :class:`lmdq.redis.registry.ModelInfo`, Redis' clock now)."""
+        from lmdq.redis.registry import ModelRegistry
 
         registry = ModelRegistry(self.redis, keys=self.keys)
         return registry.models(), registry.now()
 
     def remove_model(self, name: str) -> Any:
-        """Forget a model (:class:`lmdq.workers.registry.RemovedModel`); LmdqError when it was unknown."""
-        from lmdq.workers.registry import ModelRegistry
+        """Forget a model (:class:`lmdq.redis.registry.RemovedModel`); LmdqError when it was unknown."""
+        from lmdq.redis.registry import ModelRegistry
 
         removed = ModelRegistry(self.redis, keys=self.keys).remove(name)
         if not (removed.registered or removed.seen):
@@ -266,7 +266,7 @@ class Batch:
         """A :class:`lmdq.producer.progress.BatchProgress` for this batch (done/total, req/s, tok/s,
         ETA; a hint when no live worker serves its model), drawn on ``stream``."""
         from lmdq.producer.progress import BatchProgress
-        from lmdq.workers.registry import ModelRegistry
+        from lmdq.redis.registry import ModelRegistry
 
         c = self.client
         return BatchProgress(store=c._store(), models=ModelRegistry(c.redis, keys=c.keys), stream=stream,

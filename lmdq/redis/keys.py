@@ -177,7 +177,7 @@ def rq_queue_key(name: str) -> str:
 
 
 # RQ's worker registry, spelled by the installed rq's own constants so a new rq cannot drift from it.
-# lmdq workers write these records too (lmdq.workers.registry), so `rq info` and rq-dashboard list them.
+# lmdq workers write these records too (lmdq.redis.registry), so `rq info` and rq-dashboard list them.
 
 
 def rq_worker_key(name: str) -> str:

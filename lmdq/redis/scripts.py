@@ -653,7 +653,7 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 return 1
 """, uses=(OOM_GUARD,))
 
-# ==== The worker registry (lmdq.workers.registry) ======================================================
+# ==== The worker registry (lmdq.redis.registry) ======================================================
 
 # KEYS: models, worker hash, workers set, rq worker hash, rq workers set, rq workers-by-queue sets...
 # ARGV: model, ttl, pid, worker name, rq queues (comma-separated), hostname, rq version, python version
