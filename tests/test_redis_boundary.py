@@ -32,7 +32,6 @@ SCRIPTS_MODULE = "lmdq/redis/scripts.py"
 NOT_YET_MOVED = {
     "lmdq/api/batches.py",
     "lmdq/api/files.py",
-    "lmdq/api/paging.py",
     "lmdq/batches/ledger.py",
     "lmdq/batches/records.py",
     "lmdq/jobs/queue.py",

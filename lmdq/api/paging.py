@@ -10,6 +10,7 @@ from typing import Generic, TypeVar
 import redis
 
 from lmdq.api.errors import bad_request
+from lmdq.redis import id_index
 
 __all__ = ["Page", "page"]
 
@@ -27,24 +28,22 @@ def page(client: redis.Redis, index: str, *, after: str | None, limit: int, newe
     """Up to ``limit`` items after ``after``. ``load(ids)`` returns the items to show (filtered) and
     the ids whose record is gone (expired, deleted): those are dropped from the index as they are
     met, and the page is filled from the ids behind them."""
-    rank_of = client.zrevrank if newest_first else client.zrank
     start = 0
     if after:
-        r = rank_of(index, after)
+        r = id_index.rank(client, index, after, newest_first=newest_first)
         if r is None:
             raise bad_request(f"after: no {what} {after!r} in this list (deleted or expired?)", param="after")
-        start = int(r) + 1  # type: ignore[arg-type]
+        start = r + 1
     items: list[T] = []
     while len(items) < limit + 1:
         want = limit + 1 - len(items)
-        rng = client.zrevrange if newest_first else client.zrange
-        ids = [x.decode() if isinstance(x, bytes) else str(x) for x in rng(index, start, start + want - 1)]
+        ids = id_index.slice_ids(client, index, start, want, newest_first=newest_first)
         if not ids:
             break
         shown, stale = load(ids)
         items.extend(shown)
         start += len(ids)
         if stale:
-            client.zrem(index, *stale)
+            id_index.drop(client, index, stale)
             start -= len(stale)
     return Page(items=items[:limit], has_more=len(items) > limit)
