@@ -33,8 +33,10 @@ __all__ = [
     "Priority",
     "Request",
     "RequestCounts",
+    "MAX_SAMPLES",
     "Result",
     "ResultStatus",
+    "Sample",
     "Timings",
 ]
 
@@ -51,6 +53,10 @@ NUL, 10 kB of text) is refused instead of being trusted."""
 
 MAX_JOB_REQUESTS = 100_000
 """Most requests one job can carry: the producer's largest ``--batch-size``."""
+
+
+MAX_SAMPLES = 128
+"""Most samples (``params.n``) one request may ask for (OpenAI's ``n`` allows 128 as well)."""
 
 
 class _Strict(BaseModel):
@@ -237,6 +243,8 @@ class GenerationParams(_Strict):
     declaration of the parameters: the producer's flags and the file ``params`` checks derive from it.
     """
 
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = _param(
+        "samples per prompt: one result holds them all; the prompt is prefilled once", 1)
     max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = _param("max tokens to generate", 512)
     min_new_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = _param(
         "generate at least this many tokens (stop words and eos wait)")
@@ -390,8 +398,30 @@ class TensorRef(_Strict):
     nbytes: int
 
 
+class Sample(_Strict):
+    """One of the ``n`` samples of a request (``params.n > 1``); ``index`` is its place, 0..n-1.
+
+    Sample ``i`` of a request with ``random_seed=s`` was drawn with seed ``s + i``, so a re-run gives the
+    same samples. ``prefill_token_len`` is how many prompt tokens the engine computed for this sample
+    (0 when it reused another sample's prefill; None when the engine does not say)."""
+
+    index: int
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    generate_token_len: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prefill_token_len: int | None = None
+    error: ErrorInfo | None = None
+
+
 class Result(_Strict):
-    """One request's outcome; exactly one final Result per accepted request."""
+    """One request's outcome; exactly one final Result per accepted request.
+
+    With ``params.n > 1`` the result holds ``samples`` (all n, written together, never some of them);
+    ``text``/``finish_reason``/``logprobs`` then repeat sample 0 (what a reader that knows nothing of
+    samples sees, like OpenAI's ``choices[0]``), ``input_token_len`` counts the prompt ONCE and
+    ``generate_token_len`` is the sum over the samples. ``prefill_token_len`` is the prompt tokens the
+    engine actually computed for the request, over all its samples (the shared prefill's saving)."""
 
     format_version: Literal[1] = FORMAT_VERSION
     batch_id: str
@@ -411,6 +441,10 @@ class Result(_Strict):
     timings: Timings = Field(default_factory=Timings)
     logprobs: list[TokenLogprob] | None = None
     tensors: dict[str, TensorRef] | None = None
+    #: the n samples of a request with ``params.n > 1`` (None for n = 1)
+    samples: list[Sample] | None = None
+    #: prompt tokens the engine computed (not served from a prefix cache or a shared prefill); None: unknown
+    prefill_token_len: int | None = None
 
     @property
     def final(self) -> bool:

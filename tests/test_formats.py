@@ -228,7 +228,7 @@ BAD_CASES = [
     ("custom_id_float.jsonl", 2, "custom_id", "expected a string or an integer, got 1.5"),
     ("empty_prompt.jsonl", 2, "prompt", "expected a non-empty string"),
     ("openai_unknown_url.jsonl", 2, "url", "expected one of /v1/chat/completions|/v1/completions"),
-    ("openai_n_gt_1.jsonl", 2, "body.n", "expected 1, got 3"),
+    ("openai_n_over_max.jsonl", 2, "body.n", "expected an integer from 1 to 128, got 129"),
     ("openai_missing_custom_id.jsonl", 2, "custom_id", "required field is missing"),
     ("openai_stream_true.jsonl", 2, "body.stream", "expected false or null, got true: a batch request cannot stream"),
     ("openai_temperature_out_of_range.jsonl", 2, "body.temperature", "expected a number from 0.0 to 2.0, got 5"),

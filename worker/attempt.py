@@ -25,10 +25,11 @@ from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
 from lmdq.results.writer import ResultWriter
 from lmdq.worker.admission import EngineGate
-from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent
 from lmdq.worker.engines.engine_health import EngineHealth
 from lmdq.worker.outcomes import MAX_RUNS, SUSPECT_AFTER_CRASHES, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
+from lmdq.worker.samples import SampleSet, fan_out
 from lmdq.worker.settings import WorkerSettings
 from lmdq.worker.tensor_store import TensorStore
 
@@ -243,25 +244,24 @@ class JobAttempt:
                      jlog: Any) -> AttemptEnd:
         claim = held.claim
         live = [LiveRequest(req=r) for r in todo]
-        ereqs = [
-            EngineRequest(
-                index=i,
-                prompt=r.prompt,
-                messages=[m.model_dump(exclude_none=True) for m in r.messages] if r.messages else None,
-                endpoint=r.endpoint,
-                params=payload.params.merged(r.params),
-            )
-            for i, r in enumerate(todo)
-        ]
+        # n > 1: n engine requests per request, side by side, gathered into one result (worker/samples.py)
+        ereqs, slots, sample_sets, refused = fan_out(todo, payload.params)
+        #: positions in ``todo`` whose final result is written
         finished: set[int] = set()
         if held.abort.is_set() or not engine_alive(self.engine):
             return self._stopped(held)  # never reached the engine: no crash to count against it
+        for pos, why in refused.items():
+            finished.add(pos)
+            held.writes.append(self.writer.final_async(results.build(
+                todo[pos], status=ResultStatus.failed, finish_reason=FinishReason.error,
+                error=ErrorInfo(code=ErrorCode.unsupported_feature, message=why), finished_at=self.clock())))
         held.in_engine = True
         self.watch.begin()
         counted = True
         try:
-            for ev in self.engine.stream(ereqs, held.abort):
-                self._on_event(ev, live[ev.index], results, held, finished)
+            for ev in self.engine.stream(ereqs, held.abort) if ereqs else ():
+                pos, sample = slots[ev.index]
+                self._on_event(ev, live[pos], results, held, finished, pos, sample, sample_sets.get(pos))
         except (EngineDead, _EngineGone) as e:
             jlog.warning("engine died while running job; it runs again on a fresh engine, uncharged", error=str(e))
             return AttemptEnd(Outcome.crashed, error=str(e))
@@ -275,8 +275,8 @@ class JobAttempt:
                 return AttemptEnd(Outcome.crashed, error=str(e))
             jlog.error("engine error; job will be retried", error=str(e))
             if claim.attempt >= self.s.max_attempts:
-                for lv in live:
-                    if lv.req.index not in finished:
+                for pos, lv in enumerate(live):
+                    if pos not in finished:
                         self.writer.final(results.build(
                             lv.req, status=ResultStatus.failed, finish_reason=FinishReason.error,
                             error=ErrorInfo(code=ErrorCode.engine_error, message=str(e)), finished_at=self.clock()))
@@ -299,9 +299,14 @@ class JobAttempt:
         return AttemptEnd(Outcome.done)
 
     def _on_event(
-        self, ev: EngineEvent, lv: LiveRequest, results: ResultBuilder, held: Held, finished: set[int]
+        self, ev: EngineEvent, lv: LiveRequest, results: ResultBuilder, held: Held, finished: set[int],
+        pos: int, sample: int = 0, samples: SampleSet | None = None,
     ) -> None:
+        """One engine event of the request at ``pos`` (its sample ``sample`` when it has n > 1)."""
         now = self.clock()
+        if samples is not None:
+            self._on_sample_event(ev, lv, results, held, finished, pos, sample, samples, now)
+            return
         if ev.text:
             lv.text.append(ev.text)
             lv.dirty = True
@@ -324,7 +329,7 @@ class JobAttempt:
             # An engine that died may fail its in-flight requests one by one before it says so (as
             # LMDeploy's RPC errors did): those errors are the engine's, not the requests'.
             raise _EngineGone(ev.error_message or ev.error_code or "request failed as the engine died")
-        finished.add(ev.index)
+        finished.add(pos)
         if self.request_done is not None:
             self.request_done(held)
         status, error = final_status(ev, reason)
@@ -338,12 +343,61 @@ class JobAttempt:
         result = results.final(
             lv, status=status, reason=reason, error=error, finished_at=now, logprobs=logprobs, tensors=tensors
         )
+        if ev.prefill_token_len is not None:
+            result.prefill_token_len = ev.prefill_token_len
         held.writes.append(self.writer.final_async(result))
+        self._account(lv, results, status, lv.gen_len, ev.prefill_token_len, now)
+
+    def _account(self, lv: LiveRequest, results: ResultBuilder, status: ResultStatus, generated: int,
+                 prefilled: int | None, now: float) -> None:
         if self.health:
             self.health.request_finished(
                 status=status.value,
                 input_tokens=lv.input_len,
-                output_tokens=lv.gen_len,
+                output_tokens=generated,
                 ttft_s=(lv.first_token_at - results.started_at) if lv.first_token_at else None,
                 latency_s=now - results.started_at,
+                prefill_tokens=lv.input_len if prefilled is None else prefilled,
             )
+
+    def _on_sample_event(self, ev: EngineEvent, lv: LiveRequest, results: ResultBuilder, held: Held,
+                         finished: set[int], pos: int, sample: int, samples: SampleSet, now: float) -> None:
+        """An event of one of the n samples: the request's result is written once, when all n have ended."""
+        samples.delta(sample, ev)
+        if sample == 0 and ev.text:
+            lv.text.append(ev.text)  # partials show sample 0's text (what the final ``text`` repeats)
+            lv.dirty = True
+        if lv.first_token_at is None and not ev.whole and (ev.generate_token_len > 0 or ev.text):
+            lv.first_token_at = lv.last_partial = now
+        lv.input_len = ev.input_token_len or lv.input_len
+        lv.gen_len = samples.generated
+        if ev.finish_reason is None:
+            if lv.dirty and now - lv.last_partial >= self.s.partial_interval_s:
+                lv.last_partial, lv.dirty = now, False
+                self.writer.partial(results.partial(lv))
+            return
+        reason = ev.finish_reason
+        if reason is FinishReason.abort and held.abort_reason in _STOPPED:
+            return  # not an answer: the job is re-queued and the whole request (all n samples) runs again
+        if reason is FinishReason.error and not engine_alive(self.engine):
+            raise _EngineGone(ev.error_message or ev.error_code or "request failed as the engine died")
+        if self.request_done is not None:
+            self.request_done(held)  # this sample's engine slot is free (admission counts samples)
+        status, error = final_status(ev, reason)
+        if status is ResultStatus.completed:
+            self.watch.ok()
+        if not samples.end(sample, ev, reason, status, error, token_logprobs(ev)):
+            return
+        finished.add(pos)
+        got = samples.samples()
+        status, error = samples.outcome(got)
+        first = got[0]
+        result = results.final(lv, status=status, reason=first.finish_reason or reason, error=error,
+                               finished_at=now, logprobs=first.logprobs, tensors=None)
+        result.text = first.text
+        result.generate_token_len = sum(s.generate_token_len for s in got)
+        result.samples = got
+        known = [s.prefill_token_len for s in got]
+        result.prefill_token_len = None if None in known else sum(k for k in known if k is not None)
+        held.writes.append(self.writer.final_async(result))
+        self._account(lv, results, status, samples.generated, result.prefill_token_len, now)

@@ -102,6 +102,10 @@ class WorkerHealth:
         )
         self._tokens_in = counter("lmdq_tokens_input", "Prompt tokens of finished requests.").labels(**values)
         self._tokens_out = counter("lmdq_tokens_output", "Generated tokens of finished requests.").labels(**values)
+        self._tokens_prefilled = counter(
+            "lmdq_tokens_prefilled",
+            "Prompt tokens the engine computed (shared n-sample prefills and prefix-cache hits excluded).",
+        ).labels(**values)
 
         # Queue depth is not a worker's: lmdq.metrics.exporter serves it once per Redis, also at zero workers.
         self._requests_in_flight = gauge("lmdq_requests_in_flight", "Requests inside the engine now.")
@@ -157,15 +161,19 @@ class WorkerHealth:
         output_tokens: int,
         ttft_s: float | None,
         latency_s: float | None,
+        prefill_tokens: int | None = None,
     ) -> None:
         """Account one request that reached a final status (``lmdq.contract.ResultStatus``:
-        'completed' counts as completed, anything else as failed with that status)."""
+        'completed' counts as completed, anything else as failed with that status). ``prefill_tokens``:
+        prompt tokens the engine really computed (a shared or cached prefill computes fewer than
+        ``input_tokens``); None counts ``input_tokens``."""
         status = str(getattr(status, "value", status))
         if status == _COMPLETED:
             self._completed.inc()
         else:
             self._failed_family.labels(model=self.model, worker=self.worker_name, status=status).inc()
         self._tokens_in.inc(max(0, int(input_tokens)))
+        self._tokens_prefilled.inc(max(0, int(input_tokens if prefill_tokens is None else prefill_tokens)))
         self._tokens_out.inc(max(0, int(output_tokens)))
         if ttft_s is not None and math.isfinite(ttft_s) and ttft_s >= 0:
             self._ttft.observe(ttft_s)

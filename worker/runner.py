@@ -48,6 +48,7 @@ from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine, engine_capacity
 from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
+from lmdq.worker.samples import engine_rows
 from lmdq.worker.settings import WorkerSettings
 
 __all__ = ["Worker", "default_worker_name"]
@@ -484,7 +485,7 @@ class Worker:
                              batch=payload.batch_id, queue=moved)
                 return
             held.batch_id = payload.batch_id
-            held.n_requests = len(payload.requests)
+            held.n_requests = engine_rows(payload)  # n sequences for a request with params.n = n
             with self._slot:
                 held.reserved = self.admission.resize(held.reserved, held.n_requests)
                 if self.admission.job_fits():  # smaller than guessed (the first jobs): claim more now

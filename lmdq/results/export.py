@@ -59,6 +59,10 @@ RESULT_COLUMNS: list[tuple[str, str, str]] = [
     ("logprobs", "list<struct<token_id: int64, logprob: float64, top: list<struct<token_id: int64, "
                  "logprob: float64>>>>", "per generated token, when logprobs were asked for"),
     ("tensors", "string", "JSON of the tensor references (logits, hidden states) in the blob store"),
+    ("samples", "list<struct<index: int32, text: string, finish_reason: string, generate_token_len: int64, "
+                "logprobs: (as the logprobs column)>>",
+     "params.n > 1: the n samples of the request (text/finish_reason repeat sample 0); null for n = 1"),
+    ("prefill_token_len", "int64", "prompt tokens the engine computed, over all samples (null: not reported)"),
 ]
 
 
@@ -77,7 +81,16 @@ def result_schema() -> Any:
     top = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())]))
     lp = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()), ("top", top)]))
     types = {"string": pa.string(), "int64": pa.int64(), "int32": pa.int32(), "float64": pa.float64()}
-    return pa.schema([(name, lp if name == "logprobs" else types[t]) for name, t, _ in RESULT_COLUMNS])
+    samples = pa.list_(pa.struct([("index", pa.int32()), ("text", pa.string()), ("finish_reason", pa.string()),
+                                  ("generate_token_len", pa.int64()), ("logprobs", lp)]))
+    nested = {"logprobs": lp, "samples": samples}
+    return pa.schema([(name, nested.get(name) or types[t]) for name, t, _ in RESULT_COLUMNS])
+
+
+def _logprob_rows(lps: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    return None if lps is None else [
+        {"token_id": x["token_id"], "logprob": x["logprob"],
+         "top": [{"token_id": i, "logprob": v} for i, v in x.get("top", [])]} for x in lps]
 
 
 try:
@@ -108,12 +121,15 @@ def _columns(raws: list[bytes]) -> dict[str, list[Any]]:
         cols["endpoint"].append(r.get("endpoint", "chat"))
         for k in ("enqueued_at", "started_at", "first_token_at", "finished_at"):
             cols[k].append(t.get(k))
-        lps = r.get("logprobs")
-        cols["logprobs"].append(None if lps is None else [
-            {"token_id": x["token_id"], "logprob": x["logprob"],
-             "top": [{"token_id": i, "logprob": v} for i, v in x.get("top", [])]} for x in lps])
+        cols["logprobs"].append(_logprob_rows(r.get("logprobs")))
         tensors = r.get("tensors")
         cols["tensors"].append(None if tensors is None else json.dumps(tensors, sort_keys=True))
+        samples = r.get("samples")
+        cols["samples"].append(None if samples is None else [
+            {"index": x["index"], "text": x.get("text", ""), "finish_reason": x.get("finish_reason"),
+             "generate_token_len": x.get("generate_token_len", 0), "logprobs": _logprob_rows(x.get("logprobs"))}
+            for x in samples])
+        cols["prefill_token_len"].append(r.get("prefill_token_len"))
     return cols
 
 

@@ -86,14 +86,17 @@ def to_openai(r: Result) -> dict[str, Any]:
         else:
             err = r.error.model_dump() if r.error else {"code": r.status.value, "message": f"request {r.status.value}"}
         return {"id": rid, "custom_id": r.custom_id, "response": None, "error": err}
+    # params.n > 1: one choice per sample, choices[0..n-1] (usage: the prompt once, the samples' tokens summed)
+    outs = ([(s.index, s.text, s.logprobs, s.finish_reason.value if s.finish_reason else None) for s in r.samples]
+            if r.samples else [(0, r.text, r.logprobs, finish)])
     if r.endpoint is Endpoint.completion:
-        lp = _completion_logprobs(r.logprobs) if r.logprobs is not None else None
         body: dict[str, Any] = {
             "id": f"cmpl-{rid}",
             "object": "text_completion",
             "created": created,
             "model": r.model,
-            "choices": [{"index": 0, "text": r.text, "logprobs": lp, "finish_reason": finish}],
+            "choices": [{"index": i, "text": text, "logprobs": _completion_logprobs(lps) if lps is not None else None,
+                         "finish_reason": why} for i, text, lps, why in outs],
             "usage": usage,
         }
     else:
@@ -104,11 +107,12 @@ def to_openai(r: Result) -> dict[str, Any]:
             "model": r.model,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": _chat_logprobs(r.logprobs) if r.logprobs is not None else None,
-                    "finish_reason": finish,
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": _chat_logprobs(lps) if lps is not None else None,
+                    "finish_reason": why,
                 }
+                for i, text, lps, why in outs
             ],
             "usage": usage,
         }

@@ -163,12 +163,9 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
         raise _LineError("body.stream", f"expected false or null, got {_got(stream)}: a batch request cannot stream")
 
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-            raise _LineError(
-                "body.n", f"expected 1, got {n}: lmdq generates one completion per request; repeat the line instead"
-            )
-        raise _LineError("body.n", f"expected 1, got {_got(n)}")
+    if n is not None:  # n samples of the prompt in one result (OpenAI: choices[0..n-1]); bounds from the contract
+        params["n"] = n
+        src["n"] = "body.n"
 
     for key, field in _BODY_DIRECT.items():
         value = body.get(key)

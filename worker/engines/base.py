@@ -83,6 +83,9 @@ class EngineEvent:
     tensors: dict[str, Any] | None = None
     #: the request was not streamed (its whole text comes on the final event): there is no first-token time
     whole: bool = False
+    #: on the final event: prompt tokens the engine computed for this request (not reused from a prefix cache
+    #: or another request's prefill); None when the engine cannot tell
+    prefill_token_len: int | None = None
 
     def __post_init__(self) -> None:
         # An engine may name the reason by its string ('stop'): it is the enum from here on, and a reason

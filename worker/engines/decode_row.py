@@ -66,6 +66,8 @@ class DecodeRow:
         self.emitted = 0
         self._last_event_at = 0
         self.finish: FinishReason | None = None
+        #: prompt tokens computed for this row: all of them, or 0 when it shares another row's prefill
+        self.prefilled = self.input_len
 
     def banned(self) -> list[int]:
         """Ids this step may not pick: ignore_eos bans, plus the stop ids until min_new_tokens exist."""
@@ -124,4 +126,5 @@ class DecodeRow:
             finish_reason=finish or self.finish,
             logprobs=self.rich.logprob_rows(),
             tensors=tensors or None,
+            prefill_token_len=self.prefilled,
         )

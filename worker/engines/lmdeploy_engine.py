@@ -111,6 +111,9 @@ def build_gen_config(p: dict[str, Any]) -> Any:
     unknown = sorted(set(p) - known)
     if unknown:  # a parameter LMDeploy does not have must fail loudly, never be dropped
         raise EngineError(f"LMDeploy's GenerationConfig has no {', '.join(unknown)}")
+    p = dict(p)
+    if (p.pop("n", None) or 1) != 1:  # LMDeploy ignores n > 1: the worker fans a request out (worker/samples.py)
+        raise EngineError("an engine request has n > 1: the worker sends one request per sample")
     return GenerationConfig(n=1, **{**p, "response_format": to_lmdeploy(p.get("response_format"))})
 
 
@@ -122,6 +125,16 @@ def _logprob_rows(token_ids: list[int], rows: list[dict[int, float]], k: int) ->
         top = sorted(((int(t), float(v)) for t, v in row.items()), key=lambda kv: -kv[1])[:k]
         out.append((int(tok), float(row.get(tok, float("nan"))), top))
     return out
+
+
+def _prefilled(out: Any) -> int | None:
+    """Prompt tokens a finished request really prefilled: its input minus LMDeploy's ``cached_tokens``
+    (prefix-cache hits, e.g. the later samples of an n-sample request); None when the Response has no
+    such count (then the worker counts the whole prompt)."""
+    cached = getattr(out, "cached_tokens", None)
+    if not isinstance(cached, int) or isinstance(cached, bool) or not out.input_token_len:
+        return None
+    return max(0, int(out.input_token_len) - cached)
 
 
 def _unsupported(backend_config: Any, p: dict[str, Any]) -> str | None:
@@ -589,7 +602,8 @@ class LMDeployEngine:
                                   finish_reason=FinishReason(out.finish_reason) if final else None,
                                   error_code=error_code(getattr(out, "error_code", None)),
                                   error_message=getattr(out, "error_message", None),
-                                  logprobs=rich_lp, tensors=rich_t or None, whole=not streamed)
+                                  logprobs=rich_lp, tensors=rich_t or None, whole=not streamed,
+                                  prefill_token_len=_prefilled(out) if final else None)
             for epoch, ev in held:  # the call is over: wait for the verdict on its held errors
                 if burst.wait_verdict(epoch, BURST_SETTLE_S):
                     raise self._dead_error("every request in flight failed with an engine-level error")

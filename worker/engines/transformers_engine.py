@@ -316,13 +316,24 @@ class TransformersEngine:
         fails alone; a failed forward fails the rows still running (internal_error)."""
         torch = self._torch
         active = list(rows)
+        # Rows with the same prompt ids (the n samples of one request, params.n) are prefilled ONCE: the
+        # prefill runs over the distinct prompts, then the KV cache, mask and logits fan out to every row.
+        first_of: dict[tuple[int, ...], int] = {}
+        fan: list[int] = []
+        for r in active:
+            key = tuple(r.history.tolist())
+            if key in first_of:
+                r.prefilled = 0
+            fan.append(first_of.setdefault(key, len(first_of)))
+        uniq = [active[fan.index(u)] for u in range(len(first_of))]
         width = max(r.input_len for r in active)
-        step_input = torch.full((len(active), width), self._pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((len(active), width), dtype=torch.long, device=self.device)
-        for i, r in enumerate(active):
+        step_input = torch.full((len(uniq), width), self._pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(uniq), width), dtype=torch.long, device=self.device)
+        for i, r in enumerate(uniq):
             step_input[i, width - r.input_len :] = r.history
             mask[i, width - r.input_len :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        spread = None if len(uniq) == len(active) else torch.tensor(fan, dtype=torch.long, device=self.device)
         cache: Any = None
         try:
             while active:
@@ -346,6 +357,9 @@ class TransformersEngine:
                         out = self._model(input_ids=step_input, **kwargs)
                         cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
                         logits = out.logits[:, -1].float()
+                        if spread is not None:  # after the shared prefill: one cache row per request row
+                            cache.batch_select_indices(spread)
+                            logits, mask, spread = logits[spread], mask[spread], None
                         for i, r in enumerate(active):
                             try:
                                 picks.append(r.pick(logits[i]))
@@ -575,6 +589,7 @@ class TransformersEngine:
             finish_reason=finish,
             logprobs=rich.logprob_rows(),
             tensors=tensors or None,
+            prefill_token_len=input_len,
         )
 
 
