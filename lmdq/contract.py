@@ -243,8 +243,6 @@ class GenerationParams(_Strict):
     declaration of the parameters: the producer's flags and the file ``params`` checks derive from it.
     """
 
-    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = _param(
-        "samples per prompt: one result holds them all; the prompt is prefilled once", 1)
     max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = _param("max tokens to generate", 512)
     min_new_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = _param(
         "generate at least this many tokens (stop words and eos wait)")
@@ -268,6 +266,8 @@ class GenerationParams(_Strict):
     output_last_hidden_state: Literal["all", "generation"] | None = _param(
         "last hidden states: all | generation (tensors go to the blob URL)")
     response_format: ResponseFormat | None = _param("constrain the output to a JSON schema or a regex")
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = _param(
+        "samples per prompt: one result holds them all; the prompt is prefilled once", 1)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> GenerationParams:

@@ -163,7 +163,7 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
         raise _LineError("body.stream", f"expected false or null, got {_got(stream)}: a batch request cannot stream")
 
     n = body.get("n")
-    if n is not None:  # n samples of the prompt in one result (OpenAI: choices[0..n-1]); bounds from the contract
+    if n is not None and not (type(n) is int and n == 1):  # n samples in one result (choices[0..n-1]); 1 = default
         params["n"] = n
         src["n"] = "body.n"
 
