@@ -335,3 +335,73 @@ def test_n4_seeded_same_samples_in_a_second_batch_and_after_sigkill(
     print(f"\n[samples] n=4 x {len(PROMPTS)} prompts: batch 2 and the SIGKILLed batch 3 equal batch 1; "
           f"answered before the kill: {sorted(before)}; reaped: {len(reaped)} job")
     json.dumps(a)  # the samples are plain text
+
+
+# --------------------------------------------------------------------------- LMDeploy (a stand-in pipeline)
+
+
+def test_lmdeploy_primes_shared_prompts_then_streams_all_samples() -> None:
+    """With prefix caching, a prompt sent several times in one call (the n samples) is prefilled once by a
+    short priming request first; the samples then report LMDeploy's cached_tokens as not prefilled, and
+    the first one carries the priming's prefill. Without prefix caching nothing is primed."""
+    pytest.importorskip("lmdeploy")
+    from types import SimpleNamespace
+
+    from lmdeploy.messages import Response
+
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
+
+    class Pipe:
+        def __init__(self, caching: bool) -> None:
+            self.backend_config = SimpleNamespace(max_batch_size=64, enable_prefix_caching=caching)
+            self.async_engine = SimpleNamespace(engine=SimpleNamespace(proc=None))
+            self.internal_thread = SimpleNamespace(loop=None)
+            self.calls: list[tuple[list[Any], list[Any]]] = []
+
+        def session(self) -> Any:
+            return SimpleNamespace(abort=lambda: None, close=lambda: None)
+
+        def stream_infer(self, prompts: list[Any], gen_config: list[Any], **_: Any) -> Iterator[Response]:
+            self.calls.append((prompts, gen_config))
+            primed = len(self.calls) > 1 or not self.backend_config.enable_prefix_caching
+            for i, _p in enumerate(prompts):
+                yield Response(text="x", generate_token_len=gen_config[i].max_new_tokens, input_token_len=100,
+                               finish_reason="length", index=i, cached_tokens=64 if primed and len(self.calls) > 1
+                               else 0)
+
+    def engine(pipe: Pipe) -> LMDeployEngine:
+        eng = LMDeployEngine.__new__(LMDeployEngine)
+        eng.pipe = pipe
+        eng.raw, eng.emit_interval_s, eng._closed = False, 0.0, False
+        eng.model_name, eng.backend, eng.capacity = "m", "pytorch", 64
+        eng._init_lifecycle(set())
+        return eng
+
+    todo = [_request(0, n=3, do_sample=True, random_seed=5, max_new_tokens=9), _request(1, max_new_tokens=9)]
+    ereqs, _, _, _ = fan_out(todo, GenerationParams())
+    pipe = Pipe(caching=True)
+    finals = {ev.index: ev for ev in engine(pipe).stream(ereqs, threading.Event()) if ev.finish_reason}
+    (prime_prompts, prime_gens), (main_prompts, main_gens) = pipe.calls
+    assert len(prime_prompts) == 1 and prime_gens[0].max_new_tokens == 2 and len(main_prompts) == 4
+    assert [g.random_seed for g in main_gens[:3]] == [5, 6, 7] and all(g.n == 1 for g in main_gens)
+    # first sample: 100 - 64 in the main call + 100 in the priming; the other two: 36; the n = 1 request: 36
+    assert [finals[i].prefill_token_len for i in range(4)] == [136, 36, 36, 36]
+    pipe = Pipe(caching=False)
+    finals = {ev.index: ev for ev in engine(pipe).stream(ereqs, threading.Event()) if ev.finish_reason}
+    assert len(pipe.calls) == 1 and [finals[i].prefill_token_len for i in range(4)] == [100] * 4
+
+
+def test_bench_samples_runs_both_sides_on_the_sim(tmp_path: Path) -> None:
+    """``lmdq-bench samples`` (the GPU bench's CPU check): both sides drain, same sequences and tokens, and the
+    JSON line holds the side-by-side numbers."""
+    out = tmp_path / "b.json"
+    p = subprocess.run([sys.executable, "-m", "lmdq.bench", "samples", "--prompts", "12", "--n", "4", "--input-len",
+                        "24", "--output-len", "6", "--sim-step-ms", "1", "-o", str(out)], cwd=ROOT,
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    res = json.loads(out.read_text())
+    runs = res["detail"]["runs"]
+    assert runs["n"]["requests"] == 12 and runs["lines"]["requests"] == 48
+    assert runs["n"]["sequences"] == runs["lines"]["sequences"] == 48
+    assert runs["n"]["tokens"] == runs["lines"]["tokens"] == 48 * 6
+    assert res["n_tok_s"] > 0 and res["lines_tok_s"] > 0 and res["n_prefilled"] <= runs["n"]["prompt_tokens_unshared"]

@@ -187,6 +187,59 @@ def prefix(
     _emit({k: out[k] for k in ("engine", "model", "n", "raw_tok_s", "lmdq_tok_s", "ratio")} | {"detail": out}, output)
 
 
+@app.command()
+@model_options(engine_flag_specs(), into="engine_settings")
+def samples(
+    engine_settings: dict[str, Any],
+    engine: Annotated[EngineName, typer.Option(help="the engine, built as the worker builds it")] = "sim",
+    model: Annotated[str | None, typer.Option(help="model folder (lmdeploy/transformers)")] = None,
+    random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
+    tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
+    prompts: Annotated[int, typer.Option(help="prompts (P)")] = 1024,
+    n: Annotated[int, typer.Option(min=2, max=128, help="samples per prompt")] = 8,
+    input_len: Annotated[int, typer.Option(help="prompt tokens")] = 234,
+    output_len: Annotated[int, typer.Option(help="tokens generated per sample (ignore_eos)")] = 128,
+    batch_size: Annotated[int, typer.Option(help="n-sample requests per job (the lines side: n x as many)")] = 32,
+    temperature: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    jobs_in_flight: Annotated[int, typer.Option(help="0 = auto")] = 0,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
+) -> None:
+    """P prompts x n samples (params.n) vs the same P x n requests one per line: out tok/s and prefilled
+    tokens side by side (lmdq.bench.samples); the LAST line printed is a JSON object.
+
+    Unless given: lmdeploy runs --enable-prefix-caching (what shares the prefill there); sim gets
+    --sim-prefix-cache-tokens for every prompt and --sim-prefill-us-per-token 25."""
+    from lmdq.bench.local_redis import local_redis
+    from lmdq.bench.samples import SamplesConfig, run_samples
+
+    cfg = SamplesConfig(prompts=prompts, n=n, input_len=input_len, output_len=output_len, batch_size=batch_size,
+                        temperature=temperature, seed=seed, jobs_in_flight=jobs_in_flight)
+    settings = dict(engine_settings)
+    if engine == "lmdeploy":
+        settings.setdefault("enable_prefix_caching", True)
+    elif engine == "sim":
+        settings.setdefault("sim_prefix_cache_tokens", prompts * (input_len + 16))
+        settings.setdefault("sim_prefill_us_per_token", 25.0)
+    eng, s, model_name = _build_engine(engine, model, random_llama8b, tokenizer_from, settings)
+    with local_redis(redis_url) as url:
+        res = run_samples(eng, cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
+    eng.close()
+    out = {"engine": engine, "model": model_name, "prompts": prompts, "samples_per_prompt": n,
+           "input_len": input_len, "output_len": output_len, "batch_size": batch_size, "engine_settings": settings,
+           **res}
+    print(f"{'side':6s} {'requests':>9s} {'tok/s':>10s} {'vs lines':>9s} {'prefilled':>11s} {'unshared':>11s}")
+    for k in ("n", "lines"):
+        run = res["runs"][k]
+        pre = f"{run['prefilled_tokens']:>11,d}" if "prefilled_tokens" in run else f"{'n/a':>11s}"
+        print(f"{k:6s} {run['requests']:>9,d} {run['tok_s']:>10,.0f} {run['tok_s'] / res['lines_tok_s']:>9.3f} "
+              f"{pre} {run['prompt_tokens_unshared']:>11,d}")
+    keep = ["engine", "model", "prompts", "samples_per_prompt", "n_tok_s", "lines_tok_s", "tok_s_ratio",
+            "n_prefilled", "lines_prefilled", "prefill_saving_vs_unshared", "prefill_saving_vs_lines"]
+    _emit({k: out.get(k) for k in keep} | {"detail": out}, output)
+
+
 def _prefix_fleet(cfg: Any, workers: int, engine: str, model: str | None, random_llama8b: Path | None,
                   tokenizer_from: Path | None, settings: dict[str, Any], workload: Path | None, redis_url: str | None,
                   output: Path | None) -> None:

@@ -137,6 +137,10 @@ def _prefilled(out: Any) -> int | None:
     return max(0, int(out.input_token_len) - cached)
 
 
+def _plus(a: int | None, b: int | None) -> int | None:
+    return None if a is None else a + (b or 0)
+
+
 def _unsupported(backend_config: Any, p: dict[str, Any]) -> str | None:
     """Rich outputs this worker's engine would silently drop or refuse, checked per request up front so the
     request fails clearly (lmdq can't know the worker's backend at submit time).
@@ -540,6 +544,7 @@ class LMDeployEngine:
             # finishing chunk), and the terminal chunk carries None: the latest non-None one is kept.
             want_lp = [p["logprobs"] for p in params]
             want_t = [bool(p["output_logits"] or p["output_last_hidden_state"]) for p in params]
+            primed = self._prime_shared(prompts, params, preprocess)
             gen_ids: dict[int, list[int]] = {}
             lp_rows: dict[int, list[dict[int, float]]] = {}
             tensors: dict[int, dict[str, Any]] = {}
@@ -603,7 +608,7 @@ class LMDeployEngine:
                                   error_code=error_code(getattr(out, "error_code", None)),
                                   error_message=getattr(out, "error_message", None),
                                   logprobs=rich_lp, tensors=rich_t or None, whole=not streamed,
-                                  prefill_token_len=_prefilled(out) if final else None)
+                                  prefill_token_len=_plus(_prefilled(out), primed.get(i)) if final else None)
             for epoch, ev in held:  # the call is over: wait for the verdict on its held errors
                 if burst.wait_verdict(epoch, BURST_SETTLE_S):
                     raise self._dead_error("every request in flight failed with an engine-level error")
@@ -625,6 +630,42 @@ class LMDeployEngine:
                     s.close()
                 except Exception:  # noqa: BLE001
                     pass
+
+    def _prime_shared(self, prompts: list[Any], params: list[dict[str, Any]], preprocess: bool) -> dict[int, int]:
+        """Prefill each prompt that occurs more than once in this call (the n samples of a request, repeated
+        lines) ONCE, before the call, so the prefix cache holds its blocks when the copies are scheduled.
+
+        Why not just send the copies side by side: LMDeploy's PyTorch scheduler enters a sequence's blocks
+        in its prefix trie only once it runs (``BlockTrie.allocate`` in the decode schedule, lmdeploy 0.18
+        pytorch/paging/scheduler.py), so copies prefilled in the same step share nothing. The priming
+        request decodes 2 tokens (one decode schedule) and is dropped; its prefilled tokens are added to
+        the first copy's count. Only with ``enable_prefix_caching`` (else nothing could be reused): returns
+        {position in ``prompts``: tokens the priming prefilled}."""
+        if not getattr(self.pipe.backend_config, "enable_prefix_caching", False):
+            return {}
+        import json
+
+        first: dict[str, int] = {}
+        dup: list[int] = []
+        for i, prompt in enumerate(prompts):
+            key = json.dumps(prompt, sort_keys=True)
+            if key in first:
+                if first[key] not in dup:
+                    dup.append(first[key])
+            else:
+                first[key] = i
+        if not dup:
+            return {}
+        gens = [build_gen_config({**params[i], "max_new_tokens": 2, "min_new_tokens": None, "logprobs": None,
+                                  "output_logits": None, "output_last_hidden_state": None, "response_format": None,
+                                  "stop_words": None, "ignore_eos": True}) for i in dup]
+        primed: dict[int, int] = {}
+        for out in self.pipe.stream_infer([prompts[i] for i in dup], gen_config=gens, do_preprocess=preprocess,
+                                          stream_response=False):
+            if out.finish_reason is not None:
+                got = _prefilled(out)
+                primed[dup[out.index]] = got if got is not None else int(out.input_token_len or 0)
+        return primed
 
     def streams(self, params: Sequence[dict[str, Any]]) -> bool:
         """Whether one stream_infer call streams per token (``stream_response``), decided per call.
