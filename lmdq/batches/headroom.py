@@ -116,6 +116,8 @@ def check_batch_fits(client: redis.Redis, *, requests: int, jobs: int, input_byt
                      results_url: str | None, fraction: float = DEFAULT_FRACTION) -> None:
     """``submit``'s one call: estimate the batch (:func:`estimate`) and :func:`check_headroom` it."""
     sink = bool(results_url)
+    p = params.resolved()
+    # a result holds n samples (params.n, the batch's own: per-line n is not known here)
     need = estimate(requests=requests, jobs=jobs, input_bytes=input_bytes,
-                    max_new_tokens=int(params.resolved()["max_new_tokens"]), sink=sink)
+                    max_new_tokens=int(p["max_new_tokens"]) * int(p["n"] or 1), sink=sink)
     check_headroom(client, need, fraction=fraction, sink=sink)
