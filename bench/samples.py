@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from lmdq.bench.efficiency import EfficiencyConfig, make_prompts, run_raw
-from lmdq.connection import connect
 from lmdq.contract import GenerationParams, Result
-from lmdq.keys import Keys
 from lmdq.producer.submit import SubmitOptions, submit_file
-from lmdq.store import ResultStore
+from lmdq.redis.connection import connect
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 from lmdq.worker.engines.base import Borrowed, Engine
 from lmdq.worker.runner import Worker
 from lmdq.worker.settings import WorkerSettings

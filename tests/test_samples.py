@@ -31,8 +31,8 @@ from lmdq.contract import (
     ResultStatus,
     Sample,
 )
-from lmdq.keys import Keys
-from lmdq.store import ResultStore
+from lmdq.redis.keys import Keys
+from lmdq.results.store import ResultStore
 from lmdq.worker.engines.base import EngineEvent, EngineRequest
 from lmdq.worker.samples import SampleSet, engine_rows, fan_out, sample_seed
 from tests.conftest import ROOT
@@ -61,7 +61,7 @@ def test_openai_body_n_becomes_params_n(tmp_path: Path) -> None:
 
 
 def test_cli_and_python_api_take_n() -> None:
-    from lmdq.client_options import GENERATION_FLAGS, option_names
+    from lmdq.client.options import GENERATION_FLAGS, option_names
 
     assert "n" in option_names()
     [flag] = [f for f in GENERATION_FLAGS if f.key == "n"]
@@ -153,7 +153,7 @@ def test_openai_export_has_one_choice_per_sample() -> None:
 
 def test_arrow_row_nests_samples() -> None:
     pytest.importorskip("pyarrow")
-    from lmdq.client_export import record_batches
+    from lmdq.results.export import record_batches
 
     samples = [Sample(index=i, text=f"t{i}", finish_reason=FinishReason.length, generate_token_len=2)
                for i in range(2)]
@@ -284,7 +284,7 @@ PARAMS: dict[str, Any] = {"n": 4, "do_sample": True, "temperature": 1.0, "random
 def test_n4_seeded_same_samples_in_a_second_batch_and_after_sigkill(
         tf_engine: Any, tmp_path: Path, client: redis.Redis, redis_url: str, prefix: str,
         procs: list[subprocess.Popen[bytes]]) -> None:
-    from lmdq.jobs import JobQueue
+    from lmdq.jobs.queue import JobQueue
 
     f = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     model = tf_engine.model_name
