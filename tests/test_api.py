@@ -141,6 +141,23 @@ def test_files_batches_retrieve_content_every_custom_id_once(api: ApiProcess, wo
     assert b.id in [x.id for x in c.batches.list()]
 
 
+def test_body_n_gives_n_choices_through_the_sdk(api: ApiProcess, worker_env: dict[str, str]) -> None:
+    """Issue 24: ``body.n`` through Files + Batches: one output line per request with choices[0..n-1]."""
+    c = sdk(api, "alice")
+    rows = [chat_line(f"n-{i}", f"question {i}", n=3, temperature=0.9, seed=i) for i in range(4)]
+    b = c.batches.create(input_file_id=upload(c, rows).id, endpoint="/v1/chat/completions", completion_window="24h")
+    until(c, b.id, "in_progress")
+    assert start_worker(*SIM, env=worker_env).wait(60) == 0
+    b = until(c, b.id, *TERMINAL)
+    assert b.status == "completed" and b.output_file_id, b
+    lines = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == [f"n-{i}" for i in range(4)]
+    for x in lines:
+        cc = ChatCompletion.model_validate(x["response"]["body"])
+        assert [ch.index for ch in cc.choices] == [0, 1, 2] and all(ch.message.content for ch in cc.choices)
+        assert cc.usage is not None and cc.usage.completion_tokens > 0
+
+
 @pytest.mark.model
 def test_the_embedded_model_answers_through_the_sdk(api: ApiProcess, worker_env: dict[str, str]) -> None:
     """The same flow on real generation: the embedded CPU model, chat and completions endpoints."""
