@@ -347,13 +347,15 @@ def test_lmdeploy_primes_shared_prompts_then_streams_all_samples() -> None:
     pytest.importorskip("lmdeploy")
     from types import SimpleNamespace
 
+    from lmdeploy import PytorchEngineConfig
     from lmdeploy.messages import Response
 
+    from lmdq.worker.engine_config import LMDeployConfig
     from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
     class Pipe:
         def __init__(self, caching: bool) -> None:
-            self.backend_config = SimpleNamespace(max_batch_size=64, enable_prefix_caching=caching)
+            self.backend_config = PytorchEngineConfig(max_batch_size=64, enable_prefix_caching=caching)
             self.async_engine = SimpleNamespace(engine=SimpleNamespace(proc=None))
             self.internal_thread = SimpleNamespace(loop=None)
             self.calls: list[tuple[list[Any], list[Any]]] = []
@@ -363,19 +365,13 @@ def test_lmdeploy_primes_shared_prompts_then_streams_all_samples() -> None:
 
         def stream_infer(self, prompts: list[Any], gen_config: list[Any], **_: Any) -> Iterator[Response]:
             self.calls.append((prompts, gen_config))
-            primed = len(self.calls) > 1 or not self.backend_config.enable_prefix_caching
+            cached = 64 if len(self.calls) > 1 else 0  # the fake prefix cache holds what the first call prefilled
             for i, _p in enumerate(prompts):
                 yield Response(text="x", generate_token_len=gen_config[i].max_new_tokens, input_token_len=100,
-                               finish_reason="length", index=i, cached_tokens=64 if primed and len(self.calls) > 1
-                               else 0)
+                               finish_reason="length", index=i, cached_tokens=cached)
 
     def engine(pipe: Pipe) -> LMDeployEngine:
-        eng = LMDeployEngine.__new__(LMDeployEngine)
-        eng.pipe = pipe
-        eng.raw, eng.emit_interval_s, eng._closed = False, 0.0, False
-        eng.model_name, eng.backend, eng.capacity = "m", "pytorch", 64
-        eng._init_lifecycle(set())
-        return eng
+        return LMDeployEngine(pipe, LMDeployConfig(backend="pytorch"), model_name="m", emit_interval_s=0.0)
 
     todo = [_request(0, n=3, do_sample=True, random_seed=5, max_new_tokens=9), _request(1, max_new_tokens=9)]
     ereqs, _, _, _ = fan_out(todo, GenerationParams())
@@ -388,7 +384,7 @@ def test_lmdeploy_primes_shared_prompts_then_streams_all_samples() -> None:
     assert [finals[i].prefill_token_len for i in range(4)] == [136, 36, 36, 36]
     pipe = Pipe(caching=False)
     finals = {ev.index: ev for ev in engine(pipe).stream(ereqs, threading.Event()) if ev.finish_reason}
-    assert len(pipe.calls) == 1 and [finals[i].prefill_token_len for i in range(4)] == [100] * 4
+    assert len(pipe.calls) == 1 and [finals[i].prefill_token_len for i in range(4)] == [100] * 4  # nothing primed
 
 
 def test_bench_samples_runs_both_sides_on_the_sim(tmp_path: Path) -> None:

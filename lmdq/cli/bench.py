@@ -191,7 +191,7 @@ def prefix(
 @model_options(engine_flag_specs(), into="engine_settings")
 def samples(
     engine_settings: dict[str, Any],
-    engine: Annotated[EngineName, typer.Option(help="the engine, built as the worker builds it")] = "sim",
+    engine: Annotated[str, typer.Option(help="the engine, built as the worker builds it")] = "sim",
     model: Annotated[str | None, typer.Option(help="model folder (lmdeploy/transformers)")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
     tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
