@@ -95,14 +95,14 @@ def _run_side(engine: Engine, path: Path, requests: int, batch_size: int, cfg: S
                          prefix_groups=False)
     batch, _ = submit_file(path, opts, client=client, keys=keys, ttl_s=3600)
     store = ResultStore(client, keys=keys)
-    while not store.get_batch(batch.id).status.terminal:
+    while not store.batches.get(batch.id).status.terminal:
         time.sleep(0.01)
     w.stop()
     th.join(60)
     after = _counters(engine)
     rs = [Result.model_validate_json(raw) for _, raw in store.iter_results(batch.id, requests, partial=False) if raw]
     assert len(rs) == requests, f"{len(rs)} results for {requests} requests"
-    b = store.get_batch(batch.id)
+    b = store.batches.get(batch.id)
     secs = (b.completed_at or max(r.timings.finished_at or 0 for r in rs)) - (b.queued_at or batch.created_at)
     toks = sum(r.generate_token_len for r in rs)
     sequences = sum(len(r.samples) if r.samples else 1 for r in rs)

@@ -213,7 +213,7 @@ def test_sim_worker_writes_one_result_with_n_samples(tmp_path: Path, client: red
         r = res[f"q{i}"]
         assert r.status is ResultStatus.completed and r.samples is not None and len(r.samples) == 3
         assert r.generate_token_len == sum(s.generate_token_len for s in r.samples)
-    assert ResultStore(client, keys=Keys(prefix)).get_batch(bid).request_counts.completed == 6
+    assert ResultStore(client, keys=Keys(prefix)).batches.get(bid).request_counts.completed == 6
 
 
 # --------------------------------------------------------------------------- the embedded model (CPU)
@@ -316,7 +316,7 @@ def test_n4_seeded_same_samples_in_a_second_batch_and_after_sigkill(
 
     wait_for(frozen, 300, "the worker to freeze at the 10th sample")
     store = ResultStore(client, keys=Keys(prefix))
-    wait_for(lambda: store.get_batch(third).request_counts.done >= 2, 60, "q0 and q1's results")
+    wait_for(lambda: store.batches.get(third).request_counts.done >= 2, 60, "q0 and q1's results")
     before = {r.custom_id: [s.text for s in r.samples or []] for r in results_of(client, prefix, third)}
     assert sorted(before) == ["q0", "q1"], before  # mid-batch: q2 has part of its samples, and no result
     assert all(len(s) == 4 for s in before.values())
@@ -330,7 +330,7 @@ def test_n4_seeded_same_samples_in_a_second_batch_and_after_sigkill(
     after = _samples(client, prefix, third)
     assert after == a  # no duplicate, no missing sample: each request once, with the same 4 samples
     assert client.hlen(Keys(prefix).results(third)) == len(PROMPTS)
-    assert store.get_batch(third).request_counts.completed == len(PROMPTS)
+    assert store.batches.get(third).request_counts.completed == len(PROMPTS)
     assert {k: after[k] for k in before} == before  # what was answered before the kill is unchanged
     print(f"\n[samples] n=4 x {len(PROMPTS)} prompts: batch 2 and the SIGKILLed batch 3 equal batch 1; "
           f"answered before the kill: {sorted(before)}; reaped: {len(reaped)} job")
