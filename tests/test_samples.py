@@ -136,7 +136,7 @@ def _result(**kw: Any) -> Result:
 
 
 def test_openai_export_has_one_choice_per_sample() -> None:
-    from lmdq.producer.export import to_openai
+    from lmdq.results.openai import to_openai
 
     samples = [Sample(index=i, text=f"t{i}", finish_reason=FinishReason.stop, generate_token_len=i + 1)
                for i in range(3)]
