@@ -21,6 +21,9 @@ __all__ = [
     "BatchStatus",
     "Batch",
     "ChatMessage",
+    "ContinuationScore",
+    "MAX_CONTINUATIONS",
+    "MAX_CONTINUATION_CHARS",
     "ResponseFormat",
     "TensorRef",
     "TokenLogprob",
@@ -72,10 +75,31 @@ class Priority(str, Enum):
 
 
 class Endpoint(str, Enum):
-    """How a prompt is fed to the model: chat goes through the chat template, completion is raw."""
+    """How a prompt is fed to the model: chat goes through the chat template, completion is raw.
+
+    ``score`` and ``reward`` generate nothing (docs/outputs.md, "Scores"): ``score`` gives the
+    log-likelihood of each of the request's ``continuations`` after its prompt (lm-eval-harness'
+    ``loglikelihood``; a ``prompt`` is raw text, ``messages`` go through the chat template with the
+    generation prompt), ``reward`` a reward model's score of a chat (``messages``, LMDeploy's
+    ``get_reward_score``)."""
 
     chat = "chat"
     completion = "completion"
+    score = "score"
+    reward = "reward"
+
+    @property
+    def generates(self) -> bool:
+        """False for the scoring endpoints: no sampling, no text, no finish by length or stop word."""
+        return self in (Endpoint.chat, Endpoint.completion)
+
+
+MAX_CONTINUATIONS = 64
+"""Most ``continuations`` one score request may carry (a multiple-choice item has a handful; a request of
+thousands would be one engine forward of unbounded width)."""
+
+MAX_CONTINUATION_CHARS = 100_000
+"""Longest single continuation, in characters (it must fit the model's context with its prompt anyway)."""
 
 
 class FinishReason(str, Enum):
@@ -323,6 +347,9 @@ class Request(_Strict):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=10_000)
     endpoint: Endpoint = Endpoint.chat
     params: GenerationParams | None = None
+    #: ``score`` requests only: the texts whose log-likelihood after the prompt is wanted
+    continuations: list[Annotated[str, Field(min_length=1, max_length=MAX_CONTINUATION_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CONTINUATIONS)
 
     @model_validator(mode="after")
     def _one_input(self) -> Request:
@@ -333,6 +360,10 @@ class Request(_Strict):
                 m.text()  # raises on non-text parts
         if self.endpoint is Endpoint.completion and self.prompt is None:
             raise ValueError("completion requests need 'prompt'")
+        if self.endpoint is Endpoint.reward and self.messages is None:
+            raise ValueError("reward requests need 'messages' (the chat to score)")
+        if (self.endpoint is Endpoint.score) != (self.continuations is not None):
+            raise ValueError("'continuations' is required for endpoint 'score' and only allowed there")
         return self
 
 
@@ -386,6 +417,20 @@ class TokenLogprob(_Strict):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class ContinuationScore(_Strict):
+    """One continuation of a ``score`` request: lm-eval-harness' ``loglikelihood`` answer.
+
+    ``logprob`` is the SUM of the continuation tokens' log-probabilities given the prompt and the
+    continuation tokens before each; ``num_tokens`` how many tokens that is (prompt and continuation are
+    tokenized separately and the ids concatenated, as lm-eval does); ``is_greedy`` whether every one of
+    them is the model's argmax at its position, None where the backend cannot tell (LMDeploy's
+    ``get_ppl`` gives only the loss)."""
+
+    logprob: float
+    num_tokens: int
+    is_greedy: bool | None = None
 
 
 class TensorRef(_Strict):
@@ -445,6 +490,10 @@ class Result(_Strict):
     samples: list[Sample] | None = None
     #: prompt tokens the engine computed (not served from a prefix cache or a shared prefill); None: unknown
     prefill_token_len: int | None = None
+    #: endpoint ``score``: one entry per continuation, in the request's order
+    scores: list[ContinuationScore] | None = None
+    #: endpoint ``reward``: the reward model's score of the chat
+    reward: float | None = None
 
     @property
     def final(self) -> bool:

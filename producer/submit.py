@@ -162,6 +162,8 @@ def _feed(h: Any, item: ParsedLine) -> int:
     cid = item.custom_id
     line = (f"{item.line_no}|{item.endpoint.value}|{len(cid)}:{cid}|{len(model)}:{model}|{len(text)}:{text}|"
             f"{params}\n")
+    if item.continuations is not None:
+        line += _MESSAGES_JSON.encode(item.continuations) + "\n"
     data = line.encode("utf-8", "surrogatepass")  # json.loads can yield lone surrogates
     h.update(data)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
@@ -381,6 +383,8 @@ def _request_dict(index: int, item: ParsedLine, *, with_model: bool = False) -> 
         p = item.params.model_dump(exclude_none=True)
         if p:
             d["params"] = p
+    if item.continuations is not None:
+        d["continuations"] = list(item.continuations)
     return d
 
 

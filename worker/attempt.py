@@ -341,7 +341,7 @@ class JobAttempt:
             if terr is not None:
                 status, error, reason = ResultStatus.failed, terr, FinishReason.error
         result = results.final(
-            lv, status=status, reason=reason, error=error, finished_at=now, logprobs=logprobs, tensors=tensors
+            lv, status=status, reason=reason, error=error, finished_at=now, logprobs=logprobs, tensors=tensors, ev=ev
         )
         if ev.prefill_token_len is not None:
             result.prefill_token_len = ev.prefill_token_len

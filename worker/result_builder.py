@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdq.contract import (
+    ContinuationScore,
     ErrorCode,
     ErrorInfo,
     FinishReason,
@@ -23,7 +24,7 @@ from lmdq.contract import (
 )
 from lmdq.worker.engines.base import EngineEvent
 
-__all__ = ["LiveRequest", "ResultBuilder", "final_status", "token_logprobs"]
+__all__ = ["LiveRequest", "ResultBuilder", "final_status", "score_fields", "token_logprobs"]
 
 
 @dataclass
@@ -94,6 +95,7 @@ class ResultBuilder:
         finished_at: float,
         logprobs: list[TokenLogprob] | None,
         tensors: dict[str, Any] | None,
+        ev: EngineEvent | None = None,
     ) -> Result:
         """The answer of a request whose stream has ended."""
         return self.build(
@@ -108,6 +110,7 @@ class ResultBuilder:
             finished_at=finished_at,
             logprobs=logprobs,
             tensors=tensors,
+            **(score_fields(ev) if ev is not None and status is ResultStatus.completed else {}),
         )
 
 
@@ -130,3 +133,13 @@ def token_logprobs(ev: EngineEvent) -> list[TokenLogprob] | None:
         if ev.logprobs is not None
         else None
     )
+
+
+def score_fields(ev: EngineEvent) -> dict[str, Any]:
+    """The Result fields of a scoring request's final event (``scores`` / ``reward``); none for generation."""
+    out: dict[str, Any] = {}
+    if ev.scores is not None:
+        out["scores"] = [ContinuationScore(logprob=lp, num_tokens=n, is_greedy=g) for lp, n, g in ev.scores]
+    if ev.reward is not None:
+        out["reward"] = ev.reward
+    return out

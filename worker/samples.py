@@ -143,9 +143,10 @@ def fan_out(todo: list[Request], base: GenerationParams
         params = base.merged(r.params)
         n = params.n or 1
         messages = [m.model_dump(exclude_none=True) for m in r.messages] if r.messages else None
-        if n == 1:
+        if n == 1 or not r.endpoint.generates:  # score / reward sample nothing: one engine request, never n
             ereqs.append(EngineRequest(index=len(ereqs), prompt=r.prompt, messages=messages,
-                                       endpoint=r.endpoint, params=params))
+                                       endpoint=r.endpoint, params=params,
+                                       continuations=tuple(r.continuations) if r.continuations is not None else None))
             slots.append((pos, 0))
             continue
         p = params.resolved()

@@ -40,7 +40,7 @@ __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
 
 log = get_logger("lmdq.api.batches")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/score", "/v1/reward")
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: a submission that keeps failing for reasons not about its file (a bug) gives up after this many runs

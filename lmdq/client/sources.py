@@ -82,6 +82,8 @@ def _columns_for(names: Sequence[str], cmap: ColumnMap, name: str) -> list[str]:
         wanted |= {c for c in ("prompt", "messages", "params", "endpoint") if c in names}
     if not cmap.id_column and "custom_id" in names:
         wanted.add("custom_id")
+    if "continuations" in names:  # endpoint score's texts (read only for score rows)
+        wanted.add("continuations")
     return [c for c in names if c in wanted]
 
 
@@ -198,7 +200,8 @@ class _FastPath:
         self.seen: dict[str, set[Any]] = {c: set() for c in self.params}
         names = {PARAM_ALIASES.get(p, p) for p in self.params.values()}
         self.ok = (
-            self.prompt is not None and self.prompt in schema.names
+            self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
+            and self.prompt is not None and self.prompt in schema.names
             and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
             and (self.id is None or (self.id in schema.names and (
                 t.is_string(schema.field(self.id).type) or t.is_large_string(schema.field(self.id).type)

@@ -51,7 +51,7 @@ RESULT_COLUMNS: list[tuple[str, str, str]] = [
     ("backend", "string", "engine backend that ran it"),
     ("worker", "string", "worker name"),
     ("attempt", "int32", "attempt that produced the result (1 = first)"),
-    ("endpoint", "string", "chat | completion"),
+    ("endpoint", "string", "chat | completion | score | reward"),
     ("enqueued_at", "float64", "unix seconds"),
     ("started_at", "float64", "unix seconds"),
     ("first_token_at", "float64", "unix seconds"),
@@ -63,6 +63,9 @@ RESULT_COLUMNS: list[tuple[str, str, str]] = [
                 "logprobs: (as the logprobs column)>>",
      "params.n > 1: the n samples of the request (text/finish_reason repeat sample 0); null for n = 1"),
     ("prefill_token_len", "int64", "prompt tokens the engine computed, over all samples (null: not reported)"),
+    ("scores", "list<struct<logprob: float64, num_tokens: int64, is_greedy: bool>>",
+     "endpoint score: per continuation, sum logprob, tokens, all-argmax (null where unknown)"),
+    ("reward", "float64", "endpoint reward: the reward model's score"),
 ]
 
 
@@ -80,10 +83,11 @@ def result_schema() -> Any:
     pa = _pa()
     top = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())]))
     lp = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()), ("top", top)]))
+    sc = pa.list_(pa.struct([("logprob", pa.float64()), ("num_tokens", pa.int64()), ("is_greedy", pa.bool_())]))
     types = {"string": pa.string(), "int64": pa.int64(), "int32": pa.int32(), "float64": pa.float64()}
     samples = pa.list_(pa.struct([("index", pa.int32()), ("text", pa.string()), ("finish_reason", pa.string()),
                                   ("generate_token_len", pa.int64()), ("logprobs", lp)]))
-    nested = {"logprobs": lp, "samples": samples}
+    nested = {"logprobs": lp, "samples": samples, "scores": sc}
     return pa.schema([(name, nested.get(name) or types[t]) for name, t, _ in RESULT_COLUMNS])
 
 
@@ -130,6 +134,10 @@ def _columns(raws: list[bytes]) -> dict[str, list[Any]]:
              "generate_token_len": x.get("generate_token_len", 0), "logprobs": _logprob_rows(x.get("logprobs"))}
             for x in samples])
         cols["prefill_token_len"].append(r.get("prefill_token_len"))
+        scores = r.get("scores")
+        cols["scores"].append(None if scores is None else [
+            {"logprob": x["logprob"], "num_tokens": x["num_tokens"], "is_greedy": x.get("is_greedy")} for x in scores])
+        cols["reward"].append(r.get("reward"))
     return cols
 
 

@@ -89,8 +89,10 @@ def to_openai(r: Result) -> dict[str, Any]:
     # params.n > 1: one choice per sample, choices[0..n-1] (usage: the prompt once, the samples' tokens summed)
     outs = ([(s.index, s.text, s.logprobs, s.finish_reason.value if s.finish_reason else None) for s in r.samples]
             if r.samples else [(0, r.text, r.logprobs, finish)])
-    if r.endpoint is Endpoint.completion:
-        body: dict[str, Any] = {
+    if not r.endpoint.generates:
+        body: dict[str, Any] = _score_body(r, rid, created)
+    elif r.endpoint is Endpoint.completion:
+        body = {
             "id": f"cmpl-{rid}",
             "object": "text_completion",
             "created": created,
@@ -121,6 +123,26 @@ def to_openai(r: Result) -> dict[str, Any]:
         "custom_id": r.custom_id,
         "response": {"status_code": 200, "request_id": rid, "body": body},
         "error": None,
+    }
+
+
+def _score_body(r: Result, rid: str, created: int) -> dict[str, Any]:
+    """The body of a ``/v1/score`` or ``/v1/reward`` output line, shaped like vLLM's ``/v1/score``
+    response (``object: list``, ``data[i].score``) so clients of that read it as is: for ``score``,
+    ``data[i]`` is continuation i with ``score`` = its sum logprob, plus lmdq's ``logprob``,
+    ``num_tokens`` and ``is_greedy``; for ``reward`` one entry whose ``score`` is the reward."""
+    if r.endpoint is Endpoint.reward:
+        data: list[dict[str, Any]] = [{"index": 0, "object": "score", "score": r.reward}]
+    else:
+        data = [{"index": i, "object": "score", "score": s.logprob, "logprob": s.logprob,
+                 "num_tokens": s.num_tokens, "is_greedy": s.is_greedy} for i, s in enumerate(r.scores or [])]
+    return {
+        "id": f"{r.endpoint.value}-{rid}",
+        "object": "list",
+        "created": created,
+        "model": r.model,
+        "data": data,
+        "usage": {"prompt_tokens": r.input_token_len, "completion_tokens": 0, "total_tokens": r.input_token_len},
     }
 
 

@@ -1,7 +1,11 @@
-"""lmdq's own JSONL lines: ``{"custom_id", "prompt" | "messages", "params", "endpoint", "model"}``.
+"""lmdq's own JSONL lines: ``{"custom_id", "prompt" | "messages", "params", "endpoint", "model",
+"continuations"}``.
 
 ``model`` (optional) names the served model the line runs on: lines naming different models make one
 batch over several models (``submit --model`` still sets every line's).
+
+Endpoint ``score`` takes ``prompt`` or ``messages`` plus ``continuations`` (a list of strings); endpoint
+``reward`` takes ``messages``; neither takes ``params`` (nothing is sampled).
 
 ``params`` are the contract's GenerationParams names (LMDeploy's), checked strictly. The producer's
 flag names are accepted too, as aliases: ``stop`` (a string or a list) for ``stop_words``, ``seed``
@@ -17,6 +21,7 @@ from typing import Any
 from lmdq.contract import Endpoint
 from lmdq.producer.formats.records import ParsedLine, _got, _join, _LineError
 from lmdq.producer.formats.validation import (
+    _check_continuations,
     _check_messages,
     _check_prompt,
     _custom_id,
@@ -24,7 +29,7 @@ from lmdq.producer.formats.validation import (
     imply_sampling,
 )
 
-_JSONL_KEYS = ("custom_id", "prompt", "messages", "params", "endpoint", "model")
+_JSONL_KEYS = ("custom_id", "prompt", "messages", "params", "endpoint", "model", "continuations")
 _JSONL_KEY_SET = frozenset(_JSONL_KEYS)
 _ENDPOINTS = {e.value: e for e in Endpoint}
 #: the producer's flag names (--stop, --seed) and OpenAI's max_tokens -> GenerationParams fields
@@ -78,7 +83,22 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise _LineError("model", f"expected a served model name (a string), got {_got(model)}")
+    continuations = None
+    if endpoint is Endpoint.score:
+        if "continuations" not in obj:
+            raise _LineError("continuations", "expected a list of strings to score for endpoint 'score', got nothing")
+        continuations = _check_continuations(obj["continuations"], "continuations")
+    elif "continuations" in obj:
+        raise _LineError("continuations", f"only endpoint 'score' takes continuations (this line's is "
+                                          f"{endpoint.value!r})")
+    if endpoint is Endpoint.reward and messages is None:
+        raise _LineError("prompt", "expected 'messages' for endpoint 'reward' (the chat to score), got 'prompt'")
     raw_params = obj.get("params")
+    if not endpoint.generates:
+        if raw_params is not None:
+            raise _LineError("params", f"endpoint {endpoint.value!r} samples nothing: it takes no generation "
+                                       "parameters")
+        return ParsedLine(line_no, custom_id, prompt, messages, endpoint, None, model, continuations=continuations)
     params = None
     if raw_params is not None:
         if not isinstance(raw_params, dict):

@@ -15,11 +15,21 @@ from typing import Any
 
 from lmdq.contract import Endpoint
 from lmdq.producer.formats.records import ParsedLine, _got, _join, _LineError
-from lmdq.producer.formats.validation import _check_messages, _check_prompt, _custom_id, _validate_params
+from lmdq.producer.formats.validation import (
+    _check_continuations,
+    _check_messages,
+    _check_prompt,
+    _custom_id,
+    _validate_params,
+)
 
 _OPENAI_LINE_KEYS = ("custom_id", "method", "url", "body")
 _OPENAI_LINE_KEY_SET = frozenset(_OPENAI_LINE_KEYS)
-_OPENAI_URLS = {"/v1/chat/completions": Endpoint.chat, "/v1/completions": Endpoint.completion}
+_OPENAI_URLS = {"/v1/chat/completions": Endpoint.chat, "/v1/completions": Endpoint.completion,
+                "/v1/score": Endpoint.score, "/v1/reward": Endpoint.reward}
+#: body keys of the scoring urls (lmdq's own: OpenAI has no scoring endpoint); nothing is sampled
+_SCORE_KEYS = {Endpoint.score: ("model", "prompt", "messages", "continuations"),
+               Endpoint.reward: ("model", "messages")}
 
 # OpenAI/vLLM body key -> GenerationParams field, where the value carries over unchanged.
 _BODY_DIRECT = {
@@ -111,6 +121,8 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
     body = obj["body"]
     if not isinstance(body, dict):
         raise _LineError("body", f"expected an object, got {_got(body)}")
+    if not endpoint.generates:
+        return _parse_score_body(line_no, custom_id, endpoint, body)
 
     allowed = _BODY_KEYS[endpoint]
     params: dict[str, Any] = {}
@@ -222,3 +234,31 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
 
     validated = _validate_params(params, src, "body", wrapped)
     return ParsedLine(line_no, custom_id, prompt, messages, endpoint, validated, model)
+
+
+def _parse_score_body(line_no: int, custom_id: str, endpoint: Endpoint, body: dict[str, Any]) -> ParsedLine:
+    """``/v1/score`` (``prompt`` or ``messages`` + ``continuations``) and ``/v1/reward`` (``messages``) bodies."""
+    keys = _SCORE_KEYS[endpoint]
+    for key in body:
+        if key not in keys and key not in _BODY_IGNORED:
+            raise _LineError(f"body.{key}", f"unsupported key for {endpoint.value!r}; expected only {_join(keys)} "
+                                            "(nothing is sampled)")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _LineError("body.model", f"expected a string, got {_got(model)}")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if endpoint is Endpoint.reward or prompt is None:
+        if messages is None:
+            want = "a list of chat messages" if endpoint is Endpoint.reward else "a 'prompt' string or 'messages'"
+            raise _LineError("body.messages", f"required field is missing; expected {want}")
+        messages = _check_messages(messages, "body.messages")
+    elif messages is not None:
+        raise _LineError("body.messages", "expected exactly one of 'prompt' or 'messages', got both")
+    else:
+        prompt = _check_prompt(prompt, "body.prompt")
+    continuations = None
+    if endpoint is Endpoint.score:
+        if body.get("continuations") is None:
+            raise _LineError("body.continuations", "required field is missing; expected a list of strings to score")
+        continuations = _check_continuations(body["continuations"], "body.continuations")
+    return ParsedLine(line_no, custom_id, prompt, messages, endpoint, None, model, continuations=continuations)

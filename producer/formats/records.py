@@ -76,6 +76,8 @@ class ParsedLine:
     params: GenerationParams | None
     model: str | None
     sampling: Sampling | None = None
+    #: endpoint ``score`` only: the texts to score after the prompt
+    continuations: tuple[str, ...] | None = None
 
 
 class _LineError(Exception):

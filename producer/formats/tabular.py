@@ -204,6 +204,9 @@ class RowMapper:
         ep = self.endpoint or (row.get("endpoint") if not self.explicit else None)
         if ep is not None:
             obj["endpoint"] = ep
+        if ep == "score" and row.get("continuations") is not None:  # the texts to score: always this column
+            cont = row["continuations"]
+            obj["continuations"] = list(cont) if isinstance(cont, tuple) else cont
         return obj
 
     def _render(self, row: Mapping[str, Any]) -> str:

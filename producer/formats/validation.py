@@ -254,3 +254,23 @@ def _check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
             if not isinstance(part.get("text"), str):
                 raise _LineError(f"{where}.text", f"expected a string, got {_got(part.get('text'))}")
     return messages
+
+
+def _check_continuations(value: Any, field: str) -> tuple[str, ...]:
+    """A score request's continuations: a non-empty list of at most MAX_CONTINUATIONS non-empty strings."""
+    from lmdq.contract import MAX_CONTINUATION_CHARS, MAX_CONTINUATIONS
+
+    if not isinstance(value, list):
+        raise _LineError(field, f"expected a list of strings (the texts to score), got {_got(value)}")
+    if not value:
+        raise _LineError(field, "expected at least one continuation, got an empty list")
+    if len(value) > MAX_CONTINUATIONS:
+        raise _LineError(field, f"expected at most {MAX_CONTINUATIONS} continuations, got {len(value)}")
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise _LineError(f"{field}[{i}]", f"expected a string, got {_got(text)}")
+        if not text:
+            raise _LineError(f"{field}[{i}]", "expected a non-empty string, got ''")
+        if len(text) > MAX_CONTINUATION_CHARS:
+            raise _LineError(f"{field}[{i}]", f"expected at most {MAX_CONTINUATION_CHARS} characters, got {len(text)}")
+    return tuple(value)

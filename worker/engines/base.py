@@ -52,11 +52,14 @@ class EngineRequest:
     messages: list[dict[str, Any]] | None = None
     endpoint: Endpoint = Endpoint.chat
     params: GenerationParams = field(default_factory=GenerationParams)
+    #: endpoint ``score`` only: the texts to score after the prompt
+    continuations: tuple[str, ...] | None = None
 
     @property
     def raw(self) -> bool:
-        """Raw prompts skip the chat template (OpenAI /v1/completions or ``--raw``)."""
-        return self.endpoint is Endpoint.completion
+        """Raw prompts skip the chat template (OpenAI /v1/completions or ``--raw``; a ``score`` request's
+        ``prompt`` is raw text too, its ``messages`` are templated)."""
+        return self.endpoint is Endpoint.completion or (self.endpoint is Endpoint.score and self.messages is None)
 
 
 @dataclass
@@ -81,6 +84,10 @@ class EngineEvent:
     #: on the final event only, when asked for: name -> 2-D array-like ([tokens, vocab] / [tokens, hidden]),
     #: e.g. {"logits": ..., "last_hidden_state": ...}; the worker writes them to the blob store
     tensors: dict[str, Any] | None = None
+    #: endpoint ``score``, on the final event: per continuation (sum logprob, tokens, is_greedy or None)
+    scores: list[tuple[float, int, bool | None]] | None = None
+    #: endpoint ``reward``, on the final event: the reward model's score
+    reward: float | None = None
     #: the request was not streamed (its whole text comes on the final event): there is no first-token time
     whole: bool = False
     #: on the final event: prompt tokens the engine computed for this request (not reused from a prefix cache

@@ -31,13 +31,15 @@ from typing import Any
 
 import structlog
 
-from lmdq.contract import ErrorCode, FinishReason
+from lmdq.contract import Endpoint, ErrorCode, FinishReason
 from lmdq.guided import to_lmdeploy
 from lmdq.worker.engine_config import LMDeployConfig
 from lmdq.worker.engines import orphan_guard
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest, error_code
 from lmdq.worker.engines.engine_health import EngineHealth
 from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget, model_folder_name
+from lmdq.worker.engines.request_errors import BadRequest
+from lmdq.worker.engines.scoring import reward_text, sum_logprob_from_ppl
 
 __all__ = [
     "SPEC",
@@ -55,6 +57,8 @@ slog = structlog.get_logger("lmdq.lmdeploy")
 #: LMDeploy error codes that can mean "the engine is gone" rather than "this request is wrong"
 #: (serve/core/exceptions.py ErrorCode: INTERNAL_ERROR, ENGINE_UNAVAILABLE); checked, never assumed.
 ENGINE_LEVEL_ERRORS = frozenset({ErrorCode.internal_error, ErrorCode.engine_unavailable})
+#: the architectures ``pipe.get_reward_score`` serves (lmdeploy/pipeline.py, supported_reward_models)
+REWARD_ARCHS = ("InternLM2ForRewardModel", "Qwen2ForRewardModel")
 #: how long the backend's health check may take before it counts as no answer (not as dead)
 HEALTH_PROBE_TIMEOUT_S = 5.0
 #: one health check answers for every engine-level error within this window (an error wave, one probe)
@@ -320,6 +324,7 @@ class LMDeployEngine:
                                        else 1024 if self.backend == "turbomind" else 0)
         self.emit_interval_s = emit_interval_s
         self._closed = False
+        self._hf_lock = threading.RLock()  # the transformers tokenizer reward chats are rendered with
         #: the process groups LMDeploy started for this engine (killed at close, whatever is left of them)
         self._groups = frozenset(groups)
         # engine-death state
@@ -485,6 +490,10 @@ class LMDeployEngine:
             raise EngineDead(self._dead)
         if self._closed:
             raise EngineError("engine is closed")
+        scoring = [r for r in requests if not r.endpoint.generates]
+        if scoring:  # score / reward: no generation, answered through get_ppl / get_reward_score
+            yield from self._score_group(scoring, abort)
+            requests = [r for r in requests if r.endpoint.generates]
         # stream_infer takes one do_preprocess for the whole call: raw and chat prompts go in
         # separate calls (rare in practice: a batch is usually one endpoint).
         chat = [r for r in requests if not (r.raw or self.raw)]
@@ -492,6 +501,138 @@ class LMDeployEngine:
         for group, preprocess in ((chat, True), (raw, False)):
             if group:
                 yield from self._stream_group(group, abort, preprocess)
+
+    def _score_ids(self, r: EngineRequest) -> tuple[list[int], list[list[int]]]:
+        """A score request's prompt ids as the engine would tokenize them (``messages``: LMDeploy's chat
+        template, its generation prompt included; ``prompt``: raw, with BOS) and each continuation's ids
+        tokenized alone without BOS (:mod:`worker.engines.scoring`)."""
+        tok = self.pipe.async_engine.tokenizer
+        if r.messages is not None and not self.raw:
+            text = self.pipe.async_engine.chat_template.messages2prompt(r.messages)
+        elif r.messages is not None:
+            raise BadRequest("messages need the chat template (do not combine with --raw)")
+        else:
+            text = r.prompt or ""
+        prompt_ids = [int(t) for t in tok.encode(text, add_bos=True)]
+        conts = [[int(t) for t in tok.encode(c, add_bos=False)] for c in r.continuations or ()]
+        if not prompt_ids:
+            raise BadRequest("the prompt encodes to zero tokens")
+        for i, c in enumerate(conts):
+            if not c:
+                raise BadRequest(f"continuations[{i}] encodes to zero tokens")
+        return prompt_ids, conts
+
+    def _reward_ids(self, r: EngineRequest) -> list[int]:
+        """The chat as the reward model reads it: the HF template without a generation prompt, with
+        special tokens (the transformers engine renders it identically)."""
+        # lmdeploy.Tokenizer -> HuggingFaceTokenizer -> the transformers tokenizer it loaded from the model folder
+        hf = getattr(getattr(self.pipe.async_engine.tokenizer, "model", None), "model", None)
+        if hf is None or not hasattr(hf, "apply_chat_template"):
+            raise BadRequest("this engine's tokenizer is not a transformers tokenizer: reward chats cannot be rendered")
+        lock = self._hf_lock
+        text = reward_text(hf, lock, r.messages or [], getattr(hf, "chat_template", None))
+        with lock:
+            ids = [int(t) for t in hf.encode(text, add_special_tokens=True)]
+        if not ids:
+            raise BadRequest("the chat encodes to zero tokens")
+        return ids
+
+    def _score_group(self, group: list[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
+        """``score`` through ``pipe.get_ppl`` (mean next-token NLL per sequence): a continuation's sum
+        logprob is the prompt's total NLL minus prompt + continuation's; get_ppl gives no argmax, so
+        ``is_greedy`` is None. ``reward`` through ``pipe.get_reward_score``. One engine call for the whole
+        group; if it fails, each request again alone, so only the requests at fault fail. Abort is checked
+        before the call (LMDeploy's get_ppl cannot be cancelled, and it takes one forward)."""
+        if getattr(self.pipe.backend_config, "enable_prefix_caching", False) and any(
+                r.endpoint is Endpoint.score for r in group):
+            for r in [r for r in group if r.endpoint is Endpoint.score]:
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
+                                  error_message="endpoint 'score' uses LMDeploy's get_ppl, which refuses engines with "
+                                  "prefix caching on: serve score batches on a worker without enable_prefix_caching")
+            group = [r for r in group if r.endpoint is not Endpoint.score]
+        arch = getattr(self.pipe.async_engine, "arch", None)
+        if arch not in REWARD_ARCHS and any(r.endpoint is Endpoint.reward for r in group):
+            for r in [r for r in group if r.endpoint is Endpoint.reward]:
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
+                                  error_message=f"endpoint 'reward' needs a reward model LMDeploy serves "
+                                  f"({', '.join(REWARD_ARCHS)}); this worker's model is {arch}")
+            group = [r for r in group if r.endpoint is not Endpoint.reward]
+        prepared: list[tuple[EngineRequest, Any]] = []
+        for r in group:
+            if abort.is_set():
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.abort)
+                continue
+            try:
+                prepared.append((r, self._reward_ids(r) if r.endpoint is Endpoint.reward else self._score_ids(r)))
+            except BadRequest as e:
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.bad_request, error_message=str(e))
+            except Exception as e:  # noqa: BLE001 - a template or tokenizer failure is this request's
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.bad_request,
+                                  error_message=f"{type(e).__name__}: {e}")
+        if not prepared:
+            return
+        try:
+            yield from self._score_call(prepared)
+            return
+        except EngineDead:
+            raise
+        except Exception as e:  # noqa: BLE001 - which request was it? ask again one by one
+            if len(prepared) == 1:
+                r = prepared[0][0]
+                reason = self._death_reason()
+                if reason:
+                    raise self._dead_error(reason) from e
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.internal_error,
+                                  error_message=f"{type(e).__name__}: {e}")
+                return
+        for one in prepared:
+            yield from self._score_group_one(one)
+
+    def _score_group_one(self, one: tuple[EngineRequest, Any]) -> Iterator[EngineEvent]:
+        try:
+            yield from self._score_call([one])
+        except EngineDead:
+            raise
+        except Exception as e:  # noqa: BLE001
+            reason = self._death_reason()
+            if reason:
+                raise self._dead_error(reason) from e
+            yield EngineEvent(index=one[0].index, finish_reason=FinishReason.error, error_code=ErrorCode.internal_error,
+                              error_message=f"{type(e).__name__}: {e}")
+
+    def _score_call(self, prepared: list[tuple[EngineRequest, Any]]) -> Iterator[EngineEvent]:
+        """One get_ppl call for every score sequence, one get_reward_score call for every chat."""
+        seqs: list[list[int]] = []
+        for r, ids in prepared:
+            if r.endpoint is Endpoint.score:
+                prompt_ids, conts = ids
+                if len(prompt_ids) > 1:
+                    seqs.append(prompt_ids)
+                seqs.extend(prompt_ids + c for c in conts)
+        chats = [ids for r, ids in prepared if r.endpoint is Endpoint.reward]
+        ppl = [float(x) for x in self.pipe.get_ppl(seqs)] if seqs else []
+        rewards = [float(x) for x in self.pipe.get_reward_score(chats)] if chats else []
+        if len(ppl) != len(seqs) or len(rewards) != len(chats):
+            raise EngineError(f"LMDeploy answered {len(ppl)} of {len(seqs)} perplexities and {len(rewards)} of "
+                              f"{len(chats)} reward scores")
+        k = j = 0
+        for r, ids in prepared:
+            if r.endpoint is Endpoint.reward:
+                yield EngineEvent(index=r.index, input_token_len=len(ids), finish_reason=FinishReason.stop, reward=rewards[j],
+                                  whole=True)
+                j += 1
+                continue
+            prompt_ids, conts = ids
+            base: float | None = None
+            if len(prompt_ids) > 1:
+                base, k = ppl[k], k + 1
+            scores: list[tuple[float, int, bool | None]] = []
+            for c in conts:
+                full = len(prompt_ids) + len(c)
+                scores.append((sum_logprob_from_ppl(len(prompt_ids), base, full, ppl[k]), len(c), None))
+                k += 1
+            yield EngineEvent(index=r.index, input_token_len=len(prompt_ids), finish_reason=FinishReason.stop, scores=scores,
+                              whole=True)
 
     def _stream_group(
         self, group: list[EngineRequest], abort: threading.Event, preprocess: bool

@@ -50,7 +50,7 @@ from typing import Any
 
 import structlog
 
-from lmdq.contract import ErrorCode, FinishReason
+from lmdq.contract import Endpoint, ErrorCode, FinishReason
 from lmdq.worker.engine_config import SimConfig
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget
@@ -183,10 +183,14 @@ class SimEngine:
             raise EngineError("sim engine is closed")
         out: queue.SimpleQueue[EngineEvent | BaseException] = queue.SimpleQueue()
         seqs = []
+        scored: list[EngineEvent] = []
         for r in requests:
             text = _prompt_text(r)
             if "[[sim:engine-error]]" in text:
                 raise EngineError("simulated engine failure")
+            if not r.endpoint.generates:
+                scored.append(_sim_score(r, text, self.count_tokens))
+                continue
             p = r.params.resolved()
             guided = _guided_text(p["response_format"])
             seqs.append(
@@ -206,6 +210,12 @@ class SimEngine:
                     output_hidden=p["output_last_hidden_state"],
                 )
             )
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        for ev in scored:  # scores need no decode step: they answer at once, in request order
+            yield EngineEvent(index=ev.index, finish_reason=FinishReason.abort) if abort.is_set() else ev
+        if not seqs:
+            return
         with self._cv:
             if self._dead is not None:
                 raise EngineDead(self._dead)
@@ -424,6 +434,30 @@ class SimEngine:
             self.steps += 1
             with self._cv:
                 self._active = [s for s in self._active if not s.done]
+
+
+def _unit(*parts: str) -> float:
+    """A deterministic number in [0, 1) from text (the sim's stand-in for a model's opinion)."""
+    digest = hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _sim_score(r: EngineRequest, text: str, count: Any) -> EngineEvent:
+    """SIMULATED scores, deterministic from the text: each continuation word (a sim token) costs a logprob
+    in (-8, 0] drawn from (prompt, words so far); a continuation is "greedy" when every word costs less
+    than 1 nat. A reward is in [-5, 5) from the whole chat. ``[[sim:error]]`` fails the request as usual."""
+    if "[[sim:error]]" in text:
+        return EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.internal_error,
+                           error_message="simulated request failure")
+    if r.endpoint is Endpoint.reward:
+        return EngineEvent(index=r.index, input_token_len=count(text), finish_reason=FinishReason.stop,
+                           reward=round(10 * _unit("reward", text) - 5, 6), whole=True)
+    scores: list[tuple[float, int, bool | None]] = []
+    for cont in r.continuations or ():
+        words = cont.split() or [cont]
+        costs = [8 * _unit(text, *words[: k + 1]) for k in range(len(words))]
+        scores.append((-round(sum(costs), 6), len(words), all(c < 1.0 for c in costs)))
+    return EngineEvent(index=r.index, input_token_len=count(text), finish_reason=FinishReason.stop, scores=scores, whole=True)
 
 
 def _guided_text(response_format: Any) -> str | None:

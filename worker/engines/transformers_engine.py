@@ -52,7 +52,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmdq.contract import ChatMessage, ErrorCode, FinishReason
+from lmdq.contract import ChatMessage, Endpoint, ErrorCode, FinishReason
 from lmdq.worker.engine_config import TransformersConfig
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.decode_row import EVENT_EVERY_TOKENS, DecodeRow, batchable
@@ -61,6 +61,7 @@ from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget
 from lmdq.worker.engines.request_errors import BadRequest, error_event
 from lmdq.worker.engines.rich_outputs import RichOutputs
 from lmdq.worker.engines.sampling import Sampling, next_token
+from lmdq.worker.engines.scoring import continuation_ids, reward_text, score_continuations
 from lmdq.worker.engines.stop_words import REPLACEMENT_CHAR, find_stop, safe_text_end
 
 __all__ = ["SPEC", "TransformersEngine", "find_stop", "safe_text_end"]
@@ -105,7 +106,7 @@ class TransformersEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise EngineError(f"the transformers engine needs `pip install 'lmdq[cpu]'`: {exc}") from exc
         self._torch = torch
@@ -127,9 +128,20 @@ class TransformersEngine:
             source, load_kw["gguf_file"] = str(path.parent), path.name
         try:
             self._tokenizer: Any = AutoTokenizer.from_pretrained(source, **load_kw)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=self.dtype, **load_kw)
+            # A checkpoint whose architecture is a sequence-classification head with ONE label is a reward
+            # model: it serves only endpoint 'reward' (docs/outputs.md, "Scores"); anything else is a causal LM.
+            hf_cfg = None if "gguf_file" in load_kw else AutoConfig.from_pretrained(source, **load_kw)
+            archs = list(getattr(hf_cfg, "architectures", None) or [])
+            self.reward_model: bool = any(a.endswith("ForSequenceClassification") for a in archs)
+            if self.reward_model and getattr(hf_cfg, "num_labels", 1) != 1:
+                raise EngineError(f"{path} is a sequence classifier with {hf_cfg.num_labels} labels; a reward "
+                                  "model has exactly one (num_labels=1)")
+            auto = AutoModelForSequenceClassification if self.reward_model else AutoModelForCausalLM
+            model = auto.from_pretrained(source, dtype=self.dtype, **load_kw)
             model.to(self.device)
             model.eval()
+        except EngineError:
+            raise
         except Exception as exc:
             raise EngineError(f"could not load model from {path}: {exc}") from exc
         self._model: Any = model
@@ -252,6 +264,9 @@ class TransformersEngine:
             if abort.is_set():
                 yield EngineEvent(index=req.index, finish_reason=FinishReason.abort)
                 continue
+            if self.reward_model or not req.endpoint.generates:
+                yield self._score(req)
+                continue
             prepared = self._prepare(req)
             if isinstance(prepared, EngineEvent):
                 yield prepared
@@ -292,6 +307,72 @@ class TransformersEngine:
                 input_token_len=input_len,
             )
         return input_ids, sampling
+
+    def _score(self, req: EngineRequest) -> EngineEvent:
+        """The one final event of a ``score`` or ``reward`` request (:mod:`worker.engines.scoring`)."""
+        try:
+            if req.endpoint is Endpoint.reward:
+                if not self.reward_model:
+                    raise BadRequest("endpoint 'reward' needs a reward model (a *ForSequenceClassification "
+                                     "checkpoint with one label); this worker serves a causal LM")
+                return self._reward(req)
+            if self.reward_model:
+                raise BadRequest("this worker serves a reward model: only endpoint 'reward', not "
+                                 f"{req.endpoint.value!r}")
+            prompt_ids = self._prompt_ids(req)
+            conts = continuation_ids(self._tokenizer, self._tok_lock, req.continuations or ())
+        except EngineError:
+            raise
+        except BadRequest as exc:
+            return error_event(req.index, ErrorCode.bad_request, str(exc))
+        except Exception as exc:
+            log.exception("preparing score request %d failed", req.index)
+            return error_event(req.index, ErrorCode.internal_error, f"{type(exc).__name__}: {exc}")
+        longest = len(prompt_ids) + max(len(c) for c in conts)
+        if longest > self.session_len:
+            return error_event(req.index, ErrorCode.context_length_exceeded,
+                               f"prompt + continuation is {longest} tokens, over the model context length "
+                               f"({self.session_len})", input_token_len=len(prompt_ids))
+        try:
+            with self._model_lock:
+                if self._model is None:
+                    raise EngineError("the transformers engine was closed during scoring")
+                with self._torch.inference_mode():
+                    scores = score_continuations(
+                        self._torch, self._model, prompt_ids, conts, device=self.device, pad_id=self._pad_id,
+                        vocab_size=self._vocab_size, accepts_logits_to_keep=self._accepts_logits_to_keep)
+        except EngineError:
+            raise
+        except Exception as exc:
+            log.exception("scoring request %d failed", req.index)
+            return error_event(req.index, ErrorCode.internal_error, f"{type(exc).__name__}: {exc}",
+                               input_token_len=len(prompt_ids))
+        return EngineEvent(index=req.index, input_token_len=len(prompt_ids), finish_reason=FinishReason.stop,
+                           scores=[(lp, n, g) for lp, n, g in scores], whole=True)
+
+    def _reward(self, req: EngineRequest) -> EngineEvent:
+        """A reward model's score of the chat: its one logit, pooled at the last token by the head."""
+        text = reward_text(self._tokenizer, self._tok_lock, _normalise_messages(req.messages or []),
+                           self._chat_template)
+        with self._tok_lock:
+            ids = list(self._tokenizer.encode(text, add_special_tokens=True))
+        bos = getattr(self._tokenizer, "bos_token_id", None)
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        if not ids:
+            raise BadRequest("the chat encodes to zero tokens")
+        if len(ids) > self.session_len:
+            return error_event(req.index, ErrorCode.context_length_exceeded,
+                               f"the chat is {len(ids)} tokens, over the model context length ({self.session_len})",
+                               input_token_len=len(ids))
+        torch = self._torch
+        with self._model_lock:
+            if self._model is None:
+                raise EngineError("the transformers engine was closed during scoring")
+            with torch.inference_mode():
+                logits = self._model(input_ids=torch.tensor([ids], device=self.device)).logits
+        return EngineEvent(index=req.index, input_token_len=len(ids), finish_reason=FinishReason.stop,
+                           reward=float(logits[0, 0].float().item()), whole=True)
 
     def _row(self, index: int, input_ids: list[int], s: Sampling) -> DecodeRow:
         """A batched loop's row for one prepared request, sharing this engine's tokenizer and its lock."""
