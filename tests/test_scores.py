@@ -226,7 +226,18 @@ def direct(model_dir: Path) -> Any:
     return tok, model
 
 
+_DIRECT_CACHE: dict[str, tuple[float, int, bool]] = {}
+
+
 def _direct_score(direct: Any, prompt: str | list[dict[str, str]], cont: str) -> tuple[float, int, bool]:
+    """Memoised (a CPU forward is slow on a shared box; the tests ask for some pairs twice)."""
+    key = json.dumps([prompt, cont])
+    if key not in _DIRECT_CACHE:
+        _DIRECT_CACHE[key] = _direct_score_uncached(direct, prompt, cont)
+    return _DIRECT_CACHE[key]
+
+
+def _direct_score_uncached(direct: Any, prompt: str | list[dict[str, str]], cont: str) -> tuple[float, int, bool]:
     """lm-eval's loglikelihood the plain way: prompt ids (raw text with special tokens, or the chat
     template with the generation prompt) + continuation ids (alone, no special tokens), ONE unpadded
     forward, log-softmax, the continuation tokens' logprobs summed."""
@@ -396,3 +407,122 @@ def test_reward_equals_a_direct_sequence_classification_forward(reward_dir: Path
         rewards.append(finals[i].reward)
     assert len(set(rewards)) == len(rewards)  # different chats, different scores: the head is really read
     assert finals[len(chats)].error_code == "bad_request"
+
+
+def test_python_api_scores_dict_rows_and_a_dataframe(redis_url: str, prefix: str) -> None:
+    """``client.submit(rows, endpoint="score", prompt_column=...)`` with a ``continuations`` column, from
+    dicts and from a DataFrame (the Arrow path: a list<string> column), read back as Arrow."""
+    import pandas as pd
+
+    import lmdq
+    from lmdq.producer.settings import ProducerSettings
+    from lmdq.worker.engines.sim import SimEngine
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
+
+    api = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix))
+    rows = [{"qid": f"q{i}", "question": q, "continuations": c} for i, (q, c) in enumerate(MC[:3])]
+    a = api.submit(rows, model="sim", allow_unknown_model=True, endpoint="score", prompt_column="question",
+                   id_column="qid")
+    b = api.submit(pd.DataFrame(rows), model="sim", allow_unknown_model=True, endpoint="score",
+                   prompt_column="question", id_column="qid")
+    with pytest.raises(lmdq.SubmitRejected, match="continuations"):
+        api.submit([{"question": "Q", "continuations": []}], model="sim", allow_unknown_model=True,
+                   endpoint="score", prompt_column="question")
+    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, burst=True)
+    assert Worker(engine=SimEngine(model_name="sim", step_ms=0), client=redis.Redis.from_url(redis_url),
+                  settings=s).run() == 0
+    ra, rb = list(a.results()), list(b.results())
+    assert [r.custom_id for r in ra] == ["q0", "q1", "q2"] and all(r.scores and len(r.scores) == 4 for r in ra)
+    assert [r.scores for r in ra] == [r.scores for r in rb]  # same rows, same (deterministic) scores
+    t = a.to_arrow()
+    assert t.column("scores").to_pylist()[0] == [x.model_dump() for x in ra[0].scores or []]
+
+
+class _PplPipe:
+    """A stand-in for LMDeploy 0.18's pipeline, scoring exactly as its ``get_ppl`` does (read from
+    lmdeploy/serve/core/async_engine.py: ``ce_loss / (len(input_ids) - 1)``, the summed next-token
+    cross-entropy over the sequence divided by its scored positions) with a real transformers model,
+    and tokenizing as its HuggingFaceTokenizer (``encode(s, add_bos, add_special_tokens)``) and
+    HFChatTemplate (``messages2prompt``: the generation prompt after a user turn) do."""
+
+    def __init__(self, direct: Any, *, prefix_caching: bool = False, fail_on: int | None = None) -> None:
+        tok, self.model = direct
+        self.calls: list[int] = []
+        self.fail_on = fail_on
+
+        def encode(s: str, add_bos: bool = True, add_special_tokens: bool = True) -> list[int]:
+            ids = tok.encode(s, add_special_tokens=add_special_tokens)
+            return ids[1:] if not add_bos and ids and ids[0] == tok.bos_token_id else ids
+
+        def messages2prompt(messages: list[dict[str, Any]]) -> str:
+            return str(tok.apply_chat_template(messages, add_generation_prompt=messages[-1]["role"] != "assistant",
+                                               tokenize=False))
+
+        from types import SimpleNamespace
+
+        self.async_engine = SimpleNamespace(tokenizer=SimpleNamespace(encode=encode), arch="LlamaForCausalLM",
+                                            chat_template=SimpleNamespace(messages2prompt=messages2prompt),
+                                            engine=None)
+        self.backend_config = SimpleNamespace(enable_prefix_caching=prefix_caching, max_batch_size=8)
+        self.internal_thread = SimpleNamespace(loop=None)
+
+    def get_ppl(self, input_ids: list[list[int]]) -> list[float]:
+        import torch
+
+        self.calls.append(len(input_ids))
+        out = []
+        for ids in input_ids:
+            assert len(ids) > 1  # LMDeploy asserts it too
+            if self.fail_on is not None and self.fail_on in ids:
+                raise RuntimeError("stand-in: this sequence breaks the engine call")
+            with torch.inference_mode():
+                logits = self.model(input_ids=torch.tensor([ids])).logits[0].float()
+            ce = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum")
+            out.append(float(ce) / (len(ids) - 1))
+        return out
+
+
+def _lmdeploy_on(pipe: Any) -> Any:
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
+
+    eng = LMDeployEngine.__new__(LMDeployEngine)  # LMDeploy's pipeline() needs a GPU: the stand-in instead
+    eng.pipe = pipe
+    eng.raw, eng.emit_interval_s, eng._closed = False, 0.0, False
+    eng.model_name, eng.backend, eng.capacity, eng.model_path = "m", "pytorch", 8, ""
+    eng._init_lifecycle(set())
+    return eng
+
+
+@pytest.mark.model
+def test_lmdeploy_score_path_from_get_ppl_equals_the_transformers_engine(engine: Any, direct: Any) -> None:
+    """The LMDeploy engine's arithmetic (sum logprob = total NLL(prompt) - total NLL(prompt + continuation)
+    from get_ppl's means) and tokenization, on a stand-in with get_ppl's exact definition: equal to the
+    transformers engine within 1e-4, token counts equal, is_greedy None, ONE get_ppl call for the group."""
+    reqs = []
+    for i, prompt in enumerate(PAIRS_PROMPTS[3:7]):  # raw and chat prompts (each get_ppl row is a CPU forward)
+        kw: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"messages": prompt}
+        reqs.append(EngineRequest(index=i, endpoint=Endpoint.score, continuations=tuple(PAIRS_CONTS), **kw))
+    reward = EngineRequest(index=len(reqs), messages=[*FRANCE, {"role": "assistant", "content": "Paris"}],
+                           endpoint=Endpoint.reward)
+    pipe = _PplPipe(direct)
+    got = _finals(_lmdeploy_on(pipe).stream([*reqs, reward], threading.Event()))
+    want = _finals(engine.stream(reqs, threading.Event()))
+    assert pipe.calls == [len(reqs) * (1 + len(PAIRS_CONTS))]  # every prompt (> 1 token) and every pair at once
+    worst = 0.0
+    for r in reqs:
+        assert got[r.index].input_token_len == want[r.index].input_token_len
+        for (lp, n, g), (wlp, wn, _) in zip(got[r.index].scores or [], want[r.index].scores or [], strict=True):
+            assert n == wn and g is None
+            worst = max(worst, abs(lp - wlp))
+    assert worst <= 1e-4, worst
+    assert got[reward.index].error_code == "unsupported_feature"  # get_reward_score serves reward archs only
+
+    bad_id = engine._tokenizer.encode(" village", add_special_tokens=False)[0]
+    pipe = _PplPipe(direct, fail_on=bad_id)  # one request breaks the call: it alone fails, the rest are asked again
+    two = [EngineRequest(index=0, prompt="Hi", endpoint=Endpoint.score, continuations=(" village",)),
+           EngineRequest(index=1, prompt="Hi", endpoint=Endpoint.score, continuations=(" there",))]
+    got = _finals(_lmdeploy_on(pipe).stream(two, threading.Event()))
+    assert got[0].error_code == "internal_error" and got[1].finish_reason == "stop"
+    got = _finals(_lmdeploy_on(_PplPipe(direct, prefix_caching=True)).stream(two[1:], threading.Event()))
+    assert got[1].error_code == "unsupported_feature" and "prefix caching" in (got[1].error_message or "")

@@ -514,7 +514,8 @@ class LMDeployEngine:
         else:
             text = r.prompt or ""
         prompt_ids = [int(t) for t in tok.encode(text, add_bos=True)]
-        conts = [[int(t) for t in tok.encode(c, add_bos=False)] for c in r.continuations or ()]
+        conts = [[int(t) for t in tok.encode(c, add_bos=False, add_special_tokens=False)]
+                 for c in r.continuations or ()]
         if not prompt_ids:
             raise BadRequest("the prompt encodes to zero tokens")
         for i, c in enumerate(conts):

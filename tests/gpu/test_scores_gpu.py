@@ -1,0 +1,174 @@
+"""Issue 24, GPU half of the scores: endpoint ``score`` through LMDeploy (PyTorch backend, ``pipe.get_ppl``)
+within 1e-2 per token of the transformers engine on the same model (SmolLM2, same dtype, same GPU).
+
+Self-checking: every pair is compared (the largest per-token difference is asserted and written to
+``$OUT/scores_gpu.json`` with every pair's numbers), the token counts must agree (both engines tokenize
+prompt and continuation separately), ``is_greedy`` must be None from LMDeploy (get_ppl has no argmax) and
+a bool from transformers, and a ``reward`` request on SmolLM2 (not a reward model LMDeploy serves) must
+fail alone with ``unsupported_feature`` while the score requests of the same call complete. A second
+check runs a multiple-choice batch through the real worker loop on a real Redis and compares its
+picks with the transformers engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmdq.contract import Endpoint
+from lmdq.worker.engines.base import EngineEvent, EngineRequest
+
+PROMPTS: list[str | list[dict[str, str]]] = [
+    "The capital of France is",
+    "Question: What is 2 + 2?\nAnswer:",
+    "Once upon a time, there was a",
+    "The three primary colors are",
+    "def add(a, b):\n    return",
+    "import numpy as",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Name a fruit."}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Sky colour?"}],
+    [{"role": "user", "content": "Is water wet? Answer yes or no."}],
+]
+CONTINUATIONS = (" Paris", " a small village by the sea", " np", " 4", "The capital of France is Paris.")
+PER_TOKEN_TOL = 1e-2
+
+MC = [
+    ("The capital of France is", [" Paris", " Berlin", " Madrid", " Rome"]),
+    ("Two plus two equals", [" four", " five", " seven", " ten"]),
+    ("The opposite of hot is", [" cold", " warm", " blue", " fast"]),
+    ("The sun rises in the", [" east", " west", " north", " south"]),
+    ("A baby cat is called a", [" kitten", " puppy", " calf", " foal"]),
+    ("Bees make", [" honey", " milk", " silk", " wool"]),
+]
+MC_BASE = 100  # the multiple-choice requests' indices in the reference call
+
+
+def _mc_requests(base: int = 0) -> list[EngineRequest]:
+    return [EngineRequest(index=base + i, prompt=q, endpoint=Endpoint.score, continuations=tuple(c))
+            for i, (q, c) in enumerate(MC)]
+
+
+def _finals(events: Iterator[EngineEvent]) -> dict[int, EngineEvent]:
+    out: dict[int, EngineEvent] = {}
+    for ev in events:
+        assert ev.index not in out, "no event may follow a request's final event"
+        if ev.finish_reason is not None:
+            out[ev.index] = ev
+    return out
+
+
+def _requests() -> list[EngineRequest]:
+    reqs = []
+    for i, p in enumerate(PROMPTS):
+        kw: dict[str, Any] = {"prompt": p} if isinstance(p, str) else {"messages": p}
+        reqs.append(EngineRequest(index=i, endpoint=Endpoint.score, continuations=CONTINUATIONS, **kw))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path, gpu_dtype: str) -> dict[int, EngineEvent]:
+    """The transformers engine's scores on the same GPU, same dtype (loaded, used, freed before LMDeploy)."""
+    import torch
+
+    from lmdq.worker.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine(model_path=model_path, served_model_name="smollm2", device="cuda", dtype=gpu_dtype)
+    try:
+        finals = _finals(eng.stream([*_requests(), *_mc_requests(MC_BASE)], threading.Event()))
+    finally:
+        eng.close()
+        torch.cuda.empty_cache()
+    return finals
+
+
+@pytest.fixture(scope="module")
+def lmdeploy_engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool) -> Iterator[Any]:
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
+
+    eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
+                         dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, mp_engine=gpu_mp_engine)
+    yield eng
+    eng.close()
+
+
+def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[int, EngineEvent],
+                                                              lmdeploy_engine: Any, gpu_dtype: str) -> None:
+    reqs = _requests()
+    reward = EngineRequest(index=len(reqs), endpoint=Endpoint.reward,
+                           messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    got = _finals(lmdeploy_engine.stream([*reqs, reward], threading.Event()))
+    assert got[reward.index].finish_reason == "error" and got[reward.index].error_code == "unsupported_feature"
+    rows, worst = [], 0.0
+    for r in reqs:
+        ld, tf = got[r.index], reference[r.index]
+        assert ld.finish_reason == "stop" and ld.scores is not None, (ld.error_code, ld.error_message)
+        assert tf.finish_reason == "stop" and tf.scores is not None, (tf.error_code, tf.error_message)
+        assert ld.input_token_len == tf.input_token_len, "both engines must tokenize the prompt alike"
+        for cont, (lp, n, g), (tlp, tn, tg) in zip(CONTINUATIONS, ld.scores, tf.scores, strict=True):
+            assert n == tn, f"token counts differ for {cont!r}: lmdeploy {n}, transformers {tn}"
+            assert g is None and isinstance(tg, bool)
+            per_token = abs(lp - tlp) / n
+            worst = max(worst, per_token)
+            rows.append({"prompt": r.prompt if r.prompt is not None else r.messages, "continuation": cont,
+                         "tokens": n, "lmdeploy": lp, "transformers": tlp, "per_token_diff": per_token})
+    summary = {"pairs": len(rows), "dtype": gpu_dtype, "max_per_token_diff": worst, "tolerance": PER_TOKEN_TOL}
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "scores_gpu.json").write_text(json.dumps({**summary, "rows": rows}, indent=1))
+    print(f"\nscore lmdeploy vs transformers: {json.dumps(summary)}")
+    assert len(rows) == len(PROMPTS) * len(CONTINUATIONS)
+    assert worst <= PER_TOKEN_TOL, f"largest per-token difference {worst:.3e} over {PER_TOKEN_TOL}"
+
+
+
+
+def test_multiple_choice_through_the_worker_on_lmdeploy(reference: dict[int, EngineEvent], lmdeploy_engine: Any,
+                                                        tmp_path: Path) -> None:
+    """submit -> the worker loop on LMDeploy (a real redis-server) -> results: each question's pick (the
+    argmax of its 4 summed logprobs) equals the transformers engine's, and is_greedy is null throughout."""
+    import redis
+
+    from lmdq.keys import Keys
+    from lmdq.producer.submit import SubmitOptions, submit_file
+    from lmdq.store import ResultStore
+    from lmdq.worker.engines.base import Borrowed
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
+    from tests.conftest import RedisServer
+
+    server = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        f = tmp_path / "mc.jsonl"
+        f.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": q, "endpoint": "score",
+                                         "continuations": c}) + "\n" for i, (q, c) in enumerate(MC)))
+        keys = Keys("gpuscore")
+        batch, _ = submit_file(f, SubmitOptions(model=lmdeploy_engine.model_name, allow_unknown_model=True),
+                               client=client, keys=keys, ttl_s=3600)
+        s = WorkerSettings(redis_url=server.url, key_prefix="gpuscore", burst=True, health_port=0)
+        Worker(engine=Borrowed(lmdeploy_engine), client=client, settings=s).run()
+        from lmdq.contract import Result, ResultStatus
+
+        results = [Result.model_validate_json(raw) for _, raw in  # type: ignore[arg-type]
+                   ResultStore(client, keys=keys).iter_results(batch.id, len(MC), partial=False)]
+    finally:
+        server.stop()
+        server.cleanup()
+    picks, want = [], []
+    for i, r in enumerate(results):
+        assert r.status is ResultStatus.completed and r.scores is not None and len(r.scores) == 4
+        assert all(x.is_greedy is None for x in r.scores)
+        got = [x.logprob for x in r.scores]
+        ref = [lp for lp, _, _ in reference[MC_BASE + i].scores or []]
+        picks.append(got.index(max(got)))
+        want.append(ref.index(max(ref)))
+    assert picks == want, (picks, want)
