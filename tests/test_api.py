@@ -482,3 +482,39 @@ def test_output_files_from_a_results_sink(redis_url: str, tmp_path: Path, env: d
         assert [x["custom_id"] for x in lines] == [r["custom_id"] for r in rows]
     finally:
         srv.stop()
+
+
+def test_score_and_reward_batches_through_the_sdk(api: ApiProcess, worker_env: dict[str, str]) -> None:
+    """Issue 24: ``/v1/score`` and ``/v1/reward`` are batch endpoints; output bodies are vLLM-/v1/score-shaped
+    (``object: list``, ``data[i].score``) and a chat line in a score batch is refused with its line."""
+    c = sdk(api, "alice")
+    score = [{"custom_id": f"s{i}", "method": "POST", "url": "/v1/score",
+              "body": {"model": "sim", "prompt": f"Q{i}: 2+2=", "continuations": ["4", "five", "6 7"]}}
+             for i in range(3)]
+    reward = [{"custom_id": "r0", "method": "POST", "url": "/v1/reward",
+               "body": {"model": "sim", "messages": [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "hello"}]}}]
+    b1 = c.batches.create(input_file_id=upload(c, score).id, endpoint="/v1/score",  # type: ignore[arg-type]
+                          completion_window="24h")
+    b2 = c.batches.create(input_file_id=upload(c, reward).id, endpoint="/v1/reward",  # type: ignore[arg-type]
+                          completion_window="24h")
+    mixed = c.batches.create(input_file_id=upload(c, [score[0], chat_line("c", "hi")]).id,
+                             endpoint="/v1/score", completion_window="24h")  # type: ignore[arg-type]
+    until(c, b1.id, "in_progress")
+    until(c, b2.id, "in_progress")
+    bad = until(c, mixed.id, "failed")
+    assert bad.errors and bad.errors.data and bad.errors.data[0].line == 2
+    assert start_worker(*SIM, env=worker_env).wait(60) == 0
+    b1, b2 = until(c, b1.id, *TERMINAL), until(c, b2.id, *TERMINAL)
+    assert (b1.status, b2.status) == ("completed", "completed")
+    assert b1.output_file_id and b2.output_file_id
+    lines = sorted((json.loads(x) for x in c.files.content(b1.output_file_id).text.splitlines()),
+                   key=lambda x: x["custom_id"])
+    assert [x["custom_id"] for x in lines] == ["s0", "s1", "s2"]
+    for x in lines:
+        body = x["response"]["body"]
+        assert body["object"] == "list" and [d["num_tokens"] for d in body["data"]] == [1, 1, 2]
+        assert all(d["score"] == d["logprob"] <= 0 for d in body["data"])
+    (line,) = [json.loads(x) for x in c.files.content(b2.output_file_id).text.splitlines()]
+    (entry,) = line["response"]["body"]["data"]
+    assert entry["object"] == "score" and -5 <= entry["score"] < 5
