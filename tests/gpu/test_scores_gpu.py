@@ -137,9 +137,9 @@ def test_multiple_choice_through_the_worker_on_lmdeploy(reference: dict[int, Eng
     argmax of its 4 summed logprobs) equals the transformers engine's, and is_greedy is null throughout."""
     import redis
 
-    from lmdq.keys import Keys
     from lmdq.producer.submit import SubmitOptions, submit_file
-    from lmdq.store import ResultStore
+    from lmdq.redis.keys import Keys
+    from lmdq.results.store import ResultStore
     from lmdq.worker.engines.base import Borrowed
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings
