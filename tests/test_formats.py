@@ -220,7 +220,7 @@ BAD_CASES = [
     ("bad_role.jsonl", 2, "messages[1].role", "expected one of system|user|assistant"),
     ("image_content_part.jsonl", 2, "messages[0].content[1].type", "expected 'text'"),
     ("unknown_top_level_key.jsonl", 2, "temperature",
-     "expected only custom_id|prompt|messages|params|endpoint|continuations"),
+     "expected only custom_id|prompt|messages|params|endpoint|model|continuations"),
     ("unknown_param.jsonl", 2, "params.max_length", "unknown parameter; expected one of max_new_tokens"),
     ("temperature_out_of_range.jsonl", 2, "params.temperature", "expected a number from 0.0 to 2.0, got 5"),
     ("min_over_max.jsonl", 2, "params.min_new_tokens", "expected at most params.max_new_tokens (5), got 10"),
