@@ -484,14 +484,11 @@ class _PplPipe:
 
 
 def _lmdeploy_on(pipe: Any) -> Any:
+    from lmdq.worker.engine_config import LMDeployConfig
     from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
-    eng = LMDeployEngine.__new__(LMDeployEngine)  # LMDeploy's pipeline() needs a GPU: the stand-in instead
-    eng.pipe = pipe
-    eng.raw, eng.emit_interval_s, eng._closed = False, 0.0, False
-    eng.model_name, eng.backend, eng.capacity, eng.model_path = "m", "pytorch", 8, ""
-    eng._init_lifecycle(set())
-    return eng
+    # LMDeploy's pipeline() needs a GPU: the stand-in goes in through the constructor instead
+    return LMDeployEngine(pipe, LMDeployConfig(backend="pytorch"), model_name="m", emit_interval_s=0.0)
 
 
 @pytest.mark.model

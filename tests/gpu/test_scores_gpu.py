@@ -94,7 +94,7 @@ def reference(model_path: Path, gpu_dtype: str) -> dict[int, EngineEvent]:
 def lmdeploy_engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool) -> Iterator[Any]:
     from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
-    eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
+    eng = LMDeployEngine.load(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
                          dtype=gpu_dtype, session_len=1024, cache_max_entry_count=0.3, mp_engine=gpu_mp_engine)
     yield eng
     eng.close()

@@ -547,14 +547,16 @@ class LMDeployEngine:
         if getattr(self.pipe.backend_config, "enable_prefix_caching", False) and any(
                 r.endpoint is Endpoint.score for r in group):
             for r in [r for r in group if r.endpoint is Endpoint.score]:
-                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error,
+                                  error_code=ErrorCode.unsupported_feature,
                                   error_message="endpoint 'score' uses LMDeploy's get_ppl, which refuses engines with "
                                   "prefix caching on: serve score batches on a worker without enable_prefix_caching")
             group = [r for r in group if r.endpoint is not Endpoint.score]
         arch = getattr(self.pipe.async_engine, "arch", None)
         if arch not in REWARD_ARCHS and any(r.endpoint is Endpoint.reward for r in group):
             for r in [r for r in group if r.endpoint is Endpoint.reward]:
-                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error,
+                                  error_code=ErrorCode.unsupported_feature,
                                   error_message=f"endpoint 'reward' needs a reward model LMDeploy serves "
                                   f"({', '.join(REWARD_ARCHS)}); this worker's model is {arch}")
             group = [r for r in group if r.endpoint is not Endpoint.reward]
@@ -566,7 +568,8 @@ class LMDeployEngine:
             try:
                 prepared.append((r, self._reward_ids(r) if r.endpoint is Endpoint.reward else self._score_ids(r)))
             except BadRequest as e:
-                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.bad_request, error_message=str(e))
+                yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.bad_request,
+                                  error_message=str(e))
             except Exception as e:  # noqa: BLE001 - a template or tokenizer failure is this request's
                 yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.bad_request,
                                   error_message=f"{type(e).__name__}: {e}")
@@ -619,7 +622,8 @@ class LMDeployEngine:
         k = j = 0
         for r, ids in prepared:
             if r.endpoint is Endpoint.reward:
-                yield EngineEvent(index=r.index, input_token_len=len(ids), finish_reason=FinishReason.stop, reward=rewards[j],
+                yield EngineEvent(index=r.index, input_token_len=len(ids), finish_reason=FinishReason.stop,
+                                  reward=rewards[j],
                                   whole=True)
                 j += 1
                 continue
@@ -632,7 +636,8 @@ class LMDeployEngine:
                 full = len(prompt_ids) + len(c)
                 scores.append((sum_logprob_from_ppl(len(prompt_ids), base, full, ppl[k]), len(c), None))
                 k += 1
-            yield EngineEvent(index=r.index, input_token_len=len(prompt_ids), finish_reason=FinishReason.stop, scores=scores,
+            yield EngineEvent(index=r.index, input_token_len=len(prompt_ids), finish_reason=FinishReason.stop,
+                              scores=scores,
                               whole=True)
 
     def _stream_group(

@@ -457,7 +457,8 @@ def _sim_score(r: EngineRequest, text: str, count: Any) -> EngineEvent:
         words = cont.split() or [cont]
         costs = [8 * _unit(text, *words[: k + 1]) for k in range(len(words))]
         scores.append((-round(sum(costs), 6), len(words), all(c < 1.0 for c in costs)))
-    return EngineEvent(index=r.index, input_token_len=count(text), finish_reason=FinishReason.stop, scores=scores, whole=True)
+    return EngineEvent(index=r.index, input_token_len=count(text), finish_reason=FinishReason.stop, scores=scores,
+                       whole=True)
 
 
 def _guided_text(response_format: Any) -> str | None:
