@@ -317,8 +317,10 @@ def test_n4_seeded_same_samples_in_a_second_batch_and_after_sigkill(
     wait_for(frozen, 300, "the worker to freeze at the 10th sample")
     store = ResultStore(client, keys=Keys(prefix))
     wait_for(lambda: store.batches.get(third).request_counts.done >= 2, 60, "q0 and q1's results")
-    before = {r.custom_id: [s.text for s in r.samples or []] for r in results_of(client, prefix, third)}
+    stored = results_of(client, prefix, third)  # finals, and the partial (progress) record of q2 if one was written
+    before = {r.custom_id: [s.text for s in r.samples or []] for r in stored if r.final}
     assert sorted(before) == ["q0", "q1"], before  # mid-batch: q2 has part of its samples, and no result
+    assert all(r.status is ResultStatus.in_progress and r.samples is None for r in stored if not r.final)
     assert all(len(s) == 4 for s in before.values())
     child.send_signal(signal.SIGKILL)
     assert child.wait(30) == -signal.SIGKILL
