@@ -36,9 +36,9 @@ PROMPTS = 16
 def engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool, gpu_backend: str):  # type: ignore[no-untyped-def]
     from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
 
-    eng = LMDeployEngine(model_path=str(model_path), served_model_name="smollm2", backend=gpu_backend,
-                         dtype=gpu_dtype, session_len=2048, cache_max_entry_count=0.3, emit_interval_s=0.02,
-                         mp_engine=gpu_mp_engine, enable_prefix_caching=True)
+    eng = LMDeployEngine.load(model_path=str(model_path), served_model_name="smollm2", backend=gpu_backend,
+                              dtype=gpu_dtype, session_len=2048, cache_max_entry_count=0.3, emit_interval_s=0.02,
+                              mp_engine=gpu_mp_engine, enable_prefix_caching=True)
     yield eng
     eng.close()
 
