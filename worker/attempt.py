@@ -12,6 +12,7 @@ error for the job's requests is charged (``retry``), an engine death, a drain or
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -160,7 +161,8 @@ class JobAttempt:
             return AttemptEnd(Outcome.done)
         results = ResultBuilder(
             payload=payload,
-            model=self.engine.model_name,
+            # the job's model: the base model's name, or one of its adapters' (--adapter) this worker serves
+            model=payload.model if payload.model in getattr(self.engine, "adapters", {}) else self.engine.model_name,
             backend=self.engine.backend,
             worker=self.worker,
             attempt=min(claim.attempt, self.s.max_attempts),
@@ -246,6 +248,9 @@ class JobAttempt:
         live = [LiveRequest(req=r) for r in todo]
         # n > 1: n engine requests per request, side by side, gathered into one result (worker/samples.py)
         ereqs, slots, sample_sets, refused = fan_out(todo, payload.params)
+        adapter = payload.model if payload.model in getattr(self.engine, "adapters", {}) else None
+        if adapter is not None:  # a job of one of this worker's LoRA adapters (--adapter): each request runs with it
+            ereqs = [dataclasses.replace(e, adapter=adapter) for e in ereqs]
         #: positions in ``todo`` whose final result is written
         finished: set[int] = set()
         if held.abort.is_set() or not engine_alive(self.engine):

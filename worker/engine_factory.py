@@ -38,6 +38,7 @@ def build_engine(s: WorkerSettings) -> Engine:
     """The engine ``s.engine_name`` names, by its registered factory, from its own config
     (``s.engine_config``); its capacity is checked here, before any job is claimed."""
     spec = engine_spec(s.engine_name)
-    engine = spec.factory(s.engine_config, EngineTarget(model=s.model, served_model_name=served_model_name(s)))
+    engine = spec.factory(s.engine_config, EngineTarget(model=s.model, served_model_name=served_model_name(s),
+                                                        adapters=s.adapters))
     engine_capacity(engine)  # a contract breach is a start-up error, not a worker with one slot
     return engine

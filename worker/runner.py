@@ -101,9 +101,11 @@ class Worker:
             raise InvalidModelName(f"{e}; serve the model under a name that follows it: --served-model-name "
                                    "(LMDQ_SERVED_MODEL_NAME)") from None
         self.queues = queue_names(self.model, self.keys.prefix)
+        #: every model name this worker answers: its own, then each LoRA adapter it serves (``--adapter``)
+        self.served = [self.model, *(a for a in getattr(engine, "adapters", {}) if a != self.model)]
         self.name = settings.worker_name or default_worker_name()
         self.registry = WorkerRegistry(client, keys=self.keys, name=self.name, model=self.model,
-                                       ttl_s=settings.heartbeat_ttl_s)
+                                       ttl_s=settings.heartbeat_ttl_s, adapters=self.served[1:])
         self.health = health
         #: requests the engine runs at once: ``capacity`` when given (tests and benches cap it), else the
         #: engine's own (the contract's ``capacity``; an engine without one fails here, loudly)
@@ -178,7 +180,8 @@ class Worker:
         threading.Thread(target=self.sink.sweep_loop, args=(self._stop,), name="lmdq-sink-sweeper",
                          daemon=True).start()
         if self.s.idle_wait_s > 0 and not self.s.burst:  # a burst worker exits when idle instead
-            wakeup = WakeUp(self.client, keys=self.keys, model=self.model, block_s=self.s.idle_wait_s)
+            wakeup = WakeUp(self.client, keys=self.keys, model=self.model, block_s=self.s.idle_wait_s,
+                            also=self.served[1:])
             self.idle = IdleWaiter(wakeup, self._slot, log=self.log)
         self.log.info("worker started", queues=self.queues, capacity=self.capacity, burst=self.s.burst)
         try:
@@ -186,6 +189,18 @@ class Worker:
         finally:
             self._teardown()
         return EXIT_ENGINE_DEAD if self._dead is not None else 0
+
+    def _claim(self, n: int) -> list[Claim]:
+        """Up to ``n`` jobs: from this model's queues, then (a worker serving LoRA adapters) each adapter's,
+        each claimed under its own model's name (its in-flight list, so a re-queue wakes that model)."""
+        claimed = self.jobs.claim_many(self.queues, model=self.model, worker=self.name,
+                                       lease_s=self.s.heartbeat_ttl_s, n=n)
+        for name in self.served[1:]:
+            if len(claimed) >= n:
+                break
+            claimed += self.jobs.claim_many(queue_names(name, self.keys.prefix), model=name, worker=self.name,
+                                            lease_s=self.s.heartbeat_ttl_s, n=n - len(claimed))
+        return claimed
 
     def _room(self) -> int:
         """Jobs to claim now: none while the engine is dead, the store refuses writes or a suspect job
@@ -216,9 +231,7 @@ class Worker:
             if room:
                 try:
                     share = self._fair_share(room)
-                    claimed = self.jobs.claim_many(
-                        self.queues, model=self.model, worker=self.name, lease_s=self.s.heartbeat_ttl_s, n=share
-                    ) if share else []
+                    claimed = self._claim(share) if share else []
                     backoff = 0.1
                 except RETRYABLE_ERRORS as e:
                     # Redis is away: wait for it however long it takes (never exit with jobs held),
@@ -476,7 +489,7 @@ class Worker:
                 self._refuse(claim, str(e))
                 return
             claim.job = job
-            if payload.model != self.model:  # genuine (it matches its batch), but not this model's to answer
+            if payload.model not in self.served:  # genuine (it matches its batch), but not this model's to answer
                 end = AttemptEnd(Outcome.refused)  # released here: _release leaves it alone
                 moved = with_reconnect(lambda: self.jobs.move_to_model(claim, worker=self.name, model=payload.model,
                                                                        origin=job.origin),

@@ -8,14 +8,24 @@ or keyword that engine does not take is an error, an env var it does not take is
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from lmdq.settings import CommonSettings
+from lmdq.worker.adapters import adapter_refusal, parse_adapters
 from lmdq.worker.engine_config import (
     ENGINE_CONFIGS,
     EngineConfig,
@@ -81,6 +91,9 @@ class WorkerSettings(CommonSettings):
         "docs/architecture.md); the (engines) after an engine flag's help are those that take it")
     #: the chosen engine's settings (its registered settings class), from the flat engine flags/env vars
     engine_config: SerializeAsAny[EngineConfig] = Field(default_factory=EngineConfig)
+    adapter: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="a LoRA adapter served beside the base model, NAME=PATH (repeatable); "
+        "NAME is a model submit can name (PyTorch backend, or transformers with peft)")
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors when a batch names none (LMDQ_BLOB_URL)"
     )
@@ -164,6 +177,39 @@ class WorkerSettings(CommonSettings):
             names = list(ENGINE_CONFIGS)
             raise ValueError(f"expected {', '.join(repr(n) for n in names[:-1])} or {names[-1]!r}, got {v!r}")
         return v
+
+    @field_validator("adapter", mode="before")
+    @classmethod
+    def _adapter_specs(cls, v: Any) -> Any:
+        """``NAME=PATH`` strings (the flag, repeated; LMDQ_ADAPTER: comma-separated, or a JSON object / list:
+        NoDecode hands the env var here as it is)."""
+        if isinstance(v, str) and v.strip().startswith("["):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"expected NAME=PATH, comma-separated, or a JSON list of them: {e}") from None
+        if isinstance(v, (str, dict)):
+            v = [f"{k}={p}" for k, p in parse_adapters(v).items()]
+        parse_adapters(v)  # NAME=PATH each, a valid name, none twice
+        return v
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapters_servable(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        """Refused before a model load of minutes: an engine that cannot apply an adapter would otherwise
+        answer its requests with the base model's outputs under the adapter's name."""
+        if not v:
+            return v
+        engine = resolve_engine(info.data.get("engine"), info.data.get("model"))
+        why = adapter_refusal(engine, info.data.get("engine_config"))
+        if why:
+            raise ValueError(why)
+        return v
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters to serve, ``{NAME: PATH}`` (``--adapter NAME=PATH``, repeated)."""
+        return parse_adapters(self.adapter)
 
     @property
     def max_jobs(self) -> int:

@@ -25,6 +25,7 @@ import math
 import socket
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,13 +72,16 @@ RQ_BUSY = "busy"
 class WorkerRegistry:
     """One worker's records in Redis (thread-safe: redis-py clients are)."""
 
-    def __init__(self, client: redis.Redis, *, keys: Keys, name: str, model: str, ttl_s: float) -> None:
+    def __init__(self, client: redis.Redis, *, keys: Keys, name: str, model: str, ttl_s: float,
+                 adapters: Sequence[str] = ()) -> None:
         self.client = client
         self.keys = keys
         self.name = name
         self.model = check_model_name(model)
+        #: every model name the worker serves: its own, then its LoRA adapters' (``--adapter``), all known to submit
+        self.models = [self.model, *(check_model_name(a) for a in adapters)]
         #: the queues the worker drains, as RQ's record lists them
-        self.queues = queue_names(model, keys.prefix)
+        self.queues = [q for m in self.models for q in queue_names(m, keys.prefix)]
         #: the worker hash outlives a missed beat by a second; a dead worker's record expires by itself
         self.ttl_s = max(1, int(ttl_s) + 1)
         self._register = scripts.WORKER_REGISTER.bind(client)
@@ -93,7 +97,7 @@ class WorkerRegistry:
         self._register(
             keys=[self.keys.models(), self.keys.worker(self.name), self.keys.workers(),
                   rq_worker_key(self.name), *self._rq_set_keys()],
-            args=[self.model, self.ttl_s, pid, self.name, ",".join(self.queues), socket.gethostname(),
+            args=[",".join(self.models), self.ttl_s, pid, self.name, ",".join(self.queues), socket.gethostname(),
                   RQ_VERSION, py],
         )
 
@@ -102,7 +106,7 @@ class WorkerRegistry:
         now (RQ's state); ``done``/``failed``: jobs it has finished so far (RQ's job counts)."""
         self._beat(
             keys=[self.keys.models(), self.keys.worker(self.name), rq_worker_key(self.name)],
-            args=[self.model, self.ttl_s, RQ_BUSY if busy else RQ_IDLE, max(0, done), max(0, failed)],
+            args=[",".join(self.models), self.ttl_s, RQ_BUSY if busy else RQ_IDLE, max(0, done), max(0, failed)],
         )
 
     def deregister(self) -> None:
@@ -252,9 +256,15 @@ class ModelRegistry:
             return Counter()
         with self.client.pipeline(transaction=False) as p:
             for n in names:
-                p.hget(self.keys.worker(reply_text(n)), "model")
-            models = p.execute()
-        return Counter(reply_text(m) for m in models if m is not None)
+                p.hmget(self.keys.worker(reply_text(n)), ["model", "served"])
+            records = p.execute()
+        live: Counter[str] = Counter()
+        for model, served in records:  # served: the worker's model and its LoRA adapters' (comma-separated)
+            if served is not None:
+                live.update({m for m in reply_text(served).split(",") if m})
+            elif model is not None:
+                live[reply_text(model)] += 1
+        return live
 
 
 def _registration(raw: bytes | str) -> tuple[float | None, str | None]:

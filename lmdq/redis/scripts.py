@@ -656,10 +656,16 @@ return 1
 # ==== The worker registry (lmdq.redis.registry) ======================================================
 
 # KEYS: models, worker hash, workers set, rq worker hash, rq workers set, rq workers-by-queue sets...
-# ARGV: model, ttl, pid, worker name, rq queues (comma-separated), hostname, rq version, python version
+# ARGV: models (comma-separated: the worker's, then its LoRA adapters'), ttl, pid, worker name, rq queues
+# (comma-separated), hostname, rq version, python version
 WORKER_REGISTER = LuaScript("worker_register", """
-redis.call('HSET', KEYS[1], ARGV[1], now)
-redis.call('HSET', KEYS[2], 'model', ARGV[1], 'started_at', now, 'last_heartbeat', now, 'pid', ARGV[3])
+local first = nil
+for m in string.gmatch(ARGV[1], '[^,]+') do
+  redis.call('HSET', KEYS[1], m, now)
+  first = first or m
+end
+redis.call('HSET', KEYS[2], 'model', first, 'served', ARGV[1], 'started_at', now, 'last_heartbeat', now,
+  'pid', ARGV[3])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
 redis.call('SADD', KEYS[3], ARGV[4])
 local stamp = utc()
@@ -672,11 +678,11 @@ for i = 5, #KEYS do redis.call('SADD', KEYS[i], KEYS[4]) end
 return 1
 """, uses=(RQ_CLOCK,))
 
-# KEYS: models, worker hash, rq worker hash.  ARGV: model, ttl, rq state, jobs done, jobs failed
+# KEYS: models, worker hash, rq worker hash.  ARGV: models (comma-separated), ttl, rq state, jobs done, failed
 WORKER_BEAT = LuaScript("worker_beat", """
 redis.call('HSET', KEYS[2], 'last_heartbeat', now)
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
-redis.call('HSET', KEYS[1], ARGV[1], now)
+for m in string.gmatch(ARGV[1], '[^,]+') do redis.call('HSET', KEYS[1], m, now) end
 redis.call('HSET', KEYS[3], 'last_heartbeat', utc(), 'state', ARGV[3],
   'successful_job_count', ARGV[4], 'failed_job_count', ARGV[5])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))

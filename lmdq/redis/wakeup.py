@@ -22,6 +22,8 @@ other threads need.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -41,9 +43,13 @@ is frozen or gone (the same judgement as ``LMDQ_REDIS_SOCKET_TIMEOUT_S`` for ord
 class WakeUp:
     """One model's wake list: :meth:`notify` leaves a token, :meth:`wait` blocks until one comes."""
 
-    def __init__(self, client: redis.Redis, *, keys: Keys, model: str, block_s: float) -> None:
+    def __init__(self, client: redis.Redis, *, keys: Keys, model: str, block_s: float,
+                 also: Sequence[str] = ()) -> None:
         self.client = client
         self.key = keys.wake(model)
+        #: the lists :meth:`wait` blocks on: the model's, then those of the other models the worker serves
+        #: (its LoRA adapters): a token on any of them wakes it
+        self.wait_keys = [self.key, *(keys.wake(m) for m in also)]
         self.block_s = block_s
         self._notify = scripts.WAKE_NOTIFY.bind(client)
         kw = dict(client.connection_pool.connection_kwargs)
@@ -64,7 +70,7 @@ class WakeUp:
 
         Raises redis errors as any call does; after :meth:`close`, a ``ConnectionError``."""
         t = self.block_s if timeout_s is None else timeout_s
-        got = self._blocking.blpop([self.key], timeout=max(0.01, t))
+        got = self._blocking.blpop(self.wait_keys, timeout=max(0.01, t))
         return got is not None
 
     def close(self) -> None:

@@ -54,6 +54,8 @@ class EngineRequest:
     params: GenerationParams = field(default_factory=GenerationParams)
     #: endpoint ``score`` only: the texts to score after the prompt
     continuations: tuple[str, ...] | None = None
+    #: the LoRA adapter it runs with (a name the engine was given with ``--adapter``); None: the base model
+    adapter: str | None = None
 
     @property
     def raw(self) -> bool:

@@ -71,7 +71,7 @@ BURST_SETTLE_S = 30.0
 DEAD_CLOSE_TIMEOUT_S = 15.0
 
 
-def build_backend_config(config: LMDeployConfig) -> Any:
+def build_backend_config(config: LMDeployConfig, adapters: dict[str, str] | None = None) -> Any:
     """The worker's LMDeploy settings → LMDeploy's engine config (the real classes).
 
     'auto' returns a TurbomindEngineConfig, which LMDeploy itself falls back from to PyTorch
@@ -90,7 +90,8 @@ def build_backend_config(config: LMDeployConfig) -> Any:
         return {k: v for k, v in config.model_dump().items() if k in names and v is not None}
 
     tp = config.tp
-    if config.backend == "pytorch":
+    if config.backend == "pytorch" or adapters:  # LoRA adapters: only the PyTorch engine applies them
+        lora: dict[str, Any] = {"adapters": dict(adapters)} if adapters else {}
         # tp > 1 on one host: multiprocessing executor (LMDeploy's default for tp > 1 wants ray).
         extra: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
         # logprobs_mode: without it the PyTorch engine returns no logprobs at all (found on the GPU); it costs
@@ -98,7 +99,7 @@ def build_backend_config(config: LMDeployConfig) -> Any:
         # enable_mp_engine: the engine's scheduler runs in its own process (what LMDeploy's own api_server
         # always does), so it never waits for the GIL behind the worker's threads and their per-token work.
         return PytorchEngineConfig(**same_named(PytorchEngineConfig), logprobs_mode="raw_logprobs",
-                                   enable_mp_engine=config.mp_engine, **extra)
+                                   enable_mp_engine=config.mp_engine, **extra, **lora)
     return TurbomindEngineConfig(**same_named(TurbomindEngineConfig))
 
 
@@ -268,7 +269,8 @@ def _exit_description(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def build_pipeline(config: LMDeployConfig, model_path: str, log_level: str = "WARNING") -> tuple[Any, frozenset[int]]:
+def build_pipeline(config: LMDeployConfig, model_path: str, log_level: str = "WARNING",
+                   adapters: dict[str, str] | None = None) -> tuple[Any, frozenset[int]]:
     """The real ``lmdeploy.pipeline`` for ``config`` (the factory :meth:`LMDeployEngine.load` uses), and
     the process groups LMDeploy started for it (killed at close, whatever is left of them)."""
     from lmdeploy import pipeline
@@ -277,7 +279,7 @@ def build_pipeline(config: LMDeployConfig, model_path: str, log_level: str = "WA
     groups_before = orphan_guard.tracked_groups()
     pipe = pipeline(
         model_path,
-        backend_config=build_backend_config(config),
+        backend_config=build_backend_config(config, adapters),
         chat_template_config=resolve_chat_template(config.chat_template),
         log_level=log_level,
     )
@@ -306,9 +308,12 @@ class LMDeployEngine:
         model_name: str,
         groups: frozenset[int] = frozenset(),
         emit_interval_s: float = 0.5,
+        adapters: dict[str, str] | None = None,
     ) -> None:
         """``pipe``: an ``lmdeploy.Pipeline`` built for ``config`` (whose ``dtype`` is resolved);
-        ``groups``: the process groups it started (killed at close)."""
+        ``groups``: the process groups it started (killed at close); ``adapters``: the LoRA adapters it
+        was built with (``--adapter``), by name: each a model this worker serves, a request's adapter_name."""
+        self.adapters: dict[str, str] = dict(adapters or {})
         self.pipe = pipe
         self.config = config
         self.dtype = config.dtype
@@ -347,6 +352,7 @@ class LMDeployEngine:
         served_model_name: str | None = None,
         log_level: str = "WARNING",
         emit_interval_s: float = 0.5,
+        adapters: dict[str, str] | None = None,
         **overrides: Any,
     ) -> LMDeployEngine:
         """The engine on a real pipeline: ``config`` (default: :class:`LMDeployConfig`'s defaults) with
@@ -358,9 +364,9 @@ class LMDeployEngine:
         if warning:
             log.warning(warning)
         config = config.model_copy(update={"dtype": dtype})
-        pipe, groups = build_pipeline(config, model_path, log_level)
+        pipe, groups = build_pipeline(config, model_path, log_level, adapters)
         return cls(pipe, config, model_name=served_model_name or Path(model_path.rstrip("/")).name,
-                   groups=groups, emit_interval_s=emit_interval_s)
+                   groups=groups, emit_interval_s=emit_interval_s, adapters=adapters)
 
     def count_tokens(self, text: str) -> int:
         return len(self.pipe.async_engine.tokenizer.encode(text, add_bos=False))
@@ -496,11 +502,14 @@ class LMDeployEngine:
             requests = [r for r in requests if r.endpoint.generates]
         # stream_infer takes one do_preprocess for the whole call: raw and chat prompts go in
         # separate calls (rare in practice: a batch is usually one endpoint).
+        # and adapter_name is one per call too: requests of different adapters (or the base) go in separate calls
         chat = [r for r in requests if not (r.raw or self.raw)]
         raw = [r for r in requests if r.raw or self.raw]
-        for group, preprocess in ((chat, True), (raw, False)):
-            if group:
-                yield from self._stream_group(group, abort, preprocess)
+        for part, preprocess in ((chat, True), (raw, False)):
+            for adapter in dict.fromkeys(r.adapter for r in part):
+                group = [r for r in part if r.adapter == adapter]
+                if group:
+                    yield from self._stream_group(group, abort, preprocess, adapter)
 
     def _score_ids(self, r: EngineRequest) -> tuple[list[int], list[list[int]]]:
         """A score request's prompt ids as the engine would tokenize them (``messages``: LMDeploy's chat
@@ -641,7 +650,7 @@ class LMDeployEngine:
                               whole=True)
 
     def _stream_group(
-        self, group: list[EngineRequest], abort: threading.Event, preprocess: bool
+        self, group: list[EngineRequest], abort: threading.Event, preprocess: bool, adapter: str | None = None
     ) -> Iterator[EngineEvent]:
         if any(r.messages is not None for r in group) and not preprocess:
             raise EngineError("messages need the chat template (do not combine with --raw)")
@@ -697,8 +706,9 @@ class LMDeployEngine:
             tensors: dict[int, dict[str, Any]] = {}
             last_emit: dict[int, float] = {}
             interval = self.emit_interval_s
+            lora = {"adapter_name": adapter} if adapter is not None else {}
             for out in self.pipe.stream_infer(prompts, sessions=sessions, gen_config=gens,
-                                              do_preprocess=preprocess, stream_response=streamed):
+                                              do_preprocess=preprocess, stream_response=streamed, **lora):
                 if held:  # errors whose streak is over: the requests' own, unless the engine died
                     if burst.tripped:
                         raise self._dead_error("every request in flight failed with an engine-level error")
@@ -895,7 +905,8 @@ class LMDeployEngine:
 def _build(config: LMDeployConfig, target: EngineTarget) -> LMDeployEngine:
     if target.model is None:
         raise ValueError("--engine lmdeploy needs --model (a model folder or hub id)")
-    return LMDeployEngine.load(config, model_path=target.model, served_model_name=target.served_model_name)
+    return LMDeployEngine.load(config, model_path=target.model, served_model_name=target.served_model_name,
+                               adapters=dict(target.adapters))
 
 
 SPEC = EngineSpec(

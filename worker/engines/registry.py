@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import import_module, metadata
 from pathlib import Path
@@ -76,6 +76,9 @@ class EngineTarget:
     #: the name results report and producers submit to (already resolved: ``--served-model-name`` or
     #: the spec's ``served_name(model)``)
     served_model_name: str
+    #: LoRA adapters to serve beside the model (``--adapter NAME=PATH``), by name; an engine that cannot
+    #: apply them is refused before it is built (lmdq.worker.adapters)
+    adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 def model_folder_name(model: str | None) -> str:

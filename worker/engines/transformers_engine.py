@@ -75,6 +75,27 @@ log = logging.getLogger(__name__)
 _EVENT_EVERY_TOKENS = EVENT_EVERY_TOKENS
 
 
+class _BaseByDefault:
+    """A peft model whose forward is the BASE model's unless ``adapter_names`` says otherwise.
+
+    Why: peft runs its active adapter (the first loaded) on a call that names none, so any forward
+    that does not know about adapters (warm-up, a score) would answer base-model requests with an
+    adapter's weights. Forwards run under the engine's model lock, so ``disable_adapter`` (a context
+    manager on the shared model) cannot race another forward."""
+
+    def __init__(self, model: Any) -> None:
+        self.peft_model = model
+
+    def __call__(self, *args: Any, adapter_names: list[str] | None = None, **kwargs: Any) -> Any:
+        if adapter_names is None:
+            with self.peft_model.disable_adapter():
+                return self.peft_model(*args, **kwargs)
+        return self.peft_model(*args, adapter_names=adapter_names, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.peft_model, name)
+
+
 class TransformersEngine:
     """The :class:`~worker.engines.base.Engine` protocol on transformers (CPU or one GPU)."""
 
@@ -90,6 +111,7 @@ class TransformersEngine:
         *,
         model_path: str | Path,
         served_model_name: str | None = None,
+        adapters: dict[str, str] | None = None,
         **overrides: Any,
     ) -> None:
         """Load tokenizer and model once. Raises EngineError when the model cannot be served at all.
@@ -144,9 +166,14 @@ class TransformersEngine:
             raise
         except Exception as exc:
             raise EngineError(f"could not load model from {path}: {exc}") from exc
+        forward_params = inspect.signature(model.forward).parameters  # the base model's: peft passes them on
+        #: LoRA adapters by name (``--adapter``), loaded through peft; each forward names every row's adapter
+        #: (peft's mixed-adapter batches: ``adapter_names``, "__base__" for the base model)
+        self.adapters: dict[str, str] = dict(adapters or {})
+        if self.adapters:
+            model = self._load_adapters(model)
         self._model: Any = model
         self._chat_template = self._load_chat_template(chat_template)
-        forward_params = inspect.signature(model.forward).parameters
         self._accepts_logits_to_keep = "logits_to_keep" in forward_params
         # transformers >= 5.2x renamed ``past_key_values`` to ``cache``; the old name still works but goes
         # through a deprecation shim on every step.
@@ -170,6 +197,7 @@ class TransformersEngine:
         # only fight for the same cores, or race for GPU memory); a separate one guards the Rust tokenizer,
         # whose concurrent use can raise "Already borrowed".
         self._model_lock = threading.Lock()
+        self._row_adapter: dict[int, str | None] = {}  # a batched row's adapter, by the row's id()
         self._tok_lock = threading.RLock()
         self._closed = False
         self._grammars = GrammarCache(self._tokenizer, self._tok_lock, self._vocab_size, sorted(self.eos_token_ids))
@@ -184,6 +212,32 @@ class TransformersEngine:
         )
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _load_adapters(self, model: Any) -> Any:
+        """The base model wrapped by peft with every adapter loaded (EngineError naming one that fails)."""
+        try:
+            from peft import PeftModel
+        except ImportError as exc:
+            raise EngineError(f"--adapter: the transformers engine serves adapters through peft: pip install "
+                              f"'lmdq[lora]' ({exc})") from exc
+        wrapped: Any = None
+        for name, path in self.adapters.items():
+            try:
+                if wrapped is None:
+                    wrapped = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
+                else:
+                    wrapped.load_adapter(path, adapter_name=name, is_trainable=False)
+            except Exception as exc:
+                raise EngineError(f"--adapter {name}={path}: could not load the adapter: {exc}") from exc
+        wrapped.to(self.device)
+        wrapped.eval()
+        return _BaseByDefault(wrapped)
+
+    def _adapter_kwargs(self, adapters: list[str | None]) -> dict[str, Any]:
+        """The forward's ``adapter_names`` (one per row) when adapters are loaded; nothing otherwise."""
+        if not self.adapters:
+            return {}
+        return {"adapter_names": [a if a is not None else "__base__" for a in adapters]}
 
     def _resolve_dtype(self, dtype: str) -> Any:
         """'auto' = float32 on CPU (bf16/fp16 matmuls are slow and less exact there), bf16 on GPU."""
@@ -272,10 +326,15 @@ class TransformersEngine:
                 yield prepared
                 continue
             input_ids, sampling = prepared
-            if not batchable(sampling):
-                yield from self._generate(req.index, input_ids, sampling, abort)
+            if req.adapter is not None and req.adapter not in self.adapters:
+                yield error_event(req.index, "bad_request", f"no adapter {req.adapter!r} on this worker")
                 continue
-            batch.append(self._row(req.index, input_ids, sampling))
+            if not batchable(sampling):
+                yield from self._generate(req.index, input_ids, sampling, abort, adapter=req.adapter)
+                continue
+            row = self._row(req.index, input_ids, sampling)
+            self._row_adapter[id(row)] = req.adapter
+            batch.append(row)
             if len(batch) >= self.max_batch:
                 yield from self._generate_batch(batch, abort)
                 batch = []
@@ -397,12 +456,14 @@ class TransformersEngine:
         fails alone; a failed forward fails the rows still running (internal_error)."""
         torch = self._torch
         active = list(rows)
+        adapter_of = {id(r): self._row_adapter.pop(id(r), None) for r in rows}
         # Rows with the same prompt ids (the n samples of one request, params.n) are prefilled ONCE: the
         # prefill runs over the distinct prompts, then the KV cache, mask and logits fan out to every row.
-        first_of: dict[tuple[int, ...], int] = {}
+        # (A LoRA adapter is part of the key: the same prompt under two adapters is two prefills.)
+        first_of: dict[tuple[Any, ...], int] = {}
         fan: list[int] = []
         for r in active:
-            key = tuple(r.history.tolist())
+            key = (adapter_of[id(r)], *r.history.tolist())
             if key in first_of:
                 r.prefilled = 0
             fan.append(first_of.setdefault(key, len(first_of)))
@@ -434,6 +495,8 @@ class TransformersEngine:
                     }
                     if self._accepts_logits_to_keep:
                         kwargs["logits_to_keep"] = 1
+                    forwarded = uniq if spread is not None else active  # the shared prefill runs the distinct rows
+                    kwargs.update(self._adapter_kwargs([adapter_of[id(r)] for r in forwarded]))
                     with torch.inference_mode():
                         out = self._model(input_ids=step_input, **kwargs)
                         cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
@@ -566,7 +629,8 @@ class TransformersEngine:
             grammar=self._grammars.compile(p["response_format"]),
         )
 
-    def _generate(self, index: int, input_ids: list[int], s: Sampling, abort: threading.Event) -> Iterator[EngineEvent]:
+    def _generate(self, index: int, input_ids: list[int], s: Sampling, abort: threading.Event,
+                  adapter: str | None = None) -> Iterator[EngineEvent]:
         """The decode loop: one forward per token under the model lock, streaming stable text."""
         torch = self._torch
         input_len = len(input_ids)
@@ -594,6 +658,7 @@ class TransformersEngine:
                         kwargs["logits_to_keep"] = 1
                     if rich.want_hidden:
                         kwargs["output_hidden_states"] = True
+                    kwargs.update(self._adapter_kwargs([adapter]))
                     with torch.inference_mode():
                         out = self._model(input_ids=step_input, **kwargs)
                         cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
@@ -702,7 +767,8 @@ def _build(config: TransformersConfig, target: EngineTarget) -> TransformersEngi
     from lmdq.worker.default_model import ensure_default_model
 
     path = Path(target.model) if target.model else ensure_default_model()
-    return TransformersEngine(config, model_path=path, served_model_name=target.served_model_name)
+    return TransformersEngine(config, model_path=path, served_model_name=target.served_model_name,
+                              adapters=dict(target.adapters))
 
 
 SPEC = EngineSpec(
