@@ -497,6 +497,11 @@ class LMDeployEngine:
         if self._closed:
             raise EngineError("engine is closed")
         scoring = [r for r in requests if not r.endpoint.generates]
+        for r in (r for r in scoring if r.adapter is not None):  # get_ppl / get_reward_score take no adapter_name
+            yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
+                              error_message=f"endpoint {r.endpoint.value!r} with a LoRA adapter ({r.adapter!r}): "
+                              "LMDeploy scores with the base model only; score on the base model's name")
+        scoring = [r for r in scoring if r.adapter is None]
         if scoring:  # score / reward: no generation, answered through get_ppl / get_reward_score
             yield from self._score_group(scoring, abort)
             requests = [r for r in requests if r.endpoint.generates]

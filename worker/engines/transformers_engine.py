@@ -369,6 +369,10 @@ class TransformersEngine:
 
     def _score(self, req: EngineRequest) -> EngineEvent:
         """The one final event of a ``score`` or ``reward`` request (:mod:`worker.engines.scoring`)."""
+        if req.adapter is not None:  # scoring's batched forwards run the base model (_BaseByDefault)
+            return error_event(req.index, ErrorCode.unsupported_feature,
+                               f"endpoint {req.endpoint.value!r} with a LoRA adapter ({req.adapter!r}) is not "
+                               "supported; score on the base model's name")
         try:
             if req.endpoint is Endpoint.reward:
                 if not self.reward_model:
