@@ -327,7 +327,7 @@ class TransformersEngine:
                 continue
             input_ids, sampling = prepared
             if req.adapter is not None and req.adapter not in self.adapters:
-                yield error_event(req.index, "bad_request", f"no adapter {req.adapter!r} on this worker")
+                yield error_event(req.index, ErrorCode.bad_request, f"no adapter {req.adapter!r} on this worker")
                 continue
             if not batchable(sampling):
                 yield from self._generate(req.index, input_ids, sampling, abort, adapter=req.adapter)
