@@ -33,7 +33,6 @@ NOT_YET_MOVED = {
     "lmdq/api/batches.py",
     "lmdq/api/files.py",
     "lmdq/batches/ledger.py",
-    "lmdq/batches/records.py",
     "lmdq/jobs/queue.py",
     "lmdq/results/sink.py",
     "lmdq/results/store.py",

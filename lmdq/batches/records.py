@@ -4,7 +4,8 @@ A batch record is a hash (``Keys.batch``): ``meta`` holds the immutable :class:`
 JSON, and everything that changes after submit (status, counters, timestamps) is a field of its own,
 so the results script bumps a counter atomically without rewriting the JSON
 (:class:`~lmdq.redis.keys.BatchField`). The batch rules (create, stage, commit, cancel, retry) are the
-ledger's (:mod:`lmdq.batches.ledger`); this module is the record they and the results share.
+ledger's (:mod:`lmdq.batches.ledger`); this module is the record they and the results share. Its Redis
+commands are :class:`lmdq.redis.batch_records.BatchHashes`'; what a record holds and means is decided here.
 
 TTLs count from the END of a batch (``submit --result-ttl``, kept in the record's ``ttl`` field): while
 it runs, every key of the batch has :data:`RUNNING_TTL_S` (set at commit), so a batch that runs longer
@@ -25,9 +26,8 @@ import redis
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts
 from lmdq.errors import BatchNotFound
-from lmdq.redis import scripts
+from lmdq.redis.batch_records import BatchHashes
 from lmdq.redis.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys, model_count_field
-from lmdq.redis.replies import reply_text
 
 __all__ = ["RUNNING_TTL_S", "STAGING_TTL_S", "BatchRecords", "staging_ttl"]
 
@@ -61,17 +61,16 @@ class BatchRecords:
     ``ttl_s``: how long a batch created here is kept once it ENDS (``--result-ttl``)."""
 
     def __init__(self, client: redis.Redis, *, keys: Keys, ttl_s: int) -> None:
-        self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
-        self._transition = scripts.TRANSITION.bind(client)
+        #: the records' Redis commands (this class keeps what a record holds and which moves are allowed)
+        self.hashes = BatchHashes(client, keys=keys)
 
     def create(self, batch: Batch, *, extra: Mapping[str, str] | None = None) -> None:
         """Write a new batch record (status and counters as live hash fields), in one transaction.
 
         ``ttl`` (this store's TTL: how long the batch is kept once it ENDS) is recorded beside it; the key
         itself has the staging TTL until the commit. ``extra``: more fields (the idempotency fingerprint)."""
-        key = self.keys.batch(batch.id)
         # prefix_groups only when set: a batch in input order stays readable by workers older than the field
         quiet = set() if batch.prefix_groups else {"prefix_groups"}
         if batch.model_counts is None:  # one model: the record a single-model lmdq wrote
@@ -89,25 +88,16 @@ class BatchRecords:
         if batch.idempotency_key:
             fields[F.idempotency.value] = self.keys.idempotency(batch.idempotency_key)
         fields.update(extra or {})
-        with self.client.pipeline(transaction=True) as p:
-            p.hset(key, mapping=fields)
-            p.expire(key, staging_ttl(self.ttl_s))
-            p.zadd(self.keys.batches(), {batch.id: batch.created_at})
-            p.execute()
+        self.hashes.write(batch.id, fields, created_at=batch.created_at, ttl_s=staging_ttl(self.ttl_s))
 
     def get(self, batch_id: str) -> Batch:
-        raw = self.client.hgetall(self.keys.batch(batch_id))
+        raw = self.hashes.read(batch_id)
         if not raw:
             raise BatchNotFound(batch_id)
         return self._decode(raw)
 
     def get_many(self, batch_ids: Iterable[str]) -> list[Batch]:
-        ids = list(batch_ids)
-        with self.client.pipeline(transaction=False) as p:
-            for b in ids:
-                p.hgetall(self.keys.batch(b))
-            raws = p.execute()
-        return [self._decode(r) for r in raws if r]
+        return [self._decode(r) for r in self.hashes.read_many(list(batch_ids)) if r]
 
     @staticmethod
     def _decode(raw: Mapping[Any, Any]) -> Batch:
@@ -131,9 +121,7 @@ class BatchRecords:
         return Batch.model_validate(data)
 
     def newest(self, limit: int = 20) -> list[Batch]:
-        newest = self.client.zrevrange(self.keys.batches(), 0, limit - 1)
-        ids = [reply_text(b) for b in newest if isinstance(b, (bytes, str))]
-        return self.get_many(ids)
+        return self.get_many(self.hashes.newest_ids(limit))
 
     def transition(
         self, batch_id: str, from_: Iterable[BatchStatus], to: BatchStatus, stamp: BatchField | str = ""
@@ -141,9 +129,5 @@ class BatchRecords:
         """Move a batch from one of ``from_`` to ``to`` atomically; returns the status now held.
 
         ``stamp`` (a time field such as ``BatchField.cancelling_at``) is set to now with the move."""
-        res = self._transition(
-            keys=[self.keys.batch(batch_id)],
-            args=[",".join(s.value for s in from_), to.value, str(stamp), time.time(), self.ttl_s,
-                  "1" if to.terminal else "0"],
-        )
-        return res.decode() if isinstance(res, bytes) else res
+        return self.hashes.transition(batch_id, [s.value for s in from_], to.value, stamp=str(stamp), now=time.time(),
+                                      ttl_s=self.ttl_s, terminal=to.terminal)
