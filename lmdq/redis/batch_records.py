@@ -44,7 +44,7 @@ def _hash(value: Any) -> dict[bytes, bytes]:
 
 @dataclass(frozen=True)
 class Deleted:
-    """What :meth:`BatchHashes.delete` removed: the batch's own keys and its job hashes (counted apart:
+    """What :meth:`BatchHashes.delete_batch` removed: the batch's own keys and its job hashes (counted apart:
     ``purge`` reports both)."""
 
     keys: int
@@ -119,7 +119,7 @@ class BatchHashes:
                 if isinstance(b, (bytes, str))]
 
     # ---- delete -------------------------------------------------------------------------------
-    def delete(self, batch_id: str, *, own: Sequence[str], job_keys: Sequence[str], queues: Sequence[str],
+    def delete_batch(self, batch_id: str, *, own: Sequence[str], job_keys: Sequence[str], queues: Sequence[str],
                job_ids: Sequence[str], uncancel: bool) -> Deleted:
         """Delete a batch's keys in one pipeline: ``own`` (record, results, index, job list, ...), its job
         hashes ``job_keys``, its listing entry, RQ's finished/failed records of ``job_ids`` on each of

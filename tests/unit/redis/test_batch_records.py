@@ -94,7 +94,7 @@ def test_mark_cancelled_and_delete(client: redis.Redis, prefix: str) -> None:
     q = f"{prefix}:m:normal"  # RQ's registries are rq:finished:<queue> / rq:failed:<queue>
     client.zadd(f"rq:finished:{q}", {"b1-0": 1.0, "other-0": 1.0})
     client.zadd(f"rq:failed:{q}", {"b1-1": 1.0})
-    got = h.delete("b1", own=[k.batch("b1"), k.results("b1"), k.partials("b1")],
+    got = h.delete_batch("b1", own=[k.batch("b1"), k.results("b1"), k.partials("b1")],
                    job_keys=[f"rq:job:{j}" for j in job_ids], queues=[q], job_ids=job_ids, uncancel=True)
     assert got == Deleted(keys=2, jobs=3)  # record + results exist, partials did not; 3 job hashes of 2500 ids
     assert h.read("b1") == {} and h.newest_ids(5) == [] and not client.sismember(k.cancelled(), "b1")
@@ -106,5 +106,6 @@ def test_delete_keeps_the_cancelled_member_of_a_running_batch(client: redis.Redi
     h = _hashes(client, prefix)
     h.write("b1", {F.status.value: "in_progress"}, created_at=1.0, ttl_s=600)
     h.mark_cancelled("b1")
-    assert h.delete("b1", own=[k.batch("b1")], job_keys=[], queues=[], job_ids=[], uncancel=False) == Deleted(1, 0)
+    got = h.delete_batch("b1", own=[k.batch("b1")], job_keys=[], queues=[], job_ids=[], uncancel=False)
+    assert got == Deleted(keys=1, jobs=0)
     assert client.sismember(k.cancelled(), "b1")  # workers still holding its jobs must keep seeing it
