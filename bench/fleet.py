@@ -38,10 +38,12 @@ from typing import Any
 import redis
 
 from lmdq.batches.ledger import BatchLedger, new_batch_id
-from lmdq.bench.local_redis import keys_memory
 from lmdq.contract import Batch, BatchStatus, GenerationParams, RequestCounts
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
+from lmdq.redis.keyspace import keys_memory, scan
+from lmdq.redis.reads import inflight_count
+from lmdq.redis.server import info as server_info
 from lmdq.results.store import ResultStore
 
 __all__ = ["FleetConfig", "run_fleet"]
@@ -72,7 +74,7 @@ class _Snap:
 
     @classmethod
     def of(cls, client: redis.Redis) -> _Snap:
-        info = client.info("all")
+        info = server_info(client, "all")
         return cls(cpu_s=float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
                    commands=int(info["total_commands_processed"]))
 
@@ -80,7 +82,7 @@ class _Snap:
 def _key_memory(client: redis.Redis) -> int:
     """Bytes of every key on the bench's own server. Called outside any CPU/command window: its SCAN and
     MEMORY calls are the bench's, not lmdq's."""
-    return keys_memory(client, client.scan_iter(count=1000))
+    return keys_memory(client, scan(client))
 
 
 def _enqueue(client: redis.Redis, keys: Keys, model: str, n: int, cfg: FleetConfig, *, tokens: int) -> Batch:
@@ -105,7 +107,7 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: fl
 
 def blocked_clients(client: redis.Redis) -> int:
     """Clients blocked in Redis: idle workers waiting on their wake list."""
-    return int(client.info("clients")["blocked_clients"])
+    return int(server_info(client, "clients")["blocked_clients"])
 
 
 class _Procs:
@@ -167,7 +169,7 @@ def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: in
     n = n_workers * cfg.capacity * cfg.rounds
     wait_until(lambda: blocked_clients(client) >= n_workers, 120, f"{n_workers} workers to block on their wake list")
     mem0 = _key_memory(client)
-    before, stats0 = _Snap.of(client), client.info("commandstats")
+    before, stats0 = _Snap.of(client), server_info(client, "commandstats")
     batch = _enqueue(client, Keys(PREFIX), MODEL, n, cfg, tokens=cfg.output_len)
     t_wall = time.monotonic()
 
@@ -176,7 +178,7 @@ def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: in
         return store.batches.get(batch.id).status.terminal
 
     wait_until(done, 600, f"batch of {n:,} requests", interval=0.25)
-    after, stats1 = _Snap.of(client), client.info("commandstats")
+    after, stats1 = _Snap.of(client), server_info(client, "commandstats")
     mem1 = _key_memory(client)
     b = store.batches.get(batch.id)
     assert b.status is BatchStatus.completed and b.request_counts.completed == n, b.request_counts
@@ -199,12 +201,12 @@ def _running_memory(client: redis.Redis, store: ResultStore, cfg: FleetConfig, l
     batch = _enqueue(client, keys, MODEL, n, cfg, tokens=1_000_000)
     # Running = claimed, in the engine and reporting: every request has written its partial result.
     try:
-        wait_until(lambda: client.hlen(keys.partials(batch.id)) >= n, 120, "every request's first partial")
+        wait_until(lambda: store.partial_count(batch.id) >= n, 120, "every request's first partial")
     except TimeoutError as e:
-        log(f"{e}; measured with {client.hlen(keys.partials(batch.id))} of {n} partials")
+        log(f"{e}; measured with {store.partial_count(batch.id)} of {n} partials")
     per = round((_key_memory(client) - before) / n)
     BatchLedger(client, keys=keys, ttl_s=3600).cancel(batch.id)
-    wait_until(lambda: store.batches.get(batch.id).status.terminal and client.llen(keys.inflight(MODEL)) == 0, 120,
+    wait_until(lambda: store.batches.get(batch.id).status.terminal and inflight_count(client, keys, MODEL) == 0, 120,
           "the cancelled batch to leave the worker")
     return per
 
@@ -244,7 +246,7 @@ def _idle_cost(client: redis.Redis, redis_url: str, n: int, window_s: float, *, 
 def run_fleet(cfg: FleetConfig, *, redis_url: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     client = connect(redis_url)
     store = ResultStore(client, keys=Keys(PREFIX))
-    res: dict[str, Any] = {"config": asdict(cfg), "redis_version": client.info("server")["redis_version"]}
+    res: dict[str, Any] = {"config": asdict(cfg), "redis_version": server_info(client, "server")["redis_version"]}
     # 1. queued: nobody serves this model
     before = _key_memory(client)
     nq = cfg.capacity * cfg.rounds

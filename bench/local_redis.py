@@ -7,11 +7,13 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+
+from lmdq.redis.server import ping
 
 
 @contextmanager
@@ -32,7 +34,7 @@ def local_redis(url: str | None = None) -> Iterator[str]:
     try:
         for _ in range(200):
             try:
-                redis.Redis.from_url(url).ping()
+                ping(redis.Redis.from_url(url))
                 break
             except redis.RedisError:
                 time.sleep(0.05)
@@ -42,14 +44,3 @@ def local_redis(url: str | None = None) -> Iterator[str]:
         proc.wait(10)
         shutil.rmtree(d, ignore_errors=True)
 
-
-def keys_memory(client: redis.Redis, keys: Iterable[bytes | str]) -> int:
-    """Exact bytes of ``keys`` (``MEMORY USAGE key SAMPLES 0``, one pipelined call).
-
-    The benches' memory figures: deterministic for the same data, unlike ``used_memory`` deltas, which
-    also hold allocator noise, Lua caches and client buffers (they went negative at a test's 16 requests).
-    """
-    pipe = client.pipeline(transaction=False)
-    for k in keys:
-        pipe.memory_usage(k, samples=0)
-    return sum(int(v or 0) for v in pipe.execute())

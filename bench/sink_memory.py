@@ -19,10 +19,11 @@ from typing import Any
 
 import redis
 
-from lmdq.bench.local_redis import keys_memory
 from lmdq.contract import BatchStatus, GenerationParams, Result
 from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import Keys
+from lmdq.redis.keyspace import keys_memory, scan
+from lmdq.redis.server import info
 from lmdq.results.export import iter_lmdq_lines
 from lmdq.results.store import ResultStore
 
@@ -49,13 +50,13 @@ def _one(client: redis.Redis, url: str, n: int, batch_size: int, tokens: int, si
         f.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": f"question {i} about the sink"}) + "\n"
                              for i in range(n)))
     _worker(client, url, prefix, str(work))  # registration and scripts: not the batch's bytes
-    before = int(client.info("memory")["used_memory"])
+    before = int(info(client, "memory")["used_memory"])
     t0 = time.perf_counter()
     opts = SubmitOptions(model=MODEL, allow_unknown_model=True, batch_size=batch_size,
                          params=GenerationParams(max_new_tokens=tokens), results_url=str(sink) if sink else None)
     batch, _ = submit_file(f, opts, client=client, keys=Keys(prefix), ttl_s=3600)
     t1 = time.perf_counter()
-    staged = int(client.info("memory")["used_memory"]) - before
+    staged = int(info(client, "memory")["used_memory"]) - before
     log(f"{'sink' if sink else 'no sink'}: submitted {n:,} in {t1 - t0:.1f}s; running the worker")
     _worker(client, url, prefix, str(work))
     t2 = time.perf_counter()
@@ -63,8 +64,8 @@ def _one(client: redis.Redis, url: str, n: int, batch_size: int, tokens: int, si
     b = store.batches.get(batch.id)
     if b.status is not BatchStatus.completed or b.request_counts.completed != n:
         raise RuntimeError(f"batch ended {b.status.value} with {b.request_counts}")
-    after = int(client.info("memory")["used_memory"])
-    keys = [*client.scan_iter(f"{prefix}:batch:{batch.id}*"), *client.scan_iter(f"rq:job:{batch.id}-*")]
+    after = int(info(client, "memory")["used_memory"])
+    keys = [*scan(client, f"{prefix}:batch:{batch.id}*"), *scan(client, f"rq:job:{batch.id}-*")]
     usage = keys_memory(client, keys)
     t3 = time.perf_counter()
     order_ok = True

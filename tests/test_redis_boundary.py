@@ -37,10 +37,7 @@ NOT_YET_MOVED = {
     "lmdq/results/sink.py",
     "lmdq/results/store.py",
     "bench/exporter_bench.py",
-    "bench/fleet.py",
-    "bench/local_redis.py",
     "bench/producer_bench.py",
-    "bench/sink_memory.py",
 }
 
 # ---- the detectors -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Plain reads of lmdq's Redis records for callers outside the object that owns them: a batch's status
-field (the worker answering a job it cannot decode), a job hash field within a size cap (decode_job).
+field (the worker answering a job it cannot decode), a job hash field within a size cap (decode_job),
+how many jobs a model's workers hold (the fleet bench waits for a cancelled batch to leave them).
 
 Why here and not at the caller: lmdq speaks Redis only under :mod:`lmdq.redis`
 (tests/test_redis_boundary.py); what a caller does with the answer (untrusted: every caller validates
@@ -13,7 +14,7 @@ from rq.job import Job
 
 from lmdq.redis.keys import BatchField, Keys
 
-__all__ = ["batch_status", "capped_job_field"]
+__all__ = ["batch_status", "capped_job_field", "inflight_count"]
 
 
 def batch_status(client: redis.Redis, keys: Keys, batch_id: str) -> bytes | None:
@@ -32,3 +33,8 @@ def capped_job_field(client: redis.Redis, job_id: str, field: str, cap: int) -> 
     raw = client.hget(key, field)
     return size, raw if isinstance(raw, bytes) or raw is None else str(raw).encode()
 
+
+
+def inflight_count(client: redis.Redis, keys: Keys, model: str) -> int:
+    """How many jobs workers of ``model`` hold now (the length of :meth:`Keys.inflight`)."""
+    return int(client.llen(keys.inflight(model)))

@@ -1,7 +1,8 @@
-"""What lmdq asks the Redis server about itself: is it there, how full is it.
+"""What lmdq asks the Redis server about itself: is it there, how full is it, what has it done.
 
-Data access for :mod:`lmdq.batches.headroom` (submit's "does the batch fit") and the HTTP API's
-readiness probe; the callers keep the judgement, this module the commands.
+Data access for :mod:`lmdq.batches.headroom` (submit's "does the batch fit"), the HTTP API's
+readiness probe and the benchmarks' counters (commands, CPU, blocked clients); the callers keep the
+judgement, this module the commands.
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from typing import Any
 
 import redis
 
-__all__ = ["memory_info", "ping"]
+__all__ = ["info", "memory_info", "ping"]
+
+
+def info(client: redis.Redis, section: str) -> dict[str, Any]:
+    """``INFO <section>`` as redis-py parses it (``"stats"``, ``"clients"``, ``"commandstats"``,
+    ``"all"``, ...): the server's own counters, which the benches read around a phase."""
+    return dict(client.info(section))
 
 
 def memory_info(client: redis.Redis) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""Unit tests of lmdq/redis/ modules, each against a real redis-server (tests/conftest.py)."""
