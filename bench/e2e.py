@@ -18,6 +18,7 @@ varied chat questions, greedy, stopping at EOS (for the real SmolLM2 chat model)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.contract import Result
+from lmdq.bench.finished_batch import read_finished, wait_terminal
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
@@ -204,6 +205,11 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> N
     raise RuntimeError(f"lmdq-worker not ready after {timeout_s:.0f} s")
 
 
+def _stuck(w: subprocess.Popen[bytes], end: float) -> str | None:
+    """Why waiting on a batch gives up: its worker exited, or the deadline (``end``, monotonic) passed."""
+    return f"worker exit {w.poll()}" if w.poll() is not None or time.monotonic() > end else None
+
+
 def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
              redis_url: str, log: Any, name: str = "default", extra_env: dict[str, str] | None = None,
              profiled: bool = True) -> dict[str, Any]:
@@ -246,13 +252,7 @@ def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[s
                 raise RuntimeError(f"submit exited {sub.returncode}: {sub.stderr.decode()[-2000:]}")
             bid = sub.stdout.decode().strip().splitlines()[-1]
             end = time.monotonic() + cfg.timeout_s
-            while True:
-                batch = store.batches.get(bid)
-                if batch.status.terminal:
-                    break
-                if w.poll() is not None or time.monotonic() > end:
-                    raise RuntimeError(f"batch {bid} not done (worker exit {w.poll()})")
-                time.sleep(0.05)
+            batch = wait_terminal(store, bid, poll_s=0.05, stuck=functools.partial(_stuck, w, end))
             cpu = cpu_delta(cpu0, tree_cpu(w.pid))
             if spy is not None:
                 try:
@@ -262,10 +262,9 @@ def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[s
                         profile["stderr"] = err.decode(errors="replace")[-500:]
                 except subprocess.TimeoutExpired:
                     spy.kill()
-            rows = [Result.model_validate_json(raw) for _, raw in store.iter_results(bid, cfg.n, partial=False) if raw]
-            toks = sum(r.generate_token_len for r in rows)
-            done = batch.completed_at or max(r.timings.finished_at or 0 for r in rows)
-            secs = done - t0
+            fin = read_finished(store, batch, cfg.n)
+            rows, toks = fin.results, fin.tokens
+            secs = fin.last_stored_at - t0
             not_done = sum(1 for r in rows if r.status.value != "completed")
             batches.append({"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
                             "results": len(rows), "not_completed": not_done,

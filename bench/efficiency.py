@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmdq.bench.finished_batch import read_finished, wait_terminal
 from lmdq.contract import Endpoint, GenerationParams
 from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.connection import connect
@@ -63,31 +64,37 @@ def _params(cfg: EfficiencyConfig) -> GenerationParams:
     return GenerationParams(max_new_tokens=cfg.output_len, ignore_eos=True, do_sample=False)
 
 
+def _requests(prompts: list[str], cfg: EfficiencyConfig) -> list[EngineRequest]:
+    return [EngineRequest(index=i, prompt=p, endpoint=Endpoint.completion, params=_params(cfg))
+            for i, p in enumerate(prompts)]
+
+
+def _streamed_tokens(engine: Engine, reqs: list[EngineRequest]) -> int:
+    """Drain one ``engine.stream`` call; the tokens its requests generated (counted as each finishes)."""
+    toks = 0
+    for ev in engine.stream(reqs, threading.Event()):
+        if ev.finish_reason:
+            toks += ev.generate_token_len
+    return toks
+
+
 def run_raw(engine: Engine, prompts: list[str], cfg: EfficiencyConfig) -> tuple[float, int]:
     """The engine given all prompts at once (LMDeploy: one pipe(prompts) call)."""
-    reqs = [EngineRequest(index=i, prompt=p, endpoint=Endpoint.completion, params=_params(cfg))
-            for i, p in enumerate(prompts)]
+    reqs = _requests(prompts, cfg)
     t0 = time.perf_counter()
     if hasattr(engine, "infer_all"):
         outs = engine.infer_all(reqs)
         toks = sum(int(o.generate_token_len) for o in outs)
     else:
-        toks = 0
-        for ev in engine.stream(reqs, threading.Event()):
-            if ev.finish_reason:
-                toks += ev.generate_token_len
+        toks = _streamed_tokens(engine, reqs)
     return time.perf_counter() - t0, toks
 
 
 def run_stream_one_call(engine: Engine, prompts: list[str], cfg: EfficiencyConfig) -> tuple[float, int]:
     """All prompts in one ``engine.stream`` call, consumed here: streaming without the queue."""
-    reqs = [EngineRequest(index=i, prompt=p, endpoint=Endpoint.completion, params=_params(cfg))
-            for i, p in enumerate(prompts)]
-    toks = 0
+    reqs = _requests(prompts, cfg)
     t0 = time.perf_counter()
-    for ev in engine.stream(reqs, threading.Event()):
-        if ev.finish_reason:
-            toks += ev.generate_token_len
+    toks = _streamed_tokens(engine, reqs)
     return time.perf_counter() - t0, toks
 
 
@@ -96,10 +103,8 @@ def run_one_at_a_time(engine: Engine, prompts: list[str], cfg: EfficiencyConfig)
     toks = 0
     t0 = time.perf_counter()
     for p in prompts:
-        req = EngineRequest(index=0, prompt=p, endpoint=Endpoint.completion, params=_params(cfg))
-        for ev in engine.stream([req], threading.Event()):
-            if ev.finish_reason:
-                toks += ev.generate_token_len
+        toks += _streamed_tokens(engine, [EngineRequest(index=0, prompt=p, endpoint=Endpoint.completion,
+                                                        params=_params(cfg))])
     return time.perf_counter() - t0, toks
 
 
@@ -143,19 +148,15 @@ def run_lmdq(engine: Engine, prompts: list[str], cfg: EfficiencyConfig, *, redis
                              allow_unknown_model=True)
         batch, _ = submit_file(f, opts, client=client, keys=keys, ttl_s=3600)
     store = ResultStore(client, keys=keys)
-    while not store.batches.get(batch.id).status.terminal:
-        time.sleep(0.01)
+    done = wait_terminal(store, batch.id, poll_s=0.01)
     w.stop()
     th.join(60)
-    from lmdq.contract import Result
-
-    rs = [Result.model_validate_json(raw) for _, raw in store.iter_results(batch.id, cfg.n, partial=False) if raw]
     # The batch's completed_at is stamped by the Lua that stores its last result: "last result stored".
-    t_end = store.batches.get(batch.id).completed_at or max(r.timings.finished_at or 0 for r in rs)
-    toks = sum(r.generate_token_len for r in rs)
+    fin = read_finished(store, done, cfg.n)
+    rs, t_end, toks = fin.results, fin.last_stored_at, fin.tokens
     assert len(rs) == cfg.n, f"{len(rs)} results for {cfg.n} prompts"
     # From the moment the jobs became visible on the queue (commit) to the last result stored.
-    t0 = store.batches.get(batch.id).queued_at or batch.created_at
+    t0 = done.queued_at or batch.created_at
     if timelines is not None:
         timelines.append(_timeline(rs, t0))
     return t_end - t0, toks

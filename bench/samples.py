@@ -23,13 +23,13 @@ from __future__ import annotations
 import json
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmdq.bench.efficiency import EfficiencyConfig, make_prompts, run_raw
-from lmdq.contract import GenerationParams, Result
+from lmdq.bench.finished_batch import read_finished, wait_terminal
+from lmdq.contract import GenerationParams
 from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
@@ -95,16 +95,14 @@ def _run_side(engine: Engine, path: Path, requests: int, batch_size: int, cfg: S
                          prefix_groups=False)
     batch, _ = submit_file(path, opts, client=client, keys=keys, ttl_s=3600)
     store = ResultStore(client, keys=keys)
-    while not store.batches.get(batch.id).status.terminal:
-        time.sleep(0.01)
+    b = wait_terminal(store, batch.id, poll_s=0.01)
     w.stop()
     th.join(60)
     after = _counters(engine)
-    rs = [Result.model_validate_json(raw) for _, raw in store.iter_results(batch.id, requests, partial=False) if raw]
+    fin = read_finished(store, b, requests)
+    rs, toks = fin.results, fin.tokens
     assert len(rs) == requests, f"{len(rs)} results for {requests} requests"
-    b = store.batches.get(batch.id)
-    secs = (b.completed_at or max(r.timings.finished_at or 0 for r in rs)) - (b.queued_at or batch.created_at)
-    toks = sum(r.generate_token_len for r in rs)
+    secs = fin.last_stored_at - (b.queued_at or batch.created_at)
     sequences = sum(len(r.samples) if r.samples else 1 for r in rs)
     out: dict[str, Any] = {"requests": requests, "sequences": sequences, "s": round(secs, 3), "tokens": toks,
                            "tok_s": round(toks / secs, 1), "prompt_tokens_unshared": sum(
