@@ -23,8 +23,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from lmdq.metrics.exporter import QueueCollector, start_metrics_server
+from lmdq.redis.batch_records import BatchHashes
 from lmdq.redis.connection import connect
-from lmdq.redis.keys import Keys
+from lmdq.redis.keys import BatchField, Keys
+from lmdq.redis.keyspace import delete
+from lmdq.redis.server import info
 
 __all__ = ["run_exporter_bench", "table"]
 
@@ -68,10 +71,10 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _round(client: redis.Redis, port: int, scrapes: int) -> dict[str, Any]:
-    before = int(client.info("stats")["total_commands_processed"])
+    before = int(info(client, "stats")["total_commands_processed"])
     with ThreadPoolExecutor(scrapes) as pool:
         got = list(pool.map(lambda _: _scrape(port), range(scrapes)))
-    commands = int(client.info("stats")["total_commands_processed"]) - before - 1  # not the first INFO
+    commands = int(info(client, "stats")["total_commands_processed"]) - before - 1  # not the first INFO
     ok = sorted(t for t in got if t is not None)
     return {"scrapes": scrapes, "failed": scrapes - len(ok), "p50_s": round(_pct(ok, 0.5), 4),
             "p95_s": round(_pct(ok, 0.95), 4), "max_s": round(ok[-1] if ok else float("nan"), 4),
@@ -84,11 +87,9 @@ def run_exporter_bench(redis_url: str, *, batches: int = 10_000, scrapes: int = 
     client = connect(redis_url)
     keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
     statuses = ("completed", "in_progress", "failed", "cancelled")
-    with client.pipeline(transaction=False) as p:
-        for i in range(batches):
-            p.hset(keys.batch(f"batch_{i:06d}"), "status", statuses[i % 4])
-            p.zadd(keys.batches(), {f"batch_{i:06d}": i})
-        p.execute()
+    records = BatchHashes(client, keys=keys)  # status-only records: all the exporter reads of a batch
+    for i in range(batches):
+        records.write(f"batch_{i:06d}", {BatchField.status.value: statuses[i % 4]}, created_at=i, ttl_s=86_400)
     log(f"{batches:,} batches in Redis; {scrapes} concurrent scrapes each way")
     out: dict[str, Any] = {"batches": batches}
     try:
@@ -104,11 +105,7 @@ def run_exporter_bench(redis_url: str, *, batches: int = 10_000, scrapes: int = 
                 collector.snapshots.stop()
             log(f"{name}: {out[name]}")
     finally:
-        with client.pipeline(transaction=False) as p:
-            for start in range(0, batches, 1000):
-                p.delete(*(keys.batch(f"batch_{i:06d}") for i in range(start, min(batches, start + 1000))))
-            p.delete(keys.batches())
-            p.execute()
+        delete(client, [*(keys.batch(f"batch_{i:06d}") for i in range(batches)), keys.batches()])
     out["p95_ratio"] = round(out["at_scrape"]["p95_s"] / max(out["snapshot"]["p95_s"], 1e-6), 1)
     return out
 

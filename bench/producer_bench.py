@@ -20,6 +20,8 @@ from typing import Any
 from lmdq.contract import FinishReason, Result, ResultStatus, Timings
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
+from lmdq.redis.keyspace import delete, scan
+from lmdq.redis.server import info
 from lmdq.results.store import ResultStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +123,7 @@ def run_tabular_bench(*, rows: int, batch_size: int, redis_url: str, log: Callab
                 log(f"round {r + 1} submit {kind:<7}: {rows / w:,.0f} rows/s wall, {rows / cpu:,.0f} rows per "
                     f"CPU-s, peak RSS {rss_b / 2**20:.0f} MiB")
                 if kind == "jsonl" or r < rounds - 1:
-                    client.delete(*client.keys(f"{prefix}:*") or ["-"])
+                    delete(client, list(scan(client, f"{prefix}:*")))
         batch = json.loads(runs["parquet"][-1][2])
         j_s, p_s = min(x[0] for x in runs["jsonl"]), min(x[0] for x in runs["parquet"])
         j_cpu, p_cpu = min(x[3] for x in runs["jsonl"]), min(x[3] for x in runs["parquet"])
@@ -144,7 +146,7 @@ def run_tabular_bench(*, rows: int, batch_size: int, redis_url: str, log: Callab
         _in_child("_check_parquet_results", str(out_file), rows)
         log(f"results -o .parquet: {rows / e_s:,.0f} results/s, peak RSS {e_rss / 2**20:.0f} MiB, "
             f"{out_file.stat().st_size / 1e6:.1f} MB; order and ids checked")
-    client.delete(*client.keys(f"{prefix}:*") or ["-"])
+    delete(client, list(scan(client, f"{prefix}:*")))
     return {
         "rows": rows, "batch_size": batch_size,
         "submit_jsonl_rows_s": round(rows / j_s), "submit_parquet_rows_s": round(rows / p_s),
@@ -165,15 +167,15 @@ def run_producer_bench(*, lines: int, batch_size: int, redis_url: str, log: Call
         f = Path(d) / "prompts.jsonl"
         size = _gen_file(f, lines)
         log(f"generated {lines:,} lines ({size / 1e6:.1f} MB)")
-        mem0 = int(client.info("memory")["used_memory"])
+        mem0 = int(info(client, "memory")["used_memory"])
         secs, rss, out = _run(["submit", str(f), "--model", "bench", "--allow-unknown-model", "--json",
                                "--batch-size", str(batch_size)], env)
         batch = json.loads(out)
-        mem_jobs = int(client.info("memory")["used_memory"]) - mem0
+        mem_jobs = int(info(client, "memory")["used_memory"]) - mem0
         log(f"submit: {secs:.2f} s = {lines / secs:,.0f} req/s, peak RSS {rss / 2**20:.0f} MiB")
         store = ResultStore(client, keys=Keys(prefix))
         now = time.time()
-        mem1 = int(client.info("memory")["used_memory"])
+        mem1 = int(info(client, "memory")["used_memory"])
         text = "The item describes a routine evaluation example and its expected answer in one sentence."
         store.write_results(
             Result(batch_id=batch["id"], custom_id=f"req-{i:08d}", index=i, status=ResultStatus.completed, text=text,
@@ -181,13 +183,13 @@ def run_producer_bench(*, lines: int, batch_size: int, redis_url: str, log: Call
                    backend="sim", worker="bench-worker", attempt=1,
                    timings=Timings(enqueued_at=now, started_at=now, first_token_at=now, finished_at=now))
             for i in range(lines))
-        mem_results = int(client.info("memory")["used_memory"]) - mem1
+        mem_results = int(info(client, "memory")["used_memory"]) - mem1
         out_file = Path(d) / "results.jsonl"
         esecs, ersss, _ = _run(["results", batch["id"], "-o", str(out_file)], env)
         exported = sum(1 for _ in out_file.open("rb"))
         log(f"results: {esecs:.2f} s = {exported / esecs:,.0f} results/s")
         esecs_oa, _, _ = _run(["results", batch["id"], "--format", "openai", "-o", str(out_file)], env)
-    client.delete(*client.keys(f"{prefix}:*") or ["-"])
+    delete(client, list(scan(client, f"{prefix}:*")))
     return {
         "lines": lines, "batch_size": batch_size, "file_mb": round(size / 1e6, 1),
         "submit_s": round(secs, 2), "submit_req_s": round(lines / secs), "submit_peak_rss_mib": round(rss / 2**20),

@@ -30,14 +30,10 @@ SCRIPTS_MODULE = "lmdq/redis/scripts.py"
 #: Modules outside lmdq/redis/ that still call Redis commands themselves (the part of issue 30 not done
 #: yet: each should move its calls into a data-access module under lmdq/redis/). Exact: see the module doc.
 NOT_YET_MOVED = {
-    "lmdq/api/batches.py",
-    "lmdq/api/files.py",
     "lmdq/batches/ledger.py",
     "lmdq/jobs/queue.py",
     "lmdq/results/sink.py",
     "lmdq/results/store.py",
-    "bench/exporter_bench.py",
-    "bench/producer_bench.py",
 }
 
 # ---- the detectors -------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from redis.typing import EncodableT, FieldT
+from redis.typing import EncodableT
 
 from lmdq.api.backend import Backend
 from lmdq.api.errors import bad_request, conflict, not_found
@@ -35,6 +35,8 @@ from lmdq.api.paging import Page, page
 from lmdq.contract import Batch, BatchStatus, ErrorCode
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
 from lmdq.logs.config import get_logger
+from lmdq.redis.api_batches import ApiBatchRecords
+from lmdq.redis.keys import Keys
 
 __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
 
@@ -202,24 +204,11 @@ class ApiBatches:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.schedule = schedule
-
-    # ---- keys -------------------------------------------------------------------------------
-    def _key(self, batch_id: str) -> str:
-        return f"{self.prefix}:api:batch:{batch_id}"
-
-    def _index(self, tenant: str) -> str:
-        return f"{self.prefix}:api:tenant:{tenant}:batches"
-
-    def _open(self) -> str:
-        """API batches not yet final (validating, or submitted and output files not written)."""
-        return f"{self.prefix}:api:open"
-
-    def _lease(self, batch_id: str) -> str:
-        return f"{self.prefix}:api:lease:{batch_id}"
+        self.records = ApiBatchRecords(self.client, Keys(prefix))
 
     # ---- records ------------------------------------------------------------------------------
     def _load(self, batch_id: str) -> Record | None:
-        raw = self.client.hgetall(self._key(batch_id))
+        raw = self.records.read(batch_id)
         return Record.decode(batch_id, raw) if raw else None
 
     def get_record(self, tenant: str, batch_id: str) -> Record:
@@ -241,16 +230,11 @@ class ApiBatches:
                               param="input_file_id")
         batch_id = "batch_" + secrets.token_hex(12)
         now = int(time.time())
-        with self.client.pipeline(transaction=True) as p:
-            p.hset(self._key(batch_id), mapping={
-                "tenant": tenant, "input_file_id": input_file_id, "endpoint": endpoint,
-                "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
-                "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0})
-            p.expire(self._key(batch_id), self.ttl_s)
-            p.zadd(self._index(tenant), {batch_id: time.time()})  # sub-second: a list keeps creation order
-            p.expire(self._index(tenant), self.ttl_s)
-            p.sadd(self._open(), batch_id)
-            p.execute()
+        self.records.create(batch_id, tenant, {
+            "input_file_id": input_file_id, "endpoint": endpoint,
+            "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
+            "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0},
+            ttl_s=self.ttl_s, created=time.time())  # sub-second: a list keeps creation order
         log.info("batch created", batch=batch_id, tenant=tenant, input_file=input_file_id, endpoint=endpoint)
         self.schedule(functools.partial(self.submit, batch_id), f"submit:{batch_id}")
         return self.view(self.get_record(tenant, batch_id))
@@ -260,17 +244,14 @@ class ApiBatches:
 
     def list_page(self, tenant: str, *, after: str | None, limit: int) -> Page[dict[str, Any]]:
         def load(ids: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
-            with self.client.pipeline(transaction=False) as p:
-                for i in ids:
-                    p.hgetall(self._key(i))
-                raws = p.execute()
+            raws = self.records.read_many(ids)
             recs = [Record.decode(i, raw) if raw else None for i, raw in zip(ids, raws)]
             gone = [i for i, r in zip(ids, recs) if r is None or r.tenant != tenant]
             mine = [r for r in recs if r is not None and r.tenant == tenant]
             lmdq = self.backend.get_many(r.lmdq_id for r in mine if r.lmdq_id)
             return [self.view(r, lmdq.get(r.lmdq_id) if r.lmdq_id else None, fetch=False) for r in mine], gone
 
-        return page(self.client, self._index(tenant), after=after, limit=limit, newest_first=True, load=load,
+        return page(self.client, self.records.index(tenant), after=after, limit=limit, newest_first=True, load=load,
                     what="batch")
 
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
@@ -280,7 +261,7 @@ class ApiBatches:
             return shown
         if shown["status"] in ("completed", "failed", "expired", "finalizing"):
             raise conflict(f"Cannot cancel a batch with status {shown['status']!r}.")
-        self.client.hsetnx(self._key(batch_id), "cancel_requested_at", int(time.time()))
+        self.records.set_once(batch_id, "cancel_requested_at", int(time.time()))
         rec = self.get_record(tenant, batch_id)  # the submission may have landed meanwhile
         if rec.lmdq_id:
             self.backend.cancel(rec.lmdq_id)
@@ -359,28 +340,20 @@ class ApiBatches:
     # ---- background work: submit, finalize ------------------------------------------------------------
     def _take_lease(self, batch_id: str, ttl_s: int) -> str | None:
         token = secrets.token_hex(8)
-        return token if self.client.set(self._lease(batch_id), token, nx=True, ex=ttl_s) else None
+        return token if self.records.take_lease(batch_id, token, ttl_s) else None
 
     def _renew(self, batch_id: str, token: str, ttl_s: int) -> None:
-        if self.client.get(self._lease(batch_id)) == token.encode():
-            self.client.expire(self._lease(batch_id), ttl_s)
+        self.records.renew_lease(batch_id, token, ttl_s)
 
     def _drop_lease(self, batch_id: str, token: str, *, hold_s: int = 0) -> None:
         """Release the lease, or with ``hold_s`` keep it that long: the back-off before a re-run of
         work that raised (so a lasting fault is retried every so often, not in a tight loop)."""
         with contextlib.suppress(redis.RedisError):  # Redis away: the lease lapses by itself
-            if self.client.get(self._lease(batch_id)) == token.encode():
-                if hold_s:
-                    self.client.expire(self._lease(batch_id), hold_s)
-                else:
-                    self.client.delete(self._lease(batch_id))
+            self.records.drop_lease(batch_id, token, hold_s=hold_s)
 
     def _fail(self, rec: Record, errors: list[dict[str, Any]]) -> None:
         now = int(time.time())
-        with self.client.pipeline(transaction=True) as p:
-            p.hset(self._key(rec.id), mapping={"state": "failed", "errors": json.dumps(errors), "failed_at": now})
-            p.srem(self._open(), rec.id)
-            p.execute()
+        self.records.finish(rec.id, {"state": "failed", "errors": json.dumps(errors), "failed_at": now})
         log.info("batch failed validation", batch=rec.id, tenant=rec.tenant, errors=len(errors))
 
     def submit(self, batch_id: str) -> None:
@@ -394,9 +367,9 @@ class ApiBatches:
             rec = self._load(batch_id)
             if rec is None or rec.state != "validating":
                 return
-            runs = int(self.client.hincrby(self._key(batch_id), "runs", 1))
+            runs = self.records.count_run(batch_id)
             if runs > MAX_SUBMIT_RUNS:
-                last = self.client.hget(self._key(batch_id), "last_error")
+                last = self.records.field(batch_id, "last_error")
                 self._fail(rec, [{"code": ErrorCode.internal_error, "line": None, "param": None,
                                   "message": f"the server could not submit this batch in {MAX_SUBMIT_RUNS} tries "
                                              f"(last: {_text(last) or 'unknown'}); see lmdq-api's log"}])
@@ -406,7 +379,7 @@ class ApiBatches:
             except Exception as e:  # a fault, not about the file: re-run after a back-off
                 hold_s = min(300, 5 * 2 ** runs)
                 with contextlib.suppress(redis.RedisError):
-                    self.client.hset(self._key(batch_id), "last_error", type(e).__name__)  # no text: may hold hosts
+                    self.records.update(batch_id, {"last_error": type(e).__name__})  # no text: may hold hosts
                 raise
         finally:
             self._drop_lease(batch_id, token, hold_s=hold_s)
@@ -442,10 +415,10 @@ class ApiBatches:
         except (SubmitRejected, UnknownModel) as e:  # about the file: the batch fails, with its lines
             self._fail(rec, errors_from(e, path, shown))
             return
-        self.client.hset(self._key(rec.id), mapping={"state": "submitted", "lmdq_id": batch.id})
+        self.records.update(rec.id, {"state": "submitted", "lmdq_id": batch.id})
         log.info("batch submitted", batch=rec.id, tenant=rec.tenant, lmdq_batch=batch.id,
                  requests=batch.request_counts.total)
-        if self.client.hexists(self._key(rec.id), "cancel_requested_at"):
+        if self.records.has_field(rec.id, "cancel_requested_at"):
             self.backend.cancel(batch.id)
 
     def finalize(self, batch_id: str) -> None:
@@ -465,15 +438,12 @@ class ApiBatches:
                 return
             out_id, err_id = self._write_outputs(rec, b, token)
             now = int(time.time())
-            fields: dict[FieldT, EncodableT] = {"final_status": b.status.value, "finalized_at": now}
+            fields: dict[str, EncodableT] = {"final_status": b.status.value, "finalized_at": now}
             if out_id:
                 fields["output_file_id"] = out_id
             if err_id:
                 fields["error_file_id"] = err_id
-            with self.client.pipeline(transaction=True) as p:
-                p.hset(self._key(batch_id), mapping=fields)
-                p.srem(self._open(), batch_id)
-                p.execute()
+            self.records.finish(batch_id, fields)
             c = b.request_counts
             log.info("batch finalized", batch=batch_id, tenant=rec.tenant, status=b.status.value, total=c.total,
                      completed=c.completed, output_file=out_id, error_file=err_id)
@@ -513,19 +483,13 @@ class ApiBatches:
     def sweep_open(self) -> Iterator[tuple[str, Callable[[], None]]]:
         """The background work open batches need now, as (key, work): a submission no replica holds
         (its replica stopped) and ended batches whose files are not written yet."""
-        ids = [x.decode() for x in self.client.smembers(self._open())]  # type: ignore[union-attr]
+        ids = self.records.open_ids()
         if not ids:
             return
-        with self.client.pipeline(transaction=False) as p:
-            for i in ids:
-                p.hgetall(self._key(i))
-                p.exists(self._lease(i))
-            got = p.execute()
-        recs = {i: (Record.decode(i, raw) if raw else None, bool(leased))
-                for i, raw, leased in zip(ids, got[0::2], got[1::2])}
+        recs = {i: (Record.decode(i, raw) if raw else None, leased)
+                for i, (raw, leased) in zip(ids, self.records.open_records(ids))}
         gone = [i for i, (r, _) in recs.items() if r is None or r.state == "failed" or r.final_status]
-        if gone:
-            self.client.srem(self._open(), *gone)
+        self.records.drop_open(gone)
         submitted = {i: r for i, (r, _) in recs.items() if r is not None and r.state == "submitted" and r.lmdq_id}
         lmdq = self.backend.get_many(r.lmdq_id for r in submitted.values() if r.lmdq_id)
         for i, (r, leased) in recs.items():

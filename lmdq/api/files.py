@@ -22,6 +22,8 @@ import redis
 
 from lmdq.api.errors import bad_request, not_found
 from lmdq.api.paging import Page, page
+from lmdq.redis.api_files import ApiFileRecords
+from lmdq.redis.keys import Keys
 
 __all__ = ["FileRecord", "FileStore", "new_file_id"]
 
@@ -60,13 +62,7 @@ class FileStore:
         self.prefix = prefix
         self.folder = folder
         self.ttl_s = ttl_s
-
-    # ---- keys -------------------------------------------------------------------------------
-    def _key(self, file_id: str) -> str:
-        return f"{self.prefix}:api:file:{file_id}"
-
-    def _index(self, tenant: str) -> str:
-        return f"{self.prefix}:api:tenant:{tenant}:files"
+        self.records = ApiFileRecords(client, Keys(prefix))
 
     def path(self, file_id: str) -> Path:
         if not _valid_id(file_id):  # never a path built from an arbitrary string
@@ -98,14 +94,10 @@ class FileStore:
         expires = now + ttl_s
         rec = FileRecord(id=file_id, tenant=tenant, filename=filename[:255] or "file.jsonl", bytes=size,
                          created_at=now, purpose=purpose, expires_at=expires)
-        with self.client.pipeline(transaction=True) as p:
-            p.hset(self._key(file_id), mapping={"tenant": tenant, "filename": rec.filename, "bytes": size,
-                                                "created_at": now, "purpose": purpose,
-                                                "expires_at": expires})
-            p.expire(self._key(file_id), ttl_s)
-            p.zadd(self._index(tenant), {file_id: time.time()})  # sub-second: a list keeps creation order
-            p.expire(self._index(tenant), max(ttl_s, self.ttl_s))
-            p.execute()
+        self.records.create(file_id, tenant, {"filename": rec.filename, "bytes": size, "created_at": now,
+                                              "purpose": purpose, "expires_at": expires},
+                            ttl_s=ttl_s, index_ttl_s=max(ttl_s, self.ttl_s),
+                            created=time.time())  # sub-second: a list keeps creation order
         return rec
 
     @staticmethod
@@ -129,7 +121,7 @@ class FileStore:
     # ---- reading ------------------------------------------------------------------------------
     def get(self, tenant: str, file_id: str) -> FileRecord:
         """The tenant's file, or 404 (missing, expired, or another tenant's: the same answer)."""
-        raw = self.client.hgetall(self._key(file_id)) if _valid_id(file_id) else {}
+        raw = self.records.read(file_id) if _valid_id(file_id) else {}
         rec = _decode(file_id, raw) if raw else None
         if rec is None or rec.tenant != tenant:
             raise not_found("File object", file_id)
@@ -138,10 +130,7 @@ class FileStore:
     def list_page(self, tenant: str, *, after: str | None, limit: int, order: str,
                   purpose: str | None) -> Page[FileRecord]:
         def load(ids: list[str]) -> tuple[list[FileRecord], list[str]]:
-            with self.client.pipeline(transaction=False) as p:
-                for i in ids:
-                    p.hgetall(self._key(i))
-                raws = p.execute()
+            raws = self.records.read_many(ids)
             shown: list[FileRecord] = []
             gone: list[str] = []
             for i, raw in zip(ids, raws):
@@ -152,15 +141,12 @@ class FileStore:
                     shown.append(rec)
             return shown, gone
 
-        return page(self.client, self._index(tenant), after=after, limit=limit, newest_first=order != "asc",
+        return page(self.client, self.records.index(tenant), after=after, limit=limit, newest_first=order != "asc",
                     load=load, what="file")
 
     def delete(self, tenant: str, file_id: str) -> None:
         self.get(tenant, file_id)  # 404 unless the tenant's own
-        with self.client.pipeline(transaction=True) as p:
-            p.delete(self._key(file_id))
-            p.zrem(self._index(tenant), file_id)
-            p.execute()
+        self.records.remove(tenant, file_id)
         with contextlib.suppress(FileNotFoundError):
             self.path(file_id).unlink()
 
@@ -179,7 +165,7 @@ class FileStore:
                     os.unlink(entry.path)
                     gone += 1
                 elif entry.name.endswith(".jsonl") and _valid_id(entry.name[:-6]):
-                    if not self.client.exists(self._key(entry.name[:-6])):
+                    if not self.records.has_record(entry.name[:-6]):
                         os.unlink(entry.path)
                         gone += 1
             except FileNotFoundError:

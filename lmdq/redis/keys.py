@@ -300,3 +300,29 @@ class Keys:
         """Hash model name -> JSON ``{"added_at", "note"}``: models an operator registered
         (``lmdq-producer models add``), so ``submit`` accepts them before any worker has started."""
         return f"{self.prefix}:models:registered"
+
+    # the HTTP API (lmdq.api): its own records, beside the lmdq batches they stand for
+    def api_file(self, file_id: str) -> str:
+        """Hash: one uploaded or output file's record (owner tenant, name, size, purpose, expiry; key TTL)."""
+        return f"{self.prefix}:api:file:{file_id}"
+
+    def api_files(self, tenant: str) -> str:
+        """Sorted set: the tenant's file ids by creation time (its file list; :mod:`lmdq.redis.id_index`)."""
+        return f"{self.prefix}:api:tenant:{tenant}:files"
+
+    def api_batch(self, batch_id: str) -> str:
+        """Hash: one API batch (owner tenant, input file, state, the lmdq batch behind it; key TTL)."""
+        return f"{self.prefix}:api:batch:{batch_id}"
+
+    def api_batches(self, tenant: str) -> str:
+        """Sorted set: the tenant's API batch ids by creation time (its batch list)."""
+        return f"{self.prefix}:api:tenant:{tenant}:batches"
+
+    def api_open(self) -> str:
+        """Set of API batch ids not yet final (validating, or submitted with output files not written):
+        what every replica's sweep looks at."""
+        return f"{self.prefix}:api:open"
+
+    def api_lease(self, batch_id: str) -> str:
+        """String with a TTL: the token of the one replica submitting or finalizing the API batch now."""
+        return f"{self.prefix}:api:lease:{batch_id}"
