@@ -34,7 +34,6 @@ def capped_job_field(client: redis.Redis, job_id: str, field: str, cap: int) -> 
     return size, raw if isinstance(raw, bytes) or raw is None else str(raw).encode()
 
 
-
 def inflight_count(client: redis.Redis, keys: Keys, model: str) -> int:
     """How many jobs workers of ``model`` hold now (the length of :meth:`Keys.inflight`)."""
     return int(client.llen(keys.inflight(model)))
