@@ -312,31 +312,10 @@ class JobAttempt:
         if samples is not None:
             self._on_sample_event(ev, lv, results, held, finished, pos, sample, samples, now)
             return
-        if ev.text:
-            lv.text.append(ev.text)
-            lv.dirty = True
-        if lv.first_token_at is None and not ev.whole and (ev.generate_token_len > 0 or ev.text):
-            # The first partial comes one interval after the first token, not with it: a one-token
-            # partial tells a reader little, and writing 1024 of them while the engine fills up (one
-            # Lua call each, behind the engine's GIL) delayed the last requests' start (sim, measured).
-            lv.first_token_at = lv.last_partial = now
-        lv.input_len = ev.input_token_len or lv.input_len
-        lv.gen_len = ev.generate_token_len
-        if ev.finish_reason is None:
-            if lv.dirty and now - lv.last_partial >= self.s.partial_interval_s:
-                lv.last_partial, lv.dirty = now, False
-                self.writer.partial(results.partial(lv))
+        reason = self._advance(ev, lv, results, held, now, text=True, generated=ev.generate_token_len)
+        if reason is None:
             return
-        reason = ev.finish_reason
-        if reason is FinishReason.abort and held.abort_reason in _STOPPED:
-            return  # not an answer: the job is re-queued and this request runs again
-        if reason is FinishReason.error and not engine_alive(self.engine):
-            # An engine that died may fail its in-flight requests one by one before it says so (as
-            # LMDeploy's RPC errors did): those errors are the engine's, not the requests'.
-            raise _EngineGone(ev.error_message or ev.error_code or "request failed as the engine died")
         finished.add(pos)
-        if self.request_done is not None:
-            self.request_done(held)
         status, error = final_status(ev, reason)
         logprobs = token_logprobs(ev)
         tensors = None
@@ -352,6 +331,39 @@ class JobAttempt:
             result.prefill_token_len = ev.prefill_token_len
         held.writes.append(self.writer.final_async(result))
         self._account(lv, results, status, lv.gen_len, ev.prefill_token_len, now)
+
+    def _advance(self, ev: EngineEvent, lv: LiveRequest, results: ResultBuilder, held: Held, now: float, *,
+                 text: bool, generated: int) -> FinishReason | None:
+        """What every engine event does first, a plain request's and one of n samples' alike: its text (when
+        ``text``) and token counts onto the live request, a partial when one is due; at an end, the two ends
+        that are not the request's answer. Returns the finish reason of an end to write (its engine slot is
+        free by then), None for an event that is not one: one more token, or an end that is the stop's or
+        the engine's. One step, so that both paths stop, re-queue and see a dead engine the same way."""
+        if text and ev.text:
+            lv.text.append(ev.text)
+            lv.dirty = True
+        if lv.first_token_at is None and not ev.whole and (ev.generate_token_len > 0 or ev.text):
+            # The first partial comes one interval after the first token, not with it: a one-token
+            # partial tells a reader little, and writing 1024 of them while the engine fills up (one
+            # Lua call each, behind the engine's GIL) delayed the last requests' start (sim, measured).
+            lv.first_token_at = lv.last_partial = now
+        lv.input_len = ev.input_token_len or lv.input_len
+        lv.gen_len = generated
+        if ev.finish_reason is None:
+            if lv.dirty and now - lv.last_partial >= self.s.partial_interval_s:
+                lv.last_partial, lv.dirty = now, False
+                self.writer.partial(results.partial(lv))
+            return None
+        reason: FinishReason = ev.finish_reason
+        if reason is FinishReason.abort and held.abort_reason in _STOPPED:
+            return None  # not an answer: the job is re-queued and this request runs again
+        if reason is FinishReason.error and not engine_alive(self.engine):
+            # An engine that died may fail its in-flight requests one by one before it says so (as
+            # LMDeploy's RPC errors did): those errors are the engine's, not the requests'.
+            raise _EngineGone(ev.error_message or ev.error_code or "request failed as the engine died")
+        if self.request_done is not None:
+            self.request_done(held)
+        return reason
 
     def _account(self, lv: LiveRequest, results: ResultBuilder, status: ResultStatus, generated: int,
                  prefilled: int | None, now: float) -> None:
@@ -369,25 +381,11 @@ class JobAttempt:
                          finished: set[int], pos: int, sample: int, samples: SampleSet, now: float) -> None:
         """An event of one of the n samples: the request's result is written once, when all n have ended."""
         samples.delta(sample, ev)
-        if sample == 0 and ev.text:
-            lv.text.append(ev.text)  # partials show sample 0's text (what the final ``text`` repeats)
-            lv.dirty = True
-        if lv.first_token_at is None and not ev.whole and (ev.generate_token_len > 0 or ev.text):
-            lv.first_token_at = lv.last_partial = now
-        lv.input_len = ev.input_token_len or lv.input_len
-        lv.gen_len = samples.generated
-        if ev.finish_reason is None:
-            if lv.dirty and now - lv.last_partial >= self.s.partial_interval_s:
-                lv.last_partial, lv.dirty = now, False
-                self.writer.partial(results.partial(lv))
+        # partials show sample 0's text (what the final ``text`` repeats); admission counts samples, so the
+        # slot _advance frees is this sample's; a stopped job runs the whole request (all n samples) again
+        reason = self._advance(ev, lv, results, held, now, text=sample == 0, generated=samples.generated)
+        if reason is None:
             return
-        reason = ev.finish_reason
-        if reason is FinishReason.abort and held.abort_reason in _STOPPED:
-            return  # not an answer: the job is re-queued and the whole request (all n samples) runs again
-        if reason is FinishReason.error and not engine_alive(self.engine):
-            raise _EngineGone(ev.error_message or ev.error_code or "request failed as the engine died")
-        if self.request_done is not None:
-            self.request_done(held)  # this sample's engine slot is free (admission counts samples)
         status, error = final_status(ev, reason)
         if status is ResultStatus.completed:
             self.watch.ok()
