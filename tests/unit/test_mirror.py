@@ -1,0 +1,118 @@
+"""The unit-test mirror (issue 30): every module under lmdq/ has tests/unit/<same path>/test_<module>.py,
+or is named in NO_UNIT_TEST_YET. The set is exact both ways: a new module without a unit test fails
+here, and so does a module that gained one but is still listed (take it off the set)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SKIPPED_NAMES = {"__init__.py", "__main__.py"}
+SKIPPED_DIRS = {"_child_logging"}  # the children's start-up hook (sitecustomize), not an importable module
+
+NO_UNIT_TEST_YET = {
+    "lmdq/api/app.py",
+    "lmdq/api/auth.py",
+    "lmdq/api/backend.py",
+    "lmdq/api/batches.py",
+    "lmdq/api/errors.py",
+    "lmdq/api/files.py",
+    "lmdq/api/paging.py",
+    "lmdq/api/settings.py",
+    "lmdq/api/uploads.py",
+    "lmdq/batches/headroom.py",
+    "lmdq/batches/ledger.py",
+    "lmdq/batches/records.py",
+    "lmdq/cli/api.py",
+    "lmdq/cli/bench.py",
+    "lmdq/cli/exporter.py",
+    "lmdq/cli/options.py",
+    "lmdq/cli/producer.py",
+    "lmdq/cli/run.py",
+    "lmdq/cli/worker.py",
+    "lmdq/client/client.py",
+    "lmdq/client/options.py",
+    "lmdq/client/sources.py",
+    "lmdq/contract.py",
+    "lmdq/errors.py",
+    "lmdq/flags.py",
+    "lmdq/guided.py",
+    "lmdq/jobs/data.py",
+    "lmdq/jobs/decode.py",
+    "lmdq/jobs/queue.py",
+    "lmdq/logs/config.py",
+    "lmdq/logs/redaction.py",
+    "lmdq/logs/relay.py",
+    "lmdq/logs/tqdm_events.py",
+    "lmdq/metrics/exporter.py",
+    "lmdq/redis/connection.py",
+    "lmdq/redis/queue_stats.py",
+    "lmdq/redis/registry.py",
+    "lmdq/redis/scripts.py",
+    "lmdq/results/blobs.py",
+    "lmdq/results/export.py",
+    "lmdq/results/openai.py",
+    "lmdq/results/output_urls.py",
+    "lmdq/results/reader.py",
+    "lmdq/results/shards.py",
+    "lmdq/results/sink.py",
+    "lmdq/results/store.py",
+    "lmdq/results/worker_sink.py",
+    "lmdq/results/writer.py",
+    "lmdq/settings.py",
+    "lmdq/testing.py",
+}
+"""Modules with no unit test of their own yet (most have scenario tests under tests/test_*.py)."""
+
+
+def modules(root: Path) -> set[str]:
+    """Every module under ``root``/lmdq, as a path relative to ``root``."""
+    return {p.relative_to(root).as_posix() for p in (root / "lmdq").rglob("*.py")
+            if p.name not in SKIPPED_NAMES and not SKIPPED_DIRS & set(p.relative_to(root).parts)}
+
+
+def unit_test_of(module: str) -> str:
+    """``lmdq/a/b.py`` -> ``tests/unit/a/test_b.py`` (top-level ``lmdq/c.py`` -> ``tests/unit/test_c.py``)."""
+    parts = Path(module).parts[1:]
+    return Path("tests", "unit", *parts[:-1], f"test_{parts[-1]}").as_posix()
+
+
+def without_unit_test(root: Path) -> set[str]:
+    return {m for m in modules(root) if not (root / unit_test_of(m)).is_file()}
+
+
+def test_every_module_has_a_unit_test_or_is_exempt() -> None:
+    missing = without_unit_test(ROOT)
+    new = sorted(missing - NO_UNIT_TEST_YET)
+    assert not new, f"modules without a unit test: add {[unit_test_of(m) for m in new]}"
+    stale = sorted(NO_UNIT_TEST_YET - missing)
+    assert not stale, f"take these off NO_UNIT_TEST_YET (they have a unit test now, or are gone): {stale}"
+
+
+def test_the_scan_sees_the_real_tree() -> None:
+    found = modules(ROOT)
+    assert {"lmdq/contract.py", "lmdq/redis/keys.py", "lmdq/results/shards.py"} <= found
+    assert len(found) > 40
+    assert not any("__init__" in m or "_child_logging" in m for m in found)
+
+
+def test_every_unit_test_folder_is_a_package() -> None:
+    """tests/ is rootdir-imported (no __init__.py): an __init__.py in each tests/unit folder makes a module
+    ``unit.redis.test_keys``, so its basename cannot clash with tests/test_keys.py or another folder's."""
+    for d in [ROOT / "tests" / "unit", *(p for p in (ROOT / "tests" / "unit").rglob("*") if p.is_dir())]:
+        if d.name == "__pycache__":
+            continue
+        assert (d / "__init__.py").is_file(), f"{d.relative_to(ROOT)} has no __init__.py"
+
+
+def test_a_planted_violation_is_found(tmp_path: Path) -> None:
+    for rel in ["lmdq/__init__.py", "lmdq/top.py", "lmdq/pkg/__init__.py", "lmdq/pkg/__main__.py",
+                "lmdq/pkg/tested.py", "lmdq/pkg/untested.py", "lmdq/logs/_child_logging/sitecustomize.py",
+                "tests/unit/test_top.py", "tests/unit/pkg/test_tested.py", "tests/unit/test_untested.py"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    assert modules(tmp_path) == {"lmdq/top.py", "lmdq/pkg/tested.py", "lmdq/pkg/untested.py"}
+    # a test in the wrong folder (tests/unit/test_untested.py) does not count
+    assert without_unit_test(tmp_path) == {"lmdq/pkg/untested.py"}
+    assert unit_test_of("lmdq/redis/keys.py") == "tests/unit/redis/test_keys.py"
