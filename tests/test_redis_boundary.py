@@ -32,8 +32,6 @@ SCRIPTS_MODULE = "lmdq/redis/scripts.py"
 NOT_YET_MOVED = {
     "lmdq/batches/ledger.py",
     "lmdq/jobs/queue.py",
-    "lmdq/results/sink.py",
-    "lmdq/results/store.py",
 }
 
 # ---- the detectors -------------------------------------------------------------------------------

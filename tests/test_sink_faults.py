@@ -286,8 +286,9 @@ def test_sweeper_retries_only_real_jobs_of_allowed_sinks(tmp_path: Path, client:
     worker that may); a claimed entry is not handed to a second sweeper while its lease runs."""
     import structlog
 
+    from lmdq.redis.sink_pending import pending_keys
     from lmdq.results.output_urls import OutputPolicy
-    from lmdq.results.sink import PendingShard, add_pending, claim_pending, pending_keys
+    from lmdq.results.sink import PendingShard, add_pending, claim_pending
     from lmdq.results.worker_sink import EVERY_ENTRY_S, ResultsSink
 
     keys = Keys(prefix)

@@ -12,11 +12,11 @@ its worker:
    right size, a folder write fsynced, renamed and its folder fsynced
    (:meth:`lmdq.results.blobs.BlobStore.put_bytes`), each bounded by ``LMDQ_SINK_TIMEOUT_S``;
 3. only then, and never once its worker is past the drain deadline, in ONE Lua call
-   (:data:`_SEAL`): adds the job's :class:`ShardEntry` (shard name, the job's request indices as
-   ranges, counts per status) to the batch's index hash (``Keys.shards``), sets the requests' bits
-   in the batch's ``sealed`` bitmap, and DELETES their records from the results hash. A completed
-   request then costs Redis one bit plus its share of one entry per job (~100 bytes / 32
-   requests), instead of a ~1 KB record.
+   (``SEAL_SHARD``, :func:`lmdq.redis.shard_index.seal`): adds the job's :class:`ShardEntry` (shard
+   name, the job's request indices as ranges, counts per status) to the batch's index hash
+   (``Keys.shards``), sets the requests' bits in the batch's ``sealed`` bitmap, and DELETES their
+   records from the results hash. A completed request then costs Redis one bit plus its share of
+   one entry per job (~100 bytes / 32 requests), instead of a ~1 KB record.
 
 Why the shard is built from Redis and not from what the worker holds in memory: a re-run job (the
 worker died, or a request had already been answered by a previous attempt) only regenerates the
@@ -56,13 +56,13 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmdq.contract import BATCH_ID_PATTERN, JobPayload, ResultStatus
-from lmdq.redis import scripts
+from lmdq.redis import shard_index, sink_pending
 from lmdq.redis.keys import Keys
 from lmdq.results.shards import MAX_ENTRY_BYTES, ShardEntry, decode_entry, shard_key
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["PendingShard", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard",
-           "pending_count", "pending_keys"]
+           "pending_count"]
 
 
 
@@ -101,11 +101,10 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
     from lmdq.results.blobs import BlobStore, SinkAbandoned
 
     bid, job = batch_id, str(job_no)
-    ikey = keys.shards(bid)
-    done = client.hget(ikey, job)
+    done = shard_index.index_entry(client, keys, bid, job)
     if done is not None:
         return decode_entry(done)
-    got = client.hmget(keys.results(bid), indices)
+    got = shard_index.job_finals(client, keys, bid, indices)
     if any(v is None for v in got):
         return None
     vals: list[bytes] = [v for v in got if isinstance(v, bytes)]
@@ -115,12 +114,11 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
         key, b"".join(v + b"\n" for v in vals))
     if cancel is not None and cancel.is_set():
         raise SinkAbandoned(f"seal of {key}: not done (the worker is past its drain deadline)")
-    sealed = scripts.SEAL_SHARD(keys=[keys.results(bid), ikey, keys.sealed(bid), keys.batch(bid)],
-                                args=[job, entry.encode(), ttl_s, *indices], client=client)
-    if int(sealed) < 0:
+    sealed = shard_index.seal(client, keys, bid, job, entry.encode(), ttl_s, indices)
+    if sealed < 0:
         return None
-    if int(sealed) == 0:  # another flush sealed it first: its entry is the one that counts
-        again = client.hget(ikey, job)
+    if sealed == 0:  # another flush sealed it first: its entry is the one that counts
+        again = shard_index.index_entry(client, keys, bid, job)
         return decode_entry(again) if again is not None else None
     return entry
 
@@ -130,7 +128,7 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
 # A job whose shard could not be written keeps its full records in Redis (readable there) and gets
 # one entry in a fleet-wide retry schedule: a zset (member ``<batch id>:<job no>``, score the next
 # try, Redis server time) and a hash (member -> the job's request ranges and tries so far). Every
-# worker's sweeper claims due entries (:data:`_CLAIM` pushes them one lease ahead, so two sweepers do
+# worker's sweeper claims due entries (``PENDING_CLAIM`` pushes them one lease ahead, so two sweepers do
 # not try the same one at once; a sweeper that dies lets its claim lapse) and retries them with the
 # capped, jittered backoff of lmdq.redis.connection.RetryPolicy. A successful write seals the job (freeing
 # Redis) and removes its entry; an entry whose batch is gone is dropped.
@@ -163,26 +161,19 @@ class PendingShard(BaseModel):
         return json.dumps({"r": self.ranges, "n": self.tries}, separators=(",", ":"))
 
 
-def pending_keys(keys: Keys) -> tuple[str, str]:
-    """The retry schedule's zset and data hash (fleet-wide, one pair per key prefix)."""
-    return f"{keys.prefix}:sink:pending", f"{keys.prefix}:sink:pending-data"
-
-
 def add_pending(client: redis.Redis, keys: Keys, p: PendingShard, delay_s: float) -> None:
     """Schedule ``p``'s shard write to be tried again in ``delay_s`` (replacing any earlier schedule),
     unless the job is sealed by now (two sweeps of one entry: the one that failed must not bring
     back what the other finished)."""
-    z, h = pending_keys(keys)
-    scripts.PENDING_ADD(keys=[z, h, keys.shards(p.batch_id)], args=[p.member, p.data(), f"{delay_s:.3f}", p.job_no],
-                        client=client)
+    sink_pending.add(client, keys, member=p.member, data=p.data(), delay_s=delay_s, batch_id=p.batch_id,
+                     job_no=p.job_no)
 
 
 def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float, ahead_s: float = 0.0
                   ) -> list[PendingShard]:
     """Up to ``limit`` entries due now (or within ``ahead_s``), each pushed ``lease_s`` ahead (ours to
     try meanwhile). Entries that are not lmdq's are removed (they could never be retried)."""
-    z, h = pending_keys(keys)
-    raw = scripts.PENDING_CLAIM(keys=[z, h], args=[limit, f"{lease_s:.3f}", f"{ahead_s:.3f}"], client=client)
+    raw = sink_pending.claim_due(client, keys, limit=limit, lease_s=lease_s, ahead_s=ahead_s)
     out: list[PendingShard] = []
     for m, d in zip(raw[0::2], raw[1::2]):
         member = m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m)
@@ -200,10 +191,9 @@ def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float
 
 def drop_pending(client: redis.Redis, keys: Keys, member: str) -> None:
     """Take ``member`` off the retry schedule (its shard landed, or it can never be written)."""
-    z, h = pending_keys(keys)
-    scripts.PENDING_DROP(keys=[z, h], args=[member], client=client)
+    sink_pending.drop(client, keys, member)
 
 
 def pending_count(client: redis.Redis, keys: Keys) -> int:
     """Shard writes waiting to be retried, fleet-wide."""
-    return int(client.zcard(pending_keys(keys)[0]))
+    return sink_pending.count(client, keys)

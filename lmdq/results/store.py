@@ -24,8 +24,8 @@ import redis
 from lmdq.batches.records import BatchRecords
 from lmdq.contract import Result, ResultStatus
 from lmdq.errors import BatchNotFound
-from lmdq.redis import scripts
 from lmdq.redis.keys import BatchField, Keys
+from lmdq.redis.result_records import ResultRecords, ResultWrite
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["ResultStore"]
@@ -52,37 +52,25 @@ class ResultStore:
         self.keys = keys or Keys()
         self.ttl_s = ttl_s
         self.batches = BatchRecords(client, keys=self.keys, ttl_s=ttl_s)
-        self._write_result = scripts.WRITE_RESULT.bind(client)
-        self._write_partial = scripts.WRITE_PARTIAL.bind(client)
+        #: the Redis half (:mod:`lmdq.redis.result_records`): this class keeps the rules, that one the calls
+        self.records = ResultRecords(client, keys=self.keys)
 
     # ---- results -------------------------------------------------------------------------
+    def _final(self, result: Result) -> ResultWrite:
+        """What the results script takes for ``result`` (its status picks the counter it bumps)."""
+        return (result.batch_id, result.index, result.model_dump_json(), _STATUS_COUNTER[result.status].value,
+                time.time(), self.ttl_s, max(0, result.generate_token_len), result.model or "")
+
     def write_result(self, result: Result, pipe: Any | None = None) -> bool:
         """Store a final result once. Returns False when this request already had one."""
-        counter = _STATUS_COUNTER[result.status]
-        out = self._write_result(
-            keys=[
-                self.keys.results(result.batch_id),
-                self.keys.batch(result.batch_id),
-                self.keys.partials(result.batch_id),
-                self.keys.sealed(result.batch_id),
-            ],
-            args=[result.index, result.model_dump_json(), counter.value, time.time(), self.ttl_s,
-                  max(0, result.generate_token_len), result.model or ""],
-            client=pipe,
-        )
-        return bool(out) if pipe is None else True
+        return self.records.write_final(self._final(result), pipe=pipe)
 
     def write_results_each(self, results: list[Result]) -> list[bool]:
         """Write final results in one pipelined round trip; per result, whether it was new.
 
         The same script and rules as :meth:`write_result`, one call per result: what a pipeline saves is
         the round trip per result (about half of Redis' CPU per request when workers write one at a time)."""
-        if not results:
-            return []
-        with self.client.pipeline(transaction=False) as p:
-            for r in results:
-                self.write_result(r, pipe=p)
-            return [bool(x) for x in p.execute()]
+        return self.records.write_finals([self._final(r) for r in results])
 
     def write_results(self, results: Iterable[Result], chunk: int = 1000) -> int:
         """Write many final results pipelined, ``chunk`` per round trip; returns how many were new."""
@@ -97,13 +85,7 @@ class ResultStore:
 
     def write_partial(self, result: Result) -> bool:
         """Store in-progress text for a request that has no final result yet."""
-        return bool(
-            self._write_partial(
-                keys=[self.keys.results(result.batch_id), self.keys.partials(result.batch_id),
-                      self.keys.sealed(result.batch_id), self.keys.batch(result.batch_id)],
-                args=[result.index, result.model_dump_json(), self.ttl_s],
-            )
-        )
+        return self.records.write_partial(result.batch_id, result.index, result.model_dump_json(), self.ttl_s)
 
     def iter_results(
         self, batch_id: str, total: int | None = None, *, partial: bool = True
@@ -127,33 +109,24 @@ class ResultStore:
                      ) -> tuple[list[bytes | None], list[bytes | None]]:
         """The final (and, with ``partial``, in-progress) records in Redis of ``indices``, one round trip.
         Only :class:`lmdq.results.reader.ResultReader` calls this: a record may be in a shard instead."""
-        with self.client.pipeline(transaction=False) as p:
-            p.hmget(self.keys.results(batch_id), indices)
-            if partial:
-                p.hmget(self.keys.partials(batch_id), indices)
-            got = p.execute()
-        finals: list[bytes | None] = [v if isinstance(v, bytes) else None for v in got[0]]
-        partials: list[bytes | None] = [None] * len(indices)
-        if partial:
-            partials = [v if isinstance(v, bytes) else None for v in got[1]]
-        return finals, partials
+        return self.records.read(batch_id, indices, partial=partial)
 
     def index_len(self, batch_id: str) -> int:
         """Jobs in the batch's shard index (it only grows: a reader re-reads it when this changed)."""
-        return int(self.client.hlen(self.keys.shards(batch_id)))
+        return self.records.index_len(batch_id)
 
     def index_items(self, batch_id: str) -> Iterator[tuple[Any, Any]]:
         """The batch's shard index as raw (job number, entry) pairs from Redis (untrusted:
         :func:`lmdq.results.shards.read_index` validates them)."""
-        yield from self.client.hscan_iter(self.keys.shards(batch_id), count=1000)
+        return self.records.index_items(batch_id)
 
     def output_tokens(self, batch_id: str) -> int:
         """Generated tokens of the batch's final results so far (the results script counts them)."""
-        raw = self.client.hget(self.keys.batch(batch_id), F.output_tokens.value)
+        raw = self.records.output_tokens_field(batch_id)
         try:
             return max(0, int(raw)) if raw is not None else 0
         except ValueError:  # read from Redis: untrusted
             return 0
 
     def partial_count(self, batch_id: str) -> int:
-        return int(self.client.hlen(self.keys.partials(batch_id)))
+        return self.records.partial_count(batch_id)
