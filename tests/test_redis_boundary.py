@@ -30,7 +30,6 @@ SCRIPTS_MODULE = "lmdq/redis/scripts.py"
 #: Modules outside lmdq/redis/ that still call Redis commands themselves (the part of issue 30 not done
 #: yet: each should move its calls into a data-access module under lmdq/redis/). Exact: see the module doc.
 NOT_YET_MOVED = {
-    "lmdq/batches/ledger.py",
     "lmdq/jobs/queue.py",
 }
 

@@ -23,6 +23,12 @@ key                            written by        removed by
 Results, partials and counters (``P:batch:<id>:results`` / ``:partials``) belong to
 :class:`lmdq.results.store.ResultStore`; leases and attempts to :class:`lmdq.jobs.queue.JobQueue`.
 
+This module decides WHEN each step may run and what it means; the Redis commands themselves are in
+:mod:`lmdq.redis` (tests/test_redis_boundary.py): the record, the listing and the cancelled set in
+:class:`lmdq.redis.batch_records.BatchHashes` (through :attr:`BatchLedger.records`), the staged writes, job
+list, commit and queue scans in :class:`lmdq.redis.batch_jobs.BatchJobs`, idempotency keys in
+:class:`lmdq.redis.idempotency.IdempotencyKeys`.
+
 Why a commit is one Lua script that also flips the status: jobs become visible and the batch
 becomes ``queued`` in the same step, and the script is fenced on ``queued_at`` so a retried call
 (redis-py re-sends after a dropped connection) cannot push the jobs twice. After a failed commit
@@ -42,8 +48,7 @@ from typing import Any
 
 import redis
 from rq.exceptions import NoSuchJobError
-from rq.job import Job, JobStatus
-from rq.registry import FailedJobRegistry, FinishedJobRegistry
+from rq.job import Job
 
 from lmdq.batches.records import RUNNING_TTL_S, staging_ttl
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
@@ -52,8 +57,9 @@ from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
 from lmdq.jobs.decode import JobRefused, decode_job
 from lmdq.jobs.queue import JobQueue, job_id_for, job_id_prefix
 from lmdq.logs.config import get_logger
-from lmdq.redis import scripts
+from lmdq.redis.batch_jobs import BatchJobs
 from lmdq.redis.connection import Refusal, refusal, server_address
+from lmdq.redis.idempotency import IdempotencyKeys
 from lmdq.redis.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
 from lmdq.redis.registry import ModelRegistry
 from lmdq.redis.replies import reply_text
@@ -65,11 +71,9 @@ F = BatchField
 
 Progress = Callable[[int], None]
 
-_RQ_QUEUES = "rq:queues"
-"""RQ's set of known queue keys (what ``rq info`` lists); RQ owns the name."""
-
 _FETCH_CHUNK = 500
-"""Jobs fetched per round trip when reading a batch's requests back for ``retry``."""
+"""Jobs fetched per round trip when reading a batch's requests back for ``retry``, or checked at once for a
+live lease by ``cancel``."""
 
 
 
@@ -226,12 +230,11 @@ class BatchLedger:
         # the same cap the workers read jobs with (LMDQ_MAX_JOB_BYTES): staging refuses a job over it, and
         # retry reads its source jobs within it
         self.jobs = JobQueue(client, keys=keys, job_ttl_s=staging_ttl(ttl_s), max_job_bytes=max_job_bytes)
-        self._commit = scripts.COMMIT.bind(client)
-        self._find_prefix = scripts.FIND_PREFIX.bind(client)
-        self._remove_prefix = scripts.REMOVE_PREFIX.bind(client)
-        self._release_key = scripts.RELEASE_KEY.bind(client)
-        self._commit_upto = scripts.COMMIT_UPTO.bind(client)
-        self._abandon = scripts.ABANDON.bind(client)
+        # the Redis commands (lmdq.redis): the batch record, its jobs, idempotency keys; the rules are here
+        self.records = self.store.batches
+        self.batch_jobs = BatchJobs(client, keys=keys)
+        self.idempotency = IdempotencyKeys(client, keys=keys)
+        self._commit = self.batch_jobs.commit
         self._log = get_logger("lmdq.batches.ledger")
 
     @contextmanager
@@ -282,13 +285,10 @@ class BatchLedger:
         bound batch recorded with a different one is refused (:class:`IdempotencyConflict`): the same
         key with another file or other options would otherwise be dropped without a word. A batch with
         no recorded fingerprint (made by an older lmdq) matches any."""
-        existing = self.client.get(self.keys.idempotency(idempotency_key))
-        if not existing:
+        batch_id = self.idempotency.bound(idempotency_key)
+        if not batch_id:
             return None
-        batch_id = reply_text(existing)
-        with self.client.pipeline(transaction=False) as p:
-            p.hget(self.keys.batch(batch_id), F.fingerprint.value)
-            (theirs,) = p.execute()
+        (theirs,) = self.records.hashes.fields(batch_id, [F.fingerprint.value])
         batch = self.get(batch_id)
         if fingerprint is not None and theirs is not None and reply_text(theirs) != fingerprint:
             raise IdempotencyConflict(
@@ -301,25 +301,21 @@ class BatchLedger:
     def bind_key(self, idempotency_key: str, batch_id: str) -> str | None:
         """Bind ``idempotency_key`` to ``batch_id`` unless it is bound already; returns the bound
         batch id then. SET NX, so two concurrent submits with one key cannot both enqueue."""
-        key = self.keys.idempotency(idempotency_key)
         with self._refusals():
-            if self.client.set(key, batch_id, nx=True, ex=staging_ttl(self.ttl_s)):
+            if self.idempotency.bind(idempotency_key, batch_id, ttl_s=staging_ttl(self.ttl_s)):
                 return None
-        existing = self.client.get(key)
+        existing = self.idempotency.bound(idempotency_key)
         if existing is None:  # it expired between the two calls: bind again
             return self.bind_key(idempotency_key, batch_id)
-        return reply_text(existing)
+        return existing
 
     def release_key(self, idempotency_key: str, batch_id: str) -> None:
         """Free ``idempotency_key`` if it is still bound to ``batch_id`` (never another batch's).
 
         Called on failure paths, so a Redis error is logged, not raised over the original failure:
         the key would then expire with its TTL."""
-        key = self.keys.idempotency(idempotency_key)
         try:
-            bound = self.client.get(key)
-            if bound is not None and reply_text(bound) == batch_id:  # read first: nothing to write on a replica
-                self._release_key(keys=[key], args=[batch_id])
+            self.idempotency.release(idempotency_key, batch_id)  # reads first: nothing to write on a replica
         except redis.RedisError as e:
             self._log.error("idempotency key not released", batch=batch_id, error=str(e))
 
@@ -341,7 +337,7 @@ class BatchLedger:
         """
         total = batch.request_counts.total
         jobs = reqs = 0
-        with self._refusals(), self.client.pipeline(transaction=False) as pipe:
+        with self._refusals(), self.batch_jobs.writes() as writes:
             for payload in job_payloads(
                 requests,
                 batch_id=batch.id,
@@ -357,13 +353,14 @@ class BatchLedger:
                     raise SubmitRejected(
                         f"batch {batch.id}: more requests than the {total} its record counts; nothing was enqueued"
                     )
-                self.jobs.stage(payload, queue=self._queue_of(batch, payload), job_no=payload["job_no"], pipe=pipe)
+                self.jobs.stage(payload, queue=self._queue_of(batch, payload), job_no=payload["job_no"],
+                                pipe=writes.pipe)
                 jobs += 1
                 if jobs % chunk_jobs == 0:
-                    pipe.execute()
+                    writes.flush()
                     if progress:
                         progress(jobs)
-            pipe.execute()
+            writes.flush()
         if progress:
             progress(jobs)
         return Staged(jobs=jobs, requests=reqs)
@@ -382,16 +379,12 @@ class BatchLedger:
             )
         qkey, wakes = self._commit_keys(batch)
         with self._refusals():
-            n = self._commit(
-                keys=[self.keys.batch_jobs(batch.id), qkey or _RQ_QUEUES, _RQ_QUEUES, self.keys.batch(batch.id),
-                      *wakes],
-                args=[qkey, 4000, time.time(), RUNNING_TTL_S],
-            )
+            n = self._commit(batch_id=batch.id, queue_key=qkey, wakes=wakes, now=time.time(), ttl_s=RUNNING_TTL_S)
         return max(0, int(n))
 
     def committed(self, batch_id: str) -> bool:
         """Whether the batch's jobs were made visible (its commit ran)."""
-        return bool(self.client.hexists(self.keys.batch(batch_id), F.queued_at.value))
+        return self.records.hashes.has_field(batch_id, F.queued_at.value)
 
     def rollback(self, batch: Batch) -> None:
         """Delete everything :meth:`create`, :meth:`bind_key` and :meth:`stage` wrote for an
@@ -404,25 +397,16 @@ class BatchLedger:
         if self.committed(batch.id):
             self._log.warning("not rolling back a committed batch", batch=batch.id)
             return
-        listed = {reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)}
+        listed = set(self.batch_jobs.job_ids(batch.id))
         derived = {job_id_for(batch.id, n) for n in range(batch.num_jobs)}
         prefix = job_id_prefix(batch.id)
         candidates = [Job.key_for(j) for j in sorted(derived | {j for j in listed if j.startswith(prefix)})]
         candidates += [self.keys.batch_jobs(batch.id), self.keys.batch(batch.id)]
         # Read first, delete only what exists: when the refusal was a read-only replica nothing was
         # written, and a rollback that writes nothing cannot be refused in turn.
-        with self.client.pipeline(transaction=False) as p:
-            for key in candidates:
-                p.exists(key)
-            p.zscore(self.keys.batches(), batch.id)
-            *exists, listed_at = p.execute()
-        present = [key for key, n in zip(candidates, exists) if n]
-        if present or listed_at is not None:
-            with self.client.pipeline(transaction=False) as p:
-                for start in range(0, len(present), 1000):
-                    p.delete(*present[start : start + 1000])
-                p.zrem(self.keys.batches(), batch.id)
-                p.execute()
+        present, is_listed = self.batch_jobs.staged(batch.id, candidates)
+        if present or is_listed:
+            self.batch_jobs.unstage(batch.id, present)
         if batch.idempotency_key:
             self.release_key(batch.idempotency_key, batch.id)
 
@@ -473,7 +457,7 @@ class BatchLedger:
         jobs = reqs = visible = visible_reqs = 0
         try:
             self.create(batch, fingerprint=fingerprint)
-            with self._refusals(), self.client.pipeline(transaction=False) as pipe:
+            with self._refusals(), self.batch_jobs.writes() as writes:
                 next_commit = max(1, first_jobs)
                 for payload in job_payloads(requests, batch_id=batch.id, model=batch.model, params=batch.params,
                                             batch_size=batch.batch_size, results_url=batch.results_url,
@@ -482,10 +466,10 @@ class BatchLedger:
                     if reqs > total or jobs >= batch.num_jobs:
                         raise SubmitRejected(f"batch {batch.id}: more requests than the {total} its record counts")
                     self.jobs.stage(payload, queue=self._queue_of(batch, payload), job_no=payload["job_no"],
-                                    pipe=pipe)
+                                    pipe=writes.pipe)
                     jobs += 1
                     if jobs == next_commit and jobs < batch.num_jobs:
-                        pipe.execute()
+                        writes.flush()
                         first = visible == 0
                         self._make_visible(batch, jobs, reqs, last=False)
                         visible, visible_reqs = jobs, reqs
@@ -494,7 +478,7 @@ class BatchLedger:
                             progress(jobs)
                         if first and after_first_commit is not None:
                             after_first_commit()
-                pipe.execute()
+                writes.flush()
             if reqs != total or jobs != batch.num_jobs:
                 raise SubmitRejected(f"batch {batch.id}: staged {reqs} requests in {jobs} jobs, its record counts "
                                      f"{total} in {batch.num_jobs}")
@@ -514,12 +498,9 @@ class BatchLedger:
     def _make_visible(self, batch: Batch, jobs: int, reqs: int, *, last: bool) -> None:
         qkey, wakes = self._commit_keys(batch)
         with self._refusals("the batch was cancelled"):
-            n = self._commit_upto(
-                keys=[self.keys.batch_jobs(batch.id), qkey or _RQ_QUEUES, _RQ_QUEUES, self.keys.batch(batch.id),
-                      *wakes],
-                args=[qkey, jobs, reqs, time.time(), RUNNING_TTL_S, "1" if last else "0"],
-            )
-        if int(n) == -2:
+            n = self.batch_jobs.commit_upto(batch_id=batch.id, queue_key=qkey, wakes=wakes, jobs=jobs, requests=reqs,
+                                            now=time.time(), ttl_s=RUNNING_TTL_S, last=last)
+        if n == -2:
             raise SubmitRejected(f"batch {batch.id} was cancelled while it was being staged")
 
     def _abandoned(self, batch: Batch, err: BaseException, visible: int, visible_reqs: int) -> BaseException:
@@ -547,22 +528,16 @@ class BatchLedger:
         """End a batch whose progressive staging stopped part-way: delete its never-visible jobs, count their
         requests as cancelled and cancel the rest (:meth:`cancel`). Also what ``cancel`` does for such a batch
         (a submit killed mid-staging). Idempotent."""
-        raw = self.client.hmget(self.keys.batch(batch_id), [F.visible_jobs.value, F.staged_at.value])
+        raw = self.records.hashes.fields(batch_id, [F.visible_jobs.value, F.staged_at.value])
         if raw[0] is None or raw[1] is not None:
             return self.cancel(batch_id)
         visible = int(raw[0])
         batch = self.get(batch_id)
-        listed = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch_id), visible, -1)]
+        listed = self.batch_jobs.job_ids(batch_id, start=visible)
         gone = {job_id_for(batch_id, n) for n in range(visible, batch.num_jobs)} | set(listed)
         with self._refusals("the batch is left part-staged"):
-            with self.client.pipeline(transaction=False) as p:
-                keys = [Job.key_for(j) for j in sorted(gone)]
-                for start in range(0, len(keys), 1000):
-                    p.delete(*keys[start : start + 1000])
-                p.ltrim(self.keys.batch_jobs(batch_id), 0, visible - 1)
-                p.execute()
-            self._abandon(keys=[self.keys.batch(batch_id), self.keys.cancelled()],
-                          args=[batch_id, reason[:2000], time.time(), self.ttl_s])
+            self.batch_jobs.drop_unqueued(batch_id, sorted(gone), keep=visible)
+            self.records.hashes.abandon(batch_id, reason[:2000], now=time.time(), ttl_s=self.ttl_s)
         return self.cancel(batch_id)
 
     def _commit_landed(self, batch: Batch, err: BaseException) -> bool:
@@ -596,11 +571,11 @@ class BatchLedger:
         batch = self.get(batch_id)
         if batch.status.terminal:
             return batch
-        staging = self.client.hmget(self.keys.batch(batch_id), [F.visible_jobs.value, F.staged_at.value])
+        staging = self.records.hashes.fields(batch_id, [F.visible_jobs.value, F.staged_at.value])
         if staging[0] is not None and staging[1] is None:  # a submit stopped mid-staging: its other requests too
             with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
-                self._abandon(keys=[self.keys.batch(batch_id), self.keys.cancelled()],
-                              args=[batch_id, "cancelled while it was being staged", time.time(), self.ttl_s])
+                self.records.hashes.abandon(batch_id, "cancelled while it was being staged", now=time.time(),
+                                            ttl_s=self.ttl_s)
         with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
             self.store.batches.transition(
                 batch_id,
@@ -608,17 +583,16 @@ class BatchLedger:
                 BatchStatus.cancelling,
                 F.cancelling_at,
             )
-            self.client.sadd(self.keys.cancelled(), batch_id)
+            self.records.hashes.mark_cancelled(batch_id)
             now = time.time()
             prefix = job_id_prefix(batch_id)
             for q in self._queues(batch):
                 qkey = rq_queue_key(q)
-                done = {jid: self._write_cancelled(batch, jid, now)
-                        for jid in map(reply_text, self._find_prefix(keys=[qkey], args=[prefix]))}
-                for jid in map(reply_text, self._remove_prefix(keys=[qkey], args=[prefix])):
+                done = {jid: self._write_cancelled(batch, jid, now) for jid in self.batch_jobs.queued(qkey, prefix)}
+                for jid in self.batch_jobs.dequeue(qkey, prefix):
                     job = done[jid] if jid in done else self._write_cancelled(batch, jid, now)  # re-queued since
                     if job is not None:
-                        self.client.hset(job.key, "status", JobStatus.CANCELED.value)
+                        self.batch_jobs.mark_canceled(job.id)
             self._cancel_unheld(batch, now)
             b = self.get(batch_id)
             if b.request_counts.done >= b.request_counts.total and b.status is BatchStatus.cancelling:
@@ -629,14 +603,10 @@ class BatchLedger:
         """Jobs of ``batch`` that something will still answer: on one of its model's queues, or held under a
         live lease. 0 for a batch that has not ended means it is stuck (nothing will ever end it)."""
         prefix = job_id_prefix(batch.id)
-        queued = sum(len(self._find_prefix(keys=[rq_queue_key(q)], args=[prefix]))
-                     for q in self._queues(batch))
-        job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        queued = sum(len(self.batch_jobs.queued(rq_queue_key(q), prefix)) for q in self._queues(batch))
+        job_ids = self.batch_jobs.job_ids(batch.id)
         server_now = self.jobs.lease_now()
-        live = 0
-        for start in range(0, len(job_ids), _FETCH_CHUNK):
-            scores = self.client.zmscore(self.keys.leases(), job_ids[start : start + _FETCH_CHUNK])
-            live += sum(1 for x in scores if x is not None and float(x) > server_now)
+        live = sum(1 for x in self.batch_jobs.lease_deadlines(job_ids) if x is not None and x > server_now)
         return queued + live
 
     def _cancel_unheld(self, batch: Batch, now: float) -> None:
@@ -645,25 +615,21 @@ class BatchLedger:
         worker left to reap it. Without this, such a batch stayed ``cancelling`` for good. A job under a
         live lease is left to its worker (it watches the cancelled set); a request that has a result keeps
         it (the results script writes each request once)."""
-        job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        job_ids = self.batch_jobs.job_ids(batch.id)
         server_now = self.jobs.lease_now()
         # a job's model from the queue it was staged for (its hash's origin): a batch over several models
         models = {q: m for m in batch.models for q in queue_names(m, self.keys.prefix)}
         for start in range(0, len(job_ids), _FETCH_CHUNK):
             chunk = job_ids[start : start + _FETCH_CHUNK]
-            with self.client.pipeline(transaction=False) as p:
-                p.zmscore(self.keys.leases(), chunk)
-                for jid in chunk:
-                    p.hmget(Job.key_for(jid), [REQUESTS_FIELD, "origin"])
-                leases, *fields = p.execute()
-            for jid, lease, (raw, origin) in zip(chunk, leases, fields):
-                if lease is not None and float(lease) > server_now:
+            held = self.batch_jobs.leases_and_fields(chunk, [REQUESTS_FIELD, "origin"])
+            for jid, (lease, (raw, origin)) in zip(chunk, held):
+                if lease is not None and lease > server_now:
                     continue  # its worker aborts it and answers its requests
                 requests = _manifest(raw, batch.request_counts.total)
                 if requests is None:  # a job staged by an older lmdq: its payload says which requests
                     job = self._write_cancelled(batch, jid, now)
                     if job is not None:
-                        self.client.hset(job.key, "status", JobStatus.CANCELED.value)
+                        self.batch_jobs.mark_canceled(job.id)
                     continue
                 self.store.write_results(
                     Result(batch_id=batch.id, custom_id=cid, index=i, status=ResultStatus.cancelled,
@@ -722,36 +688,24 @@ class BatchLedger:
         dequeued = 0
         with self._refusals("the purge did not finish; run it again"):
             if running:
-                self.client.sadd(self.keys.cancelled(), batch_id)
+                self.records.hashes.mark_cancelled(batch_id)
                 for q in self._queues(batch):
-                    dequeued += len(self._remove_prefix(keys=[rq_queue_key(q)], args=[job_id_prefix(batch_id)]))
-            listed = {reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch_id), 0, -1)}
+                    dequeued += len(self.batch_jobs.dequeue(rq_queue_key(q), job_id_prefix(batch_id)))
+            listed = set(self.batch_jobs.job_ids(batch_id))
             prefix = job_id_prefix(batch_id)
             job_ids = sorted({job_id_for(batch_id, n) for n in range(batch.num_jobs)}
                              | {j for j in listed if j.startswith(prefix)})
             k = self.keys
             own = [k.batch(batch_id), k.results(batch_id), k.partials(batch_id), k.shards(batch_id),
                    k.sealed(batch_id), k.batch_jobs(batch_id)]
-            if batch.idempotency_key and self.client.get(k.idempotency(batch.idempotency_key)) in (
-                    batch_id.encode(), batch_id):
+            if batch.idempotency_key and self.idempotency.bound(batch.idempotency_key) == batch_id:
                 own.append(k.idempotency(batch.idempotency_key))
-            deleted = jobs = 0
-            with self.client.pipeline(transaction=False) as p:
-                p.delete(*own)
-                for start in range(0, len(job_ids), 1000):
-                    p.delete(*(Job.key_for(j) for j in job_ids[start : start + 1000]))
-                p.zrem(k.batches(), batch_id)
-                if not running:
-                    p.srem(k.cancelled(), batch_id)
-                for q in self._queues(batch):  # RQ's records of the jobs (rq info)
-                    for reg in (FinishedJobRegistry, FailedJobRegistry):
-                        key = reg(q, connection=self.client).key
-                        for start in range(0, len(job_ids), 1000):
-                            p.zrem(key, *job_ids[start : start + 1000])
-                got = p.execute()
-            deleted = int(got[0])
-            jobs = sum(int(x) for x in got[1 : 1 + (len(job_ids) + 999) // 1000])
-        return Purged(batch_id=batch_id, status=batch.status, keys=deleted + jobs, jobs=jobs, dequeued=dequeued)
+            # one round trip: the batch's keys, its job hashes, its listing entry, RQ's records of its jobs on
+            # each of its queues (rq info), and its cancelled-set member once it has ended
+            got = self.records.hashes.delete_batch(batch_id, own=own, job_keys=[Job.key_for(j) for j in job_ids],
+                                                   queues=self._queues(batch), job_ids=job_ids, uncancel=not running)
+        return Purged(batch_id=batch_id, status=batch.status, keys=got.keys + got.jobs, jobs=got.jobs,
+                      dequeued=dequeued)
 
     # ---- retry's sources ------------------------------------------------------------------------
     def indices_with(self, batch: Batch, statuses: set[ResultStatus]) -> list[int]:
@@ -785,7 +739,7 @@ class BatchLedger:
         by_job: dict[int, set[int]] = {}
         for i in indices:
             by_job.setdefault(i // bs, set()).add(i)
-        job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        job_ids = self.batch_jobs.job_ids(batch.id)
         needed = sorted(by_job)
         if needed and needed[-1] >= len(job_ids):
             raise RetryRejected(
@@ -812,7 +766,7 @@ class BatchLedger:
     def _scan_requests(self, batch: Batch, indices: list[int]) -> Iterator[Request]:
         """:meth:`source_requests` for a batch whose jobs hold any indices: every job read in order."""
         want = set(indices)
-        job_ids = [reply_text(j) for j in self.client.lrange(self.keys.batch_jobs(batch.id), 0, -1)]
+        job_ids = self.batch_jobs.job_ids(batch.id)
         for job_id in job_ids:
             if not want:
                 return

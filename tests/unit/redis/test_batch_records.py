@@ -87,13 +87,13 @@ def test_mark_cancelled_and_delete(client: redis.Redis, prefix: str) -> None:
     h.write("b1", {F.status.value: "completed"}, created_at=1.0, ttl_s=600)
     h.mark_cancelled("b1")
     assert client.sismember(k.cancelled(), "b1")
-    job_ids = [f"b1-{n}" for n in range(2500)]
+    job_ids = [f"b{prefix}-{n}" for n in range(2500)]  # job hashes (rq:job:<id>) are not under the prefix
     for j in job_ids[:3]:
         client.hset(f"rq:job:{j}", "status", "finished")
     client.hset(k.results("b1"), "0", "{}")
     q = f"{prefix}:m:normal"  # RQ's registries are rq:finished:<queue> / rq:failed:<queue>
-    client.zadd(f"rq:finished:{q}", {"b1-0": 1.0, "other-0": 1.0})
-    client.zadd(f"rq:failed:{q}", {"b1-1": 1.0})
+    client.zadd(f"rq:finished:{q}", {job_ids[0]: 1.0, "other-0": 1.0})
+    client.zadd(f"rq:failed:{q}", {job_ids[1]: 1.0})
     got = h.delete_batch("b1", own=[k.batch("b1"), k.results("b1"), k.partials("b1")],
                    job_keys=[f"rq:job:{j}" for j in job_ids], queues=[q], job_ids=job_ids, uncancel=True)
     assert got == Deleted(keys=2, jobs=3)  # record + results exist, partials did not; 3 job hashes of 2500 ids
