@@ -32,8 +32,6 @@ NO_UNIT_TEST_YET = {
     "lmdq/client/options.py",
     "lmdq/client/sources.py",
     "lmdq/contract.py",
-    "lmdq/guided.py",
-    "lmdq/jobs/data.py",
     "lmdq/jobs/decode.py",
     "lmdq/jobs/queue.py",
     "lmdq/logs/config.py",

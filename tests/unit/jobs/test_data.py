@@ -1,0 +1,99 @@
+"""lmdq.jobs.data: bounded inflation and capped job-hash reads (real redis-server; untrusted data)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+import zlib
+
+import pytest
+import redis
+
+from lmdq.errors import ExitCode
+from lmdq.jobs.data import (
+    FORMAT_FIELD,
+    MAX_FIELD_BYTES,
+    JobRefused,
+    JobTooLarge,
+    JobUndecodable,
+    NotDecodable,
+    inflate,
+    manifest,
+    read_job,
+)
+
+
+def test_inflate_plain_compressed_and_bombs() -> None:
+    assert inflate(b'["x"]', 100) == b'["x"]'  # not zlib: as is
+    assert inflate(zlib.compress(b"a" * 100), 100) == b"a" * 100
+    bomb = zlib.compress(b"\0" * 10_000_000)
+    with pytest.raises(NotDecodable, match="inflates to more than"):
+        inflate(bomb, 1000)
+    with pytest.raises(NotDecodable, match="over LMDQ_MAX_JOB_BYTES"):
+        inflate(b"x" * 101, 100)
+    with pytest.raises(JobRefused, match="truncated"):
+        inflate(zlib.compress(b"a" * 1000)[:-6], 10_000)
+
+
+def test_undecodable_is_refused_and_answerable() -> None:
+    assert issubclass(NotDecodable, JobRefused) and issubclass(NotDecodable, JobUndecodable)
+    assert not issubclass(JobRefused, JobUndecodable)
+
+
+def test_refusal_messages_are_cut() -> None:
+    msg = str(JobRefused("a" * 600 + "b" * 5000 + "z" * 300))
+    assert len(msg) < 1000 and msg.startswith("a" * 600) and msg.endswith("z" * 300) and "(cut)" in msg
+    assert str(JobRefused("short")) == "short"
+
+
+def test_manifest_and_job_too_large() -> None:
+    assert json.loads(manifest([{"index": 3, "custom_id": "é", "x": 1}])) == [[3, "é"]]
+    e = JobTooLarge(4, 2_000_000, 1_000_000)
+    assert "job 4" in str(e) and "2,000,000" in str(e) and e.exit_code == ExitCode.bad_input
+
+
+def _job(client: redis.Redis, **fields: bytes | str) -> str:
+    jid = f"unit-{uuid.uuid4().hex}"
+    client.hset(f"rq:job:{jid}", mapping=fields)
+    return jid
+
+
+def test_read_job_reads_a_json_job(client: redis.Redis) -> None:
+    data = json.dumps(["lmdq.jobs.queue.generate", None, [{"x": 1}], {}]).encode()
+    jid = _job(client, data=zlib.compress(data), origin="q", status="queued")
+    try:
+        job = read_job(client, jid)
+        assert job.id == jid and job.origin == "q"
+    finally:
+        client.delete(f"rq:job:{jid}")
+
+
+@pytest.mark.parametrize("fields, err, match", [
+    ({"origin": "q"}, JobRefused, "no 'data'"),
+    ({"data": b"\x80\x04pickle"}, JobRefused, "not JSON"),
+    ({"data": zlib.compress(zlib.compress(b"[1]"))}, JobRefused, "not JSON"),
+    ({"data": b"[1]", "origin": "o" * (MAX_FIELD_BYTES + 1)}, JobRefused, "field 'origin'"),
+    ({"data": b"[1]", FORMAT_FIELD: "999"}, NotDecodable, "newer"),
+    ({"data": b"[1]", FORMAT_FIELD: "v2"}, NotDecodable, "newer"),
+    ({"data": b"[" + b" " * 5000 + b"]"}, NotDecodable, "LMDQ_MAX_JOB_BYTES=1,000"),
+])
+def test_read_job_refuses_hostile_hashes(client: redis.Redis, fields: dict[str, bytes | str],
+                                         err: type[Exception], match: str) -> None:
+    jid = _job(client, **fields)
+    try:
+        with pytest.raises(err, match=match):
+            read_job(client, jid, max_job_bytes=1000)
+    finally:
+        client.delete(f"rq:job:{jid}")
+
+
+def test_read_job_missing_and_wrong_type(client: redis.Redis) -> None:
+    with pytest.raises(JobRefused, match="no job hash"):
+        read_job(client, f"unit-{uuid.uuid4().hex}")
+    jid = f"unit-{uuid.uuid4().hex}"
+    client.set(f"rq:job:{jid}", "x")
+    try:
+        with pytest.raises(JobRefused, match="string, not an RQ job hash"):
+            read_job(client, jid)
+    finally:
+        client.delete(f"rq:job:{jid}")
