@@ -43,7 +43,6 @@ NO_UNIT_TEST_YET = {
     "lmdq/redis/scripts.py",
     "lmdq/results/blobs.py",
     "lmdq/results/export.py",
-    "lmdq/results/openai.py",
     "lmdq/results/reader.py",
     "lmdq/results/sink.py",
     "lmdq/results/store.py",
