@@ -31,7 +31,6 @@ NO_UNIT_TEST_YET = {
     "lmdq/client/client.py",
     "lmdq/client/options.py",
     "lmdq/client/sources.py",
-    "lmdq/jobs/decode.py",
     "lmdq/jobs/queue.py",
     "lmdq/logs/config.py",
     "lmdq/logs/relay.py",
