@@ -15,7 +15,6 @@ NO_UNIT_TEST_YET = {
     "lmdq/api/app.py",
     "lmdq/api/backend.py",
     "lmdq/api/batches.py",
-    "lmdq/api/errors.py",
     "lmdq/api/files.py",
     "lmdq/api/settings.py",
     "lmdq/api/uploads.py",
