@@ -22,7 +22,6 @@ import redis
 from rq.exceptions import DeserializationError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from lmdq.contract import FORMAT_VERSION, JOB_FUNCTION, BatchStatus, JobPayload
@@ -35,8 +34,10 @@ from lmdq.jobs.data import (
     manifest,
     read_job,
 )
-from lmdq.redis import scripts
-from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
+from lmdq.redis.job_leases import JobLeases
+from lmdq.redis.keys import Keys, queue_name
+from lmdq.redis.reads import capped_job_field
+from lmdq.redis.rq_records import RQRecords
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
@@ -131,12 +132,10 @@ class JobQueue:
         self.keys = keys or Keys()
         self.job_ttl_s = job_ttl_s
         self.max_job_bytes = max_job_bytes
-        self._claim = scripts.CLAIM.bind(client)
-        self._heartbeat = scripts.HEARTBEAT.bind(client)
-        self._release = scripts.RELEASE.bind(client)
-        self._reap = scripts.REAP.bind(client)
-        self._move = scripts.MOVE_JOB.bind(client)
-        self._drop_orphan = scripts.DROP_ORPHAN.bind(client)
+        #: the Redis halves: this class keeps the rules, :mod:`lmdq.redis.job_leases` and
+        #: :mod:`lmdq.redis.rq_records` the calls
+        self.leases = JobLeases(client, keys=self.keys)
+        self.records = RQRecords(client, keys=self.keys, serializer=SERIALIZER, ttl_s=job_ttl_s)
 
     # ---- producer side -----------------------------------------------------------------
     def stage(self, payload: dict[str, Any], *, queue: str, job_no: int, pipe: Any) -> str:
@@ -159,13 +158,11 @@ class JobQueue:
         job.enqueued_at = _utcnow()
         if len(job.data) > self.max_job_bytes:  # workers refuse it unread: say so now, before anything is visible
             raise JobTooLarge(job_no, len(job.data), self.max_job_bytes)
-        job.save(pipeline=pipe)
         # Plain fields beside RQ's, readable without inflating or parsing the data: the job's format, and
         # which requests it answers, so a worker that cannot decode the data still answers each of them.
-        pipe.hset(job.key, mapping={FORMAT_FIELD: str(payload.get("format_version", FORMAT_VERSION)),
-                                    REQUESTS_FIELD: manifest(payload["requests"])})
-        pipe.expire(job.key, self.job_ttl_s)
-        pipe.rpush(self.keys.batch_jobs(payload["batch_id"]), job_id)
+        self.records.stage(job, {FORMAT_FIELD: str(payload.get("format_version", FORMAT_VERSION)),
+                                 REQUESTS_FIELD: manifest(payload["requests"])},
+                           batch_id=payload["batch_id"], ttl_s=self.job_ttl_s, pipe=pipe)
         return job_id
 
     # ---- worker side -------------------------------------------------------------------
@@ -180,12 +177,7 @@ class JobQueue:
         Why: a worker filling an empty engine claims dozens of jobs at once, and each round trip waits
         for the GIL behind the engine's own Python loop (milliseconds each, measured): one call per job
         spread a 32-job ramp over ~0.4 s of engine time."""
-        k = self.keys
-        res = self._claim(
-            keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes(), k.inflight(model),
-                  *(rq_queue_key(q) for q in queues)],
-            args=[lease_s, worker, max(1, n)],
-        )
+        res = self.leases.claim(queues, model=model, worker=worker, lease_s=lease_s, n=max(1, n))
         if not res:
             return []
         return [
@@ -204,14 +196,10 @@ class JobQueue:
         the results hash no longer holds them, so a re-run after that runs nothing.
 
         Why one: each round trip waits for the GIL behind the engine's own Python loop."""
-        with self.client.pipeline() as p:
-            p.time()
-            p.hmget(self.keys.batch(batch_id), [BatchField.status.value, BatchField.expires_at.value])
-            p.hmget(self.keys.results(batch_id), list(indices))
-            if job_no is not None:
-                p.hexists(self.keys.shards(batch_id), str(job_no))
-            self.mark_started(claim, worker, ttl_s, pipe=p)
-            got = p.execute()
+        got, execution = self.records.begin(claim.job, claim.job_id, batch_id=batch_id, indices=indices,
+                                            job_no=job_no, worker=worker, ttl_s=ttl_s)
+        if claim.job is not None:
+            claim.execution = execution
         (sec, usec), (st, exp), have = got[:3]
         sealed = job_no is not None and bool(got[3])
         return JobStart(
@@ -225,10 +213,7 @@ class JobQueue:
         """Now on the clock leases are stamped with: the Redis server's TIME, plus the offset the lease
         scripts keep in ``<leases>:clock`` when the server's clock has stepped back (if they keep one), so
         a caller judging "is this lease live?" agrees with the reaper."""
-        with self.client.pipeline(transaction=False) as p:
-            p.time()
-            p.hmget(f"{self.keys.leases()}:clock", ["raw", "offset"])
-            (sec, usec), (last, offset) = p.execute()
+        sec, usec, last, offset = self.leases.clock()
         raw = int(sec) + int(usec) / 1e6
         # as the lease scripts' _NOW: a step back not yet seen by a script counts from the last reading
         return max(raw, _float(last) or 0.0) + (_float(offset) or 0.0)
@@ -237,7 +222,7 @@ class JobQueue:
         """Delete an ended job's hash (its payload: the prompts). Only for a job whose results are all
         in a shard and none is to be retried (``retry`` reads failed requests back from job payloads):
         with a results sink, the prompts are then the largest thing a finished batch leaves in Redis."""
-        self.client.delete(Job.key_for(job_id))
+        self.records.forget(job_id)
 
     def fetch_job(self, job_id: str) -> Job:
         """The job, read within ``max_job_bytes`` (never RQ's unbounded ``Job.fetch``: see
@@ -268,21 +253,7 @@ class JobQueue:
         starting a job pays one round trip for this and its own reads together."""
         if claim.job is None:
             return
-        if pipe is not None:
-            claim.job.prepare_for_execution(worker, pipe)
-            claim.execution = Execution.create(claim.job, ttl_s, pipe, worker_name=worker)
-            self._orphan_guard(claim.job_id, pipe)
-            return
-        with self.client.pipeline() as p:
-            claim.job.prepare_for_execution(worker, p)
-            claim.execution = Execution.create(claim.job, ttl_s, p, worker_name=worker)
-            self._orphan_guard(claim.job_id, p)
-            p.execute()
-
-    def _orphan_guard(self, job_id: str, pipe: Any) -> None:
-        """Queue :data:`_DROP_ORPHAN` for ``job_id`` on ``pipe`` (after RQ's writes to the job hash)."""
-        batch_id = job_id.rsplit("-", 1)[0]
-        self._drop_orphan(keys=[Job.key_for(job_id), self.keys.batch(batch_id)], client=pipe)
+        claim.execution = self.records.started(claim.job, claim.job_id, worker, ttl_s, pipe=pipe)
 
     def mark_refused(self, job_id: str, reason: str, *, ttl_s: int) -> bool:
         """Record a refused (foreign) job as failed in RQ WITHOUT decoding or re-saving it.
@@ -290,25 +261,19 @@ class JobQueue:
         Only plain fields are written (status, reason, FailedJobRegistry entry), so a job that is
         not lmdq's JSON is never deserialized. Returns False when there is no job hash.
         """
-        key = Job.key_for(job_id)
-        if int(self.client.hstrlen(key, "origin")) > MAX_FIELD_BYTES:
-            return False  # a forged origin of any size is never pulled out of Redis
-        origin = self.client.hget(key, "origin")
+        # a forged origin of any size is never pulled out of Redis (None: missing or over the cap)
+        _, origin = capped_job_field(self.client, job_id, "origin", MAX_FIELD_BYTES)
         if origin is None:
             return False
-        registry = FailedJobRegistry(_text(origin), connection=self.client, serializer=SERIALIZER)
-        with self.client.pipeline() as p:
-            p.hset(
-                key,
-                mapping={
-                    "status": JobStatus.FAILED.value,
-                    "exc_info": zlib.compress(reason.encode()),
-                    "ended_at": _utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-                },
-            )
-            p.expire(key, ttl_s)
-            p.zadd(registry.key, {job_id: int(time.time()) + ttl_s})
-            p.execute()
+        self.records.failed_unread(
+            job_id, _text(origin),
+            {
+                "status": JobStatus.FAILED.value,
+                "exc_info": zlib.compress(reason.encode()),
+                "ended_at": _utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            },
+            ttl_s=ttl_s, until=int(time.time()) + ttl_s,
+        )
         return True
 
     def heartbeat(self, claims: Iterable[Claim], *, worker: str, lease_s: float) -> list[str]:
@@ -316,16 +281,10 @@ class JobQueue:
         cl = list(claims)
         if not cl:
             return []
-        lost = self._heartbeat(
-            keys=[self.keys.leases(), self.keys.lease_owner()],
-            args=[lease_s, worker, *(c.job_id for c in cl)],
-        )
+        lost = self.leases.renew([c.job_id for c in cl], worker=worker, lease_s=lease_s)
         try:
-            with self.client.pipeline() as p:
-                for c in cl:
-                    if c.execution is not None and c.job is not None:
-                        c.execution.heartbeat(c.job.started_job_registry, int(lease_s) + 60, p)
-                p.execute()
+            self.records.beat([(c.execution, c.job) for c in cl if c.execution is not None and c.job is not None],
+                              int(lease_s) + 60)
         except redis.ResponseError:
             pass  # RQ's display records only (e.g. refused under maxmemory): the lease above is what counts
         return [x.decode() for x in lost]
@@ -360,14 +319,9 @@ class JobQueue:
         engine when it died). Without, the job is done and its counters are dropped. RQ's records are
         separate calls (:meth:`record_end`, :meth:`record_requeued`), so a caller retrying through a
         store fault retries each step on its own: the fenced release cannot run twice."""
-        k = self.keys
         mode = "requeue" if requeue else "done"
-        return bool(
-            self._release(
-                keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes()],
-                args=[claim.job_id, worker, mode, charge.value, "" if killer is None else killer],
-            )
-        )
+        return self.leases.drop(claim.job_id, worker=worker, mode=mode, charge=charge.value,
+                                killer="" if killer is None else killer)
 
     def move_to_model(self, claim: Claim, *, worker: str, model: str, origin: str | None) -> str | None:
         """Hand a held job of ANOTHER model to that model's queue (same priority as its ``origin``), atomically
@@ -380,8 +334,7 @@ class JobQueue:
         if prio not in ("high", "normal", "low"):
             prio = "normal"
         target = queue_name(model, prio, self.keys.prefix)
-        moved = self._move(keys=[self.keys.leases(), self.keys.lease_owner(), rq_queue_key(target),
-                                 self.keys.wake(model)], args=[claim.job_id, worker])
+        moved = self.leases.move(claim.job_id, worker=worker, queue=target, model=model)
         if not moved:
             return None
         if claim.job is not None:
@@ -396,26 +349,12 @@ class JobQueue:
         job = claim.job
         if job is None:
             return
-        with self.client.pipeline() as p:
-            if claim.execution is not None:
-                claim.execution.delete(job, p)
-            if failed:
-                job.set_status(JobStatus.FAILED, pipeline=p)
-                FailedJobRegistry(job.origin, connection=self.client, serializer=SERIALIZER).add(
-                    job, ttl=self.job_ttl_s, exc_string=failed, pipeline=p
-                )
-            else:
-                job.set_status(JobStatus.FINISHED, pipeline=p)
-                FinishedJobRegistry(job.origin, connection=self.client, serializer=SERIALIZER).add(
-                    job, self.job_ttl_s, p
-                )
-            p.hset(job.key, "ended_at", _utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
-            self._orphan_guard(claim.job_id, p)
-            p.execute()
+        self.records.ended(job, claim.execution, failed=failed,
+                           ended_at=_utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
 
     def reap(self, *, limit: int = 200) -> list[tuple[str, str]]:
         """Re-queue jobs whose lease expired (their worker died). Returns (job_id, dead worker)."""
-        raw = self._reap(keys=[self.keys.leases(), self.keys.lease_owner()], args=[limit])
+        raw = self.leases.reap_expired(limit)
         pairs = [(raw[i].decode(), raw[i + 1].decode()) for i in range(0, len(raw), 2)]
         if pairs:
             try:
@@ -431,17 +370,10 @@ class JobQueue:
                 job = self.fetch_job(jid)
             except Exception:  # noqa: BLE001 - a missing/foreign job hash is not ours to fix
                 continue
-            with self.client.pipeline() as p:
-                job.set_status(JobStatus.QUEUED, pipeline=p)
-                StartedJobRegistry(job.origin, connection=self.client).remove_executions(job, pipeline=p)
-                self._orphan_guard(jid, p)
-                p.execute()
+            self.records.requeued(job)
 
     def queue_depth(self, queues: Sequence[str]) -> int:
-        with self.client.pipeline(transaction=False) as p:
-            for q in queues:
-                p.llen(rq_queue_key(q))
-            return int(sum(p.execute()))
+        return self.leases.waiting(queues)
 
 
 def _text(raw: bytes | str) -> str:
