@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -116,3 +117,30 @@ def direct_score(tok: Any, model: Any, prompt: str | list[dict[str, str]], cont:
     total = float(logp.gather(-1, target.unsqueeze(-1)).sum())
     return total, len(c_ids), bool((logp.argmax(-1) == target).all())
 
+
+class ThreadWorker:
+    """A real worker on a sim engine, run in a thread of this process, so that a test reads its counters
+    (``jobs``, ``engine.steps``) directly; ``settings`` are WorkerSettings fields. ``max_batch``: the
+    engine's slots, and the worker's capacity (default: the sim's and the worker's own defaults)."""
+
+    def __init__(self, url: str, prefix: str, *, model: str = "sim", step_ms: float = 1,
+                 max_batch: int | None = None, **settings: Any) -> None:
+        from lmdq.worker.engines.sim import SimEngine
+        from lmdq.worker.runner import Worker
+        from lmdq.worker.settings import WorkerSettings
+
+        s = WorkerSettings(redis_url=url, key_prefix=prefix, health_port=0, **settings)
+        slots: dict[str, Any] = {} if max_batch is None else {"max_batch": max_batch}
+        self.engine = SimEngine(model_name=model, step_ms=step_ms, **slots)
+        self.worker = Worker(engine=self.engine, client=redis.Redis.from_url(url), settings=s, capacity=max_batch)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    @property
+    def jobs(self) -> int:
+        return self.worker._counts["jobs"]
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.thread.join(60)
+        assert not self.thread.is_alive()

@@ -5,10 +5,8 @@ the batch's makespan is the busiest engine's step count."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -18,7 +16,7 @@ from lmdq.redis.keys import Keys
 from lmdq.worker.admission import fair_share
 from tests.conftest import RedisServer
 from tests.faultkit import wait_for
-from tests.helpers import wait_batch
+from tests.helpers import ThreadWorker, wait_batch
 from tests.test_idle import MODEL, _blocked, _enqueue
 
 TOKENS = 40  # decode steps per request
@@ -36,28 +34,9 @@ def own_redis() -> Iterator[str]:
 SLOTS = 8  # engine slots: one worker's engine holds 2 of the 4 jobs at a time
 
 
-class _Worker:
-    """A real worker (sim engine of SLOTS slots) in a thread of this process."""
-
-    def __init__(self, url: str, prefix: str, **settings: Any) -> None:
-        from lmdq.worker.engines.sim import SimEngine
-        from lmdq.worker.runner import Worker
-        from lmdq.worker.settings import WorkerSettings
-
-        s = WorkerSettings(redis_url=url, key_prefix=prefix, health_port=0, idle_wait_s=30.0, **settings)
-        self.engine = SimEngine(model_name=MODEL, step_ms=10, max_batch=SLOTS)
-        self.worker = Worker(engine=self.engine, client=redis.Redis.from_url(url), settings=s, capacity=SLOTS)
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-        self.thread.start()
-
-    @property
-    def jobs(self) -> int:
-        return self.worker._counts["jobs"]
-
-    def stop(self) -> None:
-        self.worker.stop()
-        self.thread.join(60)
-        assert not self.thread.is_alive()
+def _worker(url: str, prefix: str) -> ThreadWorker:
+    """A real worker (sim engine of SLOTS slots, 10 ms steps) in a thread of this process."""
+    return ThreadWorker(url, prefix, model=MODEL, step_ms=10, max_batch=SLOTS, idle_wait_s=30.0)
 
 
 def _run(redis_url: str, n_workers: int) -> list[tuple[int, int]]:
@@ -68,13 +47,13 @@ def _run(redis_url: str, n_workers: int) -> list[tuple[int, int]]:
     the others, so it is the one the batch's token wakes."""
     prefix = f"t{uuid.uuid4().hex[:10]}"
     client = redis.Redis.from_url(redis_url)
-    workers = [_Worker(redis_url, prefix)]
+    workers = [_worker(redis_url, prefix)]
     try:
         wait_for(lambda: _blocked(client) == 1, 60, "the first worker to block on its wake list")
         warm = _enqueue(client, prefix, 4, batch_size=4, tokens=1)
         assert wait_batch(client, prefix, warm, timeout=60).status is BatchStatus.completed
         wait_for(lambda: _blocked(client) == 1, 60, "the first worker to block again")
-        workers += [_Worker(redis_url, prefix) for _ in range(n_workers - 1)]
+        workers += [_worker(redis_url, prefix) for _ in range(n_workers - 1)]
         # every worker idle: blocked on its wake list (so in the roster, entered just before) before the submit
         wait_for(lambda: _blocked(client) == n_workers, 60, "the workers to block on their wake list")
         before = [(w.jobs, w.engine.steps) for w in workers]
@@ -114,7 +93,7 @@ def test_fair_share(room: int, held: int, visible: int, idle: int, share: int) -
 def test_a_worker_leaves_the_roster_when_it_gets_work_and_when_it_stops(redis_url: str, prefix: str) -> None:
     client = redis.Redis.from_url(redis_url)
     key = Keys(prefix).idle(MODEL)
-    w = _Worker(redis_url, prefix)
+    w = _worker(redis_url, prefix)
     try:
         wait_for(lambda: client.zscore(key, w.worker.name) is not None, 60, "the worker to go idle")
         assert 0 < client.ttl(key) <= 60  # the roster key expires by itself too

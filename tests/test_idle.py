@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -20,7 +18,7 @@ from lmdq.redis.keys import Keys, queue_name, rq_queue_key
 from lmdq.redis.scripts import WAKE
 from tests.conftest import RedisServer, start_worker
 from tests.faultkit import SIM, events, no_traceback, stopped_stats, submit, wait_for
-from tests.helpers import wait_batch, write_jsonl
+from tests.helpers import ThreadWorker, wait_batch, write_jsonl
 
 MODEL = "sim"
 
@@ -42,26 +40,6 @@ def _enqueue(client: redis.Redis, prefix: str, n: int, *, batch_size: int = 1, t
 
     return enqueue_requests(client, Keys(prefix), MODEL, [{"prompt": f"question {i}"} for i in range(n)],
                             batch_size=batch_size, params=GenerationParams(max_new_tokens=tokens))
-
-
-class _Running:
-    """A real worker (sim engine) running in a thread of this process."""
-
-    def __init__(self, url: str, prefix: str, *, step_ms: float = 1, **settings: Any) -> None:
-        from lmdq.worker.engines.sim import SimEngine
-        from lmdq.worker.runner import Worker
-        from lmdq.worker.settings import WorkerSettings
-
-        s = WorkerSettings(redis_url=url, key_prefix=prefix, health_port=0, **settings)
-        self.worker = Worker(engine=SimEngine(model_name=MODEL, step_ms=step_ms), client=redis.Redis.from_url(url),
-                             settings=s)
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.worker.stop()
-        self.thread.join(60)
-        assert not self.thread.is_alive()
 
 
 def _blocked(client: redis.Redis) -> int:
@@ -116,7 +94,7 @@ def test_idle_worker_costs_a_handful_of_commands(own_redis: str, prefix: str) ->
     """Polling cost ~79 commands/s per idle worker (20 claim scripts/s); blocking costs a BLPOP and a claim
     per idle_wait_s plus the heartbeat's reap and beat. Counted by the server over a 6 s window."""
     client = redis.Redis.from_url(own_redis)
-    w = _Running(own_redis, prefix, idle_wait_s=2.0)
+    w = ThreadWorker(own_redis, prefix, idle_wait_s=2.0)
     try:
         wait_for(lambda: _blocked(client) == 1, 30, "the worker to block on its wake list")
         c0, t0 = _commands(client), time.monotonic()
@@ -131,7 +109,7 @@ def test_idle_worker_costs_a_handful_of_commands(own_redis: str, prefix: str) ->
 
 def test_job_submitted_while_blocked_is_picked_up_by_its_token(own_redis: str, prefix: str) -> None:
     client = redis.Redis.from_url(own_redis)
-    w = _Running(own_redis, prefix, idle_wait_s=60.0)  # the timeout cannot be what wakes it
+    w = ThreadWorker(own_redis, prefix, idle_wait_s=60.0)  # the timeout cannot be what wakes it
     try:
         wait_for(lambda: _blocked(client) == 1, 30, "the worker to block on its wake list")
         bid = _enqueue(client, prefix, 4)
@@ -144,7 +122,7 @@ def test_job_submitted_while_blocked_is_picked_up_by_its_token(own_redis: str, p
 def test_a_batch_wakes_every_idle_worker_one_after_another(own_redis: str, prefix: str) -> None:
     """One token per commit: a worker woken by it that claims a full share passes it on."""
     client = redis.Redis.from_url(own_redis)
-    workers = [_Running(own_redis, prefix, step_ms=20, idle_wait_s=60.0, jobs_in_flight=2) for _ in range(3)]
+    workers = [ThreadWorker(own_redis, prefix, step_ms=20, idle_wait_s=60.0, jobs_in_flight=2) for _ in range(3)]
     try:
         wait_for(lambda: _blocked(client) == 3, 30, "three workers to block")
         bid = _enqueue(client, prefix, 24, tokens=20)  # 24 jobs of ~0.4 s; each worker holds 2
@@ -179,7 +157,7 @@ def test_sigterm_while_blocked_exits_without_waiting_for_the_block(own_redis: st
 
 def test_poll_mode_still_works(redis_url: str, client: redis.Redis, prefix: str) -> None:
     """LMDQ_IDLE_WAIT_S=0: no blocking command (a Redis proxy without BLPOP); claims on poll_interval_s."""
-    w = _Running(redis_url, prefix, idle_wait_s=0, poll_interval_s=0.02)
+    w = ThreadWorker(redis_url, prefix, idle_wait_s=0, poll_interval_s=0.02)
     try:
         time.sleep(0.3)
         bid = _enqueue(client, prefix, 3)
