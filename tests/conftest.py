@@ -161,3 +161,14 @@ def tf_engine(model_dir: Path) -> Iterator[Any]:
     eng = TransformersEngine(model_path=model_dir, served_model_name=DEFAULT_MODEL_NAME)
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="module")
+def own_redis() -> Iterator[str]:
+    """A redis-server for one test module alone: its command counters (INFO) and blocked clients are that
+    module's workers' only."""
+    srv = RedisServer().start()
+    try:
+        yield srv.url
+    finally:
+        srv.cleanup()

@@ -6,7 +6,6 @@ the batch's makespan is the busiest engine's step count."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -14,23 +13,11 @@ import redis
 from lmdq.contract import BatchStatus
 from lmdq.redis.keys import Keys
 from lmdq.worker.admission import fair_share
-from tests.conftest import RedisServer
 from tests.faultkit import wait_for
 from tests.helpers import ThreadWorker, wait_batch
 from tests.test_idle import MODEL, _blocked, _enqueue
 
 TOKENS = 40  # decode steps per request
-
-
-@pytest.fixture(scope="module")
-def own_redis() -> Iterator[str]:
-    """A redis-server for this module alone: its blocked clients are this test's workers."""
-    srv = RedisServer().start()
-    try:
-        yield srv.url
-    finally:
-        srv.cleanup()
-
 SLOTS = 8  # engine slots: one worker's engine holds 2 of the 4 jobs at a time
 
 

@@ -6,31 +6,19 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import redis
 
 from lmdq.contract import BatchStatus
 from lmdq.jobs.queue import JobQueue
 from lmdq.redis.keys import Keys, queue_name, rq_queue_key
 from lmdq.redis.scripts import WAKE
-from tests.conftest import RedisServer, start_worker
+from tests.conftest import start_worker
 from tests.faultkit import SIM, events, no_traceback, stopped_stats, submit, wait_for
 from tests.helpers import ThreadWorker, wait_batch, write_jsonl
 
 MODEL = "sim"
-
-
-@pytest.fixture(scope="module")
-def own_redis() -> Iterator[str]:
-    """A redis-server for this module alone: its command counters and blocked clients are ours."""
-    srv = RedisServer().start()
-    try:
-        yield srv.url
-    finally:
-        srv.cleanup()
 
 
 def _enqueue(client: redis.Redis, prefix: str, n: int, *, batch_size: int = 1, tokens: int = 4) -> str:
