@@ -39,7 +39,7 @@ from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, Engin
 from lmdq.worker.engines.engine_health import EngineHealth
 from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget, model_folder_name
 from lmdq.worker.engines.request_errors import BadRequest
-from lmdq.worker.engines.scoring import reward_text, sum_logprob_from_ppl
+from lmdq.worker.engines.scoring import LOGIT_BUDGET, continuation_score, reward_text
 
 __all__ = [
     "SPEC",
@@ -497,12 +497,12 @@ class LMDeployEngine:
         if self._closed:
             raise EngineError("engine is closed")
         scoring = [r for r in requests if not r.endpoint.generates]
-        for r in (r for r in scoring if r.adapter is not None):  # get_ppl / get_reward_score take no adapter_name
+        for r in (r for r in scoring if r.adapter is not None):  # no adapter_name for scoring
             yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
                               error_message=f"endpoint {r.endpoint.value!r} with a LoRA adapter ({r.adapter!r}): "
                               "LMDeploy scores with the base model only; score on the base model's name")
         scoring = [r for r in scoring if r.adapter is None]
-        if scoring:  # score / reward: no generation, answered through get_ppl / get_reward_score
+        if scoring:  # score / reward: no generation (all logits / get_reward_score)
             yield from self._score_group(scoring, abort)
             requests = [r for r in requests if r.endpoint.generates]
         # stream_infer takes one do_preprocess for the whole call: raw and chat prompts go in
@@ -553,18 +553,19 @@ class LMDeployEngine:
         return ids
 
     def _score_group(self, group: list[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
-        """``score`` through ``pipe.get_ppl`` (mean next-token NLL per sequence): a continuation's sum
-        logprob is the prompt's total NLL minus prompt + continuation's; get_ppl gives no argmax, so
-        ``is_greedy`` is None. ``reward`` through ``pipe.get_reward_score``. One engine call for the whole
+        """``score`` from every position's logits of prompt + continuation (one forward each, no
+        sampling): sum logprob, token count and ``is_greedy`` in float32 (:meth:`_score_call`).
+        ``reward`` through ``pipe.get_reward_score``. One engine call for the whole
         group; if it fails, each request again alone, so only the requests at fault fail. Abort is checked
-        before the call (LMDeploy's get_ppl cannot be cancelled, and it takes one forward)."""
+        before the call (a scoring forward cannot be cancelled, and it takes one forward)."""
         if getattr(self.pipe.backend_config, "enable_prefix_caching", False) and any(
                 r.endpoint is Endpoint.score for r in group):
             for r in [r for r in group if r.endpoint is Endpoint.score]:
                 yield EngineEvent(index=r.index, finish_reason=FinishReason.error,
                                   error_code=ErrorCode.unsupported_feature,
-                                  error_message="endpoint 'score' uses LMDeploy's get_ppl, which refuses engines with "
-                                  "prefix caching on: serve score batches on a worker without enable_prefix_caching")
+                                  error_message="endpoint 'score' reads every position's logits (output_logits='all'), "
+                                  "which LMDeploy refuses with prefix caching on: serve score batches on a worker "
+                                  "without enable_prefix_caching")
             group = [r for r in group if r.endpoint is not Endpoint.score]
         arch = getattr(self.pipe.async_engine, "arch", None)
         if arch not in REWARD_ARCHS and any(r.endpoint is Endpoint.reward for r in group):
@@ -618,20 +619,40 @@ class LMDeployEngine:
             yield EngineEvent(index=one[0].index, finish_reason=FinishReason.error, error_code=ErrorCode.internal_error,
                               error_message=f"{type(e).__name__}: {e}")
 
+    def _all_logits(self, seqs: list[list[int]]) -> list[Any]:
+        """Every position's logits of each sequence, from ONE prefill per sequence and no sampling:
+        LMDeploy's own ``AsyncEngine.async_get_logits`` (GenerationConfig(max_new_tokens=0 on PyTorch,
+        output_logits='all')), run on the pipeline's event loop exactly as ``Pipeline.get_reward_score``
+        runs it (lmdeploy/pipeline.py). Cut into calls of at most LOGIT_BUDGET logits (a long prompt times
+        a big vocabulary is hundreds of MB per sequence; a sequence over it goes alone)."""
+        vocab = int(getattr(getattr(self.pipe.async_engine, "hf_cfg", None), "vocab_size", 0) or 0) or 1
+        out: list[Any] = []
+        start = 0
+        while start < len(seqs):
+            end, used = start, 0
+            while end < len(seqs) and (end == start or used + len(seqs[end]) * vocab <= 4 * LOGIT_BUDGET):
+                used += len(seqs[end]) * vocab
+                end += 1
+            got = self.pipe._run(coro=self.pipe.async_engine.async_get_logits(input_ids=seqs[start:end])).result()
+            out.extend(got)
+            start = end
+        return out
+
     def _score_call(self, prepared: list[tuple[EngineRequest, Any]]) -> Iterator[EngineEvent]:
-        """One get_ppl call for every score sequence, one get_reward_score call for every chat."""
+        """One forward per (prompt + continuation), the continuation's positions only turned into float32
+        log-probabilities (sum, count, is_greedy: :mod:`worker.engines.scoring`), one get_reward_score call
+        for every chat. (Session 9: ``get_ppl``'s difference of two totals — prompt alone vs prompt +
+        continuation, two forwards — carried every prompt position's fp16 noise into the difference.)"""
         seqs: list[list[int]] = []
         for r, ids in prepared:
             if r.endpoint is Endpoint.score:
                 prompt_ids, conts = ids
-                if len(prompt_ids) > 1:
-                    seqs.append(prompt_ids)
                 seqs.extend(prompt_ids + c for c in conts)
         chats = [ids for r, ids in prepared if r.endpoint is Endpoint.reward]
-        ppl = [float(x) for x in self.pipe.get_ppl(seqs)] if seqs else []
+        logits = self._all_logits(seqs) if seqs else []
         rewards = [float(x) for x in self.pipe.get_reward_score(chats)] if chats else []
-        if len(ppl) != len(seqs) or len(rewards) != len(chats):
-            raise EngineError(f"LMDeploy answered {len(ppl)} of {len(seqs)} perplexities and {len(rewards)} of "
+        if len(logits) != len(seqs) or len(rewards) != len(chats):
+            raise EngineError(f"LMDeploy answered {len(logits)} of {len(seqs)} logit rows and {len(rewards)} of "
                               f"{len(chats)} reward scores")
         k = j = 0
         for r, ids in prepared:
@@ -642,13 +663,9 @@ class LMDeployEngine:
                 j += 1
                 continue
             prompt_ids, conts = ids
-            base: float | None = None
-            if len(prompt_ids) > 1:
-                base, k = ppl[k], k + 1
             scores: list[tuple[float, int, bool | None]] = []
             for c in conts:
-                full = len(prompt_ids) + len(c)
-                scores.append((sum_logprob_from_ppl(len(prompt_ids), base, full, ppl[k]), len(c), None))
+                scores.append(continuation_score(logits[k], len(prompt_ids), c))
                 k += 1
             yield EngineEvent(index=r.index, input_token_len=len(prompt_ids), finish_reason=FinishReason.stop,
                               scores=scores,

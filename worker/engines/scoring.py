@@ -31,9 +31,9 @@ from lmdq.worker.engines.request_errors import BadRequest
 __all__ = [
     "LOGIT_BUDGET",
     "continuation_ids",
+    "continuation_score",
     "reward_text",
     "score_continuations",
-    "sum_logprob_from_ppl",
 ]
 
 LOGIT_BUDGET = 32 * 1024 * 1024
@@ -115,9 +115,17 @@ def score_continuations(torch: Any, model: Any, prompt_ids: list[int], conts: li
     return out
 
 
-def sum_logprob_from_ppl(prompt_len: int, prompt_ppl: float | None, full_len: int, full_ppl: float) -> float:
-    """A continuation's sum logprob from LMDeploy's ``get_ppl`` (the MEAN next-token NLL over the
-    ``len - 1`` scored positions of a sequence): total NLL of the prompt minus that of prompt +
-    continuation. A one-token prompt has nothing scored (``prompt_ppl`` None, total 0)."""
-    prompt_total = 0.0 if prompt_ppl is None else prompt_ppl * (prompt_len - 1)
-    return -(full_ppl * (full_len - 1) - prompt_total)
+def continuation_score(logits: Any, prompt_len: int, cont: list[int]) -> tuple[float, int, bool]:
+    """(sum logprob, tokens, is_greedy) of ``cont`` from the logits of every position of prompt +
+    continuation (``[len, vocab]``, any dtype and device): only the rows that predict the continuation
+    (from the prompt's last token on) are taken, log_softmax in float32, the sum in float64."""
+    import torch
+
+    rows = logits[prompt_len - 1: prompt_len - 1 + len(cont)].float()
+    if rows.shape[0] != len(cont):
+        raise ValueError(f"{rows.shape[0]} logit rows for a continuation of {len(cont)} tokens")
+    target = torch.tensor(cont, dtype=torch.long, device=rows.device)
+    logp = torch.log_softmax(rows, dim=-1)
+    picked = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    greedy = bool((rows.argmax(-1) == target).all().item())
+    return float(picked.double().sum().item()), len(cont), greedy
