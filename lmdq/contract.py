@@ -425,8 +425,7 @@ class ContinuationScore(_Strict):
     ``logprob`` is the SUM of the continuation tokens' log-probabilities given the prompt and the
     continuation tokens before each; ``num_tokens`` how many tokens that is (prompt and continuation are
     tokenized separately and the ids concatenated, as lm-eval does); ``is_greedy`` whether every one of
-    them is the model's argmax at its position, None where the backend cannot tell (LMDeploy's
-    ``get_ppl`` gives only the loss)."""
+    them is the model's argmax at its position, None where the backend cannot tell."""
 
     logprob: float
     num_tokens: int
