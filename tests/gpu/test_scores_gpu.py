@@ -1,14 +1,16 @@
 """Issue 24, GPU half of the scores: endpoint ``score`` through LMDeploy (PyTorch backend, every position's
 logits of prompt + continuation, log_softmax in float32) within 1e-2 per token of the transformers engine on
-the same weights (SmolLM2's bf16 weights, the reference in float32: exact for them; LMDeploy runs float16,
-the suite's dtype — it has no float32). The transformers engine in float16 is scored too and recorded
-(``tf16_vs_tf32``): what float16 itself costs on this model.
+the same weights (SmolLM2's bf16 weights, the reference in float32: exact for them). The asserted engine runs
+``--dtype float32``: float16 cannot meet 1e-2 on unlikely tokens (session 9 on the H200: LMDeploy float16
+2.59e-2, transformers float16 against its own float32 2.68e-2; on CPU, float16 hidden states with a float32
+lm_head still 2.7e-2, so the error is the activations', not the last rounding). The suite's float16 engine is
+scored too and recorded against both references.
 
 Self-checking: every pair is compared (the largest per-token difference is asserted and written to
 ``$OUT/scores_gpu.json`` with every pair's numbers), the token counts must agree (both engines tokenize
-prompt and continuation separately), ``is_greedy`` must be None from LMDeploy (get_ppl has no argmax) and
-a bool from transformers, and a ``reward`` request on SmolLM2 (not a reward model LMDeploy serves) must
-fail alone with ``unsupported_feature`` while the score requests of the same call complete. A second
+prompt and continuation separately), ``is_greedy`` must be a bool from both and agree, and a ``reward``
+request on SmolLM2 (not a reward model LMDeploy serves) must fail alone with ``unsupported_feature`` while
+the score requests of the same call complete. A second
 check runs a multiple-choice batch through the real worker loop on a real Redis and compares its
 picks with the transformers engine's.
 """
@@ -106,42 +108,67 @@ def lmdeploy_engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool) -> It
     eng.close()
 
 
-def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[int, EngineEvent],
-                                                              lmdeploy_engine: Any, gpu_dtype: str) -> None:
-    reqs = _requests()
+def _score(engine: Any, reqs: list[EngineRequest]) -> dict[int, EngineEvent]:
+    """One stream call of the score requests plus a ``reward`` request, which must fail alone (SmolLM2 is not
+    a reward model LMDeploy serves) while the score requests of the same call complete."""
     reward = EngineRequest(index=len(reqs), endpoint=Endpoint.reward,
                            messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
-    got = _finals(lmdeploy_engine.stream([*reqs, reward], threading.Event()))
+    got = _finals(engine.stream([*reqs, reward], threading.Event()))
     assert got[reward.index].finish_reason == "error" and got[reward.index].error_code == "unsupported_feature"
-    rows, worst, tf16, greedy_same = [], 0.0, 0.0, 0
     for r in reqs:
-        ld, tf = got[r.index], reference[r.index]
-        assert ld.finish_reason == "stop" and ld.scores is not None, (ld.error_code, ld.error_message)
+        assert got[r.index].finish_reason == "stop" and got[r.index].scores is not None, (
+            got[r.index].error_code, got[r.index].error_message)
+    return got
+
+
+def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[int, EngineEvent],
+                                                              lmdeploy_engine: Any, model_path: Path,
+                                                              gpu_dtype: str, gpu_mp_engine: bool) -> None:
+    """Asserted: LMDeploy in float32 (``--dtype float32``, PyTorch backend) against transformers float32, per
+    token within 1e-2, and ``is_greedy`` equal. Recorded beside it: the suite's float16 engine against both
+    references (float16's own rounding is ~3e-2 on unlikely tokens: no float16 engine can meet 1e-2 there)."""
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
+
+    reqs = _requests()
+    eng32 = LMDeployEngine.load(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
+                                dtype="float32", session_len=1024, cache_max_entry_count=0.2, mp_engine=gpu_mp_engine)
+    try:
+        got32 = _score(eng32, reqs)
+    finally:
+        eng32.close()
+    got16 = _score(lmdeploy_engine, reqs)
+    rows: list[dict[str, Any]] = []
+    worst = {"fp32_vs_tf32": 0.0, "fp16_vs_tf32": 0.0, "fp16_vs_tf16": 0.0, "tf16_vs_tf32": 0.0}
+    greedy_same = 0
+    for r in reqs:
+        ld, ld16, tf, tf16 = got32[r.index], got16[r.index], reference[r.index], reference[1000 + r.index]
         assert tf.finish_reason == "stop" and tf.scores is not None, (tf.error_code, tf.error_message)
+        assert tf16.scores is not None
         assert ld.input_token_len == tf.input_token_len, "both engines must tokenize the prompt alike"
-        for cont, (lp, n, g), (tlp, tn, tg) in zip(CONTINUATIONS, ld.scores, tf.scores, strict=True):
+        for j, cont in enumerate(CONTINUATIONS):
+            (lp, n, g), (lp16, _, _), (tlp, tn, tg), (hlp, _, _) = (
+                ld.scores[j], (ld16.scores or [])[j], tf.scores[j], tf16.scores[j])
             assert n == tn, f"token counts differ for {cont!r}: lmdeploy {n}, transformers {tn}"
             assert isinstance(g, bool) and isinstance(tg, bool)
-            per_token = abs(lp - tlp) / n
-            worst = max(worst, per_token)
+            diffs = {"fp32_vs_tf32": abs(lp - tlp) / n, "fp16_vs_tf32": abs(lp16 - tlp) / n,
+                     "fp16_vs_tf16": abs(lp16 - hlp) / n, "tf16_vs_tf32": abs(hlp - tlp) / n}
+            worst = {k: max(v, diffs[k]) for k, v in worst.items()}
             greedy_same += g == tg
             rows.append({"prompt": r.prompt if r.prompt is not None else r.messages, "continuation": cont,
-                         "tokens": n, "lmdeploy": lp, "transformers": tlp, "per_token_diff": per_token,
-                         "is_greedy": [g, tg]})
-        h = reference[1000 + r.index].scores or []
-        tf16 = max([tf16, *(abs(a[0] - b[0]) / b[1] for a, b in zip(h, tf.scores, strict=True))])
-    summary = {"pairs": len(rows), "lmdeploy_dtype": gpu_dtype, "reference_dtype": "float32",
-               "max_per_token_diff": worst, "over_tolerance": sum(x["per_token_diff"] > PER_TOKEN_TOL for x in rows),
-               "is_greedy_agree": greedy_same, "tf16_vs_tf32_max_per_token_diff": tf16, "tolerance": PER_TOKEN_TOL}
+                         "tokens": n, "lmdeploy_fp32": lp, "lmdeploy_fp16": lp16, "transformers_fp32": tlp,
+                         "transformers_fp16": hlp, "per_token_diff": diffs, "is_greedy": [g, tg]})
+    summary = {"pairs": len(rows), "asserted": "lmdeploy float32 vs transformers float32",
+               "max_per_token_diff": worst,
+               "over_tolerance": {k: sum(x["per_token_diff"][k] > PER_TOKEN_TOL for x in rows) for k in worst},
+               "is_greedy_agree": greedy_same, "tolerance": PER_TOKEN_TOL, "suite_dtype": gpu_dtype}
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, "scores_gpu.json").write_text(json.dumps({**summary, "rows": rows}, indent=1))
     print(f"\nscore lmdeploy vs transformers: {json.dumps(summary)}")
     assert len(rows) == len(PROMPTS) * len(CONTINUATIONS)
-    assert worst <= PER_TOKEN_TOL, f"largest per-token difference {worst:.3e} over {PER_TOKEN_TOL}"
+    assert worst["fp32_vs_tf32"] <= PER_TOKEN_TOL, (
+        f"largest per-token difference {worst['fp32_vs_tf32']:.3e} over {PER_TOKEN_TOL}")
     assert greedy_same == len(rows), f"is_greedy differs on {len(rows) - greedy_same} pairs"
-
-
 
 
 def test_multiple_choice_through_the_worker_on_lmdeploy(reference: dict[int, EngineEvent], lmdeploy_engine: Any,
