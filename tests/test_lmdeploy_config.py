@@ -53,13 +53,6 @@ def test_defaults_leave_lmdeploy_defaults() -> None:
         ref.tp, ref.dtype, ref.session_len, ref.max_batch_size, ref.cache_max_entry_count)
 
 
-def test_float32_reaches_the_pytorch_engine() -> None:
-    """PytorchEngineConfig's own check knows no float32; the engine resolves it (the score path's dtype)."""
-    c = build_backend_config(LMDeployConfig(backend="pytorch", dtype="float32"))
-    assert isinstance(c, PytorchEngineConfig) and c.dtype == "float32"
-    assert build_backend_config(LMDeployConfig(backend="pytorch", dtype="float16")).dtype == "float16"
-
-
 def test_worker_defaults_build_a_turbomind_config() -> None:
     """The worker's defaults (--backend auto, no --max-batch-size): TurboMind's config used to refuse the
     explicit max_batch_size=None lmdq passed; unset values are now left to LMDeploy."""
@@ -69,8 +62,7 @@ def test_worker_defaults_build_a_turbomind_config() -> None:
 
 @pytest.mark.parametrize("kw, msg", [
     ({"backend": "vllm"}, "--backend"),
-    ({"dtype": "float32"}, "--dtype float32"),  # TurboMind (the default backend) has no float32
-    ({"dtype": "float32", "backend": "turbomind"}, "--backend pytorch"),
+    ({"dtype": "float32"}, "--dtype"),
     ({"quant_policy": 2}, "--quant-policy"),
     ({"backend": "pytorch", "cache_max_entry_count": 1.5}, "--cache-max-entry-count"),
     ({"num_gpu_blocks": 100}, "--num-gpu-blocks"),  # TurboMind would drop it

@@ -124,9 +124,8 @@ def test_bad_values_name_flag_and_env_var(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("LMDQ_SIM_MAX_BATCH", "0")
     with pytest.raises(BadSetting, match="--sim-max-batch / LMDQ_SIM_MAX_BATCH: .*greater than or equal to 1"):
         load_worker_settings(engine="sim")
-    with pytest.raises(BadSetting, match="--dtype float32: only the PyTorch engine runs it; pass --backend pytorch"):
+    with pytest.raises(BadSetting, match="--dtype / LMDQ_DTYPE: expected auto, float16 or bfloat16 for lmdeploy"):
         load_worker_settings(model="/m", dtype="float32")
-    assert load_worker_settings(model="/m", dtype="float32", backend="pytorch").engine_config.dtype == "float32"
     assert load_worker_settings(engine="transformers", dtype="float32").engine_config.dtype == "float32"
 
 

@@ -81,8 +81,7 @@ class ModelEngineConfig(EngineConfig):
 
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default="auto",
-        description="weights and activations dtype; auto = the engine's choice (lmdeploy: float32 on "
-        "--backend pytorch only, for exact scores of small models)",
+        description="weights and activations dtype; auto = the engine's choice (lmdeploy: no float32)",
     )
     chat_template: str | None = Field(
         default=None,
@@ -124,6 +123,13 @@ class LMDeployConfig(ModelEngineConfig):
                     "the first batch does not pay kernel compilation and first-use costs; 0 = off",
     )
 
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v == "float32":
+            raise ValueError("expected auto, float16 or bfloat16 for lmdeploy, got 'float32'")
+        return v
+
     @field_validator("quant_policy")
     @classmethod
     def _quant(cls, v: int) -> int:
@@ -137,14 +143,6 @@ class LMDeployConfig(ModelEngineConfig):
         if self.num_gpu_blocks and self.backend != "pytorch":
             raise ValueError("--num-gpu-blocks: a PyTorch-engine setting; pass --backend pytorch "
                              "(TurboMind: --cache-max-entry-count above 1 counts blocks)")
-        return self
-
-    @model_validator(mode="after")
-    def _float32_needs_pytorch(self) -> LMDeployConfig:
-        # TurboMind has no float32 kernels; the PyTorch engine runs float32 (build_backend_config)
-        if self.dtype == "float32" and self.backend != "pytorch":
-            raise ValueError("--dtype float32: only the PyTorch engine runs it; pass --backend pytorch "
-                             "(TurboMind: auto, float16 or bfloat16)")
         return self
 
     @model_validator(mode="after")

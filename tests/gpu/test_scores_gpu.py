@@ -1,10 +1,11 @@
 """Issue 24, GPU half of the scores: endpoint ``score`` through LMDeploy (PyTorch backend, every position's
 logits of prompt + continuation, log_softmax in float32) within 1e-2 per token of the transformers engine on
-the same weights (SmolLM2's bf16 weights, the reference in float32: exact for them). The asserted engine runs
-``--dtype float32``: float16 cannot meet 1e-2 on unlikely tokens (session 9 on the H200: LMDeploy float16
-2.59e-2, transformers float16 against its own float32 2.68e-2; on CPU, float16 hidden states with a float32
-lm_head still 2.7e-2, so the error is the activations', not the last rounding). The suite's float16 engine is
-scored too and recorded against both references.
+the same weights (SmolLM2's bf16 weights, the reference in float32: exact for them; LMDeploy runs the suite's
+float16). Known to fail (session 9 on the H200: max 2.59e-2, 10 of 60 pairs over, all on unlikely tokens;
+transformers float16 against its own float32 is 2.68e-2, and on CPU float16 hidden states with a float32
+lm_head are still 2.7e-2 off, so it is the activations' rounding). LMDeploy's PyTorch engine forced to float32
+(session 10) loaded and warmed up, and the test had not ended 5 minutes later: not offered. Every pair's numbers
+against both references go to ``$OUT/scores_gpu.json``.
 
 Self-checking: every pair is compared (the largest per-token difference is asserted and written to
 ``$OUT/scores_gpu.json`` with every pair's numbers), the token counts must agree (both engines tokenize
@@ -122,42 +123,33 @@ def _score(engine: Any, reqs: list[EngineRequest]) -> dict[int, EngineEvent]:
 
 
 def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[int, EngineEvent],
-                                                              lmdeploy_engine: Any, model_path: Path,
-                                                              gpu_dtype: str, gpu_mp_engine: bool) -> None:
-    """Asserted: LMDeploy in float32 (``--dtype float32``, PyTorch backend) against transformers float32, per
-    token within 1e-2, and ``is_greedy`` equal. Recorded beside it: the suite's float16 engine against both
-    references (float16's own rounding is ~3e-2 on unlikely tokens: no float16 engine can meet 1e-2 there)."""
-    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
-
+                                                              lmdeploy_engine: Any, gpu_dtype: str) -> None:
+    """Asserted: the suite's LMDeploy engine (float16) against transformers float32, per token within 1e-2,
+    and ``is_greedy`` equal. Recorded beside it, per pair: transformers float16 against both (what float16
+    itself costs; no float16 engine may be expected to do better) and LMDeploy against transformers float16
+    (two float16 implementations of the same weights)."""
     reqs = _requests()
-    eng32 = LMDeployEngine.load(model_path=str(model_path), served_model_name="smollm2", backend="pytorch",
-                                dtype="float32", session_len=1024, cache_max_entry_count=0.2, mp_engine=gpu_mp_engine)
-    try:
-        got32 = _score(eng32, reqs)
-    finally:
-        eng32.close()
     got16 = _score(lmdeploy_engine, reqs)
     rows: list[dict[str, Any]] = []
-    worst = {"fp32_vs_tf32": 0.0, "fp16_vs_tf32": 0.0, "fp16_vs_tf16": 0.0, "tf16_vs_tf32": 0.0}
+    worst = {"fp16_vs_tf32": 0.0, "fp16_vs_tf16": 0.0, "tf16_vs_tf32": 0.0}
     greedy_same = 0
     for r in reqs:
-        ld, ld16, tf, tf16 = got32[r.index], got16[r.index], reference[r.index], reference[1000 + r.index]
+        ld, tf, tf16 = got16[r.index], reference[r.index], reference[1000 + r.index]
         assert tf.finish_reason == "stop" and tf.scores is not None, (tf.error_code, tf.error_message)
         assert tf16.scores is not None
         assert ld.input_token_len == tf.input_token_len, "both engines must tokenize the prompt alike"
         for j, cont in enumerate(CONTINUATIONS):
-            (lp, n, g), (lp16, _, _), (tlp, tn, tg), (hlp, _, _) = (
-                ld.scores[j], (ld16.scores or [])[j], tf.scores[j], tf16.scores[j])
+            (lp16, n, g), (tlp, tn, tg), (hlp, _, _) = (ld.scores or [])[j], tf.scores[j], tf16.scores[j]
             assert n == tn, f"token counts differ for {cont!r}: lmdeploy {n}, transformers {tn}"
             assert isinstance(g, bool) and isinstance(tg, bool)
-            diffs = {"fp32_vs_tf32": abs(lp - tlp) / n, "fp16_vs_tf32": abs(lp16 - tlp) / n,
+            diffs = {"fp16_vs_tf32": abs(lp16 - tlp) / n,
                      "fp16_vs_tf16": abs(lp16 - hlp) / n, "tf16_vs_tf32": abs(hlp - tlp) / n}
             worst = {k: max(v, diffs[k]) for k, v in worst.items()}
             greedy_same += g == tg
             rows.append({"prompt": r.prompt if r.prompt is not None else r.messages, "continuation": cont,
-                         "tokens": n, "lmdeploy_fp32": lp, "lmdeploy_fp16": lp16, "transformers_fp32": tlp,
+                         "tokens": n, "lmdeploy_fp16": lp16, "transformers_fp32": tlp,
                          "transformers_fp16": hlp, "per_token_diff": diffs, "is_greedy": [g, tg]})
-    summary = {"pairs": len(rows), "asserted": "lmdeploy float32 vs transformers float32",
+    summary = {"pairs": len(rows), "asserted": f"lmdeploy {gpu_dtype} vs transformers float32",
                "max_per_token_diff": worst,
                "over_tolerance": {k: sum(x["per_token_diff"][k] > PER_TOKEN_TOL for x in rows) for k in worst},
                "is_greedy_agree": greedy_same, "tolerance": PER_TOKEN_TOL, "suite_dtype": gpu_dtype}
@@ -166,8 +158,8 @@ def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[in
         Path(out_dir, "scores_gpu.json").write_text(json.dumps({**summary, "rows": rows}, indent=1))
     print(f"\nscore lmdeploy vs transformers: {json.dumps(summary)}")
     assert len(rows) == len(PROMPTS) * len(CONTINUATIONS)
-    assert worst["fp32_vs_tf32"] <= PER_TOKEN_TOL, (
-        f"largest per-token difference {worst['fp32_vs_tf32']:.3e} over {PER_TOKEN_TOL}")
+    assert worst["fp16_vs_tf32"] <= PER_TOKEN_TOL, (
+        f"largest per-token difference {worst['fp16_vs_tf32']:.3e} over {PER_TOKEN_TOL}")
     assert greedy_same == len(rows), f"is_greedy differs on {len(rows) - greedy_same} pairs"
 
 

@@ -98,20 +98,8 @@ def build_backend_config(config: LMDeployConfig, adapters: dict[str, str] | None
         # nothing for requests that don't ask (the engine computes them only when a request in the step does).
         # enable_mp_engine: the engine's scheduler runs in its own process (what LMDeploy's own api_server
         # always does), so it never waits for the GIL behind the worker's threads and their per-token work.
-        kw = same_named(PytorchEngineConfig)
-        float32 = kw.get("dtype") == "float32"
-        if float32:
-            kw["dtype"] = "auto"
-        cfg = PytorchEngineConfig(**kw, logprobs_mode="raw_logprobs", enable_mp_engine=config.mp_engine, **extra,
-                                  **lora)
-        if float32:
-            # Why: float16 cannot score to 1e-2 per token (its own rounding, measured against float32, is
-            # ~3e-2 on unlikely tokens of SmolLM2; docs/outputs.md). PytorchEngineConfig's __post_init__
-            # asserts auto|float16|bfloat16, but the engine resolves any torch dtype name it is given
-            # (lmdeploy/pytorch/config.py _update_torch_dtype) and its Triton kernels take float32: set it
-            # after the check. Checked on the H200 by tests/gpu/test_scores_gpu.py.
-            cfg.dtype = "float32"
-        return cfg
+        return PytorchEngineConfig(**same_named(PytorchEngineConfig), logprobs_mode="raw_logprobs",
+                                   enable_mp_engine=config.mp_engine, **extra, **lora)
     return TurbomindEngineConfig(**same_named(TurbomindEngineConfig))
 
 
