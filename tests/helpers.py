@@ -75,6 +75,22 @@ def stage_jobs(client: Any, jq: Any, batch_id: str, queue: str, n_jobs: int) -> 
         p.execute()
 
 
+def sim_batch_results(f: Path, env: dict[str, str], *submit_args: str) -> tuple[str, list[Result]]:
+    """The whole CLI path on the sim engine: ``producer submit f --allow-unknown-model *submit_args``, one
+    burst ``lmdq-worker --engine sim`` process (served as ``sim``) until it exits 0, then ``producer results
+    --wait``: (batch id, results in input order)."""
+    from tests.conftest import run_cli, start_worker
+
+    p = run_cli("producer", "submit", str(f), "--allow-unknown-model", *submit_args, env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    bid = p.stdout.decode().strip()
+    w = start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--burst", env=env)
+    assert w.wait(60) == 0
+    out = run_cli("producer", "results", bid, "--wait", "--timeout", "60", env=env)
+    assert out.returncode == 0, out.stderr.decode()
+    return bid, [Result.model_validate_json(x) for x in out.stdout.splitlines()]
+
+
 def need_default_model() -> Path:
     """The converted embedded model (SmolLM2-135M-Instruct), or a skip when the CPU extras (torch,
     transformers) or the GGUF package it is converted from are missing: one rule for every model test."""

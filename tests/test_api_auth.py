@@ -38,15 +38,6 @@ def test_bad_keys_are_one_clear_error_without_the_key(keys: str, says: str) -> N
         assert secret not in str(e.value)
 
 
-def test_a_bad_keys_file_names_its_line(tmp_path: Path) -> None:
-    f = tmp_path / "keys"
-    f.write_text(f"team-a:{K1}\nno-colon-here\n")
-    with pytest.raises(BadSetting, match=r"keys:2: expected tenant:key"):
-        load_keyring(None, f)
-    with pytest.raises(BadSetting, match="cannot read"):
-        load_keyring(None, tmp_path / "missing")
-
-
 def test_lmdq_api_without_keys_refuses_to_start(env: dict[str, str]) -> None:
     e = {k: v for k, v in env.items() if not k.startswith("LMDQ_API_KEYS")}
     p = run_cli("lmdq.api", "--port", "0", env=e, timeout=60)

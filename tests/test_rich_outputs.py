@@ -22,8 +22,8 @@ from lmdq.guided import check, schema_of, to_lmdeploy
 from lmdq.producer.formats import InputError, InputFormat, iter_lines
 from lmdq.worker.engines.base import EngineEvent, EngineRequest
 from lmdq.worker.engines.sim import SimEngine, minimal_instance
-from tests.conftest import run_cli, start_worker
-from tests.helpers import PERSON_SCHEMA, write_jsonl
+from tests.conftest import run_cli
+from tests.helpers import PERSON_SCHEMA, sim_batch_results, write_jsonl
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -182,14 +182,7 @@ def test_100_guided_requests_through_lmdq_on_sim(tmp_path: Path, env: dict[str, 
              "body": {"model": "sim", "messages": [{"role": "user", "content": f"Person {i} as JSON"}],
                       "max_tokens": 64, "response_format": RF}} for i in range(100)]
     f = write_jsonl(tmp_path / "guided.jsonl", rows)
-    p = run_cli("producer", "submit", str(f), "--allow-unknown-model", "--batch-size", "25", env=env)
-    assert p.returncode == 0, p.stderr.decode()
-    bid = p.stdout.decode().strip()
-    w = start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--burst", env=env)
-    assert w.wait(60) == 0
-    out = run_cli("producer", "results", bid, "--wait", "--timeout", "60", env=env)
-    assert out.returncode == 0, out.stderr.decode()
-    results = [Result.model_validate_json(x) for x in out.stdout.splitlines()]
+    _, results = sim_batch_results(f, env, "--batch-size", "25")
     assert len(results) == 100
     for r in results:
         assert r.status is ResultStatus.completed and r.finish_reason is not None

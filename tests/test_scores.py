@@ -19,8 +19,8 @@ import redis
 
 from lmdq.contract import ContinuationScore, Endpoint, Request, Result, ResultStatus
 from lmdq.worker.engines.base import EngineRequest
-from tests.conftest import run_cli, start_worker
-from tests.helpers import direct_score, final_events
+from tests.conftest import run_cli
+from tests.helpers import direct_score, final_events, sim_batch_results
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -143,14 +143,7 @@ def test_score_batch_on_sim_through_worker_and_every_export(tmp_path: Path, env:
         {"custom_id": "r2", "messages": [*FRANCE, {"role": "assistant", "content": "Paris"}], "endpoint": "reward"},
     ]
     f = _jsonl(tmp_path / "mixed.jsonl", rows)
-    p = run_cli("producer", "submit", str(f), "--allow-unknown-model", "--model", "sim", env=env)
-    assert p.returncode == 0, p.stderr.decode()
-    bid = p.stdout.decode().strip()
-    w = start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--burst", env=env)
-    assert w.wait(60) == 0
-    out = run_cli("producer", "results", bid, "--wait", "--timeout", "60", env=env)
-    assert out.returncode == 0, out.stderr.decode()
-    res = [Result.model_validate_json(x) for x in out.stdout.splitlines()]
+    bid, res = sim_batch_results(f, env, "--model", "sim")
     assert [r.custom_id for r in res] == ["s0", "g1", "r2"]
     assert all(r.status is ResultStatus.completed for r in res)
     s0, g1, r2 = res

@@ -29,6 +29,7 @@ import pytest
 
 from lmdq.contract import Endpoint
 from lmdq.worker.engines.base import EngineEvent, EngineRequest
+from tests.helpers import final_events
 
 PROMPTS: list[str | list[dict[str, str]]] = [
     "The capital of France is",
@@ -63,15 +64,6 @@ def _mc_requests(base: int = 0) -> list[EngineRequest]:
             for i, (q, c) in enumerate(MC)]
 
 
-def _finals(events: Iterator[EngineEvent]) -> dict[int, EngineEvent]:
-    out: dict[int, EngineEvent] = {}
-    for ev in events:
-        assert ev.index not in out, "no event may follow a request's final event"
-        if ev.finish_reason is not None:
-            out[ev.index] = ev
-    return out
-
-
 def _requests() -> list[EngineRequest]:
     reqs = []
     for i, p in enumerate(PROMPTS):
@@ -91,7 +83,7 @@ def reference(model_path: Path, gpu_dtype: str) -> dict[int, EngineEvent]:
     for dtype, base in (("float32", 0), (gpu_dtype, 1000)):
         eng = TransformersEngine(model_path=model_path, served_model_name="smollm2", device="cuda", dtype=dtype)
         try:
-            got = _finals(eng.stream([*_requests(), *_mc_requests(MC_BASE)], threading.Event()))
+            got = final_events(eng.stream([*_requests(), *_mc_requests(MC_BASE)], threading.Event()))
         finally:
             eng.close()
             torch.cuda.empty_cache()
@@ -114,7 +106,7 @@ def _score(engine: Any, reqs: list[EngineRequest]) -> dict[int, EngineEvent]:
     a reward model LMDeploy serves) while the score requests of the same call complete."""
     reward = EngineRequest(index=len(reqs), endpoint=Endpoint.reward,
                            messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
-    got = _finals(engine.stream([*reqs, reward], threading.Event()))
+    got = final_events(engine.stream([*reqs, reward], threading.Event()))
     assert got[reward.index].finish_reason == "error" and got[reward.index].error_code == "unsupported_feature"
     for r in reqs:
         assert got[r.index].finish_reason == "stop" and got[r.index].scores is not None, (

@@ -43,6 +43,9 @@ def test_a_file_error_names_the_line(tmp_path: Path) -> None:
     f.write_text(f"a:{K1}\n\nb:tiny\n")
     with pytest.raises(BadSetting, match=f"{f}:3"):
         load_keyring(None, f)
+    f.write_text(f"team-a:{K1}\nno-colon-here\n")
+    with pytest.raises(BadSetting, match=r"keys:2: expected tenant:key"):
+        load_keyring(None, f)
     with pytest.raises(BadSetting, match="cannot read"):
         load_keyring(None, tmp_path / "absent")
 
