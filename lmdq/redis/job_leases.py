@@ -74,7 +74,7 @@ class JobLeases:
         reading and offset the lease scripts keep in ``<leases>:clock`` (raw; None when absent)."""
         with self.client.pipeline(transaction=False) as p:
             p.time()
-            p.hmget(f"{self.keys.leases()}:clock", ["raw", "offset"])
+            p.hmget(self.keys.lease_clock(), ["raw", "offset"])
             (sec, usec), (last, offset) = p.execute()
         return sec, usec, last, offset
 

@@ -250,6 +250,17 @@ class Keys:
         """Sorted set job_id -> lease expiry (unix s); expired leases are re-queued by any worker."""
         return f"{self.prefix}:leases"
 
+    def lease_clock(self) -> str:
+        """Hash raw/offset: the last Redis TIME the lease scripts read and the offset that keeps lease time
+        monotonic across a server clock stepping back. The scripts derive the same name from their first
+        key (``<leases>:clock``); this is its one spelling on the Python side."""
+        return f"{self.leases()}:clock"
+
+    def sink_pending(self) -> tuple[str, str]:
+        """The sink retry schedule: a zset member -> due time and a hash member -> its data (fleet-wide,
+        one pair per key prefix)."""
+        return f"{self.prefix}:sink:pending", f"{self.prefix}:sink:pending-data"
+
     def lease_owner(self) -> str:
         """Hash job_id -> worker name holding the lease."""
         return f"{self.prefix}:lease-owner"

@@ -22,7 +22,7 @@ __all__ = ["add", "claim_due", "count", "drop", "pending_keys"]
 
 def pending_keys(keys: Keys) -> tuple[str, str]:
     """The retry schedule's zset and data hash (fleet-wide, one pair per key prefix)."""
-    return f"{keys.prefix}:sink:pending", f"{keys.prefix}:sink:pending-data"
+    return keys.sink_pending()
 
 
 def add(client: redis.Redis, keys: Keys, *, member: str, data: str, delay_s: float, batch_id: str,
