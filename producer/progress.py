@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, Tim
 from rich.progress import Progress as Bar
 
 from lmdq.contract import Batch, BatchStatus
+from lmdq.redis.connection import RETRYABLE_ERRORS
 from lmdq.redis.registry import ModelRegistry
 from lmdq.results.store import ResultStore
 
@@ -149,6 +150,7 @@ class BatchProgress:
         self.started = clock()
         self.lines = 0
         self._live: int | None = None
+        self._tokens = 0
         self._checked_at: float | None = None
         self._checked_status: BatchStatus | None = None
         self._said: tuple[str, str | None] | None = None  # (status, hint) of the last line
@@ -174,7 +176,13 @@ class BatchProgress:
         if self.quiet:
             return
         now = self.clock()
-        tokens = self.store.output_tokens(b.id)
+        # The display's own reads (tokens, live workers) are not the poll: a Redis that goes away between
+        # the poll and them must not end a wait that the next, patient poll would ride out (the poll says
+        # "lost Redis" and waits); the last values are shown meanwhile.
+        try:
+            tokens = self._tokens = self.store.output_tokens(b.id)
+        except RETRYABLE_ERRORS:
+            tokens = self._tokens
         self.window.add(now, b.request_counts.done, tokens)
         hint = no_worker_hint(b, self._live_workers(b, now))
         if self.terminal:
@@ -193,7 +201,10 @@ class BatchProgress:
         # again at once when the status moved (queued -> in_progress: someone serves it after all)
         if self._checked_at is None or now - self._checked_at >= WORKER_CHECK_S or b.status != self._checked_status:
             self._checked_at, self._checked_status = now, b.status
-            self._live = next((m.live_workers for m in self.models.models() if m.name == b.model), 0)
+            try:
+                self._live = next((m.live_workers for m in self.models.models() if m.name == b.model), 0)
+            except RETRYABLE_ERRORS:
+                self._checked_at = None  # asked again at the next poll
         return self._live
 
     def summary(self, b: Batch, tokens: int) -> str:

@@ -238,9 +238,11 @@ def test_status_watch_outlives_a_redis_restart(env: dict[str, str]) -> None:
             time.sleep(0.05)
         srv.stop()  # clean shutdown: the AOF keeps the batch
         assert w.stderr is not None
+        seen: list[str] = []
         line = w.stderr.readline().decode()
         while "lost Redis" not in line:  # the watcher noticed (rich may draw its bar first)
-            assert line, "the watcher ended instead of waiting for Redis"
+            assert line, f"the watcher ended instead of waiting for Redis (exit {w.wait(10)}): {seen}"
+            seen.append(line)
             line = w.stderr.readline().decode()
         srv.start()
         ResultStore(redis.Redis.from_url(srv.url), keys=keys).batches.transition("b1", [BatchStatus.queued],

@@ -132,3 +132,30 @@ def test_rates_follow_the_recent_window_not_the_whole_run() -> None:
     r = w.rates()
     assert r.requests_s is not None and 490 < r.requests_s <= 500 and r.tokens_s is not None
     assert [format_duration(s) for s in (None, 4, 185, 7620, 273600)] == ["-", "4s", "3m05s", "2h07m", "3d04h"]
+
+
+def test_redis_gone_between_a_poll_and_the_display_keeps_the_last_values() -> None:
+    """The poll is patient (it says "lost Redis" and waits); the display's own reads (tokens, live workers)
+    must not end the wait when Redis stops right after a poll (CI: ``status --watch`` exited there)."""
+    from tests.conftest import RedisServer
+
+    srv = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(srv.url)
+        store = ResultStore(client, keys=Keys("gone"))
+        bid = _batch(store, 4)
+        _done(store, bid, 0, tokens=7)
+        clock = Clock()
+        p, out = _progress(client, "gone", clock, interval=1.0)
+        b = store.batches.get(bid)
+        p.update(b)
+        first = out.getvalue()
+        assert "1/4" in first, first
+        srv.stop()
+        clock.t += 2
+        p.update(b)  # Redis is down: no exception, the last token count is shown
+        later = out.getvalue()[len(first):]
+        assert "1/4" in later and p.lines == 2, later
+        assert p._tokens == 7
+    finally:
+        srv.cleanup()
