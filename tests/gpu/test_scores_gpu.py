@@ -3,9 +3,9 @@ logits of prompt + continuation, log_softmax in float32) within 1e-2 per token o
 the same weights (SmolLM2's bf16 weights, the reference in float32: exact for them; LMDeploy runs the suite's
 float16). Known to fail (session 9 on the H200: max 2.59e-2, 10 of 60 pairs over, all on unlikely tokens;
 transformers float16 against its own float32 is 2.68e-2, and on CPU float16 hidden states with a float32
-lm_head are still 2.7e-2 off, so it is the activations' rounding). LMDeploy's PyTorch engine forced to float32
-(session 10) loaded and warmed up, and the test had not ended 5 minutes later: not offered. Every pair's numbers
-against both references go to ``$OUT/scores_gpu.json``.
+lm_head are still 2.7e-2 off, so it is the activations' rounding: scripts/score_precision.py). LMDeploy's
+PyTorch engine forced to float32 (session 10) loaded and warmed up, and the test had not ended 5 minutes
+later: not offered. Every pair's numbers against both references go to ``$OUT/scores_gpu.json``.
 
 Self-checking: every pair is compared (the largest per-token difference is asserted and written to
 ``$OUT/scores_gpu.json`` with every pair's numbers), the token counts must agree (both engines tokenize
