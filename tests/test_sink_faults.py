@@ -286,7 +286,6 @@ def test_sweeper_retries_only_real_jobs_of_allowed_sinks(tmp_path: Path, client:
     worker that may); a claimed entry is not handed to a second sweeper while its lease runs."""
     import structlog
 
-    from lmdq.redis.sink_pending import pending_keys
     from lmdq.results.output_urls import OutputPolicy
     from lmdq.results.sink import PendingShard, add_pending, claim_pending
     from lmdq.results.worker_sink import EVERY_ENTRY_S, ResultsSink
@@ -307,7 +306,7 @@ def test_sweeper_retries_only_real_jobs_of_allowed_sinks(tmp_path: Path, client:
     batch(outside, other_url)
     for bid in (good, outside, gone):
         add_pending(client, keys, PendingShard(batch_id=bid, job_no=0, ranges=[(0, 1)]), 0)
-    z, h = pending_keys(keys)
+    z, h = keys.sink_pending()
     client.zadd(z, {"../../etc:0": 0, f"{good}:7": 0})
     client.hset(h, f"{good}:7", '{"r": [[0, 99]]}')  # indices outside the batch
     sink = ResultsSink(client, keys, store=store, outputs=OutputPolicy([ok_url]), log=structlog.get_logger(),

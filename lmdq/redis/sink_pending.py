@@ -17,19 +17,14 @@ import redis
 from lmdq.redis import scripts
 from lmdq.redis.keys import Keys
 
-__all__ = ["add", "claim_due", "count", "drop", "pending_keys"]
-
-
-def pending_keys(keys: Keys) -> tuple[str, str]:
-    """The retry schedule's zset and data hash (fleet-wide, one pair per key prefix)."""
-    return keys.sink_pending()
+__all__ = ["add", "claim_due", "count", "drop"]
 
 
 def add(client: redis.Redis, keys: Keys, *, member: str, data: str, delay_s: float, batch_id: str,
         job_no: int) -> None:
     """Schedule ``member`` ``delay_s`` from now (replacing an earlier schedule), unless its job is sealed
     by now (the script checks the batch's shard index)."""
-    z, h = pending_keys(keys)
+    z, h = keys.sink_pending()
     scripts.PENDING_ADD(keys=[z, h, keys.shards(batch_id)], args=[member, data, f"{delay_s:.3f}", job_no],
                         client=client)
 
@@ -37,17 +32,17 @@ def add(client: redis.Redis, keys: Keys, *, member: str, data: str, delay_s: flo
 def claim_due(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float, ahead_s: float) -> list[Any]:
     """Up to ``limit`` entries due within ``ahead_s``, each pushed ``lease_s`` ahead, in one script call:
     the raw flat reply ``[member, data, member, data, ...]`` (untrusted)."""
-    z, h = pending_keys(keys)
+    z, h = keys.sink_pending()
     return list(scripts.PENDING_CLAIM(keys=[z, h], args=[limit, f"{lease_s:.3f}", f"{ahead_s:.3f}"],
                                       client=client))
 
 
 def drop(client: redis.Redis, keys: Keys, member: str) -> None:
     """Take ``member`` off the schedule (one script call)."""
-    z, h = pending_keys(keys)
+    z, h = keys.sink_pending()
     scripts.PENDING_DROP(keys=[z, h], args=[member], client=client)
 
 
 def count(client: redis.Redis, keys: Keys) -> int:
     """Entries on the schedule, fleet-wide."""
-    return int(client.zcard(pending_keys(keys)[0]))
+    return int(client.zcard(keys.sink_pending()[0]))

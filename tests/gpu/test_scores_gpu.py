@@ -11,9 +11,8 @@ Self-checking: every pair is compared (the largest per-token difference is asser
 ``$OUT/scores_gpu.json`` with every pair's numbers), the token counts must agree (both engines tokenize
 prompt and continuation separately), ``is_greedy`` must be a bool from both and agree, and a ``reward``
 request on SmolLM2 (not a reward model LMDeploy serves) must fail alone with ``unsupported_feature`` while
-the score requests of the same call complete. A second
-check runs a multiple-choice batch through the real worker loop on a real Redis and compares its
-picks with the transformers engine's.
+the score requests of the same call complete. A second check runs a multiple-choice batch through the real
+worker loop on a real Redis and compares its picks with the transformers engine's.
 """
 
 from __future__ import annotations
@@ -101,19 +100,6 @@ def lmdeploy_engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool) -> It
     eng.close()
 
 
-def _score(engine: Any, reqs: list[EngineRequest]) -> dict[int, EngineEvent]:
-    """One stream call of the score requests plus a ``reward`` request, which must fail alone (SmolLM2 is not
-    a reward model LMDeploy serves) while the score requests of the same call complete."""
-    reward = EngineRequest(index=len(reqs), endpoint=Endpoint.reward,
-                           messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
-    got = final_events(engine.stream([*reqs, reward], threading.Event()))
-    assert got[reward.index].finish_reason == "error" and got[reward.index].error_code == "unsupported_feature"
-    for r in reqs:
-        assert got[r.index].finish_reason == "stop" and got[r.index].scores is not None, (
-            got[r.index].error_code, got[r.index].error_message)
-    return got
-
-
 def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[int, EngineEvent],
                                                               lmdeploy_engine: Any, gpu_dtype: str) -> None:
     """Asserted: the suite's LMDeploy engine (float16) against transformers float32, per token within 1e-2,
@@ -121,17 +107,21 @@ def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[in
     itself costs; no float16 engine may be expected to do better) and LMDeploy against transformers float16
     (two float16 implementations of the same weights)."""
     reqs = _requests()
-    got16 = _score(lmdeploy_engine, reqs)
+    reward = EngineRequest(index=len(reqs), endpoint=Endpoint.reward,
+                           messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    got = final_events(lmdeploy_engine.stream([*reqs, reward], threading.Event()))
+    assert got[reward.index].finish_reason == "error" and got[reward.index].error_code == "unsupported_feature"
     rows: list[dict[str, Any]] = []
     worst = {"fp16_vs_tf32": 0.0, "fp16_vs_tf16": 0.0, "tf16_vs_tf32": 0.0}
     greedy_same = 0
     for r in reqs:
-        ld, tf, tf16 = got16[r.index], reference[r.index], reference[1000 + r.index]
+        ld, tf, tf16 = got[r.index], reference[r.index], reference[1000 + r.index]
+        assert ld.finish_reason == "stop" and ld.scores is not None, (ld.error_code, ld.error_message)
         assert tf.finish_reason == "stop" and tf.scores is not None, (tf.error_code, tf.error_message)
         assert tf16.scores is not None
         assert ld.input_token_len == tf.input_token_len, "both engines must tokenize the prompt alike"
-        for j, cont in enumerate(CONTINUATIONS):
-            (lp16, n, g), (tlp, tn, tg), (hlp, _, _) = (ld.scores or [])[j], tf.scores[j], tf16.scores[j]
+        for cont, (lp16, n, g), (tlp, tn, tg), (hlp, _, _) in zip(CONTINUATIONS, ld.scores, tf.scores, tf16.scores,
+                                                                   strict=True):
             assert n == tn, f"token counts differ for {cont!r}: lmdeploy {n}, transformers {tn}"
             assert isinstance(g, bool) and isinstance(tg, bool)
             diffs = {"fp16_vs_tf32": abs(lp16 - tlp) / n,

@@ -10,7 +10,7 @@ from lmdq.redis.keys import Keys
 
 def test_add_claim_drop_and_count(client: redis.Redis, prefix: str) -> None:
     k = Keys(prefix)
-    assert sink_pending.pending_keys(k) == (f"{prefix}:sink:pending", f"{prefix}:sink:pending-data")
+    assert k.sink_pending() == (f"{prefix}:sink:pending", f"{prefix}:sink:pending-data")
     assert sink_pending.count(client, k) == 0
     sink_pending.add(client, k, member="b1:0", data='{"r":[[0,1]],"n":0}', delay_s=0, batch_id="b1", job_no=0)
     sink_pending.add(client, k, member="b1:1", data='{"r":[[2,3]],"n":0}', delay_s=3600, batch_id="b1", job_no=1)
