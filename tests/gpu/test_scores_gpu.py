@@ -1,15 +1,12 @@
 """Issue 24, GPU half of the scores: endpoint ``score`` through LMDeploy (PyTorch backend, every position's
-logits of prompt + continuation, log_softmax in float32) within 1e-2 per token of the transformers engine on
-the same model: the same weights in the same dtype (the suite's float16).
-
-Why the same dtype (decided in session 11): against transformers float32 no float16 engine can meet 1e-2.
-Session 9 on the H200: LMDeploy float16 vs transformers float32 max 2.59e-2 per token, and transformers
-float16 against its own float32 2.68e-2; on CPU float16 hidden states through a float32 lm_head are still
-2.7e-2 off (scripts/score_precision.py), so it is float16's rounding of the activations, which no score code
-can undo. LMDeploy's PyTorch engine forced to float32 (session 10) loaded and warmed up, and the test had not
-ended 5 minutes later: not offered. So the assertion compares two implementations of one float16 model
-(what tells a wrong score apart from rounding), and every pair's distance to float32 is measured and written
-beside it (``$OUT/scores_gpu.json``, printed), so what float16 costs stays in sight.
+logits of prompt + continuation, log_softmax in float32) against the transformers engine on the same weights
+in float32 (exact for SmolLM2's bf16 weights), held to tests/gpu/score_bar.py: 1e-2 per token over all scored
+tokens, and each pair within 1e-2 per token plus two float16 ulps at its score's magnitude. Why not 1e-2 on
+every pair: no float16 engine meets that against float32 (transformers float16 itself is 2.68e-2 off on its
+worst pair; the reasons and the numbers are in score_bar's docstring). LMDeploy's PyTorch engine forced to
+float32 (session 10) loaded and warmed up, and the test had not ended 5 minutes later: not offered. Every
+pair's numbers against transformers float32 and float16 go to ``$OUT/scores_gpu.json``, and the same bar is
+asserted for transformers float16 (so a bar float16 cannot meet would show here first).
 
 Self-checking: every pair is compared (the largest per-token difference is asserted and written to
 ``$OUT/scores_gpu.json`` with every pair's numbers), the token counts must agree (both engines tokenize
@@ -32,6 +29,7 @@ import pytest
 
 from lmdq.contract import Endpoint
 from lmdq.worker.engines.base import EngineEvent, EngineRequest
+from tests.gpu.score_bar import PER_TOKEN_TOL, Pair, score_bar
 from tests.helpers import final_events
 
 PROMPTS: list[str | list[dict[str, str]]] = [
@@ -49,7 +47,6 @@ PROMPTS: list[str | list[dict[str, str]]] = [
     [{"role": "user", "content": "Is water wet? Answer yes or no."}],
 ]
 CONTINUATIONS = (" Paris", " a small village by the sea", " np", " 4", "The capital of France is Paris.")
-PER_TOKEN_TOL = 1e-2
 
 MC = [
     ("The capital of France is", [" Paris", " Berlin", " Madrid", " Rome"]),
@@ -106,9 +103,9 @@ def lmdeploy_engine(model_path: Path, gpu_dtype: str, gpu_mp_engine: bool) -> It
 
 def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[int, EngineEvent],
                                                               lmdeploy_engine: Any, gpu_dtype: str) -> None:
-    """Asserted: the suite's LMDeploy engine against transformers in the same dtype, per token within 1e-2,
-    and ``is_greedy`` equal to that reference's. Recorded beside it, per pair: both against transformers
-    float32 (what float16 itself costs; no float16 engine may be expected to do better)."""
+    """Asserted: the suite's LMDeploy engine against transformers float32 within score_bar's bar, the same
+    bar for transformers float16 (what float16 itself costs), and ``is_greedy`` equal to transformers'
+    in the same dtype. Recorded beside it, per pair: LMDeploy against transformers float16."""
     reqs = _requests()
     reward = EngineRequest(index=len(reqs), endpoint=Endpoint.reward,
                            messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
@@ -136,7 +133,11 @@ def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[in
                          "tokens": n, "lmdeploy_fp16": lp16, "transformers_fp32": tlp,
                          "transformers_fp16": hlp, "per_token_diff": diffs,
                          "is_greedy": {"lmdeploy": g, "transformers_fp16": hg, "transformers_fp32": tg}})
-    summary = {"pairs": len(rows), "asserted": f"lmdeploy {gpu_dtype} vs transformers {gpu_dtype}",
+    bar = score_bar([Pair(got=x["lmdeploy_fp16"], ref=x["transformers_fp32"], tokens=x["tokens"]) for x in rows])
+    bar16 = score_bar([Pair(got=x["transformers_fp16"], ref=x["transformers_fp32"], tokens=x["tokens"])
+                       for x in rows])
+    summary = {"pairs": len(rows), "asserted": f"score_bar: lmdeploy {gpu_dtype} vs transformers float32",
+               "bar": bar.explain(), "bar_transformers_fp16": bar16.explain(),
                "max_per_token_diff": worst,
                "over_tolerance": {k: sum(x["per_token_diff"][k] > PER_TOKEN_TOL for x in rows) for k in worst},
                "is_greedy_agree": greedy_same, "is_greedy_agree_tf32": greedy_same_tf32,
@@ -146,8 +147,8 @@ def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[in
         Path(out_dir, "scores_gpu.json").write_text(json.dumps({**summary, "rows": rows}, indent=1))
     print(f"\nscore lmdeploy vs transformers: {json.dumps(summary)}")
     assert len(rows) == len(PROMPTS) * len(CONTINUATIONS)
-    assert worst["fp16_vs_tf16"] <= PER_TOKEN_TOL, (
-        f"largest per-token difference {worst['fp16_vs_tf16']:.3e} over {PER_TOKEN_TOL}")
+    assert bar16.ok, f"transformers {gpu_dtype} itself misses the bar: {bar16.explain()}"
+    assert bar.ok, bar.explain()
     assert greedy_same == len(rows), f"is_greedy differs on {len(rows) - greedy_same} pairs"
 
 
