@@ -16,6 +16,11 @@ Reported side by side: output tokens per second (first job visible to last resul
 prompt tokens the engine really prefilled (the worker's accounting, ``Result.prefill_token_len``,
 from LMDeploy's ``cached_tokens``; the sim's own counters where results carry none), beside the prompt
 tokens 8 separate unshared requests would prefill. The ``n`` side runs first, after a warm-up.
+
+``raw=True`` (``--raw-baseline``) adds a third side: the same P x n requests (fresh prompts again) in ONE call to the
+engine, no queue (LMDeploy: one ``pipe(prompts)``, the prefix cache doing whatever it does unprimed): what
+the engine alone makes of this workload, so a slow pair of lmdq sides can be told apart from a slow engine
+(session 11 on the H200: both lmdq sides ~5k tok/s, a third of SmolLM2's chat rate, cause unmeasured).
 """
 
 from __future__ import annotations
@@ -23,18 +28,19 @@ from __future__ import annotations
 import json
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmdq.bench.efficiency import EfficiencyConfig, make_prompts, run_raw
 from lmdq.bench.finished_batch import read_finished, wait_terminal
-from lmdq.contract import GenerationParams
+from lmdq.contract import Endpoint, GenerationParams
 from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
-from lmdq.worker.engines.base import Borrowed, Engine
+from lmdq.worker.engines.base import Borrowed, Engine, EngineRequest
 from lmdq.worker.runner import Worker
 from lmdq.worker.settings import WorkerSettings
 
@@ -52,6 +58,8 @@ class SamplesConfig:
     temperature: float = 1.0
     seed: int = 0
     jobs_in_flight: int = 0
+    #: also time the same requests in one raw engine call (no queue)
+    raw: bool = False
 
 
 def _write(path: Path, prompts: list[str], cfg: SamplesConfig, *, as_n: bool) -> int:
@@ -116,6 +124,30 @@ def _run_side(engine: Engine, path: Path, requests: int, batch_size: int, cfg: S
     return out
 
 
+def _run_raw_side(engine: Engine, prompts: list[str], cfg: SamplesConfig) -> dict[str, Any]:
+    """The P x n requests of the lines side, as one engine call: LMDeploy ``pipe()`` (``infer_all``), other
+    engines one ``stream`` call. Seeds as the lines side's (sample ``j`` of prompt ``p``: ``seed + p*n + j``)."""
+    reqs = [EngineRequest(index=p * cfg.n + j, prompt=prompt, endpoint=Endpoint.completion,
+                          params=GenerationParams(max_new_tokens=cfg.output_len, ignore_eos=True, do_sample=True,
+                                                  temperature=cfg.temperature, random_seed=cfg.seed + p * cfg.n + j))
+            for p, prompt in enumerate(prompts) for j in range(cfg.n)]
+    before = _counters(engine)
+    t0 = time.perf_counter()
+    infer_all = getattr(engine, "infer_all", None)
+    if callable(infer_all):
+        toks = sum(int(o.generate_token_len) for o in infer_all(reqs))
+    else:
+        toks = sum(ev.generate_token_len for ev in engine.stream(reqs, threading.Event()) if ev.finish_reason)
+    secs = time.perf_counter() - t0
+    after = _counters(engine)
+    out: dict[str, Any] = {"requests": len(reqs), "sequences": len(reqs), "s": round(secs, 3), "tokens": toks,
+                           "tok_s": round(toks / secs, 1)}
+    if before is not None and after is not None:
+        out["prefilled_tokens"] = after["prefilled_tokens"] - before["prefilled_tokens"]
+        out["prefill_from"] = "engine counters"
+    return out
+
+
 def run_samples(engine: Engine, cfg: SamplesConfig, *, redis_url: str, log: Any = print) -> dict[str, Any]:
     # Each side gets its own prompts (same count and lengths): the prefix cache keeps what the first side
     # prefilled, and the second side must not find its prompts there.
@@ -135,9 +167,17 @@ def run_samples(engine: Engine, cfg: SamplesConfig, *, redis_url: str, log: Any 
             log(f"{side}: {r['requests']:,} requests, {r['sequences']:,} sequences, {r['tokens']:,} tokens in "
                 f"{r['s']:.2f} s = {r['tok_s']:,.0f} tok/s; prefilled {r.get('prefilled_tokens', 'n/a')} of "
                 f"{r['prompt_tokens_unshared']:,} prompt tokens")
+    if cfg.raw:
+        r = runs["raw"] = _run_raw_side(engine, make_prompts(engine, cfg.prompts, cfg.input_len,
+                                                             seed=cfg.seed + 15485863), cfg)
+        log(f"raw: {r['requests']:,} requests in one engine call, {r['tokens']:,} tokens in {r['s']:.2f} s = "
+            f"{r['tok_s']:,.0f} tok/s; prefilled {r.get('prefilled_tokens', 'n/a')}")
     n, lines = runs["n"], runs["lines"]
     res: dict[str, Any] = {"n_tok_s": n["tok_s"], "lines_tok_s": lines["tok_s"],
                            "tok_s_ratio": round(n["tok_s"] / lines["tok_s"], 4), "runs": runs}
+    if cfg.raw:
+        res["raw_tok_s"] = runs["raw"]["tok_s"]
+        res["n_vs_raw"] = round(n["tok_s"] / runs["raw"]["tok_s"], 4)
     if "prefilled_tokens" in n and "prefilled_tokens" in lines:
         res["n_prefilled"], res["lines_prefilled"] = n["prefilled_tokens"], lines["prefilled_tokens"]
         res["prefill_saving_vs_unshared"] = round(n["prompt_tokens_unshared"] / max(1, n["prefilled_tokens"]), 3)

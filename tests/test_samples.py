@@ -373,7 +373,7 @@ def test_bench_samples_runs_both_sides_on_the_sim(tmp_path: Path) -> None:
     JSON line holds the side-by-side numbers."""
     out = tmp_path / "b.json"
     p = subprocess.run([sys.executable, "-m", "lmdq.bench", "samples", "--prompts", "12", "--n", "4", "--input-len",
-                        "24", "--output-len", "6", "--sim-step-ms", "1", "-o", str(out)], cwd=ROOT,
+                        "24", "--output-len", "6", "--sim-step-ms", "1", "--raw-baseline", "-o", str(out)], cwd=ROOT,
                        capture_output=True, timeout=300)
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     res = json.loads(out.read_text())
@@ -382,3 +382,6 @@ def test_bench_samples_runs_both_sides_on_the_sim(tmp_path: Path) -> None:
     assert runs["n"]["sequences"] == runs["lines"]["sequences"] == 48
     assert runs["n"]["tokens"] == runs["lines"]["tokens"] == 48 * 6
     assert res["n_tok_s"] > 0 and res["lines_tok_s"] > 0 and res["n_prefilled"] <= runs["n"]["prompt_tokens_unshared"]
+    # --raw-baseline: the same 48 requests in one engine call beside them, the same tokens
+    assert runs["raw"]["requests"] == 48 and runs["raw"]["tokens"] == 48 * 6 and res["raw_tok_s"] > 0
+    assert p.stdout.decode().splitlines()[-2].startswith("raw ")

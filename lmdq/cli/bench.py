@@ -203,6 +203,7 @@ def samples(
     temperature: Annotated[float, typer.Option()] = 1.0,
     seed: Annotated[int, typer.Option()] = 0,
     jobs_in_flight: Annotated[int, typer.Option(help="0 = auto")] = 0,
+    raw_baseline: Annotated[bool, typer.Option(help="also the same requests in one engine call, no queue")] = False,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
@@ -215,7 +216,7 @@ def samples(
     from lmdq.bench.samples import SamplesConfig, run_samples
 
     cfg = SamplesConfig(prompts=prompts, n=n, input_len=input_len, output_len=output_len, batch_size=batch_size,
-                        temperature=temperature, seed=seed, jobs_in_flight=jobs_in_flight)
+                        temperature=temperature, seed=seed, jobs_in_flight=jobs_in_flight, raw=raw_baseline)
     settings = dict(engine_settings)
     if engine == "lmdeploy":
         settings.setdefault("enable_prefix_caching", True)
@@ -230,12 +231,13 @@ def samples(
            "input_len": input_len, "output_len": output_len, "batch_size": batch_size, "engine_settings": settings,
            **res}
     print(f"{'side':6s} {'requests':>9s} {'tok/s':>10s} {'vs lines':>9s} {'prefilled':>11s} {'unshared':>11s}")
-    for k in ("n", "lines"):
+    for k in [k for k in ("n", "lines", "raw") if k in res["runs"]]:
         run = res["runs"][k]
         pre = f"{run['prefilled_tokens']:>11,d}" if "prefilled_tokens" in run else f"{'n/a':>11s}"
+        unshared = f"{run['prompt_tokens_unshared']:>11,d}" if "prompt_tokens_unshared" in run else f"{'':>11s}"
         print(f"{k:6s} {run['requests']:>9,d} {run['tok_s']:>10,.0f} {run['tok_s'] / res['lines_tok_s']:>9.3f} "
-              f"{pre} {run['prompt_tokens_unshared']:>11,d}")
-    keep = ["engine", "model", "prompts", "samples_per_prompt", "n_tok_s", "lines_tok_s", "tok_s_ratio",
+              f"{pre} {unshared}")
+    keep = ["engine", "model", "prompts", "samples_per_prompt", "n_tok_s", "lines_tok_s", "raw_tok_s", "tok_s_ratio",
             "n_prefilled", "lines_prefilled", "prefill_saving_vs_unshared", "prefill_saving_vs_lines"]
     _emit({k: out.get(k) for k in keep} | {"detail": out}, output)
 
