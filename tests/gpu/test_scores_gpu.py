@@ -1,8 +1,9 @@
 """Issue 24, GPU half of the scores: endpoint ``score`` through LMDeploy (PyTorch backend, every position's
 logits of prompt + continuation, log_softmax in float32) against the transformers engine on the same weights
 in float32 (exact for SmolLM2's bf16 weights), held to tests/gpu/score_bar.py: 1e-2 per token over all scored
-tokens, and no pair over 5e-2 per token. Why not 1e-2 on every pair: no float16 engine meets that against float32 (transformers float16 itself is 2.68e-2 off on its
-worst pair; the reasons and the numbers are in score_bar's docstring). LMDeploy's PyTorch engine forced to
+tokens, and no pair over 5e-2 per token. Why not 1e-2 on every pair: no float16 engine meets that against
+float32 (transformers float16 itself is 2.68e-2 off on its worst pair; the reasons and the numbers are in
+score_bar's docstring). LMDeploy's PyTorch engine forced to
 float32 (session 10) loaded and warmed up, and the test had not ended 5 minutes later: not offered. Every
 pair's numbers against transformers float32 and float16 go to ``$OUT/scores_gpu.json``, and the same bar is
 asserted for transformers float16 (so a bar float16 cannot meet would show here first).
