@@ -17,10 +17,11 @@ prompt tokens the engine really prefilled (the worker's accounting, ``Result.pre
 from LMDeploy's ``cached_tokens``; the sim's own counters where results carry none), beside the prompt
 tokens 8 separate unshared requests would prefill. The ``n`` side runs first, after a warm-up.
 
-``raw=True`` (``--raw-baseline``) adds a third side: the same P x n requests (fresh prompts again) in ONE call to the
-engine, no queue (LMDeploy: one ``pipe(prompts)``, the prefix cache doing whatever it does unprimed): what
-the engine alone makes of this workload, so a slow pair of lmdq sides can be told apart from a slow engine
-(session 11 on the H200: both lmdq sides ~5k tok/s, a third of SmolLM2's chat rate, cause unmeasured).
+``raw_baseline=True`` (``--raw-baseline``) adds a third side: the same P x n requests (fresh prompts
+again) in ONE call to the engine, no queue (LMDeploy: one ``pipe(prompts)``, the prefix cache doing what it
+does unprimed): what the engine alone makes of this workload, so a slow pair of lmdq sides can be told apart
+from a slow engine (session 11 on the H200: both lmdq sides ~5k tok/s, a third of SmolLM2's chat rate,
+cause unmeasured).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class SamplesConfig:
     seed: int = 0
     jobs_in_flight: int = 0
     #: also time the same requests in one raw engine call (no queue)
-    raw: bool = False
+    raw_baseline: bool = False
 
 
 def _write(path: Path, prompts: list[str], cfg: SamplesConfig, *, as_n: bool) -> int:
@@ -167,7 +168,7 @@ def run_samples(engine: Engine, cfg: SamplesConfig, *, redis_url: str, log: Any 
             log(f"{side}: {r['requests']:,} requests, {r['sequences']:,} sequences, {r['tokens']:,} tokens in "
                 f"{r['s']:.2f} s = {r['tok_s']:,.0f} tok/s; prefilled {r.get('prefilled_tokens', 'n/a')} of "
                 f"{r['prompt_tokens_unshared']:,} prompt tokens")
-    if cfg.raw:
+    if cfg.raw_baseline:
         r = runs["raw"] = _run_raw_side(engine, make_prompts(engine, cfg.prompts, cfg.input_len,
                                                              seed=cfg.seed + 15485863), cfg)
         log(f"raw: {r['requests']:,} requests in one engine call, {r['tokens']:,} tokens in {r['s']:.2f} s = "
@@ -175,7 +176,7 @@ def run_samples(engine: Engine, cfg: SamplesConfig, *, redis_url: str, log: Any 
     n, lines = runs["n"], runs["lines"]
     res: dict[str, Any] = {"n_tok_s": n["tok_s"], "lines_tok_s": lines["tok_s"],
                            "tok_s_ratio": round(n["tok_s"] / lines["tok_s"], 4), "runs": runs}
-    if cfg.raw:
+    if cfg.raw_baseline:
         res["raw_tok_s"] = runs["raw"]["tok_s"]
         res["n_vs_raw"] = round(n["tok_s"] / runs["raw"]["tok_s"], 4)
     if "prefilled_tokens" in n and "prefilled_tokens" in lines:

@@ -216,7 +216,7 @@ def samples(
     from lmdq.bench.samples import SamplesConfig, run_samples
 
     cfg = SamplesConfig(prompts=prompts, n=n, input_len=input_len, output_len=output_len, batch_size=batch_size,
-                        temperature=temperature, seed=seed, jobs_in_flight=jobs_in_flight, raw=raw_baseline)
+                        temperature=temperature, seed=seed, jobs_in_flight=jobs_in_flight, raw_baseline=raw_baseline)
     settings = dict(engine_settings)
     if engine == "lmdeploy":
         settings.setdefault("enable_prefix_caching", True)
