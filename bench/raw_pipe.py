@@ -5,6 +5,13 @@ user's own script would: the pipeline is built exactly as the worker builds it (
 flags, through :func:`lmdq.worker.engine_factory.build_engine`), then each batch is ONE plain
 ``pipe(prompts, gen_config=[...])`` call on the same JSONL lmdq submits. The spec's ``warmup`` runs the
 worker's own warm-up (:meth:`LMDeployEngine.warm_up`) first, so both sides start their first batch warm.
+
+With a ``gate_dir`` in the spec (``lmdq-bench e2e --interleave``) the process is loaded beside an lmdq
+worker and runs each batch only when the driver says so, so raw and lmdq batches alternate and meet the
+same GPU drift: once ready it writes ``ready.json`` there, then before batch ``b`` it waits for the file
+``go_<b>``, runs the batch and writes the batch's record to ``done_<b>.json`` (tmp + rename: the driver
+never reads half a file). It gives up, exit 3, if its parent (the driver, ``parent_pid``) is gone or a
+gate stays shut ``gate_timeout_s``: a killed driver must not leave an engine holding the GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +23,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_workload", "main"]
+__all__ = ["GateError", "load_workload", "main", "write_atomic"]
+
+
+class GateError(RuntimeError):
+    """The driver of an interleaved run went away, or never opened a gate in time."""
+
+
+def write_atomic(path: Path, data: Any) -> None:
+    """``data`` as JSON at ``path`` through a tmp file and a rename, so a reader polling for ``path``
+    sees nothing or all of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
+def _wait_gate(path: Path, parent_pid: int | None, timeout_s: float) -> None:
+    """Block until ``path`` exists: poll it, checking that the driver still lives (once it dies this
+    process is re-parented, so ``getppid`` changes)."""
+    end = time.monotonic() + timeout_s
+    while not path.exists():
+        if parent_pid is not None and os.getppid() != parent_pid:
+            raise GateError(f"raw_pipe: the e2e driver (pid {parent_pid}) is gone; waiting for {path.name}")
+        if time.monotonic() > end:
+            raise GateError(f"raw_pipe: no {path.name} in {path.parent} after {timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 def load_workload(path: Path) -> tuple[list[Any], list[dict[str, Any]], bool]:
@@ -73,17 +104,34 @@ def main(argv: list[str] | None = None) -> int:
         out["warmup"] = eng.warm_up()
     out["ready_s"] = round(time.monotonic() - t0, 2)
     prompts, params, chat = load_workload(Path(spec["workload"]))
+    gate = Path(spec["gate_dir"]) if spec.get("gate_dir") else None
+    parent_pid = spec.get("parent_pid")
+    if gate is not None:
+        out["ready_at"] = time.time()
+        write_atomic(gate / "ready.json", out)
     batches = []
     for b in range(int(spec["batches"])):
+        if gate is not None:
+            try:
+                _wait_gate(gate / f"go_{b}", parent_pid, float(spec.get("gate_timeout_s", 3600)))
+            except GateError as e:
+                print(e, file=sys.stderr, flush=True)
+                eng.close()
+                return 3
         cpu0 = tree_cpu(os.getpid())
+        start = time.time()
         t = time.perf_counter()
         res = _one_call(eng, prompts, params, chat)
         secs = time.perf_counter() - t
+        end = time.time()
         cpu = cpu_delta(cpu0, tree_cpu(os.getpid()))
         toks = sum(int(r.generate_token_len) for r in res)
         bad = sum(1 for r in res if r.finish_reason not in ("stop", "length"))
         batches.append({"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
                         "not_finished": bad, "cpu_s": cpu["main"], "engine_cpu_s": cpu["children"]})
+        if gate is not None:
+            batches[-1].update(start=start, end=end)
+            write_atomic(gate / f"done_{b}.json", batches[-1])
         print(f"raw batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (CPU s: this process "
               f"{cpu['main']}, engine processes {cpu['children']})", file=sys.stderr, flush=True)
     out["batches"] = batches
