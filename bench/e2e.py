@@ -10,6 +10,12 @@ other on one warm engine each (the raw side gets the worker's warm-up too, unles
 and the first batch is reported apart: with KEDA scaling from zero every worker's first batch is a
 first batch. The two sides run one after the other (one GPU), the raw side first.
 
+``--interleave`` (:func:`run_interleaved`) instead loads the raw process and every worker at the same
+time and runs batch ``b`` of each side back to back, the others idle, raw first on even batches and last
+on odd ones: GPU drift between batches (±17 % on the H200 between identical raw batches) then lands on
+both sides of each per-batch ratio instead of between them. The engines share the GPU's memory, so give
+each a share (``--cache-max-entry-count`` ~0.35-0.4).
+
 Workloads (``--workload``): ``mixed`` — completion prompts of 32-512 tokens, 16-1,024 new tokens each,
 ``ignore_eos`` (for the random Llama-3-8B shape: every request decodes exactly its budget); ``chat`` —
 varied chat questions, greedy, stopping at EOS (for the real SmolLM2 chat model), up to
@@ -38,7 +44,7 @@ from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
 
-__all__ = ["E2EConfig", "make_workload", "run_e2e", "summarize"]
+__all__ = ["E2EConfig", "make_workload", "run_e2e", "run_interleaved", "summarize"]
 
 _TOPICS = ["the ocean", "volcanoes", "the Roman empire", "photosynthesis", "black holes", "bees", "jazz",
            "the printing press", "glaciers", "the immune system", "chess", "electric cars", "coffee", "deserts",
@@ -73,6 +79,8 @@ class E2EConfig:
     py_spy: str | None = None
     profile_batch: int = 1
     profile_s: float = 12.0
+    #: load the raw process and every worker at once and alternate their batches (:func:`run_interleaved`)
+    interleave: bool = False
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -190,6 +198,118 @@ def run_raw(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[st
     return res
 
 
+class _RawGated:
+    """The raw process of an interleaved run, driven through files in a fresh gate folder
+    (:mod:`lmdq.bench.raw_pipe`'s ``gate_dir``): loaded beside the workers, one batch per ``go_<b>``.
+    Its own session, so :meth:`kill` reaches LMDeploy's engine processes too, which a plain kill of the
+    raw process would leave holding the GPU."""
+
+    def __init__(self, cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
+                 log: Any, gate_timeout_s: float) -> None:
+        self.cfg, self.work, self.log = cfg, work, log
+        self.gate = Path(tempfile.mkdtemp(prefix="gate-", dir=work))  # never a stale go_/done_ of a reused workdir
+        self.spec = {"engine": cfg.engine, "model": model, "engine_settings": engine_settings,
+                     "workload": str(workload), "batches": cfg.batches, "warmup": cfg.raw_warmup,
+                     "output": str(work / "raw.json"), "gate_dir": str(self.gate), "parent_pid": os.getpid(),
+                     "gate_timeout_s": gate_timeout_s}
+        self.p: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+
+    def start(self) -> None:
+        (self.work / "raw_spec.json").write_text(json.dumps(self.spec))
+        self.log(f"raw: python -m lmdq.bench.raw_pipe ({self.cfg.batches} gated batches of {self.cfg.n})")
+        self.started_at = time.time()
+        with (self.work / "raw.log").open("wb") as out:
+            self.p = subprocess.Popen([sys.executable, "-m", "lmdq.bench.raw_pipe", str(self.work / "raw_spec.json")],
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _wait_file(self, path: Path, what: str) -> dict[str, Any]:
+        assert self.p is not None
+        end = time.monotonic() + self.cfg.timeout_s
+        while not path.exists():
+            if self.p.poll() is not None:
+                raise RuntimeError(f"raw side exited {self.p.returncode} before {what}: "
+                                   f"{(self.work / 'raw.log').read_text(errors='replace')[-3000:]}")
+            if time.monotonic() > end:
+                raise RuntimeError(f"raw side: no {what} after {self.cfg.timeout_s:.0f} s")
+            time.sleep(0.01)
+        d: dict[str, Any] = json.loads(path.read_text())
+        return d
+
+    def wait_ready(self) -> None:
+        r = self._wait_file(self.gate / "ready.json", "ready")
+        self.log(f"raw: ready in {r['ready_s']} s (load + warm-up)")
+
+    def run_batch(self, b: int) -> dict[str, Any]:
+        from lmdq.bench.raw_pipe import write_atomic
+
+        write_atomic(self.gate / f"go_{b}", {"batch": b})
+        return self._wait_file(self.gate / f"done_{b}.json", f"batch {b}")
+
+    def finish(self) -> dict[str, Any]:
+        """After the last batch: the process writes raw.json, closes its engine and exits 0."""
+        assert self.p is not None
+        rc = self.p.wait(self.cfg.timeout_s)
+        if rc != 0:
+            raise RuntimeError(f"raw side exited {rc}: {(self.work / 'raw.log').read_text(errors='replace')[-3000:]}")
+        res: dict[str, Any] = json.loads((self.work / "raw.json").read_text())
+        return {**res, "started_at": self.started_at}
+
+    def kill(self) -> None:
+        """The whole session (the raw process and its engine processes): SIGTERM, SIGKILL after 30 s."""
+        if self.p is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                return  # the process and every one of its session are gone
+            try:
+                self.p.wait(30)
+                if sig == signal.SIGTERM:
+                    continue  # its engine processes may outlive it: SIGKILL what is left of the session
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def run_interleaved(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
+                    redis_url: str, log: Any) -> tuple[dict[str, Any], list[dict[str, Any]], list[list[str]]]:
+    """The raw process and one worker per lmdq side started at once; when all are ready, batch ``b`` of
+    every side in turn, one at a time: raw then the lmdq sides on even ``b``, the reverse on odd ``b``
+    (no side always follows another). Returns (raw, lmdq sides, the order of each batch). Whatever fails
+    (or Ctrl-C), the raw process and every worker are stopped before this returns or raises."""
+    variants = cfg.variants or (("default", {}),)
+    if any(name == "raw" for name, _ in variants):
+        raise ValueError("--interleave: a --lmdq-variant cannot be named 'raw' (the raw side's name in the order)")
+    # the raw process may wait for every worker's load and then every lmdq side's batch before each gate
+    raw = _RawGated(cfg, model, workload, engine_settings, work, log,
+                    gate_timeout_s=cfg.timeout_s * (len(variants) + 2))
+    sides = [_LmdqSide(cfg, model, workload, engine_settings, work, redis_url, log, name, env, i == 0, stamps=True)
+             for i, (name, env) in enumerate(variants)]
+    order: list[list[str]] = []
+    try:
+        raw.start()
+        for side in sides:
+            side.start()
+        raw.wait_ready()
+        for side in sides:
+            side.wait_ready()
+        runners: dict[str, Any] = {"raw": raw.run_batch, **{side.name: side.run_batch for side in sides}}
+        for b in range(cfg.batches):
+            seq = ["raw", *(side.name for side in sides)]
+            if b % 2:
+                seq.reverse()
+            for who in seq:
+                runners[who](b)
+            order.append(seq)
+        raw_res = raw.finish()
+    finally:
+        raw.kill()
+        for side in sides:
+            side.stop()
+    return raw_res, [side.result() for side in sides], order
+
+
 def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -210,84 +330,136 @@ def _stuck(w: subprocess.Popen[bytes], end: float) -> str | None:
     return f"worker exit {w.poll()}" if w.poll() is not None or time.monotonic() > end else None
 
 
-def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
-             redis_url: str, log: Any, name: str = "default", extra_env: dict[str, str] | None = None,
-             profiled: bool = True) -> dict[str, Any]:
-    """One lmdq-worker process (ready first), then per batch one lmdq-producer submit process. ``name`` and
-    ``extra_env``: one of several lmdq sides (``E2EConfig.variants``), its worker started with that env;
-    ``profiled``: py-spy records this side (``E2EConfig.py_spy``: the first side only)."""
-    port = _free_port()
-    env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_ENGINE": cfg.engine,
-           "LMDQ_SERVED_MODEL_NAME": "bench", "LMDQ_HEALTH_PORT": str(port), "LMDQ_LOG_FORMAT": "json",
-           **({"LMDQ_MODEL": model} if cfg.engine != "sim" else {}), **_engine_env(engine_settings),
-           **(extra_env or {})}
-    client = connect(redis_url)
-    store = ResultStore(client, keys=Keys(env.get("LMDQ_KEY_PREFIX", "lmdq")))
-    t_start = time.monotonic()
-    log_name = "worker.log" if name == "default" else f"worker_{name}.log"
-    wlog = (work / log_name).open("wb")
-    w = subprocess.Popen([sys.executable, "-m", "lmdq.worker"], env=env, stdout=wlog, stderr=subprocess.STDOUT)
-    batches = []
-    profile: dict[str, Any] | None = None
-    try:
-        _wait_ready(port, w, cfg.timeout_s)
-        ready_s = round(time.monotonic() - t_start, 2)
-        log(f"lmdq[{name}]: worker ready in {ready_s} s (load + warm-up)")
-        for b in range(cfg.batches):
-            spy = None
-            if cfg.py_spy and profiled and b == cfg.profile_batch:
-                out_file = work / f"pyspy_{name}_b{b}.txt"
-                spy = subprocess.Popen(
-                    [cfg.py_spy, "record", "--pid", str(w.pid), "--duration", str(int(cfg.profile_s)), "--rate", "100",
-                     "--format", "raw", "--threads", "--nonblocking", "--subprocesses", "-o", str(out_file)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                profile = {"batch": b, "file": out_file.name, "duration_s": cfg.profile_s}
-            cpu0 = tree_cpu(w.pid)
-            t0 = time.time()
-            sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(workload), "--model", "bench",
-                                  "--batch-size", str(cfg.batch_size)], env=env, capture_output=True,
-                                 timeout=cfg.timeout_s)
-            t_sub = time.time()
-            if sub.returncode != 0:
-                raise RuntimeError(f"submit exited {sub.returncode}: {sub.stderr.decode()[-2000:]}")
-            bid = sub.stdout.decode().strip().splitlines()[-1]
-            end = time.monotonic() + cfg.timeout_s
-            batch = wait_terminal(store, bid, poll_s=0.05, stuck=functools.partial(_stuck, w, end))
-            cpu = cpu_delta(cpu0, tree_cpu(w.pid))
-            if spy is not None:
-                try:
-                    _, err = spy.communicate(timeout=cfg.profile_s + 30)
-                    if profile is not None:
-                        profile["rc"] = spy.returncode
-                        profile["stderr"] = err.decode(errors="replace")[-500:]
-                except subprocess.TimeoutExpired:
-                    spy.kill()
-            fin = read_finished(store, batch, cfg.n)
-            rows, toks = fin.results, fin.tokens
-            secs = fin.last_stored_at - t0
-            not_done = sum(1 for r in rows if r.status.value != "completed")
-            batches.append({"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
-                            "results": len(rows), "not_completed": not_done,
-                            "first_visible_s": round((batch.queued_at or t0) - t0, 3),
-                            "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid,
-                            "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"]})
-            log(f"lmdq[{name}] batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible "
-                f"after {batches[-1]['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s; CPU s: worker "
-                f"{cpu['main']}, engine processes {cpu['children']})")
-    finally:
-        if w.poll() is None:
+class _LmdqSide:
+    """One lmdq side: an lmdq-worker process (:meth:`start`, then :meth:`wait_ready`) and, per batch, one
+    lmdq-producer submit process (:meth:`run_batch`). A class rather than one loop so that ``--interleave``
+    can hold several sides and the raw process loaded at once and run their batches in turn; ``stamps``
+    adds the wall-clock ``start``/``end`` (and ``ready_at``) an interleaved run's order is checked by."""
+
+    def __init__(self, cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
+                 redis_url: str, log: Any, name: str, extra_env: dict[str, str] | None, profiled: bool,
+                 stamps: bool = False) -> None:
+        self.cfg, self.workload, self.work, self.log = cfg, workload, work, log
+        self.name, self.extra_env, self.profiled, self.stamps = name, extra_env, profiled, stamps
+        self.port = _free_port()
+        self.env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_ENGINE": cfg.engine,
+                    "LMDQ_SERVED_MODEL_NAME": "bench", "LMDQ_HEALTH_PORT": str(self.port), "LMDQ_LOG_FORMAT": "json",
+                    **({"LMDQ_MODEL": model} if cfg.engine != "sim" else {}), **_engine_env(engine_settings),
+                    **(extra_env or {})}
+        self.store = ResultStore(connect(redis_url), keys=Keys(self.env.get("LMDQ_KEY_PREFIX", "lmdq")))
+        self.log_name = "worker.log" if name == "default" else f"worker_{name}.log"
+        self.batches: list[dict[str, Any]] = []
+        self.profile: dict[str, Any] | None = None
+        self.ready_s: float | None = None
+        self.ready_at: float | None = None
+        self.started_at: float | None = None
+        self.w: subprocess.Popen[bytes] | None = None
+        self.wlog: Any = None
+
+    def start(self) -> None:
+        self.t_start = time.monotonic()
+        self.started_at = time.time()
+        self.wlog = (self.work / self.log_name).open("wb")
+        self.w = subprocess.Popen([sys.executable, "-m", "lmdq.worker"], env=self.env, stdout=self.wlog,
+                                  stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        assert self.w is not None
+        _wait_ready(self.port, self.w, self.cfg.timeout_s)
+        self.ready_at = time.time()
+        self.ready_s = round(time.monotonic() - self.t_start, 2)
+        self.log(f"lmdq[{self.name}]: worker ready in {self.ready_s} s (load + warm-up)")
+
+    def run_batch(self, b: int) -> dict[str, Any]:
+        cfg, w, name = self.cfg, self.w, self.name
+        assert w is not None
+        spy = None
+        if cfg.py_spy and self.profiled and b == cfg.profile_batch:
+            out_file = self.work / f"pyspy_{name}_b{b}.txt"
+            spy = subprocess.Popen(
+                [cfg.py_spy, "record", "--pid", str(w.pid), "--duration", str(int(cfg.profile_s)), "--rate", "100",
+                 "--format", "raw", "--threads", "--nonblocking", "--subprocesses", "-o", str(out_file)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self.profile = {"batch": b, "file": out_file.name, "duration_s": cfg.profile_s}
+        cpu0 = tree_cpu(w.pid)
+        t0 = time.time()
+        sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(self.workload), "--model", "bench",
+                              "--batch-size", str(cfg.batch_size)], env=self.env, capture_output=True,
+                             timeout=cfg.timeout_s)
+        t_sub = time.time()
+        if sub.returncode != 0:
+            raise RuntimeError(f"submit exited {sub.returncode}: {sub.stderr.decode()[-2000:]}")
+        bid = sub.stdout.decode().strip().splitlines()[-1]
+        end = time.monotonic() + cfg.timeout_s
+        batch = wait_terminal(self.store, bid, poll_s=0.05, stuck=functools.partial(_stuck, w, end))
+        t_end = time.time()  # the driver saw the batch terminal: only now may another side start
+        cpu = cpu_delta(cpu0, tree_cpu(w.pid))
+        if spy is not None:
+            try:
+                _, err = spy.communicate(timeout=cfg.profile_s + 30)
+                if self.profile is not None:
+                    self.profile["rc"] = spy.returncode
+                    self.profile["stderr"] = err.decode(errors="replace")[-500:]
+            except subprocess.TimeoutExpired:
+                spy.kill()
+        fin = read_finished(self.store, batch, cfg.n)
+        rows, toks = fin.results, fin.tokens
+        secs = fin.last_stored_at - t0
+        not_done = sum(1 for r in rows if r.status.value != "completed")
+        rec = {"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
+               "results": len(rows), "not_completed": not_done,
+               "first_visible_s": round((batch.queued_at or t0) - t0, 3),
+               "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid,
+               "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"]}
+        if self.stamps:
+            rec.update(start=t0, end=t_end)
+        self.batches.append(rec)
+        self.log(f"lmdq[{name}] batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible "
+                 f"after {rec['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s; CPU s: worker "
+                 f"{cpu['main']}, engine processes {cpu['children']})")
+        return rec
+
+    def stop(self) -> None:
+        """SIGTERM the worker (its graceful drain), SIGKILL if it is still up 120 s later."""
+        w = self.w
+        if w is not None and w.poll() is None:
             w.send_signal(signal.SIGTERM)
             try:
                 w.wait(120)
             except subprocess.TimeoutExpired:
                 w.kill()
                 w.wait(30)
-        wlog.close()
-    lines = [ln for ln in (work / log_name).read_text(errors="replace").splitlines() if ln.strip()]
-    non_json = [ln for ln in lines if not _json_object(ln)]
-    return {"name": name, "env": extra_env or {}, "ready_s": ready_s, "batches": batches, "worker_exit": w.returncode,
-            "worker_log_lines": len(lines), "worker_log_non_json": len(non_json),
-            "worker_log_non_json_sample": non_json[:3], "warmup": _warmup_event(lines), "profile": profile}
+        if self.wlog is not None:
+            self.wlog.close()
+
+    def result(self) -> dict[str, Any]:
+        assert self.w is not None
+        lines = [ln for ln in (self.work / self.log_name).read_text(errors="replace").splitlines() if ln.strip()]
+        non_json = [ln for ln in lines if not _json_object(ln)]
+        out = {"name": self.name, "env": self.extra_env or {}, "ready_s": self.ready_s, "batches": self.batches,
+               "worker_exit": self.w.returncode, "worker_log_lines": len(lines),
+               "worker_log_non_json": len(non_json), "worker_log_non_json_sample": non_json[:3],
+               "warmup": _warmup_event(lines), "profile": self.profile}
+        if self.stamps:
+            out.update(started_at=self.started_at, ready_at=self.ready_at)
+        return out
+
+
+def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
+             redis_url: str, log: Any, name: str = "default", extra_env: dict[str, str] | None = None,
+             profiled: bool = True) -> dict[str, Any]:
+    """One lmdq-worker process (ready first), then per batch one lmdq-producer submit process. ``name`` and
+    ``extra_env``: one of several lmdq sides (``E2EConfig.variants``), its worker started with that env;
+    ``profiled``: py-spy records this side (``E2EConfig.py_spy``: the first side only)."""
+    side = _LmdqSide(cfg, model, workload, engine_settings, work, redis_url, log, name, extra_env, profiled)
+    side.start()
+    try:
+        side.wait_ready()
+        for b in range(cfg.batches):
+            side.run_batch(b)
+    finally:
+        side.stop()
+    return side.result()
 
 
 def _json_object(line: str) -> dict[str, Any] | None:
@@ -334,11 +506,16 @@ def run_e2e(cfg: E2EConfig, *, model: str, engine_settings: dict[str, Any], redi
         wd.mkdir(parents=True, exist_ok=True)
         workload = wd / "workload.jsonl"
         info = make_workload(cfg, model, workload)
-        raw = run_raw(cfg, model, workload, engine_settings, wd, log)
-        sides = [run_lmdq(cfg, model, workload, engine_settings, wd, redis_url, log, name=name, extra_env=env,
-                          profiled=i == 0)
-                 for i, (name, env) in enumerate(cfg.variants or (("default", {}),))]
+        extra: dict[str, Any] = {}
+        if cfg.interleave:
+            raw, sides, order = run_interleaved(cfg, model, workload, engine_settings, wd, redis_url, log)
+            extra = {"interleave": True, "order": order}
+        else:
+            raw = run_raw(cfg, model, workload, engine_settings, wd, log)
+            sides = [run_lmdq(cfg, model, workload, engine_settings, wd, redis_url, log, name=name, extra_env=env,
+                              profiled=i == 0)
+                     for i, (name, env) in enumerate(cfg.variants or (("default", {}),))]
     lmdq = sides[0]
     return {**info, "batches": cfg.batches, "batch_size": cfg.batch_size, "raw": raw, "lmdq": lmdq,
             **summarize(raw, lmdq),
-            "variants": {s["name"]: {"env": s["env"], **summarize(raw, s), "lmdq": s} for s in sides}}
+            "variants": {s["name"]: {"env": s["env"], **summarize(raw, s), "lmdq": s} for s in sides}, **extra}

@@ -312,6 +312,10 @@ def e2e(
     py_spy: Annotated[str | None, typer.Option(help="py-spy binary: record each worker during --profile-batch")
                       ] = None,
     profile_batch: Annotated[int, typer.Option(help="which batch --py-spy records (0 = the first)")] = 1,
+    interleave: Annotated[bool, typer.Option(
+        help="load the raw process and every worker at once, then alternate their batches (raw first on even "
+             "batches, last on odd ones), so GPU drift hits both sides; the engines share the GPU: pass "
+             "--cache-max-entry-count ~0.35-0.4")] = False,
 ) -> None:
     """Real CLIs (an lmdq-worker process, an lmdq-producer submit process per batch) vs a raw pipe() process
     on the same prompts; the LAST line printed is a JSON object (lmdq.bench.e2e)."""
@@ -320,18 +324,23 @@ def e2e(
 
     model_path, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
     model_path = model_path or engine
+    variants = tuple(parse_variant(v) for v in lmdq_variant or ())
+    if interleave and any(name == "raw" for name, _ in variants):
+        raise typer.BadParameter("with --interleave no variant may be named 'raw' (the raw side's name)",
+                                 param_hint="--lmdq-variant")
     cfg = E2EConfig(engine=engine, workload=workload, n=n, batches=batches, batch_size=batch_size, min_input=min_input,
                     max_input=max_input, min_output=min_output, max_output=max_output,
-                    chat_max_new_tokens=chat_max_new_tokens, raw_warmup=raw_warmup,
-                    variants=tuple(parse_variant(v) for v in lmdq_variant or ()), py_spy=py_spy,
-                    profile_batch=profile_batch)
+                    chat_max_new_tokens=chat_max_new_tokens, raw_warmup=raw_warmup, variants=variants, py_spy=py_spy,
+                    profile_batch=profile_batch, interleave=interleave)
     with local_redis(redis_url) as url:
         res = run_e2e(cfg, model=model_path, engine_settings=engine_settings, redis_url=url, work=workdir,
                       log=lambda m: print(m, file=sys.stderr, flush=True))
     res = {"model": model_name or model_path, "engine_settings": engine_settings, **res}
-    print(f"{'batch':>6s} {'raw tok/s':>10s} {'lmdq tok/s':>11s} {'lmdq/raw':>9s}")
+    order = res.get("order")  # --interleave: which side ran first in each batch, a column of its own
+    print(f"{'batch':>6s} {'raw tok/s':>10s} {'lmdq tok/s':>11s} {'lmdq/raw':>9s}" + ("  first" if order else ""))
     for b, (r, q) in enumerate(zip(res["raw"]["batches"], res["lmdq"]["batches"])):
-        print(f"{b:>6d} {r['tok_s']:>10,.0f} {q['tok_s']:>11,.0f} {q['tok_s'] / r['tok_s']:>9.3f}")
+        print(f"{b:>6d} {r['tok_s']:>10,.0f} {q['tok_s']:>11,.0f} {q['tok_s'] / r['tok_s']:>9.3f}"
+              + (f"  {order[b][0][:20]}" if order else ""))
     for name, v in res["variants"].items():
         later = f"{v['ratio_later']:.3f}" if v.get("ratio_later") else "n/a"
         print(f"lmdq[{name}]: first batch {v['ratio_first']:.3f}, later batches {later}, all {v['ratio_all']:.3f} "
@@ -339,6 +348,8 @@ def e2e(
               f"{res['raw']['ready_s']} s, lmdq {v['lmdq']['ready_s']} s")
     keep = ["model", "workload", "n", "batches", "ratio_first", "ratio_later", "ratio_all", "raw_first_tok_s",
             "lmdq_first_tok_s", "raw_later_tok_s", "lmdq_later_tok_s"]
+    if interleave:
+        keep.append("interleave")
     _emit({k: res.get(k) for k in keep} | {"detail": res}, output)
 
 
