@@ -43,3 +43,41 @@ def test_e2e_bench_runs_the_real_clis_and_reports_each_batch(tmp_path: Path, env
     assert started and started[0]["capacity"] == 4, started
     assert v["small"]["ratio_first"] == round(small["batches"][0]["tok_s"] / d["raw"]["batches"][0]["tok_s"], 4)
     assert "lmdq[small]: first batch" in p.stdout.decode()
+
+
+def test_e2e_interleave_alternates_raw_and_lmdq_batches_on_engines_loaded_at_once(tmp_path: Path,
+                                                                                  env: dict[str, str]) -> None:
+    """--interleave: the raw process and the worker load together, then batch b of each side runs with the
+    other idle, raw first on even batches and lmdq first on odd ones. Checked from the wall-clock stamps
+    each side records (start/end of every batch, ready of each process), never from the test's own clock."""
+    p = run_cli("lmdq.bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "16", "--batches", "3",
+                "--batch-size", "8", "--min-input", "4", "--max-input", "8", "--min-output", "2", "--max-output", "4",
+                "--no-raw-warmup", "--interleave", "--workdir", str(tmp_path / "w"), "-o", str(tmp_path / "e2e.json"),
+                env=env, timeout=600)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    res = json.loads(p.stdout.decode().strip().splitlines()[-1])
+    assert res["interleave"] is True
+    d = res["detail"]
+    assert d["interleave"] is True and d["order"] == [["raw", "default"], ["default", "raw"], ["raw", "default"]]
+    raw, lm = d["raw"]["batches"], d["lmdq"]["batches"]
+    budget = d["max_new_tokens_sum"]
+    for side in (raw, lm):
+        assert [b["batch"] for b in side] == [0, 1, 2]
+        assert all(b["tokens"] == budget and b["start"] <= b["end"] for b in side), side
+    assert all(b["results"] == 16 and b["not_completed"] == 0 for b in lm), lm
+    assert all(b["not_finished"] == 0 for b in raw), raw
+    # one at a time, in the recorded order: each batch ends before the next one (either side's) starts
+    timeline = sorted(raw + lm, key=lambda b: b["start"])
+    assert all(a["end"] <= b["start"] for a, b in zip(timeline, timeline[1:])), timeline
+    firsts = ["raw" if raw[b]["start"] < lm[b]["start"] else "lmdq" for b in range(3)]
+    assert firsts == ["raw", "lmdq", "raw"], (raw, lm)
+    # both engines were up before either side's first batch: started together, not one after the other
+    first_start = min(raw[0]["start"], lm[0]["start"])
+    assert d["raw"]["ready_at"] < first_start and d["lmdq"]["ready_at"] < first_start
+    assert d["raw"]["started_at"] < d["raw"]["ready_at"] and d["lmdq"]["started_at"] < d["lmdq"]["ready_at"]
+    assert d["lmdq"]["worker_exit"] == 0 and d["lmdq"]["worker_log_non_json"] == 0
+    assert len(d["ratio_per_batch"]) == 3
+    table = p.stdout.decode().splitlines()[:-1]
+    assert table[0].split() == ["batch", "raw", "tok/s", "lmdq", "tok/s", "lmdq/raw", "first"]
+    assert [ln.split()[-1] for ln in table[1:4]] == ["raw", "default", "raw"]
+    assert all(len(ln) <= 80 for ln in table[:4]), table
