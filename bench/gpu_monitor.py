@@ -82,12 +82,25 @@ class GpuMonitor:
 
     def __init__(self, interval_ms: int = 250, gpu: int = 0, command: list[str] | None = None) -> None:
         exe = shutil.which("nvidia-smi")
-        self._cmd = command or ([exe, f"--id={gpu}", f"--query-gpu={','.join(FIELDS)}",
-                                 "--format=csv,noheader,nounits", f"-lms={interval_ms}"] if exe else None)
+        self._cmd = command or (self._nvidia_smi(exe, gpu, interval_ms) if exe else None)
         self._proc: subprocess.Popen[str] | None = None
         self._thread: threading.Thread | None = None
         self._samples: list[GpuSample] = []
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _nvidia_smi(exe: str, gpu: int, interval_ms: int) -> list[str] | None:
+        """The looping query, its fields checked by one plain query first: older drivers call the last
+        field ``clocks_throttle_reasons.active`` (same bitmask), and a field the driver does not know
+        makes nvidia-smi exit at once. None when neither form answers (no GPU visible)."""
+        for last in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+            query = f"--query-gpu={','.join((*FIELDS[:-1], last))}"
+            probe = subprocess.run([exe, f"--id={gpu}", query, "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, timeout=30)
+            if probe.returncode == 0 and parse_line(probe.stdout.strip().splitlines()[0] if probe.stdout.strip()
+                                                    else "", 0.0) is not None:
+                return [exe, f"--id={gpu}", query, "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"]
+        return None
 
     @property
     def enabled(self) -> bool:

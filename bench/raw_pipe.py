@@ -127,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         cpu = cpu_delta(cpu0, tree_cpu(os.getpid()))
         toks = sum(int(r.generate_token_len) for r in res)
         bad = sum(1 for r in res if r.finish_reason not in ("stop", "length"))
+        # wall-clock start/end: an interleaved run's order, and the GPU monitor's window (bench/gpu_monitor.py)
         batches.append({"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
-                        "not_finished": bad, "cpu_s": cpu["main"], "engine_cpu_s": cpu["children"]})
+                        "not_finished": bad, "cpu_s": cpu["main"], "engine_cpu_s": cpu["children"],
+                        "start": start, "end": end})
         if gate is not None:
-            batches[-1].update(start=start, end=end)
             write_atomic(gate / f"done_{b}.json", batches[-1])
         print(f"raw batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (CPU s: this process "
               f"{cpu['main']}, engine processes {cpu['children']})", file=sys.stderr, flush=True)
