@@ -285,7 +285,7 @@ def run_interleaved(cfg: E2EConfig, model: str, workload: Path, engine_settings:
     # the raw process may wait for every worker's load and then every lmdq side's batch before each gate
     raw = _RawGated(cfg, model, workload, engine_settings, work, log,
                     gate_timeout_s=cfg.timeout_s * (len(variants) + 2))
-    sides = [_LmdqSide(cfg, model, workload, engine_settings, work, redis_url, log, name, env, i == 0, stamps=True)
+    sides = [_LmdqSide(cfg, model, workload, engine_settings, work, redis_url, log, name, env, i == 0)
              for i, (name, env) in enumerate(variants)]
     order: list[list[str]] = []
     try:
@@ -334,14 +334,14 @@ def _stuck(w: subprocess.Popen[bytes], end: float) -> str | None:
 class _LmdqSide:
     """One lmdq side: an lmdq-worker process (:meth:`start`, then :meth:`wait_ready`) and, per batch, one
     lmdq-producer submit process (:meth:`run_batch`). A class rather than one loop so that ``--interleave``
-    can hold several sides and the raw process loaded at once and run their batches in turn; ``stamps``
-    adds the wall-clock ``start``/``end`` (and ``ready_at``) an interleaved run's order is checked by."""
+    can hold several sides and the raw process loaded at once and run their batches in turn. Every batch
+    record has wall-clock ``start``/``end`` (and the side ``started_at``/``ready_at``): an interleaved run's
+    order is checked by them, and the GPU monitor's windows are cut by them."""
 
     def __init__(self, cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
-                 redis_url: str, log: Any, name: str, extra_env: dict[str, str] | None, profiled: bool,
-                 stamps: bool = True) -> None:
+                 redis_url: str, log: Any, name: str, extra_env: dict[str, str] | None, profiled: bool) -> None:
         self.cfg, self.workload, self.work, self.log = cfg, workload, work, log
-        self.name, self.extra_env, self.profiled, self.stamps = name, extra_env, profiled, stamps
+        self.name, self.extra_env, self.profiled = name, extra_env, profiled
         self.port = _free_port()
         self.env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_ENGINE": cfg.engine,
                     "LMDQ_SERVED_MODEL_NAME": "bench", "LMDQ_HEALTH_PORT": str(self.port), "LMDQ_LOG_FORMAT": "json",
@@ -411,9 +411,7 @@ class _LmdqSide:
                "results": len(rows), "not_completed": not_done,
                "first_visible_s": round((batch.queued_at or t0) - t0, 3),
                "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid,
-               "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"]}
-        if self.stamps:
-            rec.update(start=t0, end=t_end)
+               "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"], "start": t0, "end": t_end}
         self.batches.append(rec)
         self.log(f"lmdq[{name}] batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible "
                  f"after {rec['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s; CPU s: worker "
@@ -440,9 +438,8 @@ class _LmdqSide:
         out = {"name": self.name, "env": self.extra_env or {}, "ready_s": self.ready_s, "batches": self.batches,
                "worker_exit": self.w.returncode, "worker_log_lines": len(lines),
                "worker_log_non_json": len(non_json), "worker_log_non_json_sample": non_json[:3],
-               "warmup": _warmup_event(lines), "profile": self.profile}
-        if self.stamps:
-            out.update(started_at=self.started_at, ready_at=self.ready_at)
+               "warmup": _warmup_event(lines), "profile": self.profile, "started_at": self.started_at,
+               "ready_at": self.ready_at}
         return out
 
 
@@ -506,8 +503,6 @@ def _gpu_windows(mon: GpuMonitor, sides: list[tuple[str, dict[str, Any]]], log: 
     these say whether the GPU or the host changed under it."""
     for name, side in sides:
         for rec in side["batches"]:
-            if "start" not in rec:
-                continue
             g = rec["gpu"] = mon.window(rec["start"], rec["end"])
             if g is not None:
                 log(f"gpu {name} batch {rec['batch']}: SM {g['sm_mhz_median']} MHz (min {g['sm_mhz_min']}), "

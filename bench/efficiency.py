@@ -80,7 +80,12 @@ def _streamed_tokens(engine: Engine, reqs: list[EngineRequest]) -> int:
 
 def run_raw(engine: Engine, prompts: list[str], cfg: EfficiencyConfig) -> tuple[float, int]:
     """The engine given all prompts at once (LMDeploy: one pipe(prompts) call)."""
-    reqs = _requests(prompts, cfg)
+    return run_raw_requests(engine, _requests(prompts, cfg))
+
+
+def run_raw_requests(engine: Engine, reqs: list[EngineRequest]) -> tuple[float, int]:
+    """(seconds, generated tokens) of ``reqs`` given to the engine at once: LMDeploy one ``pipe()`` call
+    (``infer_all``), other engines one ``stream`` call."""
     t0 = time.perf_counter()
     if hasattr(engine, "infer_all"):
         outs = engine.infer_all(reqs)

@@ -29,12 +29,11 @@ from __future__ import annotations
 import json
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.bench.efficiency import EfficiencyConfig, make_prompts, run_raw
+from lmdq.bench.efficiency import EfficiencyConfig, make_prompts, run_raw, run_raw_requests
 from lmdq.bench.finished_batch import read_finished, wait_terminal
 from lmdq.contract import Endpoint, GenerationParams
 from lmdq.producer.submit import SubmitOptions, submit_file
@@ -94,7 +93,7 @@ def _run_side(engine: Engine, path: Path, requests: int, batch_size: int, cfg: S
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, jobs_in_flight=cfg.jobs_in_flight,
                        partial_interval_s=3600, poll_interval_s=0.01)
     w = Worker(engine=Borrowed(engine), client=client, settings=s,
-               capacity=int(getattr(engine, "capacity", None) or getattr(engine, "max_batch", 1)))
+               capacity=int(getattr(engine, "capacity", None) or getattr(engine, "max_batch", 1) or 1))
     th = threading.Thread(target=w.run, daemon=True)
     th.start()
     before = _counters(engine)
@@ -133,13 +132,7 @@ def _run_raw_side(engine: Engine, prompts: list[str], cfg: SamplesConfig) -> dic
                                                   temperature=cfg.temperature, random_seed=cfg.seed + p * cfg.n + j))
             for p, prompt in enumerate(prompts) for j in range(cfg.n)]
     before = _counters(engine)
-    t0 = time.perf_counter()
-    infer_all = getattr(engine, "infer_all", None)
-    if callable(infer_all):
-        toks = sum(int(o.generate_token_len) for o in infer_all(reqs))
-    else:
-        toks = sum(ev.generate_token_len for ev in engine.stream(reqs, threading.Event()) if ev.finish_reason)
-    secs = time.perf_counter() - t0
+    secs, toks = run_raw_requests(engine, reqs)
     after = _counters(engine)
     out: dict[str, Any] = {"requests": len(reqs), "sequences": len(reqs), "s": round(secs, 3), "tokens": toks,
                            "tok_s": round(toks / secs, 1)}
