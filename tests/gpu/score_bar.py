@@ -14,15 +14,17 @@ So the bar, decided in session 11:
 - no pair over ``PAIR_TOL`` per token: about twice float16's own worst pair (2.68e-2), half of what a wrong
   score costs at the least (a token off, the wrong prompt or template, a dropped first token: tenths of a nat
   to several nats).
-tests/unit/test_score_bar.py applies it to the recorded numbers and to wrong ones.
+:func:`verdict` is the whole of what the GPU test asserts and writes, computed from its rows alone, so that
+tests/unit/test_score_bar.py replays the same verdict on the rows the H200 recorded (and on wrong ones).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PAIR_TOL", "PER_TOKEN_TOL", "Pair", "ScoreBar", "score_bar"]
+__all__ = ["COMPARISONS", "PAIR_TOL", "PER_TOKEN_TOL", "Pair", "ScoreBar", "score_bar", "verdict"]
 
 PER_TOKEN_TOL = 1e-2
 PAIR_TOL = 5e-2
@@ -66,3 +68,37 @@ def score_bar(pairs: Sequence[Pair]) -> ScoreBar:
                     tokens=sum(p.tokens for p in pairs), per_token_all=per_token_all,
                     worst_per_token=max(per_pair), over_per_token_tol=sum(d > PER_TOKEN_TOL for d in per_pair),
                     failing=failing)
+
+
+#: each comparison the GPU test records: (engine's column, reference's column) in a row
+COMPARISONS = {"fp16_vs_tf32": ("lmdeploy_fp16", "transformers_fp32"),
+               "tf16_vs_tf32": ("transformers_fp16", "transformers_fp32"),
+               "fp16_vs_tf16": ("lmdeploy_fp16", "transformers_fp16")}
+
+
+def verdict(rows: Sequence[dict[str, Any]], dtype: str) -> tuple[dict[str, Any], list[str]]:
+    """(summary, problems) of the GPU score test's rows: ``tokens``, the three engines' summed log-probabilities
+    (``lmdeploy_fp16``, ``transformers_fp32``, ``transformers_fp16``) and ``is_greedy`` of each, per pair.
+
+    Asserted (a problem each): LMDeploy against transformers float32 within the bar; transformers float16
+    within the same bar (a bar float16 cannot meet shows here first); ``is_greedy`` equal to transformers' in
+    the engine's dtype on every pair. Only recorded: LMDeploy against transformers float16, and the agreement
+    of ``is_greedy`` with float32."""
+    bars = {k: score_bar([Pair(got=r[a], ref=r[b], tokens=r["tokens"]) for r in rows])
+            for k, (a, b) in COMPARISONS.items()}
+    greedy = sum(r["is_greedy"]["lmdeploy"] == r["is_greedy"]["transformers_fp16"] for r in rows)
+    greedy32 = sum(r["is_greedy"]["lmdeploy"] == r["is_greedy"]["transformers_fp32"] for r in rows)
+    summary = {"pairs": len(rows), "asserted": f"score_bar: lmdeploy {dtype} vs transformers float32",
+               "bar": bars["fp16_vs_tf32"].explain(), "bar_transformers_fp16": bars["tf16_vs_tf32"].explain(),
+               "max_per_token_diff": {k: b.worst_per_token for k, b in bars.items()},
+               "over_tolerance": {k: b.over_per_token_tol for k, b in bars.items()},
+               "is_greedy_agree": greedy, "is_greedy_agree_tf32": greedy32,
+               "tolerance": PER_TOKEN_TOL, "suite_dtype": dtype}
+    problems = []
+    if not bars["tf16_vs_tf32"].ok:
+        problems.append(f"transformers {dtype} itself misses the bar: {bars['tf16_vs_tf32'].explain()}")
+    if not bars["fp16_vs_tf32"].ok:
+        problems.append(f"lmdeploy {dtype} misses the bar: {bars['fp16_vs_tf32'].explain()}")
+    if greedy != len(rows):
+        problems.append(f"is_greedy differs from transformers {dtype} on {len(rows) - greedy} pairs")
+    return summary, problems

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.score_bar import PAIR_TOL, PER_TOKEN_TOL, Pair, score_bar
+from tests.gpu.score_bar import PAIR_TOL, PER_TOKEN_TOL, Pair, score_bar, verdict
 
 RECORDED = Path(__file__).resolve().parents[2] / "docs" / "results" / "session11" / "scores_gpu_2729dda.json"
 
@@ -42,6 +42,34 @@ def test_the_recorded_lmdeploy_scores_pass_and_the_literal_reading_fails_for_tra
     over = [r for r in rows if abs(r["transformers_fp16"] - r["transformers_fp32"]) / r["tokens"] > PER_TOKEN_TOL]
     # all of them continuations of 1-2 tokens the model finds very unlikely (log-probability below -11)
     assert over and all(r["tokens"] <= 2 and r["transformers_fp32"] < -11 for r in over)
+
+
+def test_the_gpu_tests_own_verdict_on_the_recorded_rows_passes_and_reproduces_what_it_wrote(
+        rows: list[dict[str, Any]]) -> None:
+    """tests/gpu/test_scores_gpu.py asserts ``not problems`` of :func:`verdict` over its rows, nothing else
+    about the numbers: replayed here on the rows the H200 wrote at 2729dda (the score path in lmdq/ and
+    worker/ is unchanged since), it passes, and its summary gives back the maxima, counts and is_greedy
+    agreement that run wrote with its older assertion."""
+    recorded = json.loads(RECORDED.read_text())
+    summary, problems = verdict(rows, "float16")
+    assert problems == [], problems
+    assert summary["max_per_token_diff"] == pytest.approx(recorded["max_per_token_diff"], abs=1e-12)
+    assert summary["over_tolerance"] == recorded["over_tolerance"]
+    assert summary["is_greedy_agree"] == recorded["is_greedy_agree"] == 60
+    assert summary["is_greedy_agree_tf32"] == recorded["is_greedy_agree_tf32"]
+
+
+def test_the_verdict_names_an_is_greedy_disagreement_and_a_missed_bar(rows: list[dict[str, Any]]) -> None:
+    flipped = [dict(r) for r in rows]
+    flipped[3] = {**rows[3], "is_greedy": {**rows[3]["is_greedy"], "lmdeploy": not rows[3]["is_greedy"]["lmdeploy"]}}
+    _, problems = verdict(flipped, "float16")
+    assert problems == ["is_greedy differs from transformers float16 on 1 pairs"]
+    off = [{**r, "lmdeploy_fp16": r["transformers_fp32"] - 0.1 * r["tokens"]} for r in rows]
+    _, problems = verdict(off, "float16")
+    assert len(problems) == 1 and problems[0].startswith("lmdeploy float16 misses the bar"), problems
+    off16 = [{**r, "transformers_fp16": r["transformers_fp32"] + 0.1 * r["tokens"]} for r in rows]
+    _, problems = verdict(off16, "float16")
+    assert len(problems) == 1 and problems[0].startswith("transformers float16 itself misses"), problems
 
 
 def test_a_score_of_the_wrong_continuation_fails(rows: list[dict[str, Any]]) -> None:
