@@ -23,7 +23,9 @@
 # the whole budget, default 575 s) and its log is written line by line (grep --line-buffered). The PyTorch
 # suite (four files, ~450 s with the LoRA and score engines) no longer fits one call beside a model
 # conversion: run it as two, e.g. SUITE_FILES="tests/gpu/test_lmdeploy_gpu.py tests/gpu/test_samples_gpu.py"
-# then SUITE_FILES="tests/gpu/test_lora_gpu.py tests/gpu/test_scores_gpu.py".
+# then SUITE_FILES="tests/gpu/test_lora_gpu.py tests/gpu/test_scores_gpu.py", or (session 12, not yet run)
+# as two pytest processes at once in one call: SUITE_GROUPS="tests/gpu/test_lmdeploy_gpu.py
+# tests/gpu/test_lora_gpu.py;tests/gpu/test_scores_gpu.py tests/gpu/test_samples_gpu.py".
 set -uo pipefail
 stage=${1:?stage bench|setup|suite|tp|parity|faults|prefix|tm|tmsuite|tmbench|e2e|samples}
 for part in 1-wheels 2-model-a 3-model-b; do
@@ -87,6 +89,30 @@ e2e() {  # e2e NAME BACKEND WORKLOAD
     python3 scripts/gpu/submit_profile.py "/tmp/e2e_$name/workload.jsonl" "$OUT/submit_profile_$name.txt" 2>&1 | tail -8
   fi
 }
+suite_run() {  # suite_run NAME: the suite's test files into $OUT/NAME.log
+  local name=$1 i=0 g pids=() groups=()
+  if [ -n "${SUITE_GROUPS:-}" ]; then
+    # SUITE_GROUPS="A;B": each group (test files, space-separated) is its own pytest process, all at once on the
+    # one GPU, so the suite's engine start-ups (30-55 s each, CPU-bound) overlap: the whole PyTorch suite in one
+    # call. Two groups at most: each engine takes its --cache-max-entry-count (0.2-0.3) of the memory free when
+    # it allocates, so two that read it at the same instant still leave room; three might not. Logs NAME_1.log,
+    # NAME_2.log, ... and NAME.log (all of them, for the summary).
+    IFS=';' read -r -a groups <<< "$SUITE_GROUPS"
+    for g in "${groups[@]}"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086
+      ( timeout $(( ${SUITE_TIMEOUT:-575} - SECONDS )) python3 -m pytest $g -v -s -o cache_dir=/tmp/pyc$i -rA 2>&1 \
+          | grep --line-buffered -v DEBUG > "$OUT/${name}_$i.log" ) &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    cat "$OUT/${name}"_[0-9]*.log > "$OUT/$name.log"
+  else
+    # shellcheck disable=SC2086
+    timeout $(( ${SUITE_TIMEOUT:-575} - SECONDS )) python3 -m pytest $SUITE_FILES -v -s -o cache_dir=/tmp/pyc -rA 2>&1 \
+      | grep --line-buffered -v DEBUG > "$OUT/$name.log"
+  fi
+}
 case $stage in
   e2e)
     [ "${E2E_ENV:-0}" = 1 ] && env_txt
@@ -99,9 +125,7 @@ case $stage in
     run=${TM_RUN:-none}; [ "$stage" = tmsuite ] && run=suite; [ "$stage" = tmbench ] && run=bench
     if [ "$run" = suite ]; then
       env_txt
-      # shellcheck disable=SC2086
-      timeout $(( ${SUITE_TIMEOUT:-575} - SECONDS )) python3 -m pytest $SUITE_FILES -v -s -o cache_dir=/tmp/pyc -rA \
-        2>&1 | grep --line-buffered -v DEBUG > "$OUT/gpu_suite_both.log"
+      suite_run gpu_suite_both
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|turbomind (generation|all)|backend auto|progress bars as|$SUITE_NOTES" \
         "$OUT/gpu_suite_both.log" | tail -60
     elif [ "$run" = bench ]; then
@@ -146,13 +170,11 @@ case $stage in
     ;;
   suite)
     env_txt
-    # shellcheck disable=SC2086
-    timeout $(( ${SUITE_TIMEOUT:-575} - SECONDS )) python3 -m pytest $SUITE_FILES -v -s -o cache_dir=/tmp/pyc -rA 2>&1 \
-      | grep --line-buffered -v DEBUG > "$OUT/gpu_suite.log"
+    suite_run gpu_suite
     grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests|progress bars as events|$SUITE_NOTES" "$OUT/gpu_suite.log" \
       | tail -50
     # anything failed: the same tests again with the engine loop in-process, to tell mp-engine issues apart
-    if [ "${RERUN:-1}" = 1 ] && grep -qE "^(FAILED|ERROR)" "$OUT/gpu_suite.log"; then
+    if [ "${RERUN:-1}" = 1 ] && [ -z "${SUITE_GROUPS:-}" ] && grep -qE "^(FAILED|ERROR)" "$OUT/gpu_suite.log"; then
       # shellcheck disable=SC2086
       LMDQ_MP_ENGINE=0 timeout 150 python3 -m pytest $SUITE_FILES --lf -v -s -o cache_dir=/tmp/pyc \
         -rA 2>&1 | grep --line-buffered -v DEBUG > "$OUT/gpu_suite_inproc_rerun.log"
