@@ -225,15 +225,20 @@ class _RawGated:
                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _wait_file(self, path: Path, what: str) -> dict[str, Any]:
-        assert self.p is not None
-        end = time.monotonic() + self.cfg.timeout_s
-        while not path.exists():
-            if self.p.poll() is not None:
-                raise RuntimeError(f"raw side exited {self.p.returncode} before {what}: "
-                                   f"{(self.work / 'raw.log').read_text(errors='replace')[-3000:]}")
-            if time.monotonic() > end:
-                raise RuntimeError(f"raw side: no {what} after {self.cfg.timeout_s:.0f} s")
-            time.sleep(0.01)
+        from lmdq.bench.raw_pipe import GateError, wait_for_file
+
+        p = self.p
+        assert p is not None
+
+        def gone() -> str | None:
+            if p.poll() is None:
+                return None
+            return f"exited {p.returncode} before {what}: " \
+                   f"{(self.work / 'raw.log').read_text(errors='replace')[-3000:]}"
+        try:
+            wait_for_file(path, self.cfg.timeout_s, gone)
+        except GateError as e:
+            raise RuntimeError(f"raw side: {e}") from None
         d: dict[str, Any] = json.loads(path.read_text())
         return d
 

@@ -133,6 +133,16 @@ class GpuMonitor:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    @property
+    def sampling(self) -> bool:
+        """Whether the sampler process runs (False before the ``with`` block and after it)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def samples(self) -> list[GpuSample]:
+        """Every sample read so far, oldest first (a copy: the reader thread keeps appending)."""
+        with self._lock:
+            return list(self._samples)
+
     def window(self, start: float, end: float) -> dict[str, Any] | None:
         """The summary of the samples stamped within [start, end] (``time.time()`` values)."""
         with self._lock:

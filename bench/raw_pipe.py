@@ -20,10 +20,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GateError", "load_workload", "main", "write_atomic"]
+__all__ = ["GateError", "load_workload", "main", "wait_for_file", "write_atomic"]
 
 
 class GateError(RuntimeError):
@@ -38,16 +39,27 @@ def write_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _wait_gate(path: Path, parent_pid: int | None, timeout_s: float) -> None:
-    """Block until ``path`` exists: poll it, checking that the driver still lives (once it dies this
-    process is re-parented, so ``getppid`` changes)."""
+def wait_for_file(path: Path, timeout_s: float, gone: Callable[[], str | None]) -> None:
+    """Block until ``path`` exists (10 ms polls): the one wait of the gate protocol, on both ends (this
+    process waits for ``go_<b>``, the driver for ``ready.json`` and ``done_<b>.json``). ``gone`` says why the
+    other end can no longer write it (``None`` while it lives), raised at once instead of at the timeout."""
     end = time.monotonic() + timeout_s
     while not path.exists():
-        if parent_pid is not None and os.getppid() != parent_pid:
-            raise GateError(f"raw_pipe: the e2e driver (pid {parent_pid}) is gone; waiting for {path.name}")
+        why = gone()
+        if why:
+            raise GateError(why)
         if time.monotonic() > end:
-            raise GateError(f"raw_pipe: no {path.name} in {path.parent} after {timeout_s:.0f} s")
+            raise GateError(f"no {path.name} in {path.parent} after {timeout_s:.0f} s")
         time.sleep(0.01)
+
+
+def _driver_gone(parent_pid: int | None) -> Callable[[], str | None]:
+    """Once the driver dies this process is re-parented, so ``getppid`` changes."""
+    def gone() -> str | None:
+        if parent_pid is not None and os.getppid() != parent_pid:
+            return f"raw_pipe: the e2e driver (pid {parent_pid}) is gone"
+        return None
+    return gone
 
 
 def load_workload(path: Path) -> tuple[list[Any], list[dict[str, Any]], bool]:
@@ -113,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in range(int(spec["batches"])):
         if gate is not None:
             try:
-                _wait_gate(gate / f"go_{b}", parent_pid, float(spec.get("gate_timeout_s", 3600)))
+                wait_for_file(gate / f"go_{b}", float(spec.get("gate_timeout_s", 3600)), _driver_gone(parent_pid))
             except GateError as e:
                 print(e, file=sys.stderr, flush=True)
                 eng.close()

@@ -5,7 +5,10 @@ The numbers themselves mean nothing here (the sim's raw side runs one stream cal
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import run_cli
 
@@ -81,3 +84,17 @@ def test_e2e_interleave_alternates_raw_and_lmdq_batches_on_engines_loaded_at_onc
     assert table[0].split() == ["batch", "raw", "tok/s", "lmdq", "tok/s", "lmdq/raw", "first"]
     assert [ln.split()[-1] for ln in table[1:4]] == ["raw", "default", "raw"]
     assert all(len(ln) <= 80 for ln in table[:4]), table
+
+
+def test_the_gate_wait_returns_on_the_file_and_names_why_the_other_end_cannot_write_it(tmp_path: Path) -> None:
+    """bench/raw_pipe.wait_for_file, both ends' wait of --interleave: a file already there returns at once;
+    an other end that is gone raises its reason on the first poll (not at the timeout); no file within the
+    timeout (0 s: decided by the first poll, no race with the clock) names the file and the folder."""
+    from lmdq.bench.raw_pipe import GateError, wait_for_file
+
+    (tmp_path / "go_0").write_text("{}")
+    wait_for_file(tmp_path / "go_0", 3600, lambda: "never asked")
+    with pytest.raises(GateError, match="^driver gone$"):
+        wait_for_file(tmp_path / "go_1", 3600, lambda: "driver gone")
+    with pytest.raises(GateError, match=re.escape(f"no go_1 in {tmp_path} after 0 s")):
+        wait_for_file(tmp_path / "go_1", 0, lambda: None)

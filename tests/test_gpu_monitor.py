@@ -45,19 +45,17 @@ def test_monitor_windows_split_what_a_running_sampler_printed() -> None:
     assert mon.enabled
     with mon:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with mon._lock:
-                if len(mon._samples) == 30:
-                    break
+        while time.monotonic() < deadline and len(mon.samples()) < 30:
             time.sleep(0.01)
-        samples = list(mon._samples)
+        assert mon.sampling
+        samples = mon.samples()
         assert len(samples) == 30
         whole = mon.window(samples[0].t, samples[-1].t)
         second_half = mon.window(samples[15].t, samples[-1].t)
     assert whole is not None and whole["samples"] == 30 and whole["sm_mhz_min"] == 1000.0
     assert second_half is not None and second_half["sm_mhz_min"] >= 1015.0
     assert mon.window(samples[-1].t + 1, samples[-1].t + 2) is None
-    assert mon._proc is not None and mon._proc.poll() is not None  # the sampler is gone after the block
+    assert not mon.sampling  # the sampler is gone after the block
 
 
 def test_without_nvidia_smi_the_monitor_is_off() -> None:
