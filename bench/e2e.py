@@ -348,8 +348,11 @@ class _LmdqSide:
         self.cfg, self.workload, self.work, self.log = cfg, workload, work, log
         self.name, self.extra_env, self.profiled = name, extra_env, profiled
         self.port = _free_port()
+        # each side its own key prefix (queues, results, registry): with --interleave every side's worker is up
+        # while one side's batch runs, and on one shared queue the idle workers would take its jobs too
         self.env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_ENGINE": cfg.engine,
                     "LMDQ_SERVED_MODEL_NAME": "bench", "LMDQ_HEALTH_PORT": str(self.port), "LMDQ_LOG_FORMAT": "json",
+                    "LMDQ_KEY_PREFIX": f"lmdq-e2e-{name}",
                     **({"LMDQ_MODEL": model} if cfg.engine != "sim" else {}), **_engine_env(engine_settings),
                     **(extra_env or {})}
         self.store = ResultStore(connect(redis_url), keys=Keys(self.env.get("LMDQ_KEY_PREFIX", "lmdq")))
@@ -416,7 +419,8 @@ class _LmdqSide:
                "results": len(rows), "not_completed": not_done,
                "first_visible_s": round((batch.queued_at or t0) - t0, 3),
                "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid,
-               "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"], "start": t0, "end": t_end}
+               "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"], "start": t0, "end": t_end,
+               "workers": sorted({r.worker for r in rows if r.worker})}  # this side's one worker, nobody else
         self.batches.append(rec)
         self.log(f"lmdq[{name}] batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible "
                  f"after {rec['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s; CPU s: worker "

@@ -98,3 +98,24 @@ def test_the_gate_wait_returns_on_the_file_and_names_why_the_other_end_cannot_wr
         wait_for_file(tmp_path / "go_1", 3600, lambda: "driver gone")
     with pytest.raises(GateError, match=re.escape(f"no go_1 in {tmp_path} after 0 s")):
         wait_for_file(tmp_path / "go_1", 0, lambda: None)
+
+
+def test_e2e_interleave_keeps_each_variants_jobs_to_its_own_worker(tmp_path: Path, env: dict[str, str]) -> None:
+    """Two lmdq sides loaded at once (--interleave): while one side's batch runs the other side's worker is
+    up and idle. Each side has its own key prefix, so every result of a side's batch comes from that side's
+    one worker (the result's ``worker``), never from the other's."""
+    p = run_cli("lmdq.bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "48", "--batches", "2",
+                "--batch-size", "4", "--min-input", "4", "--max-input", "8", "--min-output", "2", "--max-output", "4",
+                "--no-raw-warmup", "--interleave", "--lmdq-variant", "a", "--lmdq-variant", "b",
+                "--workdir", str(tmp_path / "w"), "-o", str(tmp_path / "e2e.json"), env=env, timeout=600)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    d = json.loads((tmp_path / "e2e.json").read_text())["detail"]
+    assert d["order"] == [["raw", "a", "b"], ["b", "a", "raw"]]
+    workers = {}
+    for name in ("a", "b"):
+        batches = d["variants"][name]["lmdq"]["batches"]
+        assert all(b["results"] == 48 and b["not_completed"] == 0 for b in batches), batches
+        seen = {w for b in batches for w in b["workers"]}
+        assert len(seen) == 1, (name, seen)
+        workers[name] = seen.pop()
+    assert workers["a"] != workers["b"]
