@@ -183,20 +183,31 @@ def _engine_env(engine_settings: dict[str, Any]) -> dict[str, str]:
             for k, v in engine_settings.items()}
 
 
+def _raw_spec(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
+              **gated: Any) -> dict[str, Any]:
+    """raw_pipe's spec (``gated``: the gate keys of an interleaved run), written to ``work/raw_spec.json``."""
+    spec = {"engine": cfg.engine, "model": model, "engine_settings": engine_settings, "workload": str(workload),
+            "batches": cfg.batches, "warmup": cfg.raw_warmup, "output": str(work / "raw.json"), **gated}
+    (work / "raw_spec.json").write_text(json.dumps(spec))
+    return spec
+
+
+def _raw_result(rc: int, work: Path) -> dict[str, Any]:
+    """What the raw process wrote (``work/raw.json``) once it exited 0; else its log's tail as the error."""
+    if rc != 0:
+        raise RuntimeError(f"raw side exited {rc}: {(work / 'raw.log').read_text(errors='replace')[-3000:]}")
+    res: dict[str, Any] = json.loads((work / "raw.json").read_text())
+    return res
+
+
 def run_raw(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
             log: Any) -> dict[str, Any]:
-    spec = {"engine": cfg.engine, "model": model, "engine_settings": engine_settings, "workload": str(workload),
-            "batches": cfg.batches,
-            "warmup": cfg.raw_warmup, "output": str(work / "raw.json")}
-    (work / "raw_spec.json").write_text(json.dumps(spec))
+    _raw_spec(cfg, model, workload, engine_settings, work)
     log(f"raw: python -m lmdq.bench.raw_pipe ({cfg.batches} batches of {cfg.n})")
     with (work / "raw.log").open("wb") as out:
         p = subprocess.run([sys.executable, "-m", "lmdq.bench.raw_pipe", str(work / "raw_spec.json")],
                            stdout=out, stderr=subprocess.STDOUT, timeout=cfg.timeout_s)
-    if p.returncode != 0:
-        raise RuntimeError(f"raw side exited {p.returncode}: {(work / 'raw.log').read_text()[-3000:]}")
-    res: dict[str, Any] = json.loads((work / "raw.json").read_text())
-    return res
+    return _raw_result(p.returncode, work)
 
 
 class _RawGated:
@@ -209,15 +220,14 @@ class _RawGated:
                  log: Any, gate_timeout_s: float) -> None:
         self.cfg, self.work, self.log = cfg, work, log
         self.gate = Path(tempfile.mkdtemp(prefix="gate-", dir=work))  # never a stale go_/done_ of a reused workdir
-        self.spec = {"engine": cfg.engine, "model": model, "engine_settings": engine_settings,
-                     "workload": str(workload), "batches": cfg.batches, "warmup": cfg.raw_warmup,
-                     "output": str(work / "raw.json"), "gate_dir": str(self.gate), "parent_pid": os.getpid(),
-                     "gate_timeout_s": gate_timeout_s}
+        self.model, self.workload, self.engine_settings = model, workload, engine_settings
+        self.gate_timeout_s = gate_timeout_s
         self.p: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
 
     def start(self) -> None:
-        (self.work / "raw_spec.json").write_text(json.dumps(self.spec))
+        _raw_spec(self.cfg, self.model, self.workload, self.engine_settings, self.work, gate_dir=str(self.gate),
+                  parent_pid=os.getpid(), gate_timeout_s=self.gate_timeout_s)
         self.log(f"raw: python -m lmdq.bench.raw_pipe ({self.cfg.batches} gated batches of {self.cfg.n})")
         self.started_at = time.time()
         with (self.work / "raw.log").open("wb") as out:
@@ -255,11 +265,7 @@ class _RawGated:
     def finish(self) -> dict[str, Any]:
         """After the last batch: the process writes raw.json, closes its engine and exits 0."""
         assert self.p is not None
-        rc = self.p.wait(self.cfg.timeout_s)
-        if rc != 0:
-            raise RuntimeError(f"raw side exited {rc}: {(self.work / 'raw.log').read_text(errors='replace')[-3000:]}")
-        res: dict[str, Any] = json.loads((self.work / "raw.json").read_text())
-        return {**res, "started_at": self.started_at}
+        return {**_raw_result(self.p.wait(self.cfg.timeout_s), self.work), "started_at": self.started_at}
 
     def kill(self) -> None:
         """The whole session (the raw process and its engine processes): SIGTERM, SIGKILL after 30 s."""
