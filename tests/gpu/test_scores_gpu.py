@@ -29,7 +29,7 @@ import pytest
 
 from lmdq.contract import Endpoint
 from lmdq.worker.engines.base import EngineEvent, EngineRequest
-from tests.gpu.score_bar import verdict
+from tests.gpu.score_bar import COMPARISONS, verdict
 from tests.helpers import final_events
 
 PROMPTS: list[str | list[dict[str, str]]] = [
@@ -125,9 +125,8 @@ def test_lmdeploy_score_within_1e_2_per_token_of_transformers(reference: dict[in
             rows.append({"prompt": r.prompt if r.prompt is not None else r.messages, "continuation": cont,
                          "tokens": n, "lmdeploy_fp16": lp16, "transformers_fp32": tlp,
                          "transformers_fp16": hlp,
-                         "per_token_diff": {"fp16_vs_tf32": abs(lp16 - tlp) / n,
-                                            "fp16_vs_tf16": abs(lp16 - hlp) / n, "tf16_vs_tf32": abs(hlp - tlp) / n},
                          "is_greedy": {"lmdeploy": g, "transformers_fp16": hg, "transformers_fp32": tg}})
+            rows[-1]["per_token_diff"] = {k: abs(rows[-1][a] - rows[-1][b]) / n for k, (a, b) in COMPARISONS.items()}
     summary, problems = verdict(rows, gpu_dtype)
     out_dir = os.environ.get("OUT")
     if out_dir:
