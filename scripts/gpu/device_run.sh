@@ -112,7 +112,12 @@ suite_run() {  # suite_run NAME: the suite's test files into $OUT/NAME.log
     timeout $(( ${SUITE_TIMEOUT:-575} - SECONDS )) python3 -m pytest $SUITE_FILES -v -s -o cache_dir=/tmp/pyc -rA 2>&1 \
       | grep --line-buffered -v DEBUG > "$OUT/$name.log"
   fi
+  # the stage's exit status is the suite's (session 14: a green suite ended rc=1 on the MARGIN line below, a
+  # red one rc=0 on its summary's grep): red if any test FAILED/ERROR or a pytest run printed no summary
+  local runs; runs=$(grep -cE "^=+ .*(passed|failed|error).* in [0-9.]+s" "$OUT/$name.log")
+  if grep -qE "^(FAILED|ERROR) " "$OUT/$name.log" || [ "$runs" -lt "$(( i > 0 ? i : 1 ))" ]; then suite_rc=1; fi
 }
+suite_rc=0
 case $stage in
   e2e)
     [ "${E2E_ENV:-0}" = 1 ] && env_txt
@@ -196,3 +201,4 @@ case $stage in
     [ "${MARGIN:-1}" = 1 ] && { timeout 240 python3 scripts/gpu/bf16_margin.py $M > "$OUT/bf16_margin.log" 2>&1; tail -5 "$OUT/bf16_margin.log"; }
     ;;
 esac
+exit $suite_rc

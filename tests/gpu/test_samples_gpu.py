@@ -5,7 +5,8 @@ LMDQ_GPU_BACKENDS says otherwise). Each test prints its numbers; what it asserts
 
 * n = 8 with a seed through submit + the worker: ONE result per prompt holding 8 samples, indices 0..7,
   mostly distinct texts, usage = the prompt once + the samples' tokens summed; the same batch again
-  gives the same 8 samples (seed + i per sample);
+  gives the same 8 samples (seed + i per sample) where the engine alone repeats them given the same seeds
+  (two identical ``pipe()`` calls; otherwise the test ends XFAIL saying so: the engine decides, not lmdq);
 * prefill: the worker's own accounting (``Result.prefill_token_len``, from LMDeploy's ``cached_tokens``
   and the priming request, worker/engines/lmdeploy_engine.py) is at least 2x below what 8 separate
   requests prefill (8 x the prompt's tokens, no sharing), and the worker's Prometheus counter
@@ -85,6 +86,20 @@ def _prefilled_counter(worker: Any) -> float:
     return total
 
 
+def _engine_alone_repeats(engine: Any, params: GenerationParams) -> int:
+    """Of the PROMPTS prompts, how many get the same N sample texts from two identical ``infer_all`` calls
+    (sample ``i`` seeded ``seed + i``, as the worker fans them out: worker/samples.py)."""
+    from lmdq.worker.engines.base import EngineRequest
+    from lmdq.worker.samples import sample_seed
+
+    pairs = [(p, i) for p in range(PROMPTS) for i in range(N)]
+    reqs = [EngineRequest(index=k, prompt=_prompt(p), params=params.model_copy(
+        update={"n": None, "random_seed": sample_seed(params.random_seed, i)})) for k, (p, i) in enumerate(pairs)]
+    first = [o.text for o in engine.infer_all(reqs)]
+    second = [o.text for o in engine.infer_all(reqs)]
+    return sum(first[p * N:(p + 1) * N] == second[p * N:(p + 1) * N] for p in range(PROMPTS))
+
+
 def test_n8_distinct_samples_and_at_least_2x_fewer_prefill_tokens(engine: Any, tmp_path: Path) -> None:
     srv = RedisServer().start()
     try:
@@ -116,7 +131,15 @@ def test_n8_distinct_samples_and_at_least_2x_fewer_prefill_tokens(engine: Any, t
         same = sum(a.samples == b.samples for a, b in zip(rows, again))  # type: ignore[misc]
         texts = sum([s.text for s in a.samples or []] == [s.text for s in b.samples or []] for a, b in zip(rows, again))
         print(f"[samples-gpu] second batch: {texts}/{PROMPTS} prompts with the same 8 sample texts ({same} identical)")
-        assert texts >= PROMPTS - 1, "a re-run with the same seed gave other samples"
+        # lmdq can only repeat what the engine repeats: the same 128 seeded requests, twice, straight to the
+        # engine (one pipe() call each, no queue). Session 14: TurboMind gave other samples through lmdq for
+        # 16/16 prompts; this tells an lmdq fault (engine alone repeats) from the engine's own behaviour.
+        alone = _engine_alone_repeats(engine, params)
+        print(f"[samples-gpu] engine alone, two identical calls: {alone}/{PROMPTS} prompts with the same 8 texts")
+        if alone < PROMPTS - 1:
+            pytest.xfail(f"{engine.backend} alone gave other samples for the same seeds in {PROMPTS - alone} of "
+                         f"{PROMPTS} prompts: a re-run cannot repeat them (lmdq: {texts}/{PROMPTS})")
+        assert texts >= PROMPTS - 1, "a re-run with the same seed gave other samples (the engine alone repeats them)"
     finally:
         srv.cleanup()
 
