@@ -446,8 +446,9 @@ class Sample(_Strict):
     """One of the ``n`` samples of a request (``params.n > 1``); ``index`` is its place, 0..n-1.
 
     Sample ``i`` of a request with ``random_seed=s`` was drawn with seed ``s + i``, so a re-run gives the
-    same samples where the engine repeats a seeded draw (docs/outputs.md, "Seeds"). ``prefill_token_len`` is how many prompt tokens the engine computed for this sample
-    (0 when it reused another sample's prefill; None when the engine does not say)."""
+    same samples where the engine repeats a seeded draw (docs/outputs.md, "Seeds"). ``prefill_token_len``
+    is how many prompt tokens the engine computed for this sample (0 when it reused another sample's
+    prefill; None when the engine does not say)."""
 
     index: int
     text: str = ""
