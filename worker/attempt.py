@@ -16,7 +16,6 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,7 @@ from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPa
 from lmdq.jobs.queue import Claim, JobQueue
 from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
-from lmdq.results.writer import ResultWriter
+from lmdq.results.writer import PendingWrite, ResultWriter
 from lmdq.worker.admission import EngineGate
 from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent
 from lmdq.worker.engines.engine_health import EngineHealth
@@ -70,7 +69,7 @@ class Held:
     #: once the job is released (see lmdq.results.sink)
     forget: bool = False
     #: final results queued for the writer (ResultWriter.final_async), waited for before the attempt ends
-    writes: list[Future[bool]] = field(default_factory=list)
+    writes: list[PendingWrite] = field(default_factory=list)
 
     def stop(self, reason: AbortReason) -> bool:
         """Abort the job's in-flight requests for ``reason`` (the first reason wins). True if new."""

@@ -19,7 +19,6 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
@@ -32,7 +31,7 @@ from lmdq.results.store import ResultStore
 if TYPE_CHECKING:
     from lmdq.results.worker_sink import ResultsSink
 
-__all__ = ["ResultWriter", "StoreRefused", "WriteAbandoned", "is_store_refusal"]
+__all__ = ["PendingWrite", "ResultWriter", "StoreRefused", "WriteAbandoned", "is_store_refusal"]
 
 FLUSH_MAX = 256
 """Final results per pipelined write at most: a bounded reply, and a refused batch retries whole."""
@@ -55,6 +54,37 @@ class WriteAbandoned(Exception):
     lease then expires and another worker runs its unfinished requests (nothing is written twice)."""
 
 
+class PendingWrite:
+    """A final result queued for the flusher (:meth:`ResultWriter.final_async`): :meth:`result` blocks
+    until it is in Redis and says whether it was new.
+
+    Why not a ``concurrent.futures.Future``: each one builds a ``threading.Condition`` in Python, and at
+    TurboMind's pace (hundreds of results a second, the engine in the worker's own process) those were
+    15 % of the worker's time holding the GIL (py-spy ``--gil`` on ``scripts/worker_cpu.py``). One
+    condition per writer serves every pending write."""
+
+    __slots__ = ("_done", "_error", "_new", "_writer")
+
+    def __init__(self, writer: ResultWriter) -> None:
+        self._writer = writer
+        self._done = False
+        self._new = False
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the flusher has finished with it (written, or failed)."""
+        return self._done
+
+    def result(self) -> bool:
+        """True if the result was new, False if the request already had one; re-raises the flusher's error
+        (e.g. :class:`WriteAbandoned`)."""
+        if not self._done:
+            self._writer._await(self)
+        if self._error is not None:
+            raise self._error
+        return self._new
+
+
 class ResultWriter:
     """Final and partial results, and the retry policy for every store call of a job."""
 
@@ -75,8 +105,9 @@ class ResultWriter:
         self._retrying = 0  # calls retrying now
         self.stats = {"results": 0, "duplicates": 0, "store_episodes": 0}
         # write-behind of final results (final_async): one flusher thread, one pipelined call per batch
-        self._queue: list[tuple[Result, Future[bool]]] = []
+        self._queue: list[tuple[Result, PendingWrite]] = []
         self._qcond = threading.Condition()
+        self._done_cond = threading.Condition()  # notified when a flushed batch's writes are done
         self._flusher: threading.Thread | None = None
 
     def call(self, fn: Callable[[], T], what: str) -> T:
@@ -116,17 +147,17 @@ class ResultWriter:
         """Store a final result (exactly once, see :mod:`lmdq.results.store`). True if it was new."""
         return self.final_async(result).result()
 
-    def final_async(self, result: Result) -> Future[bool]:
-        """Queue a final result for the flusher thread; the future says whether it was new.
+    def final_async(self, result: Result) -> PendingWrite:
+        """Queue a final result for the flusher thread; the pending write says whether it was new.
 
         Why: a worker that writes each result in its own round trip costs Redis twice the CPU per request
         of one that pipelines them (the round trip's syscalls cost as much as the exactly-once script).
         Results that finish together (a job's requests often do) are written in one pipelined call,
-        each through the same script. Nothing is weaker: the job's thread waits for its futures before the
+        each through the same script. Nothing is weaker: the job's thread waits for its writes before the
         job is released (:meth:`wait`), so a result is in Redis before its lease goes, and a worker that
         dies first leaves the job to run again, as before. The flusher retries through store faults with
         :meth:`call`, like :meth:`final`."""
-        fut: Future[bool] = Future()
+        fut = PendingWrite(self)
         with self._qcond:
             self._queue.append((result, fut))
             if self._flusher is None:
@@ -136,7 +167,7 @@ class ResultWriter:
         return fut
 
     @staticmethod
-    def wait(futures: list[Future[bool]]) -> None:
+    def wait(futures: list[PendingWrite]) -> None:
         """Block until every queued write in ``futures`` is in Redis (re-raises the flusher's error, e.g.
         :class:`WriteAbandoned`), then clear the list."""
         try:
@@ -155,14 +186,24 @@ class ResultWriter:
                 write = functools.partial(self.store.write_results_each, [r for r, _ in batch])
                 news = self.call(write, "write results")
             except BaseException as e:  # noqa: BLE001 - handed to the job threads that wait on these
-                for _, f in batch:
-                    f.set_exception(e)
+                with self._done_cond:
+                    for _, f in batch:
+                        f._error, f._done = e, True
+                    self._done_cond.notify_all()
                 continue
             with self._lock:
                 self.stats["results"] += sum(news)
                 self.stats["duplicates"] += len(news) - sum(news)
-            for (_, f), new in zip(batch, news):
-                f.set_result(new)
+            with self._done_cond:
+                for (_, f), new in zip(batch, news):
+                    f._new, f._done = new, True
+                self._done_cond.notify_all()
+
+    def _await(self, pending: PendingWrite) -> None:
+        """Block until the flusher is done with ``pending`` (:meth:`PendingWrite.result`)."""
+        with self._done_cond:
+            while not pending._done:
+                self._done_cond.wait()
 
     def seal(self, payload: JobPayload, jlog: Any) -> ShardEntry | None:
         """A job whose results are all written: with a results URL, its shard is written and sealed
