@@ -86,7 +86,8 @@ class E2EConfig:
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
     """``NAME`` or ``NAME:K=V,K=V`` (``--lmdq-variant``): K is a worker setting's env name, with or without
-    the ``LMDQ_`` prefix (``whole:STREAM_FROM_NEW_TOKENS=100000``)."""
+    the ``LMDQ_`` prefix (``whole:STREAM_FROM_NEW_TOKENS=100000``); ``BATCH_SIZE`` (the producer's setting)
+    sets the side's requests per job instead of ``--batch-size``."""
     name, _, rest = spec.partition(":")
     env: dict[str, str] = {}
     for kv in filter(None, rest.split(",")):
@@ -362,6 +363,9 @@ class _LmdqSide:
                     **({"LMDQ_MODEL": model} if cfg.engine != "sim" else {}), **_engine_env(engine_settings),
                     **(extra_env or {})}
         self.store = ResultStore(connect(redis_url), keys=Keys(self.env.get("LMDQ_KEY_PREFIX", "lmdq")))
+        # requests per job: the producer's own setting (LMDQ_BATCH_SIZE) when the variant names it
+        # (``big:BATCH_SIZE=256``: fewer per-job steps in the worker), else --batch-size
+        self.job_size = int((extra_env or {}).get("LMDQ_BATCH_SIZE", cfg.batch_size))
         self.log_name = "worker.log" if name == "default" else f"worker_{name}.log"
         self.batches: list[dict[str, Any]] = []
         self.profile: dict[str, Any] | None = None
@@ -399,7 +403,7 @@ class _LmdqSide:
         cpu0 = tree_cpu(w.pid)
         t0 = time.time()
         sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(self.workload), "--model", "bench",
-                              "--batch-size", str(cfg.batch_size)], env=self.env, capture_output=True,
+                              "--batch-size", str(self.job_size)], env=self.env, capture_output=True,
                              timeout=cfg.timeout_s)
         t_sub = time.time()
         if sub.returncode != 0:
@@ -424,7 +428,7 @@ class _LmdqSide:
         rec = {"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
                "results": len(rows), "not_completed": not_done,
                "first_visible_s": round((batch.queued_at or t0) - t0, 3),
-               "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid,
+               "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid, "job_size": batch.batch_size,
                "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"], "start": t0, "end": t_end,
                "workers": sorted({r.worker for r in rows if r.worker})}  # this side's one worker, nobody else
         self.batches.append(rec)

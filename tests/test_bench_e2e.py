@@ -101,12 +101,13 @@ def test_the_gate_wait_returns_on_the_file_and_names_why_the_other_end_cannot_wr
 
 
 def test_e2e_interleave_keeps_each_variants_jobs_to_its_own_worker(tmp_path: Path, env: dict[str, str]) -> None:
-    """Two lmdq sides loaded at once (--interleave): while one side's batch runs the other side's worker is
-    up and idle. Each side has its own key prefix, so every result of a side's batch comes from that side's
-    one worker (the result's ``worker``), never from the other's."""
+    """Two lmdq sides loaded at once (--interleave), the second with jobs of 16 (``b:BATCH_SIZE=16``): while
+    one side's batch runs the other side's worker is up and idle. Each side has its own key prefix, so every
+    result of a side's batch comes from that side's one worker (the result's ``worker``), never from the
+    other's."""
     p = run_cli("lmdq.bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "48", "--batches", "2",
                 "--batch-size", "4", "--min-input", "4", "--max-input", "8", "--min-output", "2", "--max-output", "4",
-                "--no-raw-warmup", "--interleave", "--lmdq-variant", "a", "--lmdq-variant", "b",
+                "--no-raw-warmup", "--interleave", "--lmdq-variant", "a", "--lmdq-variant", "b:BATCH_SIZE=16",
                 "--workdir", str(tmp_path / "w"), "-o", str(tmp_path / "e2e.json"), env=env, timeout=600)
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     d = json.loads((tmp_path / "e2e.json").read_text())["detail"]
@@ -115,6 +116,8 @@ def test_e2e_interleave_keeps_each_variants_jobs_to_its_own_worker(tmp_path: Pat
     for name in ("a", "b"):
         batches = d["variants"][name]["lmdq"]["batches"]
         assert all(b["results"] == 48 and b["not_completed"] == 0 for b in batches), batches
+        # requests per job as the batch record in Redis has it: --batch-size, or the variant's BATCH_SIZE
+        assert [b["job_size"] for b in batches] == [4 if name == "a" else 16] * 2, batches
         seen = {w for b in batches for w in b["workers"]}
         assert len(seen) == 1, (name, seen)
         workers[name] = seen.pop()
