@@ -130,6 +130,10 @@ class WorkerSettings(CommonSettings):
         default=0, ge=0, description="size of the worker's Redis connection pool; a thread that finds every "
         "connection busy waits for one (never 'Too many connections'); 0 = jobs in flight (at most 32) + 4"
     )
+    gil_switch_interval_ms: float | None = Field(
+        default=None, gt=0.0, le=100.0, description="the worker process's GIL switch interval "
+        "(sys.setswitchinterval; Python's default: 5 ms). An engine in this process (TurboMind) waits for the "
+        "GIL for every step's callback while the worker's threads hold it; shorter hands it over sooner")
     health_host: str = Field(default="0.0.0.0", description="address the health endpoint binds")
     health_port: Annotated[int | Literal["auto"], BeforeValidator(_health_port)] = Field(
         default=8000, description="HTTP /healthz /readyz /metrics: a port, 0 = off, auto = the first free one from "

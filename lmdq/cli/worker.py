@@ -62,6 +62,9 @@ def run(given: dict[str, Any]) -> None:
     if ignored:
         log.warning("engine settings in the environment that this engine does not take; ignored",
                     engine=s.engine_name, env=ignored)
+    if s.gil_switch_interval_ms is not None:  # before the engine starts its threads (issue 27, TurboMind)
+        sys.setswitchinterval(s.gil_switch_interval_ms / 1000.0)
+        log.info("gil switch interval", ms=round(sys.getswitchinterval() * 1000.0, 3))
     # A blocking pool sized to the job threads: hundreds of jobs in flight never see "Too many connections".
     client = connect(s.redis_url, settings=s, max_connections=s.redis_pool_size)
     log.info("connected to redis", url=redact_url(s.redis_url))
