@@ -130,6 +130,10 @@ class WorkerSettings(CommonSettings):
         default=0, ge=0, description="size of the worker's Redis connection pool; a thread that finds every "
         "connection busy waits for one (never 'Too many connections'); 0 = jobs in flight (at most 32) + 4"
     )
+    engine_process: bool = Field(
+        default=False, description="build the engine in a process of its own and talk to it over a pipe: the "
+        "worker's Python no longer shares a GIL with an engine that runs in the loading process (TurboMind; "
+        "LMDeploy's PyTorch backend already has its own engine process)")
     gil_switch_interval_ms: float | None = Field(
         default=None, gt=0.0, le=100.0, description="the worker process's GIL switch interval "
         "(sys.setswitchinterval; Python's default: 5 ms). An engine in this process (TurboMind) waits for the "

@@ -86,7 +86,12 @@ def run(given: dict[str, Any]) -> None:
         port = serve_health(health, s.health_host, s.health_port)
         log.info("health endpoint", port=port, asked=s.health_port)
         health.set_redis_check(lambda: redis_answers(client))
-    eng = build_engine(s)
+    if s.engine_process:  # the engine in a child of its own (issue 27: TurboMind shares no GIL with the worker)
+        from lmdq.worker.engines.engine_process import EngineProcess
+
+        eng: Any = EngineProcess.start(s, log_format=fmt)
+    else:
+        eng = build_engine(s)
     load_s = time.monotonic() - t0
     log.info("engine loaded", engine=eng.name, backend=eng.backend, model=eng.model_name, load_s=round(load_s, 2),
              config=s.engine_config.model_dump(mode="json"))
