@@ -224,3 +224,30 @@ def test_a_sigkilled_worker_takes_its_engine_process_with_it(env: dict[str, str]
         for pid in descendants(p.pid):
             with contextlib.suppress(Exception):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.model
+def test_real_model_in_a_child_answers_as_it_does_in_process(tmp_path: Path, env: dict[str, str], prefix: str,
+                                                             client: redis.Redis) -> None:
+    """The transformers engine on the embedded SmolLM2 (CPU), greedy: the same texts and token counts with the
+    engine in a child as in the worker's own process, and the child's loading bars come out as JSON
+    ``progress`` events in the worker's log (the child logs as the worker does)."""
+    rows = [{"custom_id": f"r{i}", "messages": [{"role": "user", "content": f"Name a colour number {i}."}]}
+            for i in range(4)]
+    f = write_jsonl(tmp_path / "p.jsonl", rows)
+    texts: dict[str, dict[str, tuple[str, int]]] = {}
+    for side, extra in (("in process", ()), ("child", ("--engine-process",))):
+        sub = run_cli("lmdq.producer", "submit", str(f), "--model", "smollm2-135m-instruct", "--allow-unknown-model",
+                      "--max-new-tokens", "8", env=env)
+        assert sub.returncode == 0, sub.stderr.decode()[-2000:]
+        w = run_cli("lmdq.worker", "--engine", "transformers", "--burst", *extra, env=env, timeout=600)
+        assert w.returncode == 0, w.stderr.decode()[-3000:]
+        batch_id = sub.stdout.decode().strip().splitlines()[-1]
+        got = results_of(client, prefix, batch_id)
+        assert all(r.status is ResultStatus.completed for r in got), got
+        texts[side] = {r.custom_id: (r.text or "", r.generate_token_len) for r in got}
+        if extra:
+            docs = [json.loads(ln) for ln in w.stderr.decode().splitlines() if ln.strip()]
+            assert any(d.get("logger") == "tqdm" and d["event"] == "progress" for d in docs), docs[:5]
+            assert "engine process closing" in [d["event"] for d in docs]
+    assert texts["child"] == texts["in process"] and len(texts["child"]) == 4
