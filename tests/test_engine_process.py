@@ -251,3 +251,44 @@ def test_real_model_in_a_child_answers_as_it_does_in_process(tmp_path: Path, env
             assert any(d.get("logger") == "tqdm" and d["event"] == "progress" for d in docs), docs[:5]
             assert "engine process closing" in [d["event"] for d in docs]
     assert texts["child"] == texts["in process"] and len(texts["child"]) == 4
+
+
+def test_a_request_crosses_the_wire_unchanged() -> None:
+    """What the child rebuilds is what the worker sent: endpoint, prompt or messages, continuations, adapter,
+    and the params with what was set (a sample's seed from the fan-out's model_copy) and what was not."""
+    from lmdq.worker.engines.engine_process import _request_from_wire, _request_to_wire
+
+    base = GenerationParams(n=4, do_sample=True, temperature=0.7, stop_words=["\n\n"], logprobs=2,
+                            response_format={"type": "json_object"})
+    reqs = [EngineRequest(index=0, messages=[{"role": "user", "content": "hi"}], params=base),
+            EngineRequest(index=1, prompt="raw text", endpoint=Endpoint.completion,
+                          params=base.model_copy(update={"n": None, "random_seed": 2**63 - 1}), adapter="a1"),
+            EngineRequest(index=2, prompt="Q: 2+2?", endpoint=Endpoint.score, continuations=(" 4", " 5"))]
+    for r in reqs:
+        back = _request_from_wire(json.loads(json.dumps(_request_to_wire(r))))
+        assert back == r, (back, r)
+        assert back.params.resolved() == r.params.resolved()
+        assert back.params.model_fields_set == r.params.model_fields_set
+
+
+def test_an_event_crosses_the_wire_unchanged() -> None:
+    """Every field of an event the worker reads: a known error code and one lmdq does not know (kept
+    verbatim), scores, reward, whole, the prefill count; tensors travel as their own frame."""
+    from lmdq.contract import ErrorCode
+    from lmdq.worker.engines.engine_process import _event_from_wire, _event_to_wire, _pack_tensors, _unpack_tensors
+
+    evs = [EngineEvent(index=3, text="abc", input_token_len=5, generate_token_len=2, finish_reason=FinishReason.stop,
+                       logprobs=[(7, -0.5, [(7, -0.5), (9, -1.25)])], whole=True, prefill_token_len=0),
+           EngineEvent(index=1, finish_reason=FinishReason.error, error_code=ErrorCode.context_length_exceeded,
+                       error_message="too long"),
+           EngineEvent(index=2, finish_reason=FinishReason.error, error_code="some_new_engine_code"),
+           EngineEvent(index=0, finish_reason=FinishReason.stop, scores=[(-1.5, 2, True), (-3.0, 1, None)],
+                       reward=0.25),
+           EngineEvent(index=4, text="par")]
+    for ev in evs:
+        back = _event_from_wire(json.loads(json.dumps(_event_to_wire(ev))), None)
+        assert back == ev and type(back.error_code) is type(ev.error_code), (back, ev)  # the enum again
+    t = {"logits": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    back = _unpack_tensors(_pack_tensors(t))
+    assert set(back) == {"logits"} and np.array_equal(back["logits"], t["logits"])
+    assert back["logits"].dtype == np.float32

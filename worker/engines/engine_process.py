@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from lmdq.contract import Endpoint, GenerationParams
-from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
+from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest, error_code
 
 __all__ = ["EngineProcess", "child_main"]
 
@@ -81,7 +81,7 @@ def _event_from_wire(d: dict[str, Any], tensors: dict[str, Any] | None) -> Engin
     return EngineEvent(
         index=int(d["index"]), text=d.get("text") or "", input_token_len=int(d.get("input_token_len") or 0),
         generate_token_len=int(d.get("generate_token_len") or 0), finish_reason=d.get("finish_reason"),
-        error_code=d.get("error_code"), error_message=d.get("error_message"),
+        error_code=error_code(d.get("error_code")), error_message=d.get("error_message"),
         logprobs=[(int(t), float(p), [(int(a), float(b)) for a, b in top]) for t, p, top in lp] if lp else lp,
         tensors=tensors, scores=[(float(s), int(n), g) for s, n, g in scores] if scores else scores,
         reward=d.get("reward"), whole=bool(d.get("whole")), prefill_token_len=d.get("prefill_token_len"))
