@@ -292,3 +292,22 @@ def test_an_event_crosses_the_wire_unchanged() -> None:
     back = _unpack_tensors(_pack_tensors(t))
     assert set(back) == {"logits"} and np.array_equal(back["logits"], t["logits"])
     assert back["logits"].dtype == np.float32
+
+
+def test_a_process_that_exits_without_close_ends_its_engine_child(tmp_path: Path) -> None:
+    """An error between the engine's start and the worker's teardown: the interpreter exits without
+    ``close()``. The child is not a daemon (it may start processes of its own) and multiprocessing joins
+    it at exit: it must see the pipe close and end, not keep the exit waiting or outlive it."""
+    script = tmp_path / "no_close.py"
+    script.write_text("import sys\n"
+                      f"sys.path.insert(0, {str(ROOT)!r})\n"
+                      "from tests.test_engine_process import _spec\n"
+                      "from lmdq.worker.engines.engine_process import EngineProcess\n"
+                      "if __name__ == '__main__':\n"
+                      "    e = EngineProcess(_spec(step_ms=1), {})\n"
+                      "    print(e._proc.pid, flush=True)\n"
+                      "    raise SystemExit(3)\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 3, p.stderr.decode()[-2000:]
+    child = int(p.stdout.decode().split()[0])
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
