@@ -46,7 +46,7 @@ def _spec(**sim: Any) -> ChildSpec:
 
 @pytest.fixture
 def proc() -> Iterator[EngineProcess]:
-    e = EngineProcess(_spec(step_ms=0.5, max_batch=64, emit_every=3), {})
+    e = EngineProcess(_spec(step_ms=0.5, max_batch=64, emit_every=3))
     yield e
     e.close()
 
@@ -304,7 +304,7 @@ def test_a_process_that_exits_without_close_ends_its_engine_child(tmp_path: Path
                       "from tests.test_engine_process import _spec\n"
                       "from lmdq.worker.engines.engine_process import EngineProcess\n"
                       "if __name__ == '__main__':\n"
-                      "    e = EngineProcess(_spec(step_ms=1), {})\n"
+                      "    e = EngineProcess(_spec(step_ms=1))\n"
                       "    print(e._proc.pid, flush=True)\n"
                       "    raise SystemExit(3)\n")
     p = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120, cwd=ROOT)

@@ -70,6 +70,7 @@ def run(given: dict[str, Any]) -> None:
     log.info("connected to redis", url=redact_url(s.redis_url))
 
     from lmdq.worker.engine_factory import build_engine, engine_capacity
+    from lmdq.worker.engines.base import Engine
     from lmdq.worker.runner import Worker
 
     health = None
@@ -89,7 +90,7 @@ def run(given: dict[str, Any]) -> None:
     if s.engine_process:  # the engine in a child of its own (issue 27: TurboMind shares no GIL with the worker)
         from lmdq.worker.engines.engine_process import EngineProcess
 
-        eng: Any = EngineProcess.start(s, log_format=fmt)
+        eng: Engine = EngineProcess.start(s, log_format=fmt)
     else:
         eng = build_engine(s)
     load_s = time.monotonic() - t0

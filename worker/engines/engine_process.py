@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,8 +68,8 @@ def _request_from_wire(d: dict[str, Any]) -> EngineRequest:
 
 
 def _event_to_wire(ev: EngineEvent) -> dict[str, Any]:
-    d = asdict(ev)
-    d.pop("tensors")
+    # the fields as they are (asdict would deep-copy the tensors, which travel as their own frame)
+    d = {f.name: getattr(ev, f.name) for f in fields(ev) if f.name != "tensors"}
     d["finish_reason"] = ev.finish_reason.value if ev.finish_reason is not None else None
     d["error_code"] = getattr(ev.error_code, "value", ev.error_code)
     return d
@@ -182,7 +182,7 @@ class EngineProcess:
     ``spawn`` child. Safe for concurrent ``stream`` calls from the job threads (one reader thread routes
     the child's frames to each call's queue)."""
 
-    def __init__(self, spec: ChildSpec, adapters: dict[str, str], *, start_timeout_s: float = START_TIMEOUT_S) -> None:
+    def __init__(self, spec: ChildSpec, *, start_timeout_s: float = START_TIMEOUT_S) -> None:
         from lmdq.worker.engines import orphan_guard
 
         orphan_guard.install()  # the child, and all it starts, die with the worker (SIGKILL included)
@@ -192,12 +192,13 @@ class EngineProcess:
                                  name="lmdq-engine", daemon=False)
         self._proc.start()
         child_conn.close()
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one frame at a time on the pipe
+        self._state_lock = threading.Lock()  # the death reason is decided once
         self._calls: dict[int, queue.SimpleQueue[Any]] = {}
         self._ids = itertools.count(1)
         self._dead: str | None = None
         self._closed = False
-        self.adapters = dict(adapters)
+        self.adapters = dict(spec.adapters)
         ready = self._wait_ready(start_timeout_s)
         self.name: str = ready["name"]
         self.backend: str = ready["backend"]
@@ -216,7 +217,7 @@ class EngineProcess:
         spec = ChildSpec(engine=s.engine_name, config=s.engine_config.model_dump_json(), model=s.model,
                          served_model_name=served_model_name(s), adapters=dict(s.adapters),
                          log_format=log_format, log_level=s.log_level)
-        return cls(spec, dict(s.adapters))
+        return cls(spec)
 
     def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
         end = time.monotonic() + timeout_s
@@ -232,12 +233,15 @@ class EngineProcess:
             raise EngineError(f"the engine process could not build the engine: {msg.get('error')}")
         return dict(msg)
 
+    def _write(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            self._conn.send_bytes(json.dumps(msg).encode())
+
     def _send(self, msg: dict[str, Any]) -> None:
         if self._dead is not None:
             raise EngineDead(self._dead)
         try:
-            with self._send_lock:
-                self._conn.send_bytes(json.dumps(msg).encode())
+            self._write(msg)
         except (OSError, EOFError, ValueError) as e:
             self._die(f"the engine process is gone ({e})")
             raise EngineDead(self._dead or "engine process gone") from e
@@ -262,7 +266,7 @@ class EngineProcess:
         """The child is gone: the reason (signal or exit code) once, logged, every call ended with it. From
         the reader (EOF) or :meth:`alive`, whichever sees it first: the worker may stop on ``alive()`` before
         the reader has woken, and its log must still say how the engine died."""
-        with self._send_lock:
+        with self._state_lock:
             if self._dead is not None:
                 return
             code = self._proc.exitcode
@@ -274,8 +278,9 @@ class EngineProcess:
         self._die(reason)
 
     def _die(self, reason: str) -> None:
-        if self._dead is None:
-            self._dead = reason
+        with self._state_lock:
+            if self._dead is None:
+                self._dead = reason
         for q in list(self._calls.values()):
             q.put(({"op": "err", "kind": "dead", "error": self._dead}, None))
 
@@ -351,8 +356,7 @@ class EngineProcess:
         self._closed = True
         if self._dead is None:
             try:
-                with self._send_lock:
-                    self._conn.send_bytes(json.dumps({"op": "close"}).encode())
+                self._write({"op": "close"})
             except (OSError, EOFError, ValueError):
                 pass
         self._proc.join(60)
