@@ -58,10 +58,10 @@ class PendingWrite:
     """A final result queued for the flusher (:meth:`ResultWriter.final_async`): :meth:`result` blocks
     until it is in Redis and says whether it was new.
 
-    Why not a ``concurrent.futures.Future``: each one builds a ``threading.Condition`` in Python, and at
-    TurboMind's pace (hundreds of results a second, the engine in the worker's own process) those were
-    15 % of the worker's time holding the GIL (py-spy ``--gil`` on ``scripts/worker_cpu.py``). One
-    condition per writer serves every pending write."""
+    Why not a ``concurrent.futures.Future``: each one builds a ``threading.Condition`` in Python, and
+    py-spy ``--gil`` on ``scripts/worker_cpu.py`` put 15 % of the worker's GIL samples in those
+    constructors (the engine in the worker's own process, TurboMind, needs that GIL; a CPU-time A/B on
+    a shared 2-core box stayed within its noise). One condition per writer serves every pending write."""
 
     __slots__ = ("_done", "_error", "_new", "_writer")
 
@@ -70,10 +70,6 @@ class PendingWrite:
         self._done = False
         self._new = False
         self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        """Whether the flusher has finished with it (written, or failed)."""
-        return self._done
 
     def result(self) -> bool:
         """True if the result was new, False if the request already had one; re-raises the flusher's error
