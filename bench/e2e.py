@@ -13,8 +13,9 @@ first batch. The two sides run one after the other (one GPU), the raw side first
 ``--interleave`` (:func:`run_interleaved`) instead loads the raw process and every worker at the same
 time and runs batch ``b`` of each side back to back, the others idle, raw first on even batches and last
 on odd ones: GPU drift between batches (±17 % on the H200 between identical raw batches) then lands on
-both sides of each per-batch ratio instead of between them. The engines share the GPU's memory, so give
-each a share (``--cache-max-entry-count`` ~0.35-0.4).
+both sides of each per-batch ratio instead of between them. The engines share the GPU's memory, so each
+needs the same KV cache as a block count (``--num-gpu-blocks`` on PyTorch, ``--cache-max-entry-count``
+above 1 on TurboMind; the CLI refuses a fraction: each engine would take its share of what the others left).
 
 Workloads (``--workload``): ``mixed`` — completion prompts of 32-512 tokens, 16-1,024 new tokens each,
 ``ignore_eos`` (for the random Llama-3-8B shape: every request decodes exactly its budget); ``chat`` —

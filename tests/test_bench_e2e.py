@@ -122,3 +122,21 @@ def test_e2e_interleave_keeps_each_variants_jobs_to_its_own_worker(tmp_path: Pat
         assert len(seen) == 1, (name, seen)
         workers[name] = seen.pop()
     assert workers["a"] != workers["b"]
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--backend", "pytorch"], "--num-gpu-blocks N"),
+    (["--backend", "pytorch", "--cache-max-entry-count", "0.4"], "--num-gpu-blocks N"),
+    (["--backend", "turbomind", "--cache-max-entry-count", "0.15"], "TurboMind blocks"),
+])
+def test_e2e_interleave_on_lmdeploy_refuses_a_kv_cache_given_as_a_fraction(tmp_path: Path, env: dict[str, str],
+                                                                           flags: list[str], expected: str) -> None:
+    """Session 16: --interleave with each engine's default 0.8 of the memory free when it allocated gave the
+    second engine a fraction of the first's KV blocks (lmdq "0.58x raw", all of it from a smaller running
+    batch). The bench refuses before it builds a model or starts an engine, naming the flag that fixes it."""
+    p = run_cli("lmdq.bench", "e2e", "--engine", "lmdeploy", "--model", str(tmp_path / "absent"), "--interleave",
+                *flags, env=env, timeout=120)
+    err = p.stderr.decode()
+    assert p.returncode != 0
+    assert "--interleave" in err and expected in err, err[-2000:]
+    assert not (tmp_path / "absent").exists()

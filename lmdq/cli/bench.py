@@ -283,6 +283,27 @@ def _prefix_fleet(cfg: Any, workers: int, engine: str, model: str | None, random
           | {"detail": out}, output)
 
 
+def _require_fixed_kv(engine_settings: dict[str, Any]) -> None:
+    """``--interleave`` loads every engine at once, and a fractional ``cache_max_entry_count`` is a share of
+    the memory free *when each engine allocates*: the second engine gets a share of what the first left, so
+    the two sides would decode with different running batches (session 16: lmdq "0.58x raw" on the mixed
+    workload, all of it from fewer KV blocks). Only a block count gives every side the same cache."""
+    backend = engine_settings.get("backend", "auto")
+    blocks = int(engine_settings.get("num_gpu_blocks") or 0)
+    fraction = float(engine_settings.get("cache_max_entry_count") or 0.0)
+    if backend == "pytorch" and blocks > 0:
+        return
+    if backend == "turbomind" and fraction >= 1:
+        return
+    want = ("--num-gpu-blocks N" if backend == "pytorch" else
+            "--cache-max-entry-count N (N >= 1: TurboMind blocks of 64 tokens)" if backend == "turbomind" else
+            "--backend pytorch|turbomind and a block count")
+    raise typer.BadParameter(
+        f"--interleave loads every engine on one GPU at once, and a KV cache given as a fraction of free "
+        f"memory differs between them (each takes its share of what the others left): give each the same "
+        f"block count with {want}", param_hint="--interleave")
+
+
 @app.command()
 @model_options(engine_flag_specs(), into="engine_settings")
 def e2e(
@@ -314,14 +335,17 @@ def e2e(
     profile_batch: Annotated[int, typer.Option(help="which batch --py-spy records (0 = the first)")] = 1,
     interleave: Annotated[bool, typer.Option(
         help="load the raw process and every worker at once, then alternate their batches (raw first on even "
-             "batches, last on odd ones), so GPU drift hits both sides; the engines share the GPU: pass "
-             "--cache-max-entry-count ~0.35-0.4")] = False,
+             "batches, last on odd ones), so GPU drift hits both sides; the engines share the GPU, so each "
+             "needs the same fixed KV cache: --num-gpu-blocks (PyTorch) or --cache-max-entry-count above 1 "
+             "(TurboMind: blocks)")] = False,
 ) -> None:
     """Real CLIs (an lmdq-worker process, an lmdq-producer submit process per batch) vs a raw pipe() process
     on the same prompts; the LAST line printed is a JSON object (lmdq.bench.e2e)."""
     from lmdq.bench.e2e import E2EConfig, parse_variant, run_e2e
     from lmdq.bench.local_redis import local_redis
 
+    if interleave and engine == "lmdeploy":  # before a model is built or an engine started
+        _require_fixed_kv(engine_settings)
     model_path, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
     model_path = model_path or engine
     variants = tuple(parse_variant(v) for v in lmdq_variant or ())
