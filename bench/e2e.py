@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.bench.finished_batch import read_finished, wait_terminal
+from lmdq.bench.finished_batch import read_finished, timeline, wait_terminal
 from lmdq.bench.gpu_monitor import GpuMonitor
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
@@ -431,11 +431,13 @@ class _LmdqSide:
                "first_visible_s": round((batch.queued_at or t0) - t0, 3),
                "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid, "job_size": batch.batch_size,
                "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"], "start": t0, "end": t_end,
-               "workers": sorted({r.worker for r in rows if r.worker})}  # this side's one worker, nobody else
+               "workers": sorted({r.worker for r in rows if r.worker}),  # this side's one worker, nobody else
+               **timeline(rows, t0)}
         self.batches.append(rec)
         self.log(f"lmdq[{name}] batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible "
                  f"after {rec['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s; CPU s: worker "
-                 f"{cpu['main']}, engine processes {cpu['children']})")
+                 f"{cpu['main']}, engine processes {cpu['children']}; requests held: min {rec.get('held_min')}, "
+                 f"mean {rec.get('held_mean')}; 99 % done after {rec.get('finished_p99_s')} s)")
         return rec
 
     def stop(self) -> None:

@@ -140,3 +140,26 @@ def test_e2e_interleave_on_lmdeploy_refuses_a_kv_cache_given_as_a_fraction(tmp_p
     assert p.returncode != 0
     assert "--interleave" in err and expected in err, err[-2000:]
     assert not (tmp_path / "absent").exists()
+
+
+def test_timeline_counts_the_requests_held_and_when_results_finished() -> None:
+    """bench/finished_batch.timeline on hand-made stamps: two jobs of 2 requests, the second job starting late
+    (a worker that left the engine short of work). held_min must show the gap, held_mean the time-weighted
+    count, the percentiles the finish times from t0."""
+    from lmdq.bench.finished_batch import timeline
+    from lmdq.contract import Result, ResultStatus, Timings
+
+    def r(i: int, start: float, end: float) -> Result:
+        return Result(batch_id="b", custom_id=f"c{i}", index=i, status=ResultStatus.completed, model="m",
+                      timings=Timings(started_at=start, finished_at=end))
+
+    # job A: 2 requests 100-104 and 100-106; job B: 2 requests 106.5-110 (the engine held nothing 106-106.5)
+    rows = [r(0, 100, 104), r(1, 100, 106), r(2, 106.5, 110), r(3, 106.5, 110)] * 5  # 20 results
+    t = timeline(rows, t0=99.0)
+    assert t["first_started_s"] == 1.0
+    assert t["finished_p10_s"] == 5.0 and t["finished_p50_s"] == 7.0 and t["finished_p99_s"] == 11.0
+    # between 10 % done (104) and 90 % done (110, excluded): after 106 nothing is held until 106.5
+    assert t["held_min"] == 0.0
+    # area: 10 held x 4 s + 5 held x 2 s + 0 x 0.5 s + 10 held x 3.5 s = 85 over 10 s
+    assert t["held_mean"] == 8.5
+    assert timeline([], t0=0.0) == {}
