@@ -266,6 +266,10 @@ class EngineProcess:
         """The child is gone: the reason (signal or exit code) once, logged, every call ended with it. From
         the reader (EOF) or :meth:`alive`, whichever sees it first: the worker may stop on ``alive()`` before
         the reader has woken, and its log must still say how the engine died."""
+        # Two threads may wait on the child at once (the reader's join, alive()'s poll): the one that loses the
+        # waitpid race reads exitcode None until the winner has stored it (CI, session 16: "died (exit code
+        # None)"), so wait for the stored code, bounded.
+        self._proc.join(5)
         with self._state_lock:
             if self._dead is not None:
                 return
