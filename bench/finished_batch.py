@@ -71,7 +71,7 @@ def timeline(rows: list[Result], t0: float) -> dict[str, float]:
 
     out = {f"finished_p{q}_s": round(done(q) - t0, 3) for q in (10, 50, 90, 99)}
     out["first_started_s"] = round(min(s for s, _ in spans) - t0, 3)
-    events = sorted([(s, 1) for s, _ in spans] + [(f, -1) for _, f in spans], key=lambda e: (e[0], e[1]))
+    events = sorted([(s, 1) for s, _ in spans] + [(f, -1) for _, f in spans])  # a finish before a start at one instant
     lo, hi = done(10), done(90)
     held, area, prev, low = 0, 0.0, events[0][0], len(spans)
     for t, d in events:  # the count after each event; the window's lowest is held_min

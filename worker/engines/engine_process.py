@@ -268,8 +268,11 @@ class EngineProcess:
         the reader has woken, and its log must still say how the engine died."""
         # Two threads may wait on the child at once (the reader's join, alive()'s poll): the one that loses the
         # waitpid race reads exitcode None until the winner has stored it (CI, session 16: "died (exit code
-        # None)"), so wait for the stored code, bounded.
-        self._proc.join(5)
+        # None)"); a join alone can lose the same race, so wait for the stored code itself, bounded.
+        deadline = time.monotonic() + 5.0
+        while self._proc.exitcode is None and time.monotonic() < deadline:
+            self._proc.join(0.01)
+            time.sleep(0.001)
         with self._state_lock:
             if self._dead is not None:
                 return
