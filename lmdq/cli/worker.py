@@ -87,7 +87,7 @@ def run(given: dict[str, Any]) -> None:
         port = serve_health(health, s.health_host, s.health_port)
         log.info("health endpoint", port=port, asked=s.health_port)
         health.set_redis_check(lambda: redis_answers(client))
-    if s.engine_process:  # the engine in a child of its own (issue 27: TurboMind shares no GIL with the worker)
+    if s.runs_engine_process:  # the engine in a child of its own (issue 27: TurboMind shares no GIL with the worker)
         from lmdq.worker.engines.engine_process import EngineProcess
 
         eng: Engine = EngineProcess.start(s, log_format=fmt)

