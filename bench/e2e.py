@@ -42,6 +42,7 @@ from typing import Any
 
 from lmdq.bench.finished_batch import read_finished, timeline, wait_terminal
 from lmdq.bench.gpu_monitor import GpuMonitor
+from lmdq.bench.occupancy import batch_occupancy, occupancy_events
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
@@ -458,6 +459,7 @@ class _LmdqSide:
         lines = [ln for ln in (self.work / self.log_name).read_text(errors="replace").splitlines() if ln.strip()]
         non_json = [ln for ln in lines if not _json_object(ln)]
         out = {"name": self.name, "env": self.extra_env or {}, "ready_s": self.ready_s, "batches": self.batches,
+               "log_name": self.log_name,
                "worker_exit": self.w.returncode, "worker_log_lines": len(lines),
                "worker_log_non_json": len(non_json), "worker_log_non_json_sample": non_json[:3],
                "warmup": _warmup_event(lines), "profile": self.profile, "started_at": self.started_at,
@@ -532,6 +534,21 @@ def _gpu_windows(mon: GpuMonitor, sides: list[tuple[str, dict[str, Any]]], log: 
                     + (f", clock events {','.join(g['event_reasons_seen'])}" if g["event_reasons_seen"] else ""))
 
 
+def _occupancy_windows(work: Path, raw: dict[str, Any], sides: list[dict[str, Any]], log: Any) -> None:
+    """Each batch's ``occupancy`` (bench/occupancy.py) from its side's log, where the engine logged it
+    (``--occupancy-log-s``), and one line per batch."""
+    logs = [("raw", raw, work / "raw.log"), *((s["name"], s, work / s["log_name"]) for s in sides)]
+    for name, side, path in logs:
+        events = occupancy_events(path.read_text(errors="replace").splitlines()) if path.exists() else []
+        if not events:
+            continue
+        for rec in side["batches"]:
+            occ = rec["occupancy"] = batch_occupancy(events, rec["start"], rec["end"])
+            if occ is not None:
+                log(f"occupancy {name} batch {rec['batch']}: {occ['mean']} requests in the engine on average "
+                    f"(emptiest window {occ['min_window']}, p10 {occ['p10_window']}, most {occ['max']})")
+
+
 def run_e2e(cfg: E2EConfig, *, model: str, engine_settings: dict[str, Any], redis_url: str, work: Path | None = None,
             log: Any = print) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lmdq-e2e-") as d:
@@ -551,6 +568,7 @@ def run_e2e(cfg: E2EConfig, *, model: str, engine_settings: dict[str, Any], redi
                          for i, (name, env) in enumerate(cfg.variants or (("default", {}),))]
         if mon.enabled:
             _gpu_windows(mon, [("raw", raw), *((s["name"], s) for s in sides)], log)
+        _occupancy_windows(wd, raw, sides, log)
     lmdq = sides[0]
     return {**info, "batches": cfg.batches, "batch_size": cfg.batch_size, "raw": raw, "lmdq": lmdq,
             **summarize(raw, lmdq),

@@ -117,6 +117,12 @@ class LMDeployConfig(ModelEngineConfig):
                     "come back whole; 0 = stream all; none = 1024 on TurboMind, 0 on PyTorch",
     )
 
+    occupancy_log_s: float = Field(
+        default=0.0, ge=0.0, le=3600.0,
+        description="every this many seconds while the engine holds requests, log how many it holds (min, "
+                    "mean, max of 20 samples a second; event 'engine occupancy'): an engine kept short of work "
+                    "and a slow one look alike in tokens/s; 0 = off",
+    )
     warmup_requests: int = Field(
         default=64, ge=0, le=4096,
         description="requests of mixed lengths run through the engine before the worker reports ready, so "

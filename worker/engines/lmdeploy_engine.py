@@ -393,6 +393,30 @@ class LMDeployEngine:
         proc = self._engine_process()
         #: the engine process (``enable_mp_engine``), None when the engine runs in this process
         self.engine_pid = proc.pid if proc is not None else None
+        if config.occupancy_log_s > 0:
+            threading.Thread(target=self._log_occupancy, args=(config.occupancy_log_s,), daemon=True,
+                             name="lmdq-occupancy").start()
+
+    def _log_occupancy(self, every_s: float) -> None:
+        """``occupancy_log_s``: how many requests are inside the engine, sampled 20 times a second, logged as
+        min/mean/max per ``every_s`` while it holds any. LMDeploy hands each request one handle of a pool of
+        ``max_batch_size`` for its whole life in the engine (AsyncEngine's RequestHandlePool), so the handles
+        out are the requests it has; a raw ``pipe()`` keeps it full, a starved engine shows here first."""
+        pool = getattr(getattr(self.pipe, "session_mgr", None), "request_handle_pool", None)
+        if pool is None:
+            return
+        samples: list[int] = []
+        next_at = time.monotonic() + every_s
+        while not self._closed:
+            samples.append(int(pool.num_dispatched))
+            if time.monotonic() >= next_at:
+                if any(samples):
+                    slog.info("engine occupancy", in_engine_min=min(samples), in_engine_max=max(samples),
+                              in_engine_mean=round(sum(samples) / len(samples), 1), capacity=self.capacity,
+                              samples=len(samples), window_s=every_s, t=round(time.time(), 3))
+                samples = []
+                next_at = time.monotonic() + every_s
+            time.sleep(0.05)
 
     @classmethod
     def load(
