@@ -262,8 +262,15 @@ class _RawGated:
     def run_batch(self, b: int) -> dict[str, Any]:
         from lmdq.bench.raw_pipe import write_atomic
 
+        spy = profile = None
+        if b == self.cfg.profile_batch and self.p is not None:  # raw's profile beside lmdq's, the same batch
+            spy, profile = _spy(self.cfg, self.p.pid, self.work, "raw", b)
         write_atomic(self.gate / f"go_{b}", {"batch": b})
-        return self._wait_file(self.gate / f"done_{b}.json", f"batch {b}")
+        rec = self._wait_file(self.gate / f"done_{b}.json", f"batch {b}")
+        _spy_end(self.cfg, spy, profile)
+        if profile is not None:
+            rec["profile"] = profile
+        return rec
 
     def finish(self) -> dict[str, Any]:
         """After the last batch: the process writes raw.json, closes its engine and exits 0."""
@@ -340,6 +347,32 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> N
     raise RuntimeError(f"lmdq-worker not ready after {timeout_s:.0f} s")
 
 
+def _spy(cfg: E2EConfig, pid: int, work: Path, name: str, b: int) -> tuple[subprocess.Popen[bytes] | None,
+                                                                         dict[str, Any] | None]:
+    """py-spy recording ``pid`` and its children (all threads, raw collapsed stacks, ``profile_s``) during batch
+    ``b`` when ``cfg.py_spy`` names the binary: (the recorder, the side's ``profile`` record)."""
+    if not cfg.py_spy:
+        return None, None
+    out_file = work / f"pyspy_{name}_b{b}.txt"
+    spy = subprocess.Popen(
+        [cfg.py_spy, "record", "--pid", str(pid), "--duration", str(int(cfg.profile_s)), "--rate", "100",
+         "--format", "raw", "--threads", "--nonblocking", "--subprocesses", "-o", str(out_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return spy, {"batch": b, "file": out_file.name, "duration_s": cfg.profile_s}
+
+
+def _spy_end(cfg: E2EConfig, spy: subprocess.Popen[bytes] | None, profile: dict[str, Any] | None) -> None:
+    if spy is None:
+        return
+    try:
+        _, err = spy.communicate(timeout=cfg.profile_s + 30)
+        if profile is not None:
+            profile["rc"] = spy.returncode
+            profile["stderr"] = err.decode(errors="replace")[-500:]
+    except subprocess.TimeoutExpired:
+        spy.kill()
+
+
 def _stuck(w: subprocess.Popen[bytes], end: float) -> str | None:
     """Why waiting on a batch gives up: its worker exited, or the deadline (``end``, monotonic) passed."""
     return f"worker exit {w.poll()}" if w.poll() is not None or time.monotonic() > end else None
@@ -395,13 +428,8 @@ class _LmdqSide:
         cfg, w, name = self.cfg, self.w, self.name
         assert w is not None
         spy = None
-        if cfg.py_spy and self.profiled and b == cfg.profile_batch:
-            out_file = self.work / f"pyspy_{name}_b{b}.txt"
-            spy = subprocess.Popen(
-                [cfg.py_spy, "record", "--pid", str(w.pid), "--duration", str(int(cfg.profile_s)), "--rate", "100",
-                 "--format", "raw", "--threads", "--nonblocking", "--subprocesses", "-o", str(out_file)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            self.profile = {"batch": b, "file": out_file.name, "duration_s": cfg.profile_s}
+        if self.profiled and b == cfg.profile_batch:
+            spy, self.profile = _spy(cfg, w.pid, self.work, name, b)
         cpu0 = tree_cpu(w.pid)
         t0 = time.time()
         sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(self.workload), "--model", "bench",
@@ -415,14 +443,7 @@ class _LmdqSide:
         batch = wait_terminal(self.store, bid, poll_s=0.05, stuck=functools.partial(_stuck, w, end))
         t_end = time.time()  # the driver saw the batch terminal: only now may another side start
         cpu = cpu_delta(cpu0, tree_cpu(w.pid))
-        if spy is not None:
-            try:
-                _, err = spy.communicate(timeout=cfg.profile_s + 30)
-                if self.profile is not None:
-                    self.profile["rc"] = spy.returncode
-                    self.profile["stderr"] = err.decode(errors="replace")[-500:]
-            except subprocess.TimeoutExpired:
-                spy.kill()
+        _spy_end(cfg, spy, self.profile)
         fin = read_finished(self.store, batch, cfg.n)
         rows, toks = fin.results, fin.tokens
         secs = fin.last_stored_at - t0

@@ -19,6 +19,7 @@ from lmdq.redis.connection import connect, redact_url
 from lmdq.redis.registry import redis_answers
 from lmdq.settings import CommonSettings
 from lmdq.worker.engine_config import engine_flag_specs, unused_env
+from lmdq.worker.heap import freeze_heap
 from lmdq.worker.settings import WorkerSettings, load_worker_settings
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -106,6 +107,7 @@ def run(given: dict[str, Any]) -> None:
     if note:
         log.warning(note, model=eng.model_name)
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
+    log.info("heap frozen", objects=freeze_heap())  # after start-up: full collections skip it (lmdq.worker.heap)
     if health is not None:
         health.set_engine_loaded(load_s)
     worker.install_signal_handlers()

@@ -32,6 +32,7 @@ from typing import Any
 
 from lmdq.contract import Endpoint, GenerationParams
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest, error_code
+from lmdq.worker.heap import freeze_heap
 
 __all__ = ["EngineProcess", "child_main"]
 
@@ -169,7 +170,9 @@ def child_main(conn: Any, spec_json: str) -> None:
             send({"op": "reply", "id": call, "value": engine.count_tokens(msg["text"])})
         elif op == "warm_up":
             warm = getattr(engine, "warm_up", None)
-            send({"op": "reply", "id": call, "value": warm() if warm is not None else {}})
+            value = warm() if warm is not None else {}
+            log.info("heap frozen", objects=freeze_heap())  # built and warm: what exists now lives as long as we do
+            send({"op": "reply", "id": call, "value": value})
         elif op == "close":
             break
     log.info("engine process closing", engine=engine.name)
