@@ -141,6 +141,7 @@ NON_DEFAULT = {
     "raw": (True, None),                           # LMDeployEngine.raw: stream_infer's do_preprocess
     "stream_from_new_tokens": (0, None),            # LMDeployEngine.streams: stream_infer's stream_response
     "warmup_requests": (0, None),                  # LMDeployEngine.warm_up, before the worker reports ready
+    "occupancy_log_s": (1.0, None),                # LMDeployEngine._log_occupancy, a thread of its own
 }
 PYTORCH_ONLY = {"eager_mode", "mp_engine", "num_gpu_blocks"}
 

@@ -98,7 +98,9 @@ class LMDeployConfig(ModelEngineConfig):
     tp: int = Field(default=1, ge=1, le=64, description="tensor parallel GPUs")
     max_batch_size: int | None = Field(default=None, ge=1, description="sequences decoded at once; none = LMDeploy's")
     cache_max_entry_count: float = Field(
-        default=0.8, gt=0.0, description="KV cache: fraction of free GPU memory (TurboMind: > 1 means blocks)"
+        default=0.8, gt=0.0, lt=1.0, description="KV cache: fraction of the GPU memory free when the engine "
+        "allocates, 0 < x < 1 (a fixed size: --num-gpu-blocks, PyTorch only; TurboMind in LMDeploy 0.18 aborts on 1 "
+        "or more)"
     )
     quant_policy: int = Field(default=0, description="KV cache quantization: 0, 4 or 8")
     enable_prefix_caching: bool = Field(
@@ -145,10 +147,11 @@ class LMDeployConfig(ModelEngineConfig):
 
     @model_validator(mode="after")
     def _blocks_need_pytorch(self) -> LMDeployConfig:
-        # TurboMind has no such field (there a --cache-max-entry-count > 1 counts blocks): never drop it silently
+        # TurboMind has no such field, and no other fixed KV size (0.18 aborts on a cache_max_entry_count >= 1, seen
+        # on the H200): never drop it silently
         if self.num_gpu_blocks and self.backend != "pytorch":
             raise ValueError("--num-gpu-blocks: a PyTorch-engine setting; pass --backend pytorch "
-                             "(TurboMind: --cache-max-entry-count above 1 counts blocks)")
+                             "(TurboMind takes only --cache-max-entry-count, a fraction 0 < x < 1)")
         return self
 
     @model_validator(mode="after")

@@ -287,21 +287,22 @@ def _require_fixed_kv(engine_settings: dict[str, Any]) -> None:
     """``--interleave`` loads every engine at once, and a fractional ``cache_max_entry_count`` is a share of
     the memory free *when each engine allocates*: the second engine gets a share of what the first left, so
     the two sides would decode with different running batches (session 16: lmdq "0.58x raw" on the mixed
-    workload, all of it from fewer KV blocks). Only a block count gives every side the same cache."""
+    workload, all of it from fewer KV blocks). Only a block count gives every side the same cache, and only
+    the PyTorch backend takes one: TurboMind in LMDeploy 0.18 aborts the process on a ``cache_max_entry_count``
+    of 1 or more ("object-cache path no longer accepts cache_max_block_count as a block count", H200, session
+    17), so a TurboMind comparison runs its sides one after the other, each alone on the GPU."""
     backend = engine_settings.get("backend", "auto")
-    blocks = int(engine_settings.get("num_gpu_blocks") or 0)
-    fraction = float(engine_settings.get("cache_max_entry_count") or 0.0)
-    if backend == "pytorch" and blocks > 0:
+    if backend == "pytorch" and int(engine_settings.get("num_gpu_blocks") or 0) > 0:
         return
-    if backend == "turbomind" and fraction >= 1:
-        return
-    want = ("--num-gpu-blocks N" if backend == "pytorch" else
-            "--cache-max-entry-count N (N >= 1: TurboMind blocks of 64 tokens)" if backend == "turbomind" else
-            "--backend pytorch|turbomind and a block count")
+    if backend == "pytorch":
+        want = "give each the same block count with --num-gpu-blocks N"
+    else:
+        want = ("TurboMind takes no block count (LMDeploy 0.18 aborts on --cache-max-entry-count >= 1): run the "
+                "sides one after the other, without --interleave, or use --backend pytorch --num-gpu-blocks N")
     raise typer.BadParameter(
         f"--interleave loads every engine on one GPU at once, and a KV cache given as a fraction of free "
-        f"memory differs between them (each takes its share of what the others left): give each the same "
-        f"block count with {want}", param_hint="--interleave")
+        f"memory differs between them (each takes its share of what the others left): {want}",
+        param_hint="--interleave")
 
 
 @app.command()
