@@ -154,12 +154,6 @@ class LMDeployConfig(ModelEngineConfig):
                              "(TurboMind takes only --cache-max-entry-count, a fraction 0 < x < 1)")
         return self
 
-    @model_validator(mode="after")
-    def _pytorch_cache_fraction(self) -> LMDeployConfig:
-        if self.backend == "pytorch" and not 0 < self.cache_max_entry_count < 1:
-            raise ValueError("--cache-max-entry-count: the PyTorch engine needs a fraction 0 < x < 1, "
-                             f"got {self.cache_max_entry_count}")
-        return self
 
 
 class TransformersConfig(ModelEngineConfig):
