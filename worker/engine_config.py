@@ -145,6 +145,11 @@ class LMDeployConfig(ModelEngineConfig):
             raise ValueError(f"expected 0, 4 or 8, got {v}")
         return v
 
+    def runs_pytorch(self, adapters: bool) -> bool:
+        """Whether LMDeploy's PyTorch backend serves this config: asked for, or LoRA ``adapters`` (only the
+        PyTorch engine applies them). Otherwise TurboMind (``auto`` included: LMDeploy tries it first)."""
+        return self.backend == "pytorch" or adapters
+
     @model_validator(mode="after")
     def _blocks_need_pytorch(self) -> LMDeployConfig:
         # TurboMind has no such field, and no other fixed KV size (0.18 aborts on a cache_max_entry_count >= 1, seen

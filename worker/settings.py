@@ -29,6 +29,7 @@ from lmdq.worker.adapters import adapter_refusal, parse_adapters
 from lmdq.worker.engine_config import (
     ENGINE_CONFIGS,
     EngineConfig,
+    LMDeployConfig,
     all_flat_names,
     describe_validation_error,
     split_engine_settings,
@@ -243,7 +244,7 @@ class WorkerSettings(CommonSettings):
         if self.engine_process is not None:
             return self.engine_process
         cfg = self.engine_config
-        return self.engine_name == "lmdeploy" and getattr(cfg, "backend", None) != "pytorch" and not self.adapter
+        return isinstance(cfg, LMDeployConfig) and not cfg.runs_pytorch(bool(self.adapter))
 
     @property
     def engine_name(self) -> str:

@@ -91,7 +91,7 @@ def build_backend_config(config: LMDeployConfig, adapters: dict[str, str] | None
         return {k: v for k, v in config.model_dump().items() if k in names and v is not None}
 
     tp = config.tp
-    if config.backend == "pytorch" or adapters:  # LoRA adapters: only the PyTorch engine applies them
+    if config.runs_pytorch(bool(adapters)):
         lora: dict[str, Any] = {"adapters": dict(adapters)} if adapters else {}
         # tp > 1 on one host: multiprocessing executor (LMDeploy's default for tp > 1 wants ray).
         extra: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
