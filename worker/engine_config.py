@@ -160,7 +160,6 @@ class LMDeployConfig(ModelEngineConfig):
         return self
 
 
-
 class TransformersConfig(ModelEngineConfig):
     """The CPU-capable reference engine on plain transformers."""
 
