@@ -38,7 +38,7 @@ ARG PYTHON_CPU_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY lmdq/ lmdq/
+COPY src/ src/
 COPY producer/ producer/
 COPY worker/ worker/
 COPY bench/ bench/

@@ -1,4 +1,4 @@
-from lmdq.cli.bench import main
+from lmdq.bench.cli import main
 
 if __name__ == "__main__":
     main()

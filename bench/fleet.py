@@ -48,7 +48,9 @@ from lmdq.results.store import ResultStore
 
 __all__ = ["FleetConfig", "run_fleet"]
 
-ROOT = Path(__file__).resolve().parents[1]
+#: where child processes start: never inside the installed package, whose lmdq/redis/ would hide the
+#: redis library from `python -m` (sys.path[0] is the working directory)
+CHILD_CWD = tempfile.gettempdir()
 PREFIX = "fleet"
 MODEL = "fleet"
 
@@ -129,7 +131,7 @@ class _Procs:
                 [sys.executable, "-m", "lmdq.worker", "--engine", "sim", "--served-model-name", MODEL,
                  "--sim-max-batch", str(self.cfg.capacity), "--sim-step-ms", str(self.cfg.decode_step_ms),
                  "--health-port", "0", "--worker-name", f"fleet-{i}"],
-                env=self.env, cwd=ROOT, stdout=out, stderr=out))
+                env=self.env, cwd=CHILD_CWD, stdout=out, stderr=out))
 
     def check(self) -> None:
         for i, p in enumerate(self.procs):

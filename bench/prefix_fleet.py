@@ -31,16 +31,18 @@ from lmdq.bench.efficiency import EfficiencyConfig, run_raw
 from lmdq.bench.fleet import blocked_clients, wait_until
 from lmdq.bench.prefix import PrefixConfig
 from lmdq.contract import GenerationParams
-from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
+from lmdq.submission.submit import SubmitOptions, submit_file
 
 __all__ = ["run_split_and_fleet"]
 
 PREFIX = "benchprefixfleet"
 MODEL = "bench"
-ROOT = Path(__file__).resolve().parents[1]
+#: where child processes start: never inside the installed package, whose lmdq/redis/ would hide the
+#: redis library from `python -m` (sys.path[0] is the working directory)
+CHILD_CWD = tempfile.gettempdir()
 
 
 def _prompts(workload: Path) -> list[str]:
@@ -69,7 +71,7 @@ def run_split_and_fleet(cfg: PrefixConfig, *, workers: int, engine: str, env: di
         out = open(tmp / f"part{i}.out", "wb")  # noqa: SIM115 - closed with the process
         procs.append((subprocess.Popen(
             [sys.executable, "-m", "lmdq.bench.prefix_fleet", "part", str(workload), str(i), str(workers),
-             str(cfg.output_len)], env=_device_env(base, i, engine), cwd=ROOT, stdout=out,
+             str(cfg.output_len)], env=_device_env(base, i, engine), cwd=CHILD_CWD, stdout=out,
             stderr=open(tmp / f"part{i}.log", "wb")), out))  # noqa: SIM115
     parts = []
     for i, (p, out) in enumerate(procs):
@@ -91,7 +93,7 @@ def run_split_and_fleet(cfg: PrefixConfig, *, workers: int, engine: str, env: di
         for i in range(workers):
             log_f = open(tmp / f"worker{i}.log", "wb")  # noqa: SIM115 - closed with the process
             ws.append(subprocess.Popen([sys.executable, "-m", "lmdq.worker", "--worker-name", f"prefix-{i}"],
-                                       env=_device_env(wenv, i, engine), cwd=ROOT, stdout=log_f, stderr=log_f))
+                                       env=_device_env(wenv, i, engine), cwd=CHILD_CWD, stdout=log_f, stderr=log_f))
 
         def ready() -> bool:
             for i, w in enumerate(ws):

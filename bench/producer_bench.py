@@ -24,7 +24,9 @@ from lmdq.redis.keyspace import delete, scan
 from lmdq.redis.server import info
 from lmdq.results.store import ResultStore
 
-ROOT = Path(__file__).resolve().parents[1]
+#: where child processes start: never inside the installed package, whose lmdq/redis/ would hide the
+#: redis library from `python -m` (sys.path[0] is the working directory)
+CHILD_CWD = tempfile.gettempdir()
 
 
 def _gen_file(path: Path, lines: int) -> int:
@@ -47,7 +49,8 @@ def _run_cpu(args: list[str], env: dict[str, str]) -> tuple[float, int, bytes, f
     of two runs depends on what else ran meanwhile, their CPU time much less."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", *args], env=env, cwd=ROOT, stdout=out, stderr=err)
+        p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", *args], env=env, cwd=CHILD_CWD,
+                             stdout=out, stderr=err)
         _, status, usage = os.wait4(p.pid, 0)
         secs = time.perf_counter() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -82,7 +85,7 @@ def _in_child(fn: str, *args: Any) -> None:
     CLI children it forks start small (a forked child's peak RSS counts the parent's pages it had
     before exec), and pyarrow is never imported here."""
     code = f"from lmdq.bench.producer_bench import {fn}; from pathlib import Path; {fn}(*{args!r})"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=CHILD_CWD)
 
 
 def _check_parquet_results(path: Path | str, rows: int) -> None:

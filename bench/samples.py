@@ -36,10 +36,10 @@ from typing import Any
 from lmdq.bench.efficiency import EfficiencyConfig, make_prompts, run_raw, run_raw_requests
 from lmdq.bench.finished_batch import read_finished, wait_terminal
 from lmdq.contract import Endpoint, GenerationParams
-from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
+from lmdq.submission.submit import SubmitOptions, submit_file
 from lmdq.worker.engines.base import Borrowed, Engine, EngineRequest
 from lmdq.worker.runner import Worker
 from lmdq.worker.settings import WorkerSettings

@@ -20,12 +20,12 @@ from typing import Any
 import redis
 
 from lmdq.contract import BatchStatus, GenerationParams, Result
-from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import Keys
 from lmdq.redis.keyspace import keys_memory, scan
 from lmdq.redis.server import info
 from lmdq.results.export import iter_lmdq_lines
 from lmdq.results.store import ResultStore
+from lmdq.submission.submit import SubmitOptions, submit_file
 
 __all__ = ["run_sink_bench"]
 

@@ -1,4 +1,4 @@
-from lmdq.cli.producer import main
+from lmdq.producer.cli import main
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,7 @@ bash scripts/setup.sh
 VENV=${LMDQ_VENV:-.venv}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 "$VENV/bin/ruff" check .
-"$VENV/bin/mypy" --strict lmdq/ producer/   # the core and the producer CLI (the worker imports torch/transformers, whose stubs vary)
+"$VENV/bin/mypy" --strict src/lmdq/ producer/   # the core and the producer CLI (the worker imports torch/transformers, whose stubs vary)
 # -n 4 on 2 cores: most tests wait on the processes they start (workers, redis-server, servers), so
 # four runners keep both cores busy; --durations prints the slowest 20 for whoever makes it faster.
 exec "$VENV/bin/python" -m pytest -n "${LMDQ_TEST_PROCS:-4}" --durations=20 "$@"

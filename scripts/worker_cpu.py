@@ -26,8 +26,8 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmdq.contract import GenerationParams  # noqa: E402
-from lmdq.producer.submit import SubmitOptions, submit_file  # noqa: E402
 from lmdq.redis.keys import Keys  # noqa: E402
+from lmdq.submission.submit import SubmitOptions, submit_file  # noqa: E402
 from lmdq.worker.engines.sim import SimEngine  # noqa: E402
 from lmdq.worker.runner import Worker  # noqa: E402
 from lmdq.worker.settings import WorkerSettings  # noqa: E402

@@ -17,9 +17,9 @@ from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import BatchStatus, ResultStatus
 from lmdq.jobs.data import FORMAT_FIELD
 from lmdq.jobs.queue import JobQueue, job_id_for
-from lmdq.producer.retry import retry_batch
-from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import Keys, queue_names, rq_queue_key
+from lmdq.submission.retry import retry_batch
+from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.helpers import results_of, write_jsonl
 
 MODEL = "sim"

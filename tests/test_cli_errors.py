@@ -178,7 +178,7 @@ def test_a_taken_health_port_is_one_line_naming_the_flag(env: dict[str, str]) ->
         p = run_cli("lmdq.worker", "--engine", "sim", "--burst", "--health-port", str(port), env=env)
     assert p.returncode == ExitCode.bad_input
     lines = p.stderr.decode().splitlines()
-    # the worker's stderr is JSON lines once logging is set up (lmdq/cli/worker.py): the error is the last one,
+    # the worker's stderr is JSON lines once logging is set up (worker/cli.py): the error is the last one,
     # as a plain line or as the event of a JSON line, and the only error
     said = [json.loads(ln).get("event", "") if ln.startswith("{") else ln for ln in lines]
     errors = [x for x in said if str(x).startswith("error: ")]

@@ -1,7 +1,8 @@
-"""typer (and the click it wraps) lives only in the CLI package, lmdq/cli/.
+"""typer (and the click it wraps) lives only in the command lines: the CLI plumbing src/lmdq/cli/ and
+each service's cli.py (producer/cli.py, worker/cli.py, bench/cli.py).
 
 The core declares its flags as typer-free data (lmdq.flags.FlagSpec, from settings fields) and
-lmdq/cli/ renders them: a library user, the worker's job code and the HTTP API never import typer.
+the command lines render them: a library user, the worker's job code and the HTTP API never import typer.
 Two checks, each shown able to fail: a source scan (an ``import typer`` anywhere else fails) and a
 real import of the core modules in a fresh interpreter (typer pulled in indirectly fails).
 """
@@ -14,8 +15,9 @@ import sys
 
 from tests.conftest import ROOT
 
-SOURCE_DIRS = ("lmdq", "worker", "producer", "bench")
-CLI_PACKAGE = "lmdq/cli/"
+SOURCE_DIRS = ("src", "worker", "producer", "bench")
+CLI_PACKAGE = "src/lmdq/cli/"
+CLI_MODULES = (CLI_PACKAGE, "producer/cli.py", "worker/cli.py", "bench/cli.py")
 CLI_LIBRARIES = ("typer", "click")
 
 
@@ -46,17 +48,17 @@ def test_typer_is_imported_only_in_the_cli_package() -> None:
     for folder in SOURCE_DIRS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel.startswith(CLI_PACKAGE):
+            if rel.startswith(CLI_MODULES):
                 continue
             outside += [f"{rel}:{line}" for line in _cli_imports(ast.parse(path.read_text(), rel))]
-    assert outside == [], "typer/click outside lmdq/cli/: declare flags with lmdq.flags, render them in lmdq/cli/"
-    # ...and the CLI package really is where the CLIs are
-    assert {p.name for p in (ROOT / CLI_PACKAGE).glob("*.py")} >= {"worker.py", "producer.py", "bench.py", "api.py",
-                                                                     "exporter.py", "options.py", "run.py"}
+    assert outside == [], "typer/click outside the command lines: declare flags with lmdq.flags, render them there"
+    # ...and the command lines really are where the CLIs are
+    assert {p.name for p in (ROOT / CLI_PACKAGE).glob("*.py")} >= {"api.py", "exporter.py", "options.py", "run.py"}
+    assert all((ROOT / m).is_file() for m in CLI_MODULES[1:])
 
 
 _CORE = ("lmdq", "lmdq.client", "lmdq.client.options", "lmdq.errors", "lmdq.flags", "lmdq.settings",
-         "lmdq.testing", "lmdq.metrics.exporter", "lmdq.producer.submit", "lmdq.producer.settings",
+         "lmdq.testing", "lmdq.metrics.exporter", "lmdq.submission.submit", "lmdq.submission.settings",
          "lmdq.worker.runner", "lmdq.worker.settings", "lmdq.worker.engine_config", "lmdq.api.app")
 
 
@@ -72,4 +74,4 @@ def test_the_core_runs_without_typer() -> None:
     """Importing the library, the worker's job code, the exporter and the HTTP API loads no typer; a CLI
     module does (the check sees an indirect import)."""
     assert _loaded_cli_libraries(_CORE) == []
-    assert "typer" in _loaded_cli_libraries(("lmdq.cli.worker",))
+    assert "typer" in _loaded_cli_libraries(("lmdq.worker.cli",))

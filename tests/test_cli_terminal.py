@@ -31,7 +31,7 @@ def _cols(env: dict[str, str], n: int) -> dict[str, str]:
 
 
 def _option_names(command: str) -> list[str]:
-    from lmdq.cli.producer import app
+    from lmdq.producer.cli import app
 
     group = typer.main.get_command(app)
     assert isinstance(group, typer.core.TyperGroup)
@@ -183,7 +183,7 @@ def test_worker_and_bench_help_name_every_option_whole_at_80_columns(env: dict[s
     """The worker's and the bench's --help too (their flags are generated from the engine configs)."""
     import importlib
 
-    app = importlib.import_module(module.replace("lmdq.", "lmdq.cli.")).app  # lmdq.worker's CLI: lmdq.cli.worker
+    app = importlib.import_module(module.replace("lmdq.", "lmdq.cli.")).app  # lmdq.worker's CLI: lmdq.worker.cli
     cmd = typer.main.get_command(app)
     if args:
         assert isinstance(cmd, typer.core.TyperGroup)

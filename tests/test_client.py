@@ -2,7 +2,7 @@
 worker (sim engine, in a thread of this process): every source kind gives the same results; as_completed
 yields while later jobs of the batch have not started (a gate on the engine and its step counter, no
 wall clock); a DataFrame with a bad row names row and column and enqueues nothing; cancel and retry;
-Parquet / Arrow / pandas results with one schema; lmdq/cli/producer.py makes no Redis or store call."""
+Parquet / Arrow / pandas results with one schema; producer/cli.py makes no Redis or store call."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import redis
 
 import lmdq
 from lmdq.contract import BatchStatus, ResultStatus
-from lmdq.producer.settings import ProducerSettings
 from lmdq.redis.keys import queue_name, rq_queue_key
+from lmdq.submission.settings import ProducerSettings
 from tests.conftest import ROOT
 
 pa = pytest.importorskip("pyarrow")
@@ -314,9 +314,9 @@ def test_cli_submit_parquet_and_results_to_parquet(tmp_path: Path, env: dict[str
 #: them only through lmdq.Client.
 _BELOW_THE_API = {"redis", "rq", "lmdq.redis.connection", "lmdq.results.store", "lmdq.batches.ledger",
                   "lmdq.redis.registry", "lmdq.redis.keys", "lmdq.results.sink", "lmdq.jobs.queue",
-                  "lmdq.producer.submit", "lmdq.producer.retry", "lmdq.producer.cancel",
+                  "lmdq.submission.submit", "lmdq.submission.retry", "lmdq.submission.cancel",
                   "lmdq.results.openai", "lmdq.results.export", "lmdq.results.reader", "lmdq.results.writer",
-                  "lmdq.batches.records", "lmdq.producer.formats", "lmdq.batches.headroom", "lmdq.guided"}
+                  "lmdq.batches.records", "lmdq.submission.formats", "lmdq.batches.headroom", "lmdq.guided"}
 _REDIS_COMMANDS = {"hget", "hset", "hgetall", "hmget", "lrange", "llen", "rpush", "zadd", "zrevrange",
                    "pipeline", "execute", "eval", "evalsha", "register_script", "keys", "scan", "delete",
                    "get_batch", "list_batches", "iter_results", "write_result", "enqueue", "purge_batch",
@@ -345,7 +345,7 @@ def test_the_check_below_can_fail() -> None:
 
 
 def test_producer_cli_makes_no_redis_or_store_call() -> None:
-    imported, called = _cli_imports_and_calls((ROOT / "lmdq/cli/producer.py").read_text())
+    imported, called = _cli_imports_and_calls((ROOT / "producer/cli.py").read_text())
     below = {m for m in imported if any(m == b or m.startswith(b + ".") for b in _BELOW_THE_API)}
     assert not below, below
     assert not called & _REDIS_COMMANDS, called & _REDIS_COMMANDS
@@ -355,13 +355,13 @@ def test_producer_cli_makes_no_redis_or_store_call() -> None:
 def test_the_column_wise_fast_path_spools_exactly_what_the_row_parser_does(tmp_path: Path) -> None:
     """Arrow record batches of the common shape skip the per-row parser; the spool must be the same bytes."""
     from lmdq.client.sources import classify, spool
-    from lmdq.producer.formats.tabular import ColumnMap
+    from lmdq.submission.formats.tabular import ColumnMap
 
     rows = [{"qid": f"id-{i}", "question": f"q {i} \u00e9\u4e2d \"quoted\"\n", "temperature": [None, 0.0, 0.7][i % 3],
              "max_tokens": 5 + i % 2} for i in range(10_000)]
     cmap = ColumnMap(prompt_column="question", id_column="qid", params_columns=["temperature", "max_tokens"])
     from lmdq.client.sources import _FastPath
-    from lmdq.producer.formats.tabular import RowMapper
+    from lmdq.submission.formats.tabular import RowMapper
 
     table = pa.Table.from_pylist(rows)
     fast = _FastPath(cmap, RowMapper("t", cmap), table.schema)

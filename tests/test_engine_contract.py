@@ -40,7 +40,7 @@ from lmdq.worker.engines.registry import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("lmdq", "worker", "producer")
+SCANNED = ("src", "worker", "producer")
 
 
 # --- the registry ---------------------------------------------------------------------------------

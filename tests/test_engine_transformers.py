@@ -386,7 +386,7 @@ def test_concurrent_streams(tf_engine: Any) -> None:
 @pytest.mark.model
 def test_the_cpu_engine_says_how_slow_512_tokens_are(tf_engine: Any) -> None:
     """bd9ca4b said nothing: a chat prompt with the default max_new_tokens=512 took 52 s on the CPU model.
-    The worker logs this note once, at start (lmdq/cli/worker.py)."""
+    The worker logs this note once, at start (worker/cli.py)."""
     from lmdq.worker.engine_factory import cpu_speed_note
     from lmdq.worker.engines.sim import SimEngine
 

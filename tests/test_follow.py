@@ -1,4 +1,4 @@
-"""``results --follow`` (producer/follow.py) on a real Redis: each result as it is stored (finish order),
+"""``results --follow`` (src/lmdq/submission/follow.py) on a real Redis: each result as it is stored (finish order),
 ``--in-order`` holding back only what must wait, the results sink's shards included, and the end of
 the batch ending the command. Every step waits on a line the follower wrote or on a poll's return,
 never on the clock."""
@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from lmdq.contract import Batch, BatchStatus, JobPayload, Request, RequestCounts, Result, ResultStatus
-from lmdq.producer.follow import Follower
 from lmdq.redis.keys import Keys
 from lmdq.results.sink import flush_job
 from lmdq.results.store import ResultStore
+from lmdq.submission.follow import Follower
 from tests.conftest import ROOT
 from tests.test_cli_terminal import _Lines
 

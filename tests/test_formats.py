@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lmdq.contract import Endpoint, GenerationParams, Request
-from lmdq.producer import formats
-from lmdq.producer.formats import (
+from lmdq.submission import formats
+from lmdq.submission.formats import (
     InputError,
     InputFormat,
     InputLimits,
@@ -501,7 +501,7 @@ def test_alias_errors_name_the_key_the_user_wrote(tmp_path: Path) -> None:
 
 
 def test_temperature_without_do_sample_decides_sampling(tmp_path: Path) -> None:
-    from lmdq.producer.formats.records import Sampling
+    from lmdq.submission.formats.records import Sampling
 
     p = write(tmp_path, "s.jsonl", [
         {"prompt": "a", "params": {"temperature": 0.7}},

@@ -139,7 +139,7 @@ def zlib_bomb(head: bytes, total: int, chunk: int = 4 << 20) -> bytes:
 def test_batch_ids_lmdq_makes_are_the_only_ones_a_job_may_carry() -> None:
     import re
 
-    from lmdq.producer.submit import new_batch_id
+    from lmdq.submission.submit import new_batch_id
 
     for _ in range(20):
         assert re.fullmatch(BATCH_ID_PATTERN, new_batch_id())  # producer and contract agree
@@ -153,7 +153,7 @@ def test_batch_ids_lmdq_makes_are_the_only_ones_a_job_may_carry() -> None:
 
 
 def test_request_indices_unique_and_bounded_and_ids_bounded() -> None:
-    from lmdq.producer.submit import new_batch_id
+    from lmdq.submission.submit import new_batch_id
 
     p = _payload(new_batch_id())
     p["requests"] = [p["requests"][0], {**p["requests"][0], "custom_id": "other"}]

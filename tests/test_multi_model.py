@@ -176,7 +176,7 @@ def test_lines_naming_none_in_a_several_model_file_are_refused(tmp_path: Path, e
 def test_python_api_model_column_and_counts_by_model(env: dict[str, str], client: redis.Redis,
                                                      prefix: str) -> None:
     import lmdq
-    from lmdq.producer.settings import ProducerSettings
+    from lmdq.submission.settings import ProducerSettings
 
     _register(env, *MODELS[:2])
     rows = [{"q": f"question {i}", "which": MODELS[i % 2]} for i in range(10)]

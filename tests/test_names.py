@@ -14,9 +14,9 @@ import redis
 
 from lmdq.contract import ResultStatus
 from lmdq.jobs.queue import job_id_for
-from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name, model_slug, queue_name, queue_names, rq_queue_key
 from lmdq.results.store import ResultStore
+from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.conftest import run_cli
 from tests.helpers import results_of, write_jsonl
 

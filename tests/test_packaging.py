@@ -287,11 +287,21 @@ def test_producer_has_no_gpu_stack() -> None:
     assert exec_form(producer.all("ENTRYPOINT")[-1].args) == ["lmdq-producer"]
 
 
+def package_folder(pkg: str) -> str:
+    """The folder setuptools takes ``pkg`` from: its nearest mapped parent in package-dir, then the rest."""
+    mapping = pyproject()["tool"]["setuptools"]["package-dir"]
+    parts = pkg.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in mapping:
+            return "/".join([mapping[".".join(parts[:n])], *parts[n:]])
+    return pkg.replace(".", "/")
+
+
 def test_wheel_build_copies_every_package() -> None:
     build = dockerfile().stage("build")
     copied = " ".join(i.args for i in build.all("COPY"))
     st = pyproject()["tool"]["setuptools"]
-    folders = {st["package-dir"].get(pkg, pkg.replace(".", "/")) for pkg in st["packages"]}
+    folders = {package_folder(pkg) for pkg in st["packages"]}
     for folder in folders:
         assert f"{folder.split('/')[0]}/" in copied, f"build stage does not COPY package folder {folder}"
     assert pyproject()["project"]["readme"] in copied
@@ -583,7 +593,7 @@ def test_keda_target_is_the_jobs_a_saturated_worker_holds() -> None:
     """A worker claims jobs until their requests fill max_batch_size (+ one job), so with the
     producer's default job size a busy worker holds max_batch_size / batch_size jobs: one replica
     per that many jobs, queued or in flight."""
-    from lmdq.producer.settings import ProducerSettings
+    from lmdq.submission.settings import ProducerSettings
 
     requests_per_job = ProducerSettings.model_fields["batch_size"].default
     jobs_per_worker = int(config()["LMDQ_MAX_BATCH_SIZE"]) // requests_per_job
@@ -769,7 +779,7 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
 
     src = tmp_path / "src"  # a copy, so the build leaves no build/ folder in the checkout
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for folder in ("lmdq", "worker", "producer", "bench"):
+    for folder in ("src", "worker", "producer", "bench"):
         shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / f, src / f)
@@ -783,8 +793,8 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"lmdq", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
-    for module in ("lmdq/worker/runner.py", "lmdq/cli/producer.py", "lmdq/cli/bench.py",
-                   "lmdq/worker/engines/sim.py", "lmdq/producer/formats/jsonl.py"):
+    for module in ("lmdq/worker/runner.py", "lmdq/producer/cli.py", "lmdq/bench/cli.py",
+                   "lmdq/worker/engines/sim.py", "lmdq/submission/formats/jsonl.py", "lmdq/py.typed"):
         assert module in names
     for target in pyproject()["project"]["scripts"].values():
         assert target.startswith("lmdq."), target
@@ -798,7 +808,7 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     for top in ("worker", "producer", "bench"):
         p = subprocess.run([sys.executable, "-c", f"import {top}"], cwd=cwd, env=env, capture_output=True, text=True)
         assert p.returncode != 0 and "ModuleNotFoundError" in p.stderr, (top, p.stderr)
-    p = subprocess.run([sys.executable, "-c", "import lmdq.cli.producer as m, lmdq.worker.runner as w; "
+    p = subprocess.run([sys.executable, "-c", "import lmdq.producer.cli as m, lmdq.worker.runner as w; "
                         "print(m.__file__); print(w.__file__)"], cwd=cwd, env=env, capture_output=True, text=True)
     assert p.returncode == 0 and all(ln.startswith(str(site)) for ln in p.stdout.split()), p.stdout + p.stderr
     for script in pyproject()["project"]["scripts"]:

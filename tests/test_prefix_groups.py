@@ -1,4 +1,4 @@
-"""Prefix-aware job formation (producer/prefix_groups.py) through the real submit and a real redis-server:
+"""Prefix-aware job formation (src/lmdq/submission/prefix_groups.py) through the real submit and a real redis-server:
 which requests land in which job, input indices and custom_ids kept, the off switch, file edits caught."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import redis
 from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import Request
 from lmdq.jobs.queue import JobQueue
-from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import Keys
+from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.helpers import write_jsonl
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
@@ -172,13 +172,13 @@ def test_file_edited_during_a_grouped_submit_exits_2(mode: str, tmp_path: Path, 
 
 def _line(no: int, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> Any:
     from lmdq.contract import Endpoint
-    from lmdq.producer.formats import ParsedLine
+    from lmdq.submission.formats import ParsedLine
 
     return ParsedLine(no, str(no), prompt, messages, Endpoint.chat, None, None)
 
 
 def test_a_chat_prompt_groups_with_the_same_text_as_one_user_message() -> None:
-    from lmdq.producer.prefix_groups import prefix_text
+    from lmdq.submission.prefix_groups import prefix_text
 
     doc = "lorem ipsum " * 100
     assert prefix_text(_line(1, prompt=doc + "a"), 600) == prefix_text(
@@ -189,7 +189,7 @@ def test_a_chat_prompt_groups_with_the_same_text_as_one_user_message() -> None:
 
 def test_unshared_requests_fill_the_gaps_between_groups_in_input_order() -> None:
     """Singletons (short or unshared prompts) are never moved past a later group's first request."""
-    from lmdq.producer.prefix_groups import PrefixKeys, plan_jobs
+    from lmdq.submission.prefix_groups import PrefixKeys, plan_jobs
 
     doc_a, doc_b = "alpha " * 200, "bravo " * 200
     texts = [doc_a + "1", "short 1", doc_b + "1", doc_a + "2", "short 2", "x" * 3000, doc_b + "2", doc_a + "3"]

@@ -1,4 +1,4 @@
-"""Batch progress (producer/progress.py) on a real Redis: in a log, a line when something changed or
+"""Batch progress (src/lmdq/submission/progress.py) on a real Redis: in a log, a line when something changed or
 every --interval (never one per poll), with done/total, requests/s, tokens/s, ETA, and a hint when no
 live worker serves the model. The clock is injected, so throttling is checked without waiting."""
 
@@ -10,10 +10,10 @@ import time
 import redis
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
-from lmdq.producer.progress import BatchProgress, RateWindow, format_duration, watch
 from lmdq.redis.keys import Keys
 from lmdq.redis.registry import ModelRegistry, WorkerRegistry
 from lmdq.results.store import ResultStore
+from lmdq.submission.progress import BatchProgress, RateWindow, format_duration, watch
 
 
 class Clock:

@@ -1,11 +1,11 @@
-"""The Redis boundary: Lua and Redis commands live in lmdq/redis/, nowhere else (issue 30).
+"""The Redis boundary: Lua and Redis commands live in src/lmdq/redis/, nowhere else (issue 30).
 
 Three AST checks over lmdq's own code (lmdq/, worker/, producer/, bench/; tests may speak Redis):
 
-* Lua source text (``redis.call(`` / ``redis.pcall(`` in a string) appears only in lmdq/redis/scripts.py;
+* Lua source text (``redis.call(`` / ``redis.pcall(`` in a string) appears only in src/lmdq/redis/scripts.py;
 * a script is run one way: ``register_script``, ``eval``/``evalsha`` (and ``_ro``), ``script_load``,
-  ``fcall`` or redis-py's ``Script`` appear only in lmdq/redis/scripts.py;
-* a redis-py command method called on a Redis client or pipeline appears only under lmdq/redis/, except
+  ``fcall`` or redis-py's ``Script`` appear only in src/lmdq/redis/scripts.py;
+* a redis-py command method called on a Redis client or pipeline appears only under src/lmdq/redis/, except
   in the modules of :data:`NOT_YET_MOVED`, which must be EXACTLY the modules that still make such calls
   (a module that is cleaned up fails the test until it leaves the list, a new one fails at once).
 
@@ -23,12 +23,12 @@ import redis
 from lmdq.redis import scripts
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("lmdq", "worker", "producer", "bench")
-REDIS_HOME = "lmdq/redis/"
-SCRIPTS_MODULE = "lmdq/redis/scripts.py"
+FOLDERS = ("src", "worker", "producer", "bench")
+REDIS_HOME = "src/lmdq/redis/"
+SCRIPTS_MODULE = "src/lmdq/redis/scripts.py"
 
-#: Modules outside lmdq/redis/ that still call Redis commands themselves (the part of issue 30 not done
-#: yet: each should move its calls into a data-access module under lmdq/redis/). Exact: see the module doc.
+#: Modules outside src/lmdq/redis/ that still call Redis commands themselves (the part of issue 30 not done
+#: yet: each should move its calls into a data-access module under src/lmdq/redis/). Exact: see the module doc.
 NOT_YET_MOVED: set[str] = set()
 
 # ---- the detectors -------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_redis_commands_only_under_lmdq_redis_or_in_the_known_list() -> None:
     calling = {m for m, src in _modules().items() if not m.startswith(REDIS_HOME) and redis_calls(src)}
     assert calling - NOT_YET_MOVED == set(), (
         f"Redis commands outside {REDIS_HOME}: {({m: redis_calls(_modules()[m])[:5] for m in calling - NOT_YET_MOVED})}"
-        " (call a data-access function under lmdq/redis/ instead)")
+        " (call a data-access function under src/lmdq/redis/ instead)")
     cleaned = NOT_YET_MOVED - calling
     assert cleaned == set(), f"no Redis calls left here: take them off NOT_YET_MOVED: {cleaned}"
     assert any(redis_calls(src) for m, src in _modules().items() if m.startswith(REDIS_HOME)), "sanity"

@@ -77,9 +77,9 @@ def _complete(raws: list[bytes]) -> None:
 
 def test_a_half_sealed_batch_reads_complete_and_in_order_through_every_export_path(
         client: redis.Redis, redis_url: str, prefix: str, tmp_path: Path) -> None:
-    from lmdq.producer.follow import Follower
     from lmdq.results.export import iter_lmdq_lines
     from lmdq.results.openai import iter_openai
+    from lmdq.submission.follow import Follower
     from tests.helpers import results_of
 
     store, b = _half_sealed(client, prefix, tmp_path)
@@ -110,7 +110,7 @@ def test_a_half_sealed_batch_reads_complete_through_the_python_api_and_the_http_
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     import lmdq
-    from lmdq.producer.settings import ProducerSettings
+    from lmdq.submission.settings import ProducerSettings
 
     _, b = _half_sealed(client, prefix, tmp_path)
     batch = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix)).batch(b.id)
@@ -152,7 +152,7 @@ def test_jobs_sealed_while_the_batch_is_read_are_not_missed(client: redis.Redis,
 
 
 def test_a_follower_finds_jobs_sealed_between_its_polls(client: redis.Redis, prefix: str, tmp_path: Path) -> None:
-    from lmdq.producer.follow import Follower
+    from lmdq.submission.follow import Follower
 
     keys = Keys(prefix)
     store = ResultStore(client, keys=keys)

@@ -18,11 +18,11 @@ import redis
 from rq.job import Job
 
 from lmdq.contract import BatchStatus, GenerationParams, Result, ResultStatus
-from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import Keys, queue_names, rq_queue_key
 from lmdq.results.export import iter_lmdq_lines
 from lmdq.results.openai import iter_openai
 from lmdq.results.store import ResultStore
+from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.conftest import RedisServer, run_cli
 from tests.helpers import write_jsonl
 
@@ -144,7 +144,7 @@ def test_retry_reads_failures_from_the_shards_and_keeps_their_jobs(tmp_path: Pat
     """Failed requests of a sealed job are read back from its shard (the index counts them), and the
     jobs that hold them keep their prompts, so ``retry`` still works; all-completed jobs drop theirs."""
     from lmdq.jobs.queue import job_id_for
-    from lmdq.producer.retry import retry_batch
+    from lmdq.submission.retry import retry_batch
 
     f = write_jsonl(tmp_path / "p.jsonl", _rows(40, fail_every=16))  # failures at 3, 19, 35: jobs 0, 2, 4
     batch = _submit(client, prefix, f, results_url=str(tmp_path / "sink"), batch_size=8)

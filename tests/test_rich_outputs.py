@@ -19,7 +19,7 @@ import redis
 
 from lmdq.contract import GenerationParams, ResponseFormat, Result, ResultStatus
 from lmdq.guided import check, schema_of, to_lmdeploy
-from lmdq.producer.formats import InputError, InputFormat, iter_lines
+from lmdq.submission.formats import InputError, InputFormat, iter_lines
 from lmdq.worker.engines.base import EngineEvent, EngineRequest
 from lmdq.worker.engines.sim import SimEngine, minimal_instance
 from tests.conftest import run_cli
@@ -281,10 +281,10 @@ def test_hidden_state_generation_lands_in_a_safetensors_file(tf_engine: Any, tmp
     safetensors file of shape [generated tokens, hidden size], read back from the URI the result carries."""
     from safetensors.numpy import load_file
 
-    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.redis.keys import Keys
     from lmdq.results.blobs import read_tensor
     from lmdq.results.store import ResultStore
+    from lmdq.submission.submit import SubmitOptions, submit_file
     from lmdq.worker.engines.base import Borrowed
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings

@@ -68,7 +68,7 @@ def test_the_doc_names_the_steps_this_engine_follows() -> None:
     steps = re.findall(r"^(\d+)\. ", section, flags=re.M)
     assert steps == [str(i) for i in range(1, len(steps) + 1)] and len(steps) >= 4, steps
     # ...and no lmdq file names the sample engine: it is known through the registry alone
-    for folder in ("lmdq", "worker", "producer", "bench"):
+    for folder in ("src", "worker", "producer", "bench"):
         for path in (ROOT / folder).rglob("*.py"):
             assert "sample_engine" not in path.read_text(), path
 

@@ -49,7 +49,7 @@ def test_n_is_bounded_1_to_128() -> None:
 
 
 def test_openai_body_n_becomes_params_n(tmp_path: Path) -> None:
-    from lmdq.producer.formats import ParsedLine, iter_lines
+    from lmdq.submission.formats import ParsedLine, iter_lines
 
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": "x"}], "n": 4, "temperature": 0.7, "seed": 3}}
@@ -64,7 +64,7 @@ def test_cli_and_python_api_take_n() -> None:
 
     assert "n" in option_names()
     [flag] = [f for f in GENERATION_FLAGS if f.key == "n"]
-    assert flag.flat == "n"  # the CLI's --n (derived from the one declaration in lmdq/contract.py)
+    assert flag.flat == "n"  # the CLI's --n (derived from the one declaration in src/lmdq/contract.py)
 
 
 # --------------------------------------------------------------------------- fan-out and gathering
@@ -177,7 +177,7 @@ def _run_worker(engine: Any, client: redis.Redis, redis_url: str, prefix: str) -
 
 
 def _submit(path: Path, model: str, client: redis.Redis, prefix: str, **params: Any) -> str:
-    from lmdq.producer.submit import SubmitOptions, submit_file
+    from lmdq.submission.submit import SubmitOptions, submit_file
 
     opts = SubmitOptions(model=model, allow_unknown_model=True, batch_size=1, params=GenerationParams(**params))
     batch, _ = submit_file(path, opts, client=client, keys=Keys(prefix), ttl_s=3600)

@@ -74,7 +74,7 @@ def test_request_contract_rules() -> None:
      "field 'body.prompt': unsupported key for 'reward'"),
 ])
 def test_bad_score_lines_named_by_file_and_line(tmp_path: Path, line: dict[str, Any], where: str) -> None:
-    from lmdq.producer.formats import InputError, iter_lines
+    from lmdq.submission.formats import InputError, iter_lines
 
     first = ({"custom_id": "ok", "prompt": "P", "endpoint": "score", "continuations": ["c"]} if "url" not in line
              else {"custom_id": "ok", "method": "POST", "url": "/v1/score", "body": {"prompt": "P",
@@ -97,7 +97,7 @@ def test_submit_refuses_a_bad_score_file_and_enqueues_nothing(tmp_path: Path, en
 
 
 def test_openai_score_and_reward_lines_parse(tmp_path: Path) -> None:
-    from lmdq.producer.formats import ParsedLine, iter_lines
+    from lmdq.submission.formats import ParsedLine, iter_lines
 
     f = _jsonl(tmp_path / "o.jsonl", [
         {"custom_id": "s", "method": "POST", "url": "/v1/score",
@@ -355,7 +355,7 @@ def test_python_api_scores_dict_rows_and_a_dataframe(redis_url: str, prefix: str
     import pandas as pd
 
     import lmdq
-    from lmdq.producer.settings import ProducerSettings
+    from lmdq.submission.settings import ProducerSettings
     from lmdq.worker.engines.sim import SimEngine
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings

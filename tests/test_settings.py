@@ -208,7 +208,7 @@ def test_bench_cli_unsupported_flag_exits_2(env: dict[str, str]) -> None:
 
 
 def test_worker_help_lists_every_engine_setting_once() -> None:
-    from lmdq.cli.worker import app
+    from lmdq.worker.cli import app
 
     cmd = typer.main.get_command(app)
     opts = [o for p in cmd.params for o in p.opts]
@@ -220,7 +220,7 @@ def test_worker_help_lists_every_engine_setting_once() -> None:
 
 
 def _submit_command() -> Any:
-    from lmdq.cli.producer import app
+    from lmdq.producer.cli import app
 
     return typer.main.get_command(app).commands["submit"]  # type: ignore[attr-defined]
 
@@ -286,12 +286,12 @@ def test_model_options_pass_only_what_was_given() -> None:
 
 # ------------------------------------------------------------------ one declaration (source scan)
 
-SOURCE_DIRS = ("lmdq", "worker", "producer", "bench")
+SOURCE_DIRS = ("src", "worker", "producer", "bench")
 
 # Same name, different concept (not the engine setting): reviewed, each with its reason.
 NOT_ENGINE_SETTINGS = {
     ("worker/engines/base.py", "raw"),  # EngineRequest.raw: this request skips the chat template
-    ("lmdq/contract.py", "backend"),  # Result.backend: which backend served the request (a record)
+    ("src/lmdq/contract.py", "backend"),  # Result.backend: which backend served the request (a record)
     ("worker/engines/transformers_engine.py", "backend"),  # the engine's identity ("transformers")
 }
 
@@ -358,7 +358,7 @@ def _worker_loop_fields() -> list[str]:
 def test_worker_loop_flags_are_the_settings_fields() -> None:
     """lmdq-worker's loop flags are WorkerSettings' fields: name (the env var's), help and default from the
     field; the CLI declares no option of its own."""
-    from lmdq.cli.worker import app
+    from lmdq.worker.cli import app
 
     params = {p.name: p for p in typer.main.get_command(app).params}
     loop = _worker_loop_fields()
@@ -377,7 +377,7 @@ def test_worker_loop_flags_are_the_settings_fields() -> None:
 
 def test_worker_loop_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the CLI hands WorkerSettings: each given flag as its field, nothing for one not given."""
-    import lmdq.cli.worker as cli
+    import lmdq.worker.cli as cli
 
     seen: list[dict[str, Any]] = []
 
@@ -427,9 +427,9 @@ def test_exporter_flags_are_its_settings_fields() -> None:
 
 def test_submit_defaults_are_the_producer_settings() -> None:
     """SubmitOptions and InputLimits take ProducerSettings' declared defaults, not copies of them."""
-    from lmdq.producer.formats import InputLimits
-    from lmdq.producer.settings import ProducerSettings
-    from lmdq.producer.submit import SubmitOptions
+    from lmdq.submission.formats import InputLimits
+    from lmdq.submission.settings import ProducerSettings
+    from lmdq.submission.submit import SubmitOptions
 
     opts, limits = SubmitOptions(model=None), InputLimits()
     for field, value in [("batch_size", opts.batch_size), ("prefix_groups", opts.prefix_groups),
@@ -445,7 +445,7 @@ def _settings_names() -> set[str]:
     """Every setting of the three CLIs and the API: the fields of their settings models."""
     from lmdq.api.settings import ApiSettings
     from lmdq.metrics.exporter import ExporterSettings
-    from lmdq.producer.settings import ProducerSettings
+    from lmdq.submission.settings import ProducerSettings
 
     return {n for cls in (CommonSettings, ProducerSettings, WorkerSettings, ExporterSettings, ApiSettings)
             for n in own_fields(cls, BaseModel)}
@@ -503,10 +503,10 @@ def _literal_defaults(tree: ast.AST, names: set[str]) -> list[tuple[str, str, in
 SETTINGS_CLASSES = {"CommonSettings", "ProducerSettings", "WorkerSettings", "ExporterSettings", "ApiSettings"}
 #: Same name, another concept: reviewed, each with its reason.
 NOT_THE_SETTING = {
-    ("lmdq/contract.py", "Batch", "prefix_groups"),  # the batch RECORD: False = staged in input order
+    ("src/lmdq/contract.py", "Batch", "prefix_groups"),  # the batch RECORD: False = staged in input order
     ("worker/engines/lmdeploy_engine.py", "load", "log_level"),  # LMDeploy's own logger, not LMDQ_LOG_LEVEL
     ("worker/engines/lmdeploy_engine.py", "build_pipeline", "log_level"),  # the same, where the pipeline is built
-    ("lmdq/testing.py", "enqueue_requests", "batch_size"),  # a test batch: one request a job unless asked
+    ("src/lmdq/testing.py", "enqueue_requests", "batch_size"),  # a test batch: one request a job unless asked
 }
 #: The benches' workload knobs (requests per job, engine, jobs in flight) are the experiment's, printed with
 #: its numbers: they stay what the bench says when a deployment's LMDQ_* defaults change.
@@ -536,7 +536,7 @@ def test_each_setting_default_is_declared_once() -> None:
             for owner, name, line in _literal_defaults(ast.parse(path.read_text(), rel), names):
                 if owner in SETTINGS_CLASSES or (rel, owner, name) in NOT_THE_SETTING:
                     continue
-                if (rel.startswith("bench/") or rel == "lmdq/cli/bench.py") and name in BENCH_KNOBS:
+                if (rel.startswith("bench/") or rel == "bench/cli.py") and name in BENCH_KNOBS:
                     continue
                 copies.append(f"{rel}:{line} {owner}: {name}")
     assert copies == [], "a setting's default written again (use lmdq.settings.default_of or the settings)"
@@ -586,5 +586,5 @@ def test_the_ttl_default_is_declared_once() -> None:
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             found += [f"{rel}:{line}" for line in _seven_day_literals(ast.parse(path.read_text(), rel))]
-    assert len(found) == 1 and found[0].startswith("lmdq/settings.py:"), found
+    assert len(found) == 1 and found[0].startswith("src/lmdq/settings.py:"), found
     assert DEFAULT_RESULT_TTL_S == _SEVEN_DAYS == CommonSettings().result_ttl_s

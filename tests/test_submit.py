@@ -143,13 +143,13 @@ def test_json_schema_and_regex_flags(tmp_path: Path, env: dict[str, str]) -> Non
 
 # ---- the file changes between validation and staging (#14) ----------------------------------------
 
-# Runs the real CLI (lmdq.cli.producer.main) with SubmitOptions.after_validation set to edit the file:
+# Runs the real CLI (lmdq.producer.cli.main) with SubmitOptions.after_validation set to edit the file:
 # the edit lands exactly between the two passes, every run, with no sleeping process to race.
 _EDIT_DURING_SUBMIT = """
 import os
 import sys
-import lmdq.producer.submit as submit
-from lmdq.cli.producer import main
+import lmdq.submission.submit as submit
+from lmdq.producer.cli import main
 
 mode = sys.argv.pop(1)
 real = submit.submit_file

@@ -20,8 +20,8 @@ from lmdq.batches.ledger import BatchLedger, new_batch_id
 from lmdq.batches.records import RUNNING_TTL_S
 from lmdq.contract import MAX_SCHEMA_DEPTH, Batch, BatchStatus, RequestCounts
 from lmdq.errors import IdempotencyConflict
-from lmdq.producer.submit import SubmitOptions, submit_file
 from lmdq.redis.keys import Keys, queue_name, rq_queue_key
+from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.conftest import run_cli
 from tests.helpers import write_jsonl
 

@@ -1,4 +1,4 @@
-"""lmdq/testing.py, the public helpers for tests: jobs put in Redis as submit stages them are run by a
+"""src/lmdq/testing.py, the public helpers for tests: jobs put in Redis as submit stages them are run by a
 real worker, every request answered once; and no production module imports the helpers."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_the_scan_finds_an_import_of_the_helpers() -> None:
 
 def test_production_code_never_imports_the_testing_helpers() -> None:
     importers = []
-    for folder in ("lmdq", "worker", "producer", "bench"):
+    for folder in ("src", "worker", "producer", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             importers += [f"{rel}:{line}" for line in _testing_imports(ast.parse(path.read_text(), rel))]

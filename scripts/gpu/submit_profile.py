@@ -71,7 +71,7 @@ def main() -> int:
     out.write_text("\n".join(lines) + "\n")
     print(lines[0])
     for ln in lines:
-        if any(k in ln for k in ("lmdq.cli.producer", "submit_file", "_validate", "enqueue", "run_cli")):
+        if any(k in ln for k in ("lmdq.producer.cli", "submit_file", "_validate", "enqueue", "run_cli")):
             print(ln[:160])
     return 0
 

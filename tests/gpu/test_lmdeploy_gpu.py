@@ -179,9 +179,9 @@ def test_streams_several_deltas(engine, monkeypatch) -> None:  # type: ignore[no
 def test_worker_writes_partials_before_finish(engine, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """In-process worker on the real engine: a long request's partial text is in Redis before it ends."""
     monkeypatch.setattr(engine, "stream_from_new_tokens", 800)  # session_len 1024 here: 800 counts as long
-    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.redis.keys import Keys
     from lmdq.results.store import ResultStore
+    from lmdq.submission.submit import SubmitOptions, submit_file
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings
 
@@ -333,9 +333,9 @@ def test_100_json_schema_requests_through_the_worker(engine, tmp_path: Path) -> 
     """100 guided-JSON requests (greedy and sampled) through submit + the in-process worker on the real
     engine: every stored result parses and validates against the schema."""
     from lmdq.contract import ResponseFormat
-    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.redis.keys import Keys
     from lmdq.results.store import ResultStore
+    from lmdq.submission.submit import SubmitOptions, submit_file
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings
 
@@ -385,10 +385,10 @@ def test_turbomind_logits_and_hidden_states_land_as_safetensors(engine, hf_tok, 
         pytest.skip("TurboMind only (the PyTorch engine refuses these: test above)")
     from safetensors.numpy import load_file
 
-    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.redis.keys import Keys
     from lmdq.results.blobs import read_tensor
     from lmdq.results.store import ResultStore
+    from lmdq.submission.submit import SubmitOptions, submit_file
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings
 

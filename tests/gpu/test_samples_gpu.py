@@ -53,9 +53,9 @@ def _prompt(i: int) -> str:
 def _run_batch(engine: Any, srv: RedisServer, f: Path, params: GenerationParams) -> tuple[list[Result], float]:
     """Submit ``f`` and run a burst worker on the module's engine; returns the results (input order) and
     the worker's ``lmdq_tokens_prefilled_total`` counter after the run."""
-    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.redis.keys import Keys
     from lmdq.results.store import ResultStore
+    from lmdq.submission.submit import SubmitOptions, submit_file
     from lmdq.worker.engines.base import Borrowed
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings

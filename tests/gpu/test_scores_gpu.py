@@ -142,9 +142,9 @@ def test_multiple_choice_through_the_worker_on_lmdeploy(reference: dict[int, Eng
     argmax of its 4 summed logprobs) equals the transformers engine's, and is_greedy is a bool throughout."""
     import redis
 
-    from lmdq.producer.submit import SubmitOptions, submit_file
     from lmdq.redis.keys import Keys
     from lmdq.results.store import ResultStore
+    from lmdq.submission.submit import SubmitOptions, submit_file
     from lmdq.worker.engines.base import Borrowed
     from lmdq.worker.runner import Worker
     from lmdq.worker.settings import WorkerSettings

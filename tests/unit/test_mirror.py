@@ -12,54 +12,66 @@ SKIPPED_NAMES = {"__init__.py", "__main__.py"}
 SKIPPED_DIRS = {"_child_logging"}  # the children's start-up hook (sitecustomize), not an importable module
 
 NO_UNIT_TEST_YET = {
-    "lmdq/api/app.py",
-    "lmdq/api/backend.py",
-    "lmdq/api/batches.py",
-    "lmdq/api/files.py",
-    "lmdq/api/settings.py",
-    "lmdq/api/uploads.py",
-    "lmdq/batches/ledger.py",
-    "lmdq/batches/records.py",
-    "lmdq/cli/api.py",
-    "lmdq/cli/bench.py",
-    "lmdq/cli/exporter.py",
-    "lmdq/cli/options.py",
-    "lmdq/cli/producer.py",
-    "lmdq/cli/run.py",
-    "lmdq/cli/worker.py",
-    "lmdq/client/client.py",
-    "lmdq/client/options.py",
-    "lmdq/client/sources.py",
-    "lmdq/jobs/queue.py",
-    "lmdq/logs/config.py",
-    "lmdq/logs/relay.py",
-    "lmdq/metrics/exporter.py",
-    "lmdq/redis/connection.py",
-    "lmdq/redis/queue_stats.py",
-    "lmdq/redis/registry.py",
-    "lmdq/redis/scripts.py",
-    "lmdq/results/blobs.py",
-    "lmdq/results/export.py",
-    "lmdq/results/reader.py",
-    "lmdq/results/sink.py",
-    "lmdq/results/store.py",
-    "lmdq/results/worker_sink.py",
-    "lmdq/results/writer.py",
-    "lmdq/settings.py",
-    "lmdq/testing.py",
+    "src/lmdq/api/app.py",
+    "src/lmdq/api/backend.py",
+    "src/lmdq/api/batches.py",
+    "src/lmdq/api/files.py",
+    "src/lmdq/api/settings.py",
+    "src/lmdq/api/uploads.py",
+    "src/lmdq/batches/ledger.py",
+    "src/lmdq/batches/records.py",
+    "src/lmdq/cli/api.py",
+    "src/lmdq/cli/exporter.py",
+    "src/lmdq/cli/options.py",
+    "src/lmdq/cli/run.py",
+    "src/lmdq/client/client.py",
+    "src/lmdq/client/options.py",
+    "src/lmdq/client/sources.py",
+    "src/lmdq/jobs/queue.py",
+    "src/lmdq/logs/config.py",
+    "src/lmdq/logs/relay.py",
+    "src/lmdq/metrics/exporter.py",
+    "src/lmdq/redis/connection.py",
+    "src/lmdq/redis/queue_stats.py",
+    "src/lmdq/redis/registry.py",
+    "src/lmdq/redis/scripts.py",
+    "src/lmdq/results/blobs.py",
+    "src/lmdq/results/export.py",
+    "src/lmdq/results/reader.py",
+    "src/lmdq/results/sink.py",
+    "src/lmdq/results/store.py",
+    "src/lmdq/results/worker_sink.py",
+    "src/lmdq/results/writer.py",
+    "src/lmdq/settings.py",
+    "src/lmdq/submission/cancel.py",
+    "src/lmdq/submission/follow.py",
+    "src/lmdq/submission/foreign.py",
+    "src/lmdq/submission/formats/jsonl.py",
+    "src/lmdq/submission/formats/openai_batch.py",
+    "src/lmdq/submission/formats/records.py",
+    "src/lmdq/submission/formats/tabular.py",
+    "src/lmdq/submission/formats/validation.py",
+    "src/lmdq/submission/models.py",
+    "src/lmdq/submission/prefix_groups.py",
+    "src/lmdq/submission/progress.py",
+    "src/lmdq/submission/retry.py",
+    "src/lmdq/submission/settings.py",
+    "src/lmdq/submission/stdin_input.py",
+    "src/lmdq/submission/submit.py",
+    "src/lmdq/testing.py",
 }
 """Modules with no unit test of their own yet (most have scenario tests under tests/test_*.py)."""
 
 
 def modules(root: Path) -> set[str]:
-    """Every module under ``root``/lmdq, as a path relative to ``root``."""
-    return {p.relative_to(root).as_posix() for p in (root / "lmdq").rglob("*.py")
+    """Every module under ``root``/src/lmdq (the core), as a path relative to ``root``."""
+    return {p.relative_to(root).as_posix() for p in (root / "src" / "lmdq").rglob("*.py")
             if p.name not in SKIPPED_NAMES and not SKIPPED_DIRS & set(p.relative_to(root).parts)}
 
 
 def unit_test_of(module: str) -> str:
-    """``lmdq/a/b.py`` -> ``tests/unit/a/test_b.py`` (top-level ``lmdq/c.py`` -> ``tests/unit/test_c.py``)."""
-    parts = Path(module).parts[1:]
+    """``src/lmdq/a/b.py`` -> ``tests/unit/a/test_b.py`` (``src/lmdq/c.py`` -> ``tests/unit/test_c.py``)."""
+    parts = Path(module).parts[2:]
     return Path("tests", "unit", *parts[:-1], f"test_{parts[-1]}").as_posix()
 
 
@@ -77,7 +89,7 @@ def test_every_module_has_a_unit_test_or_is_exempt() -> None:
 
 def test_the_scan_sees_the_real_tree() -> None:
     found = modules(ROOT)
-    assert {"lmdq/contract.py", "lmdq/redis/keys.py", "lmdq/results/shards.py"} <= found
+    assert {"src/lmdq/contract.py", "src/lmdq/redis/keys.py", "src/lmdq/results/shards.py"} <= found
     assert len(found) > 40
     assert not any("__init__" in m or "_child_logging" in m for m in found)
 
@@ -92,12 +104,12 @@ def test_every_unit_test_folder_is_a_package() -> None:
 
 
 def test_a_planted_violation_is_found(tmp_path: Path) -> None:
-    for rel in ["lmdq/__init__.py", "lmdq/top.py", "lmdq/pkg/__init__.py", "lmdq/pkg/__main__.py",
-                "lmdq/pkg/tested.py", "lmdq/pkg/untested.py", "lmdq/logs/_child_logging/sitecustomize.py",
+    for rel in ["src/lmdq/__init__.py", "src/lmdq/top.py", "src/lmdq/pkg/__init__.py", "src/lmdq/pkg/__main__.py",
+                "src/lmdq/pkg/tested.py", "src/lmdq/pkg/untested.py", "src/lmdq/logs/_child_logging/sitecustomize.py",
                 "tests/unit/test_top.py", "tests/unit/pkg/test_tested.py", "tests/unit/test_untested.py"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
-    assert modules(tmp_path) == {"lmdq/top.py", "lmdq/pkg/tested.py", "lmdq/pkg/untested.py"}
+    assert modules(tmp_path) == {"src/lmdq/top.py", "src/lmdq/pkg/tested.py", "src/lmdq/pkg/untested.py"}
     # a test in the wrong folder (tests/unit/test_untested.py) does not count
-    assert without_unit_test(tmp_path) == {"lmdq/pkg/untested.py"}
-    assert unit_test_of("lmdq/redis/keys.py") == "tests/unit/redis/test_keys.py"
+    assert without_unit_test(tmp_path) == {"src/lmdq/pkg/untested.py"}
+    assert unit_test_of("src/lmdq/redis/keys.py") == "tests/unit/redis/test_keys.py"

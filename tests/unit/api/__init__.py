@@ -1,1 +1,1 @@
-"""Unit tests of lmdq/api/ modules (tests/unit/test_mirror.py: one file per module)."""
+"""Unit tests of src/lmdq/api/ modules (tests/unit/test_mirror.py: one file per module)."""

@@ -1,1 +1,1 @@
-"""Unit tests of lmdq/batches/ modules (tests/unit/test_mirror.py: one file per module)."""
+"""Unit tests of src/lmdq/batches/ modules (tests/unit/test_mirror.py: one file per module)."""

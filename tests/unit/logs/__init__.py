@@ -1,1 +1,1 @@
-"""Unit tests of lmdq/logs/ modules (tests/unit/test_mirror.py: one file per module)."""
+"""Unit tests of src/lmdq/logs/ modules (tests/unit/test_mirror.py: one file per module)."""

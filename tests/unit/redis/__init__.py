@@ -1,1 +1,1 @@
-"""Unit tests of lmdq/redis/ modules, each against a real redis-server (tests/conftest.py)."""
+"""Unit tests of src/lmdq/redis/ modules, each against a real redis-server (tests/conftest.py)."""

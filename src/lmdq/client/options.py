@@ -10,7 +10,7 @@ Three groups, each with one home:
   ``LMDQ_*`` values are the defaults).
 
 :func:`resolve` turns the values a caller gave into what the submit pipeline takes
-(:class:`lmdq.producer.submit.SubmitOptions` and the TTL), with every rule the CLI had: one of
+(:class:`lmdq.submission.submit.SubmitOptions` and the TTL), with every rule the CLI had: one of
 ``json_schema`` / ``regex`` / ``response_format``, a TTL of at least a minute that covers the
 completion window, results/blob URLs made absolute. A bad value raises :class:`SubmitRejected`
 (exit 2) naming the option as the caller spells it (``--result-ttl`` on the command line,
@@ -30,8 +30,8 @@ from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
 from lmdq.errors import SubmitRejected
 from lmdq.flags import FlagSpec, option_name
 from lmdq.logs.redaction import redact_url
-from lmdq.producer.settings import ProducerSettings
 from lmdq.settings import DEFAULT_RESULT_TTL_S, default_of
+from lmdq.submission.settings import ProducerSettings
 
 __all__ = [
     "BatchOptions",
@@ -127,7 +127,7 @@ _GENERATION_ALIASES: dict[str, tuple[str, ...]] = {
     "do_sample": (" /--greedy",),
     "skip_special_tokens": (" /--keep-special-tokens",),
 }
-#: One flag per GenerationParams field (name, type, help from its declaration in lmdq/contract.py).
+#: One flag per GenerationParams field (name, type, help from its declaration in src/lmdq/contract.py).
 GENERATION_FLAGS = [FlagSpec(key=name, flat=name, info=info, aliases=_GENERATION_ALIASES.get(name, ()))
                     for name, info in GenerationParams.model_fields.items()]
 #: Job formation flags (--prefix-groups/--no-prefix-groups, --prefix-group-bytes), from ProducerSettings.
@@ -205,10 +205,10 @@ def resolve(
 
     An unknown option raises TypeError, like any unknown keyword; a bad value SubmitRejected."""
     from lmdq.guided import check as check_response_format
-    from lmdq.producer.formats import InputLimits
-    from lmdq.producer.formats.records import Sampling
-    from lmdq.producer.formats.validation import imply_sampling
-    from lmdq.producer.submit import SubmitOptions
+    from lmdq.submission.formats import InputLimits
+    from lmdq.submission.formats.records import Sampling
+    from lmdq.submission.formats.validation import imply_sampling
+    from lmdq.submission.submit import SubmitOptions
 
     unknown = set(given) - option_names()
     if unknown:

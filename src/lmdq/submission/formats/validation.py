@@ -13,7 +13,7 @@ from pydantic.fields import FieldInfo
 
 from lmdq.contract import ChatMessage, GenerationParams, Request
 from lmdq.guided import check as check_response_format
-from lmdq.producer.formats.records import Sampling, _got, _join, _LineError
+from lmdq.submission.formats.records import Sampling, _got, _join, _LineError
 
 # --------------------------------------------------------------------------------------------
 # Limits and vocabularies taken from the contract, so the parser cannot drift from the wire format.

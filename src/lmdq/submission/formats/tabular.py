@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmdq.contract import Endpoint
-from lmdq.producer.formats.jsonl import _parse_jsonl
-from lmdq.producer.formats.records import ParsedLine, _got, _LineError
+from lmdq.submission.formats.jsonl import _parse_jsonl
+from lmdq.submission.formats.records import ParsedLine, _got, _LineError
 
 __all__ = ["ColumnMap", "RowError", "RowMapper", "chunked", "iter_row_requests"]
 

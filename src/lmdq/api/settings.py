@@ -2,7 +2,7 @@
 
 The server submits batches exactly as ``lmdq-producer submit`` does, so it takes every producer
 setting (batch size, known models, input limits, results sink, TTL) from
-:class:`~lmdq.producer.settings.ProducerSettings` and adds only what HTTP needs.
+:class:`~lmdq.submission.settings.ProducerSettings` and adds only what HTTP needs.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr
 
-from lmdq.producer.settings import ProducerSettings
+from lmdq.submission.settings import ProducerSettings
 
 __all__ = ["ApiSettings"]
 
 
-# lmdq.producer is installed from producer/ (package-dir), which mypy does not follow: Any to it
-class ApiSettings(ProducerSettings):  # type: ignore[misc]
+class ApiSettings(ProducerSettings):
     api_host: str = Field(default="127.0.0.1", description="address lmdq-api listens on (0.0.0.0 in containers)")
     api_port: int = Field(default=8000, ge=0, le=65535, description="port lmdq-api listens on (0: any free port)")
     api_keys: SecretStr | None = Field(

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from lmdq.contract import Endpoint
-from lmdq.producer.formats.records import ParsedLine, _got, _join, _LineError
-from lmdq.producer.formats.validation import (
+from lmdq.submission.formats.records import ParsedLine, _got, _join, _LineError
+from lmdq.submission.formats.validation import (
     _check_continuations,
     _check_messages,
     _check_prompt,

@@ -29,9 +29,9 @@ from lmdq.client.options import Spell, resolve
 from lmdq.contract import Batch as BatchInfo
 from lmdq.contract import BatchStatus, Endpoint, Priority, RequestCounts, Result
 from lmdq.errors import BadSetting, InvalidArgument, LmdqError, WaitTimeout
-from lmdq.producer.formats.tabular import ColumnMap
-from lmdq.producer.settings import ProducerSettings
 from lmdq.redis.registry import MAX_NOTE
+from lmdq.submission.formats.tabular import ColumnMap
+from lmdq.submission.settings import ProducerSettings
 
 __all__ = ["MAX_NOTE", "Batch", "BatchInfo", "Client"]
 
@@ -132,7 +132,7 @@ class Client:
         DataFrame, HF Dataset). ``model``: the served model name (when omitted: each line's ``model`` /
         ``body.model``, or each row's ``model_column``; lines naming several models make one batch over
         them, each request on its own model's queue). The column options map tabular rows to requests
-        (:mod:`lmdq.producer.formats.tabular`). ``options``: exactly
+        (:mod:`lmdq.submission.formats.tabular`). ``options``: exactly
         ``lmdq-producer submit``'s flags, by their Python names
         (``max_new_tokens=``, ``temperature=``, ``batch_size=``, ``priority=``, ``metadata=``,
         ``idempotency_key=``, ``results_url=``, ``result_ttl=``, ``completion_window=``, ...).
@@ -142,8 +142,8 @@ class Client:
         Raises SubmitRejected (bad input: the first bad rows named by row and column; nothing was
         enqueued), UnknownModel, RedisRefused, RedisUnavailable."""
         from lmdq.client.sources import FileSource, classify, spool
-        from lmdq.producer import submit as submit_mod
-        from lmdq.producer.formats import InputFormat
+        from lmdq.submission import submit as submit_mod
+        from lmdq.submission.formats import InputFormat
 
         notes = on_warning if on_warning is not None else _warn
         opts, ttl_s = resolve(options, self.settings, model=model, spell=spell,
@@ -263,10 +263,10 @@ class Batch:
         return self._info
 
     def progress(self, *, stream: Any, terminal: bool, interval_s: float, quiet: bool = False) -> Any:
-        """A :class:`lmdq.producer.progress.BatchProgress` for this batch (done/total, req/s, tok/s,
+        """A :class:`lmdq.submission.progress.BatchProgress` for this batch (done/total, req/s, tok/s,
         ETA; a hint when no live worker serves its model), drawn on ``stream``."""
-        from lmdq.producer.progress import BatchProgress
         from lmdq.redis.registry import ModelRegistry
+        from lmdq.submission.progress import BatchProgress
 
         c = self.client
         return BatchProgress(store=c._store(), models=ModelRegistry(c.redis, keys=c.keys), stream=stream,
@@ -278,11 +278,11 @@ class Batch:
         """Emit each final result as it is stored, as ``(is_error, line)`` in ``fmt`` (``lmdq`` records
         or OpenAI Batch output lines), until the batch ends or ``deadline`` (monotonic) passes: finish
         order, or input order holding back only what waits on a predecessor (``in_order``). Returns the
-        last record read (:mod:`lmdq.producer.follow`)."""
+        last record read (:mod:`lmdq.submission.follow`)."""
         import json
 
-        from lmdq.producer.follow import Follower, follow
         from lmdq.results.openai import is_openai_error, to_openai
+        from lmdq.submission.follow import Follower, follow
 
         def write(raw: bytes) -> None:
             if fmt == "openai":
@@ -429,7 +429,7 @@ class Batch:
     def cancel(self) -> BatchInfo:
         """Take the batch's queued jobs off the queue and abort what workers hold; returns the record
         (``cancelled``, or ``cancelling`` until its workers finish)."""
-        from lmdq.producer.cancel import cancel_batch
+        from lmdq.submission.cancel import cancel_batch
 
         c = self.client
         self._info = cancel_batch(c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s)
@@ -439,7 +439,7 @@ class Batch:
               priority: Priority | str | None = None, idempotency_key: str | None = None) -> Batch:
         """Resubmit the failed requests (and optionally cancelled/expired ones) as a NEW batch, same
         custom_ids and params. RetryRejected when there is nothing to retry."""
-        from lmdq.producer.retry import retry_batch
+        from lmdq.submission.retry import retry_batch
 
         c = self.client
         info, created = retry_batch(

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmdq.contract import Endpoint
-from lmdq.producer.formats import ParsedLine
+from lmdq.submission.formats import ParsedLine
 
 __all__ = ["LEVELS", "JobPlan", "PrefixKeys", "plan_jobs", "prefix_text"]
 

@@ -523,7 +523,7 @@ class Batch(_Strict):
     priority: Priority = Priority.normal
     batch_size: int
     num_jobs: int = 0
-    #: jobs were formed by prompt prefix (producer/prefix_groups.py): a job's requests are not the
+    #: jobs were formed by prompt prefix (src/lmdq/submission/prefix_groups.py): a job's requests are not the
     #: consecutive indices ``job_no * batch_size ...``, so readers find a request by scanning jobs
     prefix_groups: bool = False
     params: GenerationParams = Field(default_factory=GenerationParams)

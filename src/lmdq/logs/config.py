@@ -160,7 +160,7 @@ def route_child_logs(fmt: str = "auto", level: str = "INFO") -> None:
 
     LMDeploy's engine process (``enable_mp_engine``) is started with multiprocessing's ``spawn``: a
     fresh interpreter, which :func:`configure_logging` in this process never reaches. This puts
-    lmdq's start-up hook (``lmdq/logs/_child_logging/sitecustomize.py``) first on the children's
+    lmdq's start-up hook (``src/lmdq/logs/_child_logging/sitecustomize.py``) first on the children's
     ``PYTHONPATH`` and hands them the format and level in ``LMDQ_CHILD_LOG_FORMAT`` /
     ``LMDQ_CHILD_LOG_LEVEL``; this process itself is unaffected (``PYTHONPATH`` is read at start).
     ``auto`` is decided here, where the terminal is known. Idempotent."""

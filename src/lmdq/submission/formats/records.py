@@ -11,8 +11,8 @@ from enum import Enum
 from typing import Any
 
 from lmdq.contract import Endpoint, GenerationParams
-from lmdq.producer.settings import ProducerSettings
 from lmdq.settings import default_of
+from lmdq.submission.settings import ProducerSettings
 
 
 class InputFormat(str, Enum):

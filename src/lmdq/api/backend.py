@@ -3,7 +3,7 @@
 The HTTP layer asks this adapter, never ``lmdq.producer`` or ``lmdq.results.store`` directly, so moving the
 server onto the ``lmdq.Client`` Python API (issue #23) changes this file only. What it adds to those
 calls is only what the CLI adds too: the settings they take (``lmdq-producer submit``'s flags come
-from the same :class:`~lmdq.producer.settings.ProducerSettings`).
+from the same :class:`~lmdq.submission.settings.ProducerSettings`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class Backend:
         """Validate the whole OpenAI Batch file and enqueue it (``lmdq-producer submit FILE``): all of it
         or, on :class:`~lmdq.errors.SubmitRejected` / :class:`~lmdq.errors.UnknownModel`, nothing.
         ``idempotency_key`` makes a re-run after a crash return the batch the first run made."""
-        from lmdq.producer.formats import InputFormat, InputLimits
-        from lmdq.producer.submit import SubmitOptions, submit_file
+        from lmdq.submission.formats import InputFormat, InputLimits
+        from lmdq.submission.submit import SubmitOptions, submit_file
 
         s = self.settings
         opts = SubmitOptions(
@@ -87,7 +87,7 @@ class Backend:
 
     def cancel(self, batch_id: str) -> Batch:
         """``lmdq-producer cancel``: queued jobs off the queue, in-flight requests aborted."""
-        from lmdq.producer.cancel import cancel_batch
+        from lmdq.submission.cancel import cancel_batch
 
         batch: Batch = cancel_batch(self.client, self.keys, batch_id, ttl_s=self.settings.result_ttl_s)
         return batch

@@ -27,8 +27,8 @@ from lmdq.errors import EXIT_CODES_HELP, PurgeRefused
 from lmdq.flags import settings_flags
 from lmdq.logs.config import configure_logging
 from lmdq.metrics.exporter import EXPORTER_FLAGS
-from lmdq.producer.progress import DEFAULT_INTERVAL_S, POLL_S, BatchProgress
-from lmdq.producer.settings import ProducerSettings
+from lmdq.submission.progress import DEFAULT_INTERVAL_S, POLL_S, BatchProgress
+from lmdq.submission.settings import ProducerSettings
 
 app = typer.Typer(
     add_completion=False,
@@ -148,7 +148,7 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
 ) -> None:
     """Validate FILE completely, then enqueue it as one batch; prints the batch id."""
-    from lmdq.producer.stdin_input import is_stdin, spooled_stdin
+    from lmdq.submission.stdin_input import is_stdin, spooled_stdin
 
     show = sys.stderr.isatty() and not as_json
     with Progress(
@@ -195,7 +195,7 @@ def status(
     handle = _lmdq().batch(batch_id)
     b = handle.last_info
     if watch:
-        from lmdq.producer.progress import watch as watch_batch
+        from lmdq.submission.progress import watch as watch_batch
 
         with _progress(handle, interval) as prog:
             b = watch_batch(lambda: _patiently(handle), prog, b, poll_s=min(POLL_S, interval))
@@ -245,7 +245,7 @@ def results(
 ) -> None:
     """One JSON line per request, in input order (with --follow: as they finish; -o FILE.parquet: a
     Parquet file, docs/python-api.md)."""
-    from lmdq.producer.progress import watch as watch_batch
+    from lmdq.submission.progress import watch as watch_batch
 
     fmt = fmt.lower()
     parquet = output is not None and output.suffix.lower() in (".parquet", ".pq")
@@ -482,7 +482,7 @@ def models_list(
 
     Times are ages on the Redis server's clock: `registered` is the latest `models add`, `last seen` a
     worker's latest heartbeat for the model; `workers` counts workers alive now."""
-    from lmdq.producer.models import model_lines, models_table
+    from lmdq.submission.models import model_lines, models_table
 
     models, now = _lmdq().models()
     if as_json:

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 
 from lmdq.contract import Batch
-from lmdq.producer.progress import BatchProgress
 from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
+from lmdq.submission.progress import BatchProgress
 
 __all__ = ["FOLLOW_POLL_S", "Follower", "follow"]
 

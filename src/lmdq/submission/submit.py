@@ -41,8 +41,11 @@ from lmdq.batches.ledger import BatchLedger, job_payloads, new_batch_id
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
-from lmdq.producer.foreign import foreign_format, foreign_format_message
-from lmdq.producer.formats import (
+from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
+from lmdq.results.output_urls import check_submit_urls
+from lmdq.settings import default_of
+from lmdq.submission.foreign import foreign_format, foreign_format_message
+from lmdq.submission.formats import (
     InputError,
     InputFormat,
     InputLimits,
@@ -52,12 +55,9 @@ from lmdq.producer.formats import (
     iter_records,
     read_request_at,
 )
-from lmdq.producer.formats.records import Sampling
-from lmdq.producer.prefix_groups import JobPlan, PrefixKeys, plan_jobs
-from lmdq.producer.settings import ProducerSettings
-from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
-from lmdq.results.output_urls import check_submit_urls
-from lmdq.settings import default_of
+from lmdq.submission.formats.records import Sampling
+from lmdq.submission.prefix_groups import JobPlan, PrefixKeys, plan_jobs
+from lmdq.submission.settings import ProducerSettings
 
 __all__ = [
     "SubmitOptions",
@@ -86,7 +86,7 @@ class SubmitOptions:
     fmt: InputFormat | None = None
     results_url: str | None = None
     blob_url: str | None = None
-    #: prefix-aware job formation (producer/prefix_groups.py): requests sharing a prompt prefix of at
+    #: prefix-aware job formation (src/lmdq/submission/prefix_groups.py): requests sharing a prompt prefix of at
     #: least ``prefix_group_bytes`` go into the same jobs; off = jobs in input order
     prefix_groups: bool = default_of(ProducerSettings, "prefix_groups")
     prefix_group_bytes: int = default_of(ProducerSettings, "prefix_group_bytes")
@@ -105,7 +105,7 @@ class SubmitOptions:
     #: worker, edit the file or make Redis refuse here: deterministically, not by racing a process)
     after_first_commit: Callable[[], None] | None = None
     #: what the batch record names as its input when ``path`` is a copy of it: ``-`` for stdin (a
-    #: temporary file, producer/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
+    #: temporary file, src/lmdq/submission/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
     #: or Python rows (lmdq.client.sources)
     input_name: str | None = None
 

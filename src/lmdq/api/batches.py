@@ -130,7 +130,7 @@ def _int(t: float | None) -> int | None:
     return int(t) if t is not None else None
 
 
-#: lmdq's input errors are ``<path>:<line>: field '<f>': <message>`` (lmdq.producer.formats.InputError)
+#: lmdq's input errors are ``<path>:<line>: field '<f>': <message>`` (lmdq.submission.formats.InputError)
 _ERROR_LINE = re.compile(r"^(?P<path>.*?):(?P<line>\d+): (?P<rest>.*)$")
 _FIELD = re.compile(r"^field '(?P<field>[^']*)': ")
 

@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmdq.contract import Endpoint
-from lmdq.producer.formats.jsonl import _parse_jsonl
-from lmdq.producer.formats.openai_batch import _parse_openai
-from lmdq.producer.formats.records import InputError, InputFormat, InputLimits, ParsedLine, _got, _LineError
+from lmdq.submission.formats.jsonl import _parse_jsonl
+from lmdq.submission.formats.openai_batch import _parse_openai
+from lmdq.submission.formats.records import InputError, InputFormat, InputLimits, ParsedLine, _got, _LineError
 
 __all__ = [
     "InputError", "InputFormat", "InputLimits", "ParsedLine", "detect_format", "iter_lines", "iter_records",

@@ -113,7 +113,7 @@ def job_payloads(
     job_sizes: Sequence[int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Job payload dicts of ``batch_size`` requests each, in request order; with ``job_sizes``
-    (prefix groups: producer/prefix_groups.py), job k takes the next ``job_sizes[k]`` requests.
+    (prefix groups: src/lmdq/submission/prefix_groups.py), job k takes the next ``job_sizes[k]`` requests.
 
     A request dict holding ``model`` (a batch over several models) gives its job that model instead of
     ``model``; every request of a job must then name the same one (the submit plans it so)."""
@@ -281,7 +281,7 @@ class BatchLedger:
     def bound_batch(self, idempotency_key: str, *, fingerprint: str | None = None) -> Batch | None:
         """The batch ``idempotency_key`` is bound to, or None when it is free.
 
-        With ``fingerprint`` (what the submit is: :func:`lmdq.producer.submit.submit_fingerprint`), a
+        With ``fingerprint`` (what the submit is: :func:`lmdq.submission.submit.submit_fingerprint`), a
         bound batch recorded with a different one is refused (:class:`IdempotencyConflict`): the same
         key with another file or other options would otherwise be dropped without a word. A batch with
         no recorded fingerprint (made by an older lmdq) matches any."""

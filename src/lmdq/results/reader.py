@@ -11,7 +11,7 @@ while it is read (a running batch, ``results --follow``) is read complete, never
 
 Every path that reads results uses this class: ``lmdq-producer results`` (lmdq JSONL and OpenAI
 lines, :mod:`lmdq.results.export`, :mod:`lmdq.results.openai`), ``results --follow``
-(:mod:`lmdq.producer.follow`), ``Batch.results`` / ``to_arrow`` / ``to_parquet`` /
+(:mod:`lmdq.submission.follow`), ``Batch.results`` / ``to_arrow`` / ``to_parquet`` /
 ``as_completed`` (:mod:`lmdq.client.client`), the HTTP API's output files, ``retry`` (the ledger) and
 ``ResultStore.iter_results``.
 """

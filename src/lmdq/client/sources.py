@@ -10,7 +10,7 @@
 * Any other iterable of ``str`` (one prompt each) or ``dict`` (one row each), consumed once, in chunks.
 
 Rows of the last two kinds, and tabular files, are validated one by one as they stream
-(:mod:`lmdq.producer.formats.tabular`) into a *spool*: an lmdq JSONL file on local disk (``TMPDIR``)
+(:mod:`lmdq.submission.formats.tabular`) into a *spool*: an lmdq JSONL file on local disk (``TMPDIR``)
 holding the validated requests, which the file pipeline then submits with its rules (whole-batch
 validation, duplicate ids, prefix groups, Redis headroom, all or nothing). Memory stays flat in the
 number of rows, whatever the source; the spool is deleted when the submit returns.
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmdq.errors import SubmitRejected
-from lmdq.producer.formats import InputFormat, InputLimits
-from lmdq.producer.formats.tabular import ColumnMap, RowError, RowMapper, chunked
-from lmdq.producer.formats.validation import _MAX_CUSTOM_ID
+from lmdq.submission.formats import InputFormat, InputLimits
+from lmdq.submission.formats.tabular import ColumnMap, RowError, RowMapper, chunked
+from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
 
 __all__ = ["FileSource", "RowSource", "classify", "spool"]
 
@@ -190,7 +190,7 @@ class _FastPath:
     def __init__(self, cmap: ColumnMap, mapper: RowMapper, schema: Any) -> None:
         import pyarrow.types as t
 
-        from lmdq.producer.formats.jsonl import PARAM_ALIASES
+        from lmdq.submission.formats.jsonl import PARAM_ALIASES
 
         self.mapper = mapper
         self.prompt = cmap.prompt_column
@@ -217,7 +217,7 @@ class _FastPath:
         prompts = batch.column(self.prompt).to_pylist()
         ids = batch.column(self.id).to_pylist() if self.id is not None else range(row0, row0 + len(prompts))
         pcols = [(p, c, batch.column(c).to_pylist()) for c, p in self.params.items()]
-        probe: dict[str, Any] = {self.prompt: "x"} if self.id is None else {self.prompt: "x", self.id: "x"}
+        probe: dict[str, Any] = {c: "x" for c in (self.prompt, self.id) if c is not None}
         for _, c, values in pcols:
             fresh = set(values) - self.seen[c]
             fresh.discard(None)
@@ -253,7 +253,7 @@ def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 
 
     Returns the rows written; raises SubmitRejected naming the first bad rows (up to ``max_errors``)
     or the duplicate ids, having read the whole source (a file's submit shows every problem too)."""
-    from lmdq.producer.submit import _duplicate_hashes, _h64
+    from lmdq.submission.submit import _duplicate_hashes, _h64
 
     errors: list[str] = []
     hashes = array("Q")
@@ -307,7 +307,7 @@ def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 
 
 def _name_duplicates(path: str, dup: set[int], name: str, cmap: ColumnMap, max_errors: int) -> list[str]:
     """Re-read the spool for the rows whose id hashes collided, naming both rows of each duplicate."""
-    from lmdq.producer.submit import _h64
+    from lmdq.submission.submit import _h64
 
     column = cmap.id_column or "custom_id"
     first: dict[str, int] = {}
