@@ -11,7 +11,7 @@ import typer
 
 from lmdq.cli.options import model_options
 from lmdq.cli.run import run_cli
-from lmdq.worker.engine_config import engine_flag_specs
+from lmdq.worker.engine_settings import engine_flag_specs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   # plain click help, as lmdq-producer: rich cuts long option names at 80 columns

@@ -43,6 +43,7 @@ from typing import Any
 from lmdq.bench.finished_batch import read_finished, timeline, wait_terminal
 from lmdq.bench.gpu_monitor import GpuMonitor
 from lmdq.bench.occupancy import batch_occupancy, occupancy_events
+from lmdq.bench.proc_cpu import cpu_delta, tree_cpu
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
@@ -101,43 +102,6 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
     if not name.strip():
         raise ValueError(f"--lmdq-variant {spec!r}: a name comes first")
     return name.strip(), env
-
-
-def _proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of one process (/proc; 0.0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (the engine process, its compile workers), from /proc's ppid."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def tree_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of a process (``main``) and of its descendants together (``children``): where a
-    batch's CPU went, the worker's own threads against LMDeploy's engine process."""
-    return {"main": round(_proc_cpu(pid), 2), "children": round(sum(_proc_cpu(c) for c in _descendants(pid)), 2)}
-
-
-def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: round(after[k] - before[k], 2) for k in before}
 
 
 def make_workload(cfg: E2EConfig, model: str, path: Path) -> dict[str, Any]:

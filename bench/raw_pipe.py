@@ -102,7 +102,7 @@ def _one_call(eng: Any, prompts: list[Any], params: list[dict[str, Any]], chat: 
 
 def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
-    from lmdq.bench.e2e import cpu_delta, tree_cpu
+    from lmdq.bench.proc_cpu import cpu_delta, tree_cpu
     from lmdq.logs.config import configure_logging
     from lmdq.worker.engine_factory import build_engine
     from lmdq.worker.settings import load_worker_settings

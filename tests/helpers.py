@@ -57,8 +57,8 @@ PERSON_SCHEMA: dict[str, Any] = {
 def commit_staged(client: Any, keys: Any, batch_id: str, model: str, n_jobs: int, n_requests: int) -> int:
     """Make jobs staged with ``JobQueue.stage`` visible through the ledger's commit (the production one,
     one Lua call); the batch record must exist (``BatchRecords.create``). Returns the jobs queued."""
-    from lmdq.batches.ledger import BatchLedger, Staged
     from lmdq.contract import Batch, BatchStatus, Priority, RequestCounts
+    from lmdq.submission.ledger import BatchLedger, Staged
 
     batch = Batch(id=batch_id, model=model, status=BatchStatus.validating, priority=Priority.normal,
                   batch_size=max(1, n_requests // max(1, n_jobs)), num_jobs=n_jobs,

@@ -13,11 +13,11 @@ from typing import Any
 
 import redis
 
-from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import BatchStatus, ResultStatus
 from lmdq.jobs.data import FORMAT_FIELD
 from lmdq.jobs.queue import JobQueue, job_id_for
 from lmdq.redis.keys import Keys, queue_names, rq_queue_key
+from lmdq.submission.ledger import BatchLedger
 from lmdq.submission.retry import retry_batch
 from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.helpers import results_of, write_jsonl

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import Batch, BatchStatus, RequestCounts
 from lmdq.errors import ExitCode
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
+from lmdq.submission.ledger import BatchLedger
 from tests.conftest import ROOT, run_cli
 from tests.helpers import write_jsonl
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from lmdq.contract import ErrorCode, ErrorInfo, FinishReason
-from lmdq.worker.engine_config import ENGINE_CONFIGS, EngineConfig, SimConfig
+from lmdq.worker.engine_config import EngineConfig, SimConfig
+from lmdq.worker.engine_settings import ENGINE_CONFIGS
 from lmdq.worker.engines.base import (
     Borrowed,
     EngineContractError,

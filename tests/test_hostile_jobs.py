@@ -325,8 +325,8 @@ def test_decode_job_checks_the_job_against_its_batch_record(tmp_path: Path, clie
 
 def test_producer_refuses_to_stage_a_job_workers_would_refuse(client: redis.Redis, prefix: str) -> None:
     """The cap is one setting for both sides: a job over it never reaches a queue (exit 2, nothing left)."""
-    from lmdq.batches.ledger import new_batch_id
     from lmdq.errors import SubmitRejected
+    from lmdq.submission.ledger import new_batch_id
     from lmdq.testing import enqueue_batch
 
     bid = new_batch_id()

@@ -10,6 +10,7 @@ directory, where a stray ``lmdq`` folder or a module named like a library would 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -29,8 +30,15 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
     (site / "lmdq-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # from a copy of the tree: setuptools leaves build/ and *.egg-info in the folder it builds
+    src = tmp_path_factory.mktemp("src")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for folder in ("src", "worker", "producer", "bench"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, src / f)
     p = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-                        "--no-build-isolation", "--no-cache-dir", str(ROOT)],
+                        "--no-build-isolation", "--no-cache-dir", str(src)],
                        capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not list(site.glob("__editable__*")), "expected a real install, not an editable one"

@@ -6,6 +6,7 @@ editable install's package-dir mapping is rebuilt here as a tree of links."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,17 +51,15 @@ def test_every_import_contract_is_kept(tmp_path: Path) -> None:
 ])
 def test_a_planted_violation_breaks_a_contract(tmp_path: Path, planted: tuple[str, str]) -> None:
     rel, text = planted
-    tree = installed_shape(tmp_path / "tree")
-    target = tree / "lmdq" / Path(rel).relative_to("src/lmdq" if rel.startswith("src/") else ".")
-    if rel.startswith("worker/"):
-        target = tree / "lmdq" / rel
-    # a copy of the folder the plant goes in, so the checkout is never written
-    link = target.parent
-    real = link.resolve()
-    link.unlink()
-    import shutil
-
-    shutil.copytree(real, link, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
-    target.write_text(text)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    installed_shape(tree)
+    inside = Path(rel).relative_to("src/lmdq") if rel.startswith("src/") else Path(rel)
+    folder = tree / "lmdq" / inside.parent
+    # the plant goes into a copy of its folder (not through a link), so the checkout is never written
+    real = folder.resolve()
+    folder.unlink()
+    shutil.copytree(real, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / inside.name).write_text(text)
     p = lint(tree, ROOT / ".importlinter")
     assert p.returncode != 0 and "BROKEN" in p.stdout.upper(), p.stdout[-3000:]

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import redis
 
-from lmdq.batches.ledger import BatchLedger, Staged, new_batch_id
 from lmdq.batches.records import RUNNING_TTL_S
 from lmdq.contract import Batch, BatchStatus, Priority, RequestCounts, ResultStatus
 from lmdq.errors import BatchNotFound, RedisRefused, RetryRejected, SubmitRejected
 from lmdq.jobs.queue import job_id_for
 from lmdq.redis.keys import MODEL_COUNT_PREFIX, BatchField, Keys, model_count_field, queue_name, rq_queue_key
+from lmdq.submission.ledger import BatchLedger, Staged, new_batch_id
 from tests.conftest import RedisServer, free_port
 
 TTL = 3600
@@ -323,7 +323,7 @@ def test_cancel_refused_midway_leaves_the_jobs_queued_then_finishes() -> None:
 def test_refusal_wording_is_matched_however_it_arrives(client: redis.Redis) -> None:
     """redis-py raises OOM/READONLY as their own classes for plain commands but as a plain ResponseError
     from inside a script or pipeline; MISCONF (a failed snapshot) has no class at all."""
-    from lmdq.batches.ledger import redis_refusal
+    from lmdq.submission.ledger import redis_refusal
 
     misconf = redis.ResponseError("Command # 1 (HSET x) of pipeline caused error: MISCONF Redis is configured to "
                                   "save RDB snapshots, but it's currently unable to persist to disk.")

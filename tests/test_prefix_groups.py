@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import redis
 
-from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import Request
 from lmdq.jobs.queue import JobQueue
 from lmdq.redis.keys import Keys
+from lmdq.submission.ledger import BatchLedger
 from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.helpers import write_jsonl
 

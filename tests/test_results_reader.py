@@ -100,7 +100,7 @@ def test_a_half_sealed_batch_reads_complete_and_in_order_through_every_export_pa
         _complete(f.poll(b))
         assert f.finished
     # retry's source: the failed request, found in its job's shard
-    from lmdq.batches.ledger import BatchLedger
+    from lmdq.submission.ledger import BatchLedger
 
     assert BatchLedger(client, keys=Keys(prefix), ttl_s=3600).indices_with(b, {ResultStatus.failed}) == [FAILED]
 

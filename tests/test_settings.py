@@ -23,15 +23,8 @@ from lmdq.cli.options import model_options
 from lmdq.contract import GenerationParams
 from lmdq.errors import BadSetting
 from lmdq.flags import FlagSpec
-from lmdq.worker.engine_config import (
-    ENGINE_CONFIGS,
-    LMDeployConfig,
-    SimConfig,
-    TransformersConfig,
-    all_flat_names,
-    flat_names,
-    unused_env,
-)
+from lmdq.worker.engine_config import LMDeployConfig, SimConfig, TransformersConfig, flat_names
+from lmdq.worker.engine_settings import ENGINE_CONFIGS, all_flat_names, unused_env
 from lmdq.worker.settings import WorkerSettings, load_worker_settings
 from tests.conftest import ROOT, run_cli
 from tests.helpers import write_jsonl

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import redis
 
-from lmdq.batches.ledger import BatchLedger, new_batch_id
 from lmdq.batches.records import RUNNING_TTL_S
 from lmdq.contract import MAX_SCHEMA_DEPTH, Batch, BatchStatus, RequestCounts
 from lmdq.errors import IdempotencyConflict
 from lmdq.redis.keys import Keys, queue_name, rq_queue_key
+from lmdq.submission.ledger import BatchLedger, new_batch_id
 from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.conftest import run_cli
 from tests.helpers import write_jsonl

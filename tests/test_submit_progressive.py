@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import BatchStatus, GenerationParams, Result
 from lmdq.errors import RedisRefused, SubmitRejected
 from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
 from lmdq.results.store import ResultStore
+from lmdq.submission.ledger import BatchLedger
 from lmdq.submission.submit import SubmitOptions, submit_file
 from tests.conftest import ROOT, RedisServer
 from tests.helpers import write_jsonl

@@ -18,7 +18,7 @@ from lmdq.logs.tqdm_events import install as install_tqdm_events
 from lmdq.redis.connection import connect, redact_url
 from lmdq.redis.registry import redis_answers
 from lmdq.settings import CommonSettings
-from lmdq.worker.engine_config import engine_flag_specs, unused_env
+from lmdq.worker.engine_settings import engine_flag_specs, unused_env
 from lmdq.worker.heap import freeze_heap
 from lmdq.worker.settings import WorkerSettings, load_worker_settings
 
@@ -89,9 +89,10 @@ def run(given: dict[str, Any]) -> None:
         log.info("health endpoint", port=port, asked=s.health_port)
         health.set_redis_check(lambda: redis_answers(client))
     if s.runs_engine_process:  # the engine in a child of its own (issue 27: TurboMind shares no GIL with the worker)
+        from lmdq.worker.engine_factory import served_model_name
         from lmdq.worker.engines.engine_process import EngineProcess
 
-        eng: Engine = EngineProcess.start(s, log_format=fmt)
+        eng: Engine = EngineProcess.start(s, log_format=fmt, served_model_name=served_model_name(s))
     else:
         eng = build_engine(s)
     load_s = time.monotonic() - t0

@@ -21,29 +21,23 @@ env var the chosen engine does not take is left alone and logged by the worker (
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lmdq.errors import BadSetting
-from lmdq.flags import FlagSpec
 
 __all__ = [
-    "ENGINE_CONFIGS",
+    "describe_validation_error",
+    "flag_of",
     "EngineConfig",
     "LMDeployConfig",
     "ModelEngineConfig",
     "SimConfig",
     "TransformersConfig",
-    "all_flat_names",
     "declaring_class",
-    "describe_validation_error",
-    "engine_flag_specs",
-    "flag_of",
     "flat_names",
-    "split_engine_settings",
-    "unused_env",
 ]
 
 C = TypeVar("C", bound="EngineConfig")
@@ -187,29 +181,6 @@ class SimConfig(EngineConfig):
     )
 
 
-class _EngineConfigs(Mapping[str, type[EngineConfig]]):
-    """Engine name → its settings class, read from the engine registry each time (a plug-in registered
-    after this module was imported is in it)."""
-
-    def _all(self) -> dict[str, type[EngineConfig]]:
-        from lmdq.worker.engines.registry import engine_specs
-
-        return {spec.name: spec.settings for spec in engine_specs()}
-
-    def __getitem__(self, name: str) -> type[EngineConfig]:
-        return self._all()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-
-ENGINE_CONFIGS: Mapping[str, type[EngineConfig]] = _EngineConfigs()
-"""Every registered engine's settings class, by engine name (registry order)."""
-
-
 def declaring_class(cls: type[EngineConfig], field: str) -> type[EngineConfig]:
     for klass in cls.__mro__:
         if field in klass.__dict__.get("__annotations__", {}):
@@ -222,15 +193,6 @@ def flat_names(cls: type[EngineConfig]) -> dict[str, str]:
     return {declaring_class(cls, f).flag_prefix + f: f for f in cls.model_fields}
 
 
-def all_flat_names() -> dict[str, list[str]]:
-    """Every engine setting's flat name → the engines that take it (declaration order)."""
-    out: dict[str, list[str]] = {}
-    for engine, cls in ENGINE_CONFIGS.items():
-        for flat in flat_names(cls):
-            out.setdefault(flat, []).append(engine)
-    return out
-
-
 def flag_of(flat: str) -> str:
     return "--" + flat.replace("_", "-")
 
@@ -239,47 +201,20 @@ def _where(flat: str) -> str:
     return f"{flag_of(flat)} / LMDQ_{flat.upper()}"
 
 
-def split_engine_settings(data: dict[str, Any], engine: str, env: dict[str, Any]) -> dict[str, Any]:
-    """The chosen engine's config values from flat names: ``env`` (flat names from ``LMDQ_*``) under
-    ``data[engine]`` (a nested dict or config) under the flat names in ``data`` (flags, Python keywords).
-
-    Flat names are removed from ``data``. A flag (keyword) the engine does not take raises ValueError
-    naming it and the engines that do take it. An env var the engine does not take is left alone: an
-    environment (a ConfigMap, a shell, a CI job) is shared by processes running different engines; the
-    worker CLI logs the ones it leaves unused (:func:`unused_env`)."""
-    shared = all_flat_names()
-    own = flat_names(ENGINE_CONFIGS[engine])
-    given = {k: data.pop(k) for k in list(data) if k in shared}
-    for flat in given:
-        if flat not in own:
-            raise ValueError(f"{flag_of(flat)} is a setting of the {' and '.join(shared[flat])} engine, "
-                             f"not of --engine {engine}: remove it or choose that engine")
-    nested = data.get(engine)
-    base = nested.model_dump(exclude_unset=True) if isinstance(nested, BaseModel) else dict(nested or {})
-    return {**{own[k]: v for k, v in env.items() if k in own}, **base, **{own[k]: v for k, v in given.items()}}
-
-
-def unused_env(engine: str, environ: Mapping[str, str]) -> list[str]:
-    """The ``LMDQ_*`` engine settings set in ``environ`` that ``engine`` does not take (and so ignores)."""
-    own = flat_names(ENGINE_CONFIGS[engine])
-    present = {k.upper() for k in environ}
-    names = [f"LMDQ_{flat.upper()}" for flat in all_flat_names() if flat not in own]
-    return [n for n in names if n in present]
-
-
-def describe_validation_error(exc: ValidationError, cls: type[BaseModel]) -> BadSetting:
+def describe_validation_error(exc: ValidationError, cls: type[BaseModel],
+                              engines: Mapping[str, type[EngineConfig]] | None = None) -> BadSetting:
     """The first error of ``exc`` as one line naming the flag and env var: ``--tp / LMDQ_TP: ...``.
 
     ``cls`` is the model that was validated: an engine config, or the worker settings (a location inside
-    one of its engine configs is mapped back to that setting's flat name)."""
+    one of its engine configs, ``engines``, is mapped back to that setting's flat name)."""
     errors = exc.errors(include_url=False)
     err = errors[0]
     loc = [str(x) for x in err["loc"]]
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err["type"] in ("literal_error", "enum"):
         msg = msg.replace("Input should be", "expected") + f", got {err.get('input')!r}"
-    if loc and not issubclass(cls, EngineConfig) and loc[0] in ENGINE_CONFIGS:
-        cls, loc = ENGINE_CONFIGS[loc[0]], loc[1:]
+    if loc and not issubclass(cls, EngineConfig) and engines and loc[0] in engines:
+        cls, loc = engines[loc[0]], loc[1:]
     name: str | None = None
     if loc and issubclass(cls, EngineConfig):
         name = next((flat for flat, f in flat_names(cls).items() if f == loc[0]), loc[0])
@@ -289,13 +224,3 @@ def describe_validation_error(exc: ValidationError, cls: type[BaseModel]) -> Bad
         name = alias.removeprefix("LMDQ_").lower() if alias else loc[0]
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return BadSetting(f"{_where(name)}: {msg}{more}" if name else msg + more)
-
-
-def engine_flag_specs() -> list[FlagSpec]:
-    """One CLI option per engine setting (the worker's and the bench's), from its one declaration."""
-    specs = []
-    for flat, engines in all_flat_names().items():
-        cls = ENGINE_CONFIGS[engines[0]]
-        info = cls.model_fields[flat_names(cls)[flat]]
-        specs.append(FlagSpec(key=flat, flat=flat, info=info, note=f"({', '.join(engines)})"))
-    return specs

@@ -26,14 +26,8 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from lmdq.settings import CommonSettings
 from lmdq.worker.adapters import adapter_refusal, parse_adapters
-from lmdq.worker.engine_config import (
-    ENGINE_CONFIGS,
-    EngineConfig,
-    LMDeployConfig,
-    all_flat_names,
-    describe_validation_error,
-    split_engine_settings,
-)
+from lmdq.worker.engine_config import EngineConfig, LMDeployConfig
+from lmdq.worker.engine_settings import ENGINE_CONFIGS, all_flat_names, describe_validation_error, split_engine_settings
 
 __all__ = ["DEFAULT_MAX_JOBS", "WorkerSettings", "load_worker_settings", "resolve_engine"]
 

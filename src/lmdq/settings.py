@@ -8,11 +8,11 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
-
-__all__ = ["CommonSettings", "DEFAULT_REDIS_URL", "DEFAULT_RESULT_TTL_S", "default_of"]
+__all__ = ["CommonSettings", "DEFAULT_MAX_JOB_BYTES", "DEFAULT_REDIS_URL", "DEFAULT_RESULT_TTL_S", "default_of"]
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+#: cap on one job's data (``LMDQ_MAX_JOB_BYTES``); :mod:`lmdq.jobs.data` enforces it
+DEFAULT_MAX_JOB_BYTES = 64 * 1024 * 1024
 
 DEFAULT_RESULT_TTL_S = 7 * 24 * 3600
 """How long a batch and its results are kept once it ended: ``LMDQ_RESULT_TTL_S``'s default, declared

@@ -2,7 +2,7 @@
 code lives, so production modules do not bend for tests.
 
 :func:`enqueue_batch` puts a batch of request dicts on the queue exactly as ``lmdq-producer submit``
-does (the batch ledger's stage + one atomic commit, :meth:`lmdq.batches.ledger.BatchLedger.enqueue`) but
+does (the batch ledger's stage + one atomic commit, :meth:`lmdq.submission.ledger.BatchLedger.enqueue`) but
 without a prompt file and its validation: a test that is about workers, jobs or results starts from
 jobs in Redis, not from a file. :func:`enqueue_requests` builds the :class:`~lmdq.contract.Batch`
 record too::
@@ -24,9 +24,9 @@ from typing import Any
 
 import redis
 
-from lmdq.batches.ledger import BatchLedger, new_batch_id
 from lmdq.contract import Batch, BatchStatus, RequestCounts
 from lmdq.redis.keys import Keys
+from lmdq.submission.ledger import BatchLedger, new_batch_id
 
 __all__ = ["enqueue_batch", "enqueue_requests"]
 

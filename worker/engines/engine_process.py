@@ -212,13 +212,12 @@ class EngineProcess:
         self._reader.start()
 
     @classmethod
-    def start(cls, s: Any, log_format: str) -> EngineProcess:
+    def start(cls, s: Any, log_format: str, served_model_name: str) -> EngineProcess:
         """The engine ``s`` (WorkerSettings) names, built in a child process that logs as the worker does
-        (``log_format``: the worker's resolved ``json`` or ``console``)."""
-        from lmdq.worker.engine_factory import served_model_name
-
+        (``log_format``: the worker's resolved ``json`` or ``console``), serving ``served_model_name``
+        (:func:`lmdq.worker.engine_factory.served_model_name`, which the caller has already computed)."""
         spec = ChildSpec(engine=s.engine_name, config=s.engine_config.model_dump_json(), model=s.model,
-                         served_model_name=served_model_name(s), adapters=dict(s.adapters),
+                         served_model_name=served_model_name, adapters=dict(s.adapters),
                          log_format=log_format, log_level=s.log_level)
         return cls(spec)
 

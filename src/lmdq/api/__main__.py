@@ -1,3 +1,3 @@
-from lmdq.cli.api import main
+from lmdq.api.cli import main
 
 main()

@@ -4,7 +4,7 @@ A batch record is a hash (``Keys.batch``): ``meta`` holds the immutable :class:`
 JSON, and everything that changes after submit (status, counters, timestamps) is a field of its own,
 so the results script bumps a counter atomically without rewriting the JSON
 (:class:`~lmdq.redis.keys.BatchField`). The batch rules (create, stage, commit, cancel, retry) are the
-ledger's (:mod:`lmdq.batches.ledger`); this module is the record they and the results share. Its Redis
+ledger's (:mod:`lmdq.submission.ledger`); this module is the record they and the results share. Its Redis
 commands are :class:`lmdq.redis.batch_records.BatchHashes`'; what a record holds and means is decided here.
 
 TTLs count from the END of a batch (``submit --result-ttl``, kept in the record's ``ttl`` field): while

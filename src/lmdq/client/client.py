@@ -99,7 +99,7 @@ class Client:
         return ResultStore(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s)
 
     def _ledger(self) -> Any:
-        from lmdq.batches.ledger import BatchLedger
+        from lmdq.submission.ledger import BatchLedger
 
         return BatchLedger(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s,
                            max_job_bytes=self.settings.max_job_bytes)
@@ -191,7 +191,7 @@ class Client:
 
     def purge(self, batch_id: str, *, force: bool = False) -> Any:
         """Delete a batch from Redis now (record, results, jobs); returns what was deleted
-        (:class:`lmdq.batches.ledger.Purged`). PurgeRefused for a running batch unless ``force``."""
+        (:class:`lmdq.submission.ledger.Purged`). PurgeRefused for a running batch unless ``force``."""
         return self._ledger().purge(batch_id, force=force)
 
     # ---- models -------------------------------------------------------------------------------

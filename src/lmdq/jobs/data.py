@@ -23,6 +23,7 @@ from lmdq.contract import FORMAT_VERSION
 from lmdq.errors import SubmitRejected
 from lmdq.redis import scripts
 from lmdq.redis.replies import reply_text
+from lmdq.settings import DEFAULT_MAX_JOB_BYTES  # declared with the setting; the rule is here
 
 __all__ = [
     "DEFAULT_MAX_JOB_BYTES",
@@ -38,7 +39,6 @@ __all__ = [
     "read_job",
 ]
 
-DEFAULT_MAX_JOB_BYTES = 64 * 1024 * 1024
 """Default cap on one job's data (``LMDQ_MAX_JOB_BYTES``), compressed AND decompressed.
 
 What the producer makes with its defaults: 32 requests a job, each a prompt line of the file, serialised

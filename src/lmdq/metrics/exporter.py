@@ -1,5 +1,5 @@
 """Queue metrics for Prometheus, read from Redis by ONE small process: ``lmdq-producer exporter`` or
-``python -m lmdq.cli.exporter`` (the command line is :mod:`lmdq.cli.exporter`).
+``python -m lmdq.metrics`` (the command line is :mod:`lmdq.metrics.cli`).
 
 Why not the workers: every worker exported the same queue depth, so ``sum by (model)`` counted it
 once per replica, and at zero replicas (KEDA scaled the workers away, jobs waiting) the series

@@ -3,7 +3,7 @@
 and what ``cancel``, ``purge`` and ``retry`` read of them (on a queue, under a live lease, which fields).
 
 Why a module of its own: when jobs may be staged, committed, rolled back, cancelled or purged is the
-ledger's rule (:mod:`lmdq.batches.ledger`); the commands are here, because lmdq speaks Redis only under
+ledger's rule (:mod:`lmdq.submission.ledger`); the commands are here, because lmdq speaks Redis only under
 :mod:`lmdq.redis` (tests/test_redis_boundary.py). A job hash itself is written by
 :class:`lmdq.jobs.queue.JobQueue` into the pipeline :meth:`BatchJobs.writes` hands out, so a submit's
 staging still goes to Redis in few round trips. Replies are handed back raw or as plain numbers; the

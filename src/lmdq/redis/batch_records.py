@@ -2,7 +2,7 @@
 time (``Keys.batches``) and the set of cancelled batches (``Keys.cancelled``).
 
 Why a module of its own: what a record holds, how it is decoded and which status may follow which are
-the batches' rules (:mod:`lmdq.batches.records`, :mod:`lmdq.batches.ledger`); the commands that write
+the batches' rules (:mod:`lmdq.batches.records`, :mod:`lmdq.submission.ledger`); the commands that write
 and read it are here, because lmdq speaks Redis only under :mod:`lmdq.redis`
 (tests/test_redis_boundary.py). Replies are handed back raw (untrusted: the callers decode and check
 them); a status move is the ``transition`` script, so two writers never interleave a read and a write.

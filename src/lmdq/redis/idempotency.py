@@ -2,7 +2,7 @@
 of the batch the key is bound to.
 
 Why a module of its own: when a key is bound, checked against a submit's fingerprint or freed is the
-ledger's rule (:mod:`lmdq.batches.ledger`); the commands are here, because lmdq speaks Redis only under
+ledger's rule (:mod:`lmdq.submission.ledger`); the commands are here, because lmdq speaks Redis only under
 :mod:`lmdq.redis` (tests/test_redis_boundary.py). Binding is SET NX, so two concurrent submits with one
 key cannot both win; freeing is a script that deletes the key only while it names the batch, so a
 failing submit never frees a key another batch holds.

@@ -419,7 +419,7 @@ for i = 2, #KEYS do visible = visible + redis.call('LLEN', KEYS[i]) end
 return {idle, visible}
 """)
 
-# ==== The batch ledger (lmdq.batches.ledger) ===========================================================
+# ==== The batch ledger (lmdq.submission.ledger) ===========================================================
 
 # KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
 # ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), chunk, now, running ttl.

@@ -2,16 +2,16 @@
 
 The rules (one Lua pass that takes the batch's jobs off each queue, ``cancelled`` results for
 their requests written right here so counts are right even with no worker running, the cancelled
-set in-flight work is aborted by) live in :meth:`lmdq.batches.ledger.BatchLedger.cancel`.
+set in-flight work is aborted by) live in :meth:`lmdq.submission.ledger.BatchLedger.cancel`.
 """
 
 from __future__ import annotations
 
 import redis
 
-from lmdq.batches.ledger import BatchLedger
 from lmdq.contract import Batch
 from lmdq.redis.keys import Keys
+from lmdq.submission.ledger import BatchLedger
 
 __all__ = ["cancel_batch"]
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import redis
 
-from lmdq.batches.ledger import BatchLedger, new_batch_id
 from lmdq.contract import Batch, BatchStatus, Priority, Request, RequestCounts, ResultStatus
 from lmdq.errors import RetryRejected
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
+from lmdq.submission.ledger import BatchLedger, new_batch_id
 
 __all__ = ["retry_batch"]
 

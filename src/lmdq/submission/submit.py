@@ -3,12 +3,12 @@
 Two streaming passes keep memory flat however large the file is: pass 1 validates every line
 and keeps only two 8-byte hashes per request (its custom_id's, duplicates being confirmed by a
 targeted re-scan, and its whole content's); pass 2 re-reads the file and the batch ledger
-(:mod:`lmdq.batches.ledger`) stages its jobs. Nothing is visible before the WHOLE file validated, so a bad
+(:mod:`lmdq.submission.ledger`) stages its jobs. Nothing is visible before the WHOLE file validated, so a bad
 line enqueues nothing. Then the first ``first_jobs`` jobs become visible as soon as they are staged
 and workers start on them while submit stages the rest (issue 27: on the H200 the GPU sat idle for
 the 1.6-2.4 s a submit of 1,024 lines took): a failure before that deletes what was staged; a failure
 after it (the file changed, Redis refused a write) ends the batch cancelled, with the reason
-(:meth:`lmdq.batches.ledger.BatchLedger.abandon`).
+(:meth:`lmdq.submission.ledger.BatchLedger.abandon`).
 
 Reading the file twice is only safe if it is the same file both times: pass 1 fingerprints it
 (size, mtime_ns, and a running hash of every request it accepted, line numbers included) and
@@ -37,7 +37,6 @@ import redis
 from pydantic import ValidationError
 
 from lmdq.batches.headroom import check_batch_fits
-from lmdq.batches.ledger import BatchLedger, job_payloads, new_batch_id
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
@@ -56,6 +55,7 @@ from lmdq.submission.formats import (
     read_request_at,
 )
 from lmdq.submission.formats.records import Sampling
+from lmdq.submission.ledger import BatchLedger, job_payloads, new_batch_id
 from lmdq.submission.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 from lmdq.submission.settings import ProducerSettings
 
@@ -99,7 +99,7 @@ class SubmitOptions:
     #: told each warning about the file (one line per kind, with a count: never one per line)
     on_warning: Callable[[str], None] | None = None
     #: jobs made visible as soon as they are staged, before the rest is (then every ``chunk_jobs``): the
-    #: GPU starts while submit stages the rest (lmdq.batches.ledger.BatchLedger.enqueue). None = all at once
+    #: GPU starts while submit stages the rest (lmdq.submission.ledger.BatchLedger.enqueue). None = all at once
     first_jobs: int | None = 8
     #: called once, right after the first jobs became visible and before the rest is staged (tests run a
     #: worker, edit the file or make Redis refuse here: deterministically, not by racing a process)

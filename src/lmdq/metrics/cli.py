@@ -1,4 +1,4 @@
-"""``python -m lmdq.cli.exporter``: the queue exporter (:mod:`lmdq.metrics.exporter`) as a command of
+"""``python -m lmdq.metrics``: the queue exporter (:mod:`lmdq.metrics.exporter`) as a command of
 its own; ``lmdq-producer exporter`` is the same with the producer's ``--redis-url``. Every flag is an
 ``ExporterSettings`` field (``EXPORTER_FLAGS``) plus ``--redis-url``."""
 

@@ -235,7 +235,7 @@ class BatchLedger:
         self.batch_jobs = BatchJobs(client, keys=keys)
         self.idempotency = IdempotencyKeys(client, keys=keys)
         self._commit = self.batch_jobs.commit
-        self._log = get_logger("lmdq.batches.ledger")
+        self._log = get_logger("lmdq.submission.ledger")
 
     @contextmanager
     def _refusals(self, outcome: str = _ENQUEUE_OUTCOME) -> Iterator[None]:
