@@ -6,8 +6,12 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${LMDQ_VENV:-.venv}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# One compute thread per process: four test runners (and the workers they start) on two cores; torch's
+# default of one thread per core in each of them made a CPU model test take minutes of thrashing.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 "$VENV/bin/ruff" check .
 "$VENV/bin/mypy" --strict src/lmdq/ producer/   # the core and the producer CLI (the worker imports torch/transformers, whose stubs vary)
 # -n 4 on 2 cores: most tests wait on the processes they start (workers, redis-server, servers), so
-# four runners keep both cores busy; --durations prints the slowest 20 for whoever makes it faster.
-exec "$VENV/bin/python" -m pytest -n "${LMDQ_TEST_PROCS:-4}" --durations=20 "$@"
+# four runners keep both cores busy; worksteal hands a long test's neighbours to idle runners;
+# --durations prints the slowest 20 for whoever makes it faster.
+exec "$VENV/bin/python" -m pytest -n "${LMDQ_TEST_PROCS:-4}" --dist worksteal --durations=20 "$@"

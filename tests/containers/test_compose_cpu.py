@@ -225,7 +225,7 @@ def test_sigkilled_worker_is_restarted_by_compose_and_the_batch_completes_exactl
     # SIGKILL to the container's main process (lmdq-worker, PID 1 inside), from the host, as the
     # kernel's OOM killer or a crash would end it. Not `docker kill -s KILL`: Docker counts that as
     # a manual stop and never restarts the container, whatever its policy (checked with dockerd
-    # 20.10: docs/results/containers/docker_kill_vs_restart_policy.txt).
+    # 20.10: evidence/containers/docker_kill_vs_restart_policy.txt).
     t0 = time.monotonic()
     os.kill(pid0, signal.SIGKILL)
     restarted = wait_for("compose's restart policy to start worker-cpu again",

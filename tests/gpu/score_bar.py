@@ -1,7 +1,7 @@
 """The bar a ``score`` engine's log-likelihoods are held to against an exact reference (issue 24).
 
 Why not "every pair within 1e-2 per token": a float16 model cannot meet it against float32, whoever
-implements it. On the H200 (sessions 9 and 11, docs/results/session11/scores_gpu_2729dda.json) transformers
+implements it. On the H200 (sessions 9 and 11, evidence/session11/scores_gpu_2729dda.json) transformers
 float16 is 2.68e-2 per token from transformers float32 on its worst pair, LMDeploy float16 2.59e-2; every pair
 over 1e-2 is a continuation of one or two tokens the model finds very unlikely (log-probability -11 to -21),
 where float16's own spacing is 0.0078-0.0156. On CPU float16 hidden states through a float32 lm_head are still

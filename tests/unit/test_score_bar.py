@@ -1,5 +1,5 @@
 """The GPU score test's bar (tests/gpu/score_bar.py) on the numbers the H200 recorded at 2729dda
-(docs/results/session11/scores_gpu_2729dda.json: 60 pairs, LMDeploy float16, transformers float16 and float32
+(evidence/session11/scores_gpu_2729dda.json: 60 pairs, LMDeploy float16, transformers float16 and float32
 on SmolLM2): what it lets through, what it catches, and that the literal "1e-2 on every pair" reading fails
 for transformers' own float16 too (the reason the bar is shaped this way)."""
 
