@@ -245,7 +245,13 @@ class EngineProcess:
         try:
             self._write(msg)
         except (OSError, EOFError, ValueError) as e:
-            self._die(f"the engine process is gone ({e})")
+            # A broken pipe means the child is gone or going: name how it died (its signal or exit code),
+            # as the reader does on EOF. Dying here on the pipe's own error first raced the reader, and
+            # then the log said "Broken pipe" where an OOM kill should read "killed by signal 9".
+            if self._closed:
+                self._die("engine process closed")
+            else:
+                self._child_exited(unknown=f"the engine process is gone ({e})")
             raise EngineDead(self._dead or "engine process gone") from e
 
     def _read_loop(self) -> None:
@@ -264,10 +270,11 @@ class EngineProcess:
         else:
             self._child_exited()
 
-    def _child_exited(self) -> None:
+    def _child_exited(self, unknown: str | None = None) -> None:
         """The child is gone: the reason (signal or exit code) once, logged, every call ended with it. From
-        the reader (EOF) or :meth:`alive`, whichever sees it first: the worker may stop on ``alive()`` before
-        the reader has woken, and its log must still say how the engine died."""
+        the reader (EOF), :meth:`alive` or a failed send, whichever sees it first: the worker may stop on
+        ``alive()`` before the reader has woken, and its log must still say how the engine died. ``unknown``
+        is the reason when no exit code comes within the bound (a pipe that broke under a live child)."""
         # Two threads may wait on the child at once (the reader's join, alive()'s poll): the one that loses the
         # waitpid race reads exitcode None until the winner has stored it (CI, session 16: "died (exit code
         # None)"); a join alone can lose the same race, so wait for the stored code itself, bounded.
@@ -280,7 +287,7 @@ class EngineProcess:
                 return
             code = self._proc.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            reason = self._dead = f"the engine process died ({how})"
+            reason = self._dead = (unknown if code is None and unknown else f"the engine process died ({how})")
         from lmdq.logs.config import get_logger
 
         get_logger("lmdq.engine_process").error(reason, pid=self._proc.pid, exit_code=code)
