@@ -31,11 +31,11 @@ stage=${1:?stage bench|setup|suite|tp|parity|faults|prefix|tm|tmsuite|tmbench|e2
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
-# pyproject installs worker/, producer/, bench/ as lmdq.worker, lmdq.producer, lmdq.bench (package-dir); nothing
-# is pip-installed here and the repo root comes first on sys.path (python -m, pytest), so the same import names
-# come from symlinks inside this copy's lmdq/ (untracked, device copy only).
-for d in worker producer bench; do [ -e "lmdq/$d" ] || ln -s "../$d" "lmdq/$d"; done
-export PYTHONPATH=/root/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 LMDQ_GPU_TOKENIZER=$PWD/gpu-bundle/tok
+# pyproject installs src/lmdq as lmdq and worker/, producer/, bench/ inside it as lmdq.worker, lmdq.producer,
+# lmdq.bench (package-dir); nothing is pip-installed here, so src/ comes first on sys.path and the same import
+# names come from symlinks inside this copy's src/lmdq/ (untracked, device copy only).
+for d in worker producer bench; do [ -e "src/lmdq/$d" ] || ln -s "../../$d" "src/lmdq/$d"; done
+export PYTHONPATH=/root/site:$PWD/src:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 LMDQ_GPU_TOKENIZER=$PWD/gpu-bundle/tok
 M=/root/models/smollm2-135m-instruct
 # the suite: test_lmdeploy_gpu.py and the GPU checks of issue 24 (n samples, LoRA, scores) where present;
 # SUITE_FILES names others; SUITE_NOTES: the lines the tests print that the call's summary keeps
@@ -67,7 +67,7 @@ e2e() {  # e2e NAME BACKEND WORKLOAD
   # Byte-compile what the processes import, as any pip install or image does: the wheels here are installed
   # --no-compile and the host writes no .pyc, so every Python start compiled ~350 modules (session 6: most
   # of submit's 1.5-1.9 s before its first jobs were visible; docs/performance.md). E2E_COMPILE=0: as then.
-  [ "${E2E_COMPILE:-1}" = 1 ] && python3 -m compileall -q -j 0 /root/site "$PWD/lmdq" "$PWD/producer" "$PWD/worker" \
+  [ "${E2E_COMPILE:-1}" = 1 ] && python3 -m compileall -q -j 0 /root/site "$PWD/src" "$PWD/producer" "$PWD/worker" \
     "$PWD/bench" > /dev/null 2>&1
   if [ "$wl" = chat ]; then args=(--model "$M" --dtype float16 --workload chat --n "${E2E_N:-2048}")
   else args=(--random-llama8b /root/llama8b --tokenizer-from gpu-bundle/tok --workload mixed --n "${E2E_N:-1024}"); fi
