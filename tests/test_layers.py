@@ -27,7 +27,7 @@ def installed_shape(into: Path) -> Path:
     for entry in (ROOT / mapping["lmdq"]).iterdir():
         if entry.name != "__pycache__":
             (pkg / entry.name).symlink_to(entry)
-    for name, folder in mapping.items():
+    for name, folder in [*mapping.items(), ("lmdq.bench", "bench")]:  # the lab: bench/pyproject.toml
         if name != "lmdq":
             (into / name.replace(".", "/")).symlink_to(ROOT / folder)
     return into
