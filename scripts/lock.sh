@@ -28,6 +28,11 @@ pip install --upgrade pip setuptools wheel
 pip install "$TORCH_PIN"
 pip install ".[$EXTRAS]" ./bench   # the bench extra names lmdq-bench, found here
 pip install --no-deps "${NO_DEPS[@]}"
+# Every documented extra set must resolve for a plain `pip install 'lmdq[...]'` on top of the CPU torch
+# (a user's install is not the lock's): pip's resolver, nothing installed. A set that fails stops here.
+for set in "dev,api,data,blobs,lora" "cpu,blobs" "blobs,api" "data" "api" "lora"; do
+  pip install --dry-run ".[$set]" >/dev/null || { echo "lock: lmdq[$set] does not resolve" >&2; exit 1; }
+done
 {
   echo "# The CPU development and CI environment (README commands 1 and 2, .ci/run): Python"
   echo "# $("$tmp/venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])'), linux x86_64, lmdq[$EXTRAS] + $TORCH_PIN + ${NO_DEPS[*]:0:2} (--no-deps)."
