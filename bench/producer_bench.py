@@ -84,7 +84,7 @@ def _in_child(fn: str, *args: Any) -> None:
     """Run one of this module's functions in a child process: the bench process stays small, so the
     CLI children it forks start small (a forked child's peak RSS counts the parent's pages it had
     before exec), and pyarrow is never imported here."""
-    code = f"from lmdq.bench.producer_bench import {fn}; from pathlib import Path; {fn}(*{args!r})"
+    code = f"from lmdq_bench.producer_bench import {fn}; from pathlib import Path; {fn}(*{args!r})"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=CHILD_CWD)
 
 

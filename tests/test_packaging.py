@@ -775,7 +775,7 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     """worker/ and producer/ ship as lmdq.worker, lmdq.producer: a wheel built from this tree has no
     other top-level package, so `import worker` fails after `pip install` while the console scripts
     (which name lmdq.* modules) work. The lab (bench/) is not in it: it is its own wheel, lmdq-bench,
-    whose files all land in lmdq/bench/."""
+    whose files all land in lmdq_bench/."""
     import zipfile
 
     src = tmp_path / "src"  # a copy, so the build leaves no build/ folder in the checkout
@@ -792,7 +792,7 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     )
     (wheel,) = (tmp_path / "dist").glob("lmdq-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert not [n for n in names if n.startswith("lmdq/bench/")], "the product's wheel holds the lab"
+    assert not [n for n in names if n.startswith("lmdq_bench/")], "the product's wheel holds the lab"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path / "dist-bench"), str(src / "bench")],
@@ -801,7 +801,7 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     )
     (bench_wheel,) = (tmp_path / "dist-bench").glob("lmdq_bench-*.whl")
     bench_names = [n for n in zipfile.ZipFile(bench_wheel).namelist() if ".dist-info/" not in n]
-    assert bench_names and all(n.startswith("lmdq/bench/") for n in bench_names), bench_names
+    assert bench_names and all(n.startswith("lmdq_bench/") for n in bench_names), bench_names
     tops = {n.split("/")[0] for n in names}
     assert tops == {"lmdq", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
     for module in ("lmdq/worker/runner.py", "lmdq/producer/cli.py",
@@ -827,7 +827,7 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
         assert p.returncode == 0 and "Usage" in p.stdout, (script, p.stderr[-2000:])
     # every .py under the mapped folders made it into the wheel (a new subpackage must be listed)
     for folder, pkg, held in (("worker", "lmdq/worker", names), ("producer", "lmdq/producer", names),
-                              ("bench", "lmdq/bench", bench_names)):
+                              ("bench", "lmdq_bench", bench_names)):
         for py in (ROOT / folder).rglob("*.py"):
             if "__pycache__" not in py.parts:
                 assert f"{pkg}/{py.relative_to(ROOT / folder).as_posix()}" in held, py
