@@ -172,3 +172,13 @@ def test_bad_rows_are_named_by_row_column_and_value(redis_url: str, prefix: str)
 
 def test_the_package_ships_its_types() -> None:
     assert (Path(lmdq.__file__).parent / "py.typed").is_file()
+
+
+def test_invalid_argument_names_the_argument(redis_url: str, prefix: str) -> None:
+    client = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix))
+    with pytest.raises(lmdq.InvalidArgument) as bad:
+        client.submit(["x"])
+    assert (bad.value.field, bad.value.value) == ("model", None) and isinstance(bad.value, ValueError)
+    with pytest.raises(lmdq.InvalidArgument) as bad:
+        client.register_models(["ok", "bad name"])
+    assert (bad.value.field, bad.value.value) == ("names", "bad name")

@@ -207,9 +207,15 @@ class BadSetting(LmdqError, ValueError):
 
 class InvalidArgument(LmdqError, ValueError):
     """An argument of an lmdq call (a CLI flag, a Python keyword) with a bad value; nothing was done.
-    A ValueError too, as Python callers expect of a bad argument."""
+    A ValueError too, as Python callers expect of a bad argument. ``field``: the argument's name where
+    the caller named it (None otherwise), ``value``: the value refused, where it is known."""
 
     exit_code = ExitCode.bad_input
+
+    def __init__(self, message: str, *, field: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
 
 
 class WaitTimeout(LmdqError, TimeoutError):

@@ -205,7 +205,7 @@ class Client:
             return Batch(self, info.id, created=created, info=info)
         if opts.model is None and model_column is None:
             raise InvalidArgument("model: expected the served model name (model=...), or the column naming "
-                                  "each row's (model_column=...)")
+                                  "each row's (model_column=...)", field="model")
         with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:
@@ -246,9 +246,10 @@ class Client:
             try:
                 check_model_name(name)
             except ValueError as e:
-                raise InvalidArgument(f"{spell('names')}: {e}") from e
+                raise InvalidArgument(f"{spell('names')}: {e}", field="names", value=name) from e
         if note is not None and len(note) > MAX_NOTE:
-            raise InvalidArgument(f"{spell('note')}: expected at most {MAX_NOTE} characters, got {len(note)}")
+            raise InvalidArgument(f"{spell('note')}: expected at most {MAX_NOTE} characters, got {len(note)}",
+                                  field="note", value=note)
         registry = ModelRegistry(self.redis, keys=self.keys)
         return [registry.add(name, note=note) for name in names]
 
