@@ -1,6 +1,6 @@
 """The Python client's peak memory against the rows it submits (issue 44).
 
-``python -m lmdq.bench.client_memory [--rows 200000 2000000]``: each (rows, source) in a fresh child process
+``python -m lmdq_bench.client_memory [--rows 200000 2000000]``: each (rows, source) in a fresh child process
 against a throwaway redis-server; a generator of prompts (``Client.submit(rows())``: validated into a
 spool, then the file pipeline) and, for comparison, the same prompts as a text file (the file pipeline
 alone). Prints the child's peak RSS and the seconds the submit took; the LAST line is JSON.
@@ -55,13 +55,13 @@ def _child(n: int, kind: str, url: str) -> dict[str, float | int | str]:
 
 
 def measure(rows: list[int], kinds: list[str]) -> list[dict[str, float | int | str]]:
-    from lmdq.bench.local_redis import local_redis
+    from lmdq_bench.local_redis import local_redis
 
     out = []
     with local_redis() as url:
         for n in rows:
             for kind in kinds:
-                p = subprocess.run([sys.executable, "-m", "lmdq.bench.client_memory", "--child", str(n), kind, url],
+                p = subprocess.run([sys.executable, "-m", "lmdq_bench.client_memory", "--child", str(n), kind, url],
                                    capture_output=True, text=True, check=True)
                 res = json.loads(p.stdout.splitlines()[-1])
                 print(f"{res['rows']:>10,} rows  {res['source']:<9}  peak RSS {res['peak_rss_mib']:6.1f} MiB  "

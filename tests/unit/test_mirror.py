@@ -25,6 +25,7 @@ NO_UNIT_TEST_YET = {
     "src/lmdq/client/client.py",
     "src/lmdq/client/options.py",
     "src/lmdq/client/sources.py",
+    "src/lmdq/client/submit_kwargs.py",
     "src/lmdq/jobs/queue.py",
     "src/lmdq/logs/config.py",
     "src/lmdq/logs/relay.py",
