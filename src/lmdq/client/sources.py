@@ -204,7 +204,8 @@ class _FastPath:
         self.seen: dict[str, set[Any]] = {c: set() for c in self.params}
         names = {PARAM_ALIASES.get(p, p) for p in self.params.values()}
         self.ok = (
-            self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
+            cmap.model_column is None  # the fast line has no model: each row's model goes through the row parser
+            and self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
             and self.prompt is not None and self.prompt in schema.names
             and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
             and (self.id is None or (self.id in schema.names and (
