@@ -372,3 +372,18 @@ def test_the_column_wise_fast_path_spools_exactly_what_the_row_parser_does(tmp_p
             assert spool(classify(src, fmt=None, cmap=cmap), cmap, f) == 10_000
         out[kind] = (tmp_path / kind).read_bytes()
     assert out["arrow"] == out["rows"] and out["rows"].count(b"\n") == 10_000
+
+
+def test_openai_names_of_generation_options_are_accepted_as_in_files(api: lmdq.Client, redis_url: str,
+                                                                    prefix: str) -> None:
+    """Issue 45: ``submit(..., max_tokens=5)`` was a TypeError though JSONL and OpenAI bodies take the alias;
+    ``max_tokens``, ``seed`` and ``stop`` now set ``max_new_tokens``, ``random_seed`` and ``stop_words``, and
+    passing both spellings is refused by name."""
+    aliased = api.submit(["hi", "there"], model="sim", allow_unknown_model=True, max_tokens=5, seed=7, stop=["\n"])
+    named = api.submit(["hi", "there"], model="sim", allow_unknown_model=True, max_new_tokens=5, random_seed=7,
+                       stop_words=["\n"])
+    drain(redis_url, prefix)
+    assert [r.generate_token_len for r in aliased.results()] == [5, 5]
+    assert _answers(aliased) == _answers(named)
+    with pytest.raises(lmdq.SubmitRejected, match="^max_tokens: the same option as max_new_tokens"):
+        api.submit(["hi"], model="sim", allow_unknown_model=True, max_tokens=5, max_new_tokens=6)

@@ -145,9 +145,20 @@ SUBMIT_FLAGS = [FlagSpec(key=name, flat=name, info=info, cli_type=_CLI_TYPES.get
                 for name, info in BatchOptions.model_fields.items()]
 
 
+def option_aliases() -> dict[str, str]:
+    """The OpenAI / LMDeploy names a file's params accept (``max_tokens``, ``seed``, ``stop``), taken by
+    ``submit`` too: alias -> the option it sets. One table, the file formats'
+    (:data:`lmdq.submission.formats.jsonl.PARAM_ALIASES`)."""
+    from lmdq.submission.formats.jsonl import PARAM_ALIASES
+
+    keys = {s.key for s in (*SUBMIT_FLAGS, *GENERATION_FLAGS, *GROUPING_FLAGS)}
+    return {alias: name for alias, name in PARAM_ALIASES.items() if name in keys and alias not in keys}
+
+
 def option_names() -> set[str]:
-    """Every keyword :meth:`lmdq.Client.submit` takes as an option (each one flag of the CLI)."""
-    return {s.key for s in (*SUBMIT_FLAGS, *GENERATION_FLAGS, *GROUPING_FLAGS)}
+    """Every keyword :meth:`lmdq.Client.submit` takes as an option (each one flag of the CLI), and the
+    aliases a file's params take (:func:`option_aliases`)."""
+    return {s.key for s in (*SUBMIT_FLAGS, *GENERATION_FLAGS, *GROUPING_FLAGS)} | set(option_aliases())
 
 
 def option_fields() -> dict[str, FieldInfo]:
@@ -198,6 +209,11 @@ def render_submit_kwargs() -> str:
         if info.description:
             body.extend(textwrap.wrap(info.description, 112, initial_indent="    #: ", subsequent_indent="    #: "))
         body.append(f"    {name}: {' | '.join(members)}")
+    fields = option_fields()
+    for alias, name in sorted(option_aliases().items()):
+        members = list(dict.fromkeys([*_type_source(fields[name].annotation, imports), "None"]))
+        body.append(f"    #: the same as {name} (its name in OpenAI and LMDeploy, as a file's params take it)")
+        body.append(f"    {alias}: {' | '.join(members)}")
     from_contract = sorted(t.__name__ for t in imports if t.__module__ == "lmdq.contract")
     if any(t.__module__ != "lmdq.contract" for t in imports):
         raise TypeError(f"option types outside lmdq.contract: {sorted(map(repr, imports))}")
@@ -300,6 +316,14 @@ def resolve(
     from lmdq.submission.formats.validation import imply_sampling
     from lmdq.submission.submit import SubmitOptions
 
+    given = dict(given)
+    for alias, name in option_aliases().items():
+        if given.get(alias) is not None:
+            if given.get(name) is not None:
+                raise SubmitRejected(f"{spell(alias)}: the same option as {spell(name)}; pass only one of them")
+            given[name] = given.pop(alias)
+        else:
+            given.pop(alias, None)
     unknown = set(given) - option_names()
     if unknown:
         raise TypeError(f"submit() got unexpected option(s) {sorted(unknown)}; expected some of "

@@ -79,3 +79,9 @@ class SubmitKwargs(TypedDict, total=False):
     prefix_groups: bool | None
     #: shortest shared prompt prefix, in bytes, that groups requests (up to 32x are compared)
     prefix_group_bytes: int | None
+    #: the same as max_new_tokens (its name in OpenAI and LMDeploy, as a file's params take it)
+    max_tokens: int | None
+    #: the same as random_seed (its name in OpenAI and LMDeploy, as a file's params take it)
+    seed: int | None
+    #: the same as stop_words (its name in OpenAI and LMDeploy, as a file's params take it)
+    stop: list[str] | None
