@@ -387,3 +387,17 @@ def test_openai_names_of_generation_options_are_accepted_as_in_files(api: lmdq.C
     assert _answers(aliased) == _answers(named)
     with pytest.raises(lmdq.SubmitRejected, match="^max_tokens: the same option as max_new_tokens"):
         api.submit(["hi"], model="sim", allow_unknown_model=True, max_tokens=5, max_new_tokens=6)
+
+
+def test_results_is_an_iterator_as_the_docs_say(api: lmdq.Client, redis_url: str, prefix: str) -> None:
+    """Issue 45: docs/python-api.md described a list; it is an iterator (memory flat in the batch's size),
+    and the docs now say so and how to slice it."""
+    from collections.abc import Iterator
+
+    b = api.submit(["a", "b", "c", "d"], model="sim", allow_unknown_model=True, max_new_tokens=2)
+    drain(redis_url, prefix)
+    it = b.results()
+    assert isinstance(it, Iterator)
+    assert [r.index for r in list(b.results())[:3]] == [0, 1, 2]
+    doc = (ROOT / "docs" / "python-api.md").read_text()
+    assert "| `.results()` | an iterator" in doc and "list(b.results())[:3]" in doc
