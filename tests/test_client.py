@@ -401,3 +401,12 @@ def test_results_is_an_iterator_as_the_docs_say(api: lmdq.Client, redis_url: str
     assert [r.index for r in list(b.results())[:3]] == [0, 1, 2]
     doc = (ROOT / "docs" / "python-api.md").read_text()
     assert "| `.results()` | an iterator" in doc and "list(b.results())[:3]" in doc
+
+
+def test_a_column_option_on_string_rows_is_an_error_not_ignored(api: lmdq.Client, client: redis.Redis,
+                                                                 prefix: str) -> None:
+    """Issue 45: ``prompt_column=`` on a list of strings was silently ignored."""
+    with pytest.raises(lmdq.InvalidArgument, match="^prompt_column: the rows are strings") as e:
+        api.submit(["a", "b"], model="sim", allow_unknown_model=True, prompt_column="question")
+    assert e.value.field == "prompt_column" and e.value.value == "question"
+    _nothing_enqueued(client, prefix)

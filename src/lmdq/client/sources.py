@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from lmdq.errors import InputProblem, SubmitRejected
+from lmdq.errors import InputProblem, InvalidArgument, SubmitRejected
 from lmdq.submission.formats import InputFormat, InputLimits
 from lmdq.submission.formats.tabular import ColumnMap, RowError, RowMapper, chunked
 from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
@@ -363,6 +363,8 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
                 hashes.add(_h64(cid))
             n += len(done)
         else:
+            if n == 0 and chunk and isinstance(chunk[0], str):
+                _columns_need_columns(cmap)
             for row in chunk:
                 item = mapper(row, n)
                 n += 1
@@ -392,6 +394,17 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
     if problems:
         raise SubmitRejected("\n".join(_text(p) for p in problems), problems=problems)
     return n
+
+
+def _columns_need_columns(cmap: ColumnMap) -> None:
+    """Rows that are plain strings have no columns: an option naming one would be silently ignored
+    (issue 45: ``prompt_column=`` on a list of strings), so it is an error naming the option."""
+    named = [name for name in ("prompt_column", "messages_column", "id_column", "model_column", "params_columns")
+             if getattr(cmap, name)]
+    if named:
+        raise InvalidArgument(f"{named[0]}: the rows are strings (each one a prompt), which have no columns; "
+                              f"pass dicts or a table to name columns, or leave {named[0]} out",
+                              field=named[0], value=getattr(cmap, named[0]))
 
 
 def _text(p: InputProblem) -> str:
