@@ -102,7 +102,7 @@ class Client:
         from lmdq.submission.ledger import BatchLedger
 
         return BatchLedger(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s,
-                           max_job_bytes=self.settings.max_job_bytes)
+                           max_job_bytes=self.settings.max_job_bytes, staging_lease_s=self.settings.staging_lease_s)
 
     # ---- batches ------------------------------------------------------------------------------
     def submit(
@@ -148,6 +148,7 @@ class Client:
         notes = on_warning if on_warning is not None else _warn
         opts, ttl_s = resolve(options, self.settings, model=model, spell=spell,
                               on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
+        opts.staging_lease_s = self.settings.staging_lease_s
         try:
             cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
                              params_columns=params_columns, template=template,
@@ -251,6 +252,9 @@ class Batch:
         """The batch record now (status, counts, params, timestamps). ``patient``: a Redis that restarts
         meanwhile is waited for under lmdq's retry policy (about 2 minutes) instead of raising."""
         def get() -> BatchInfo:
+            # a batch whose submit died while staging it ends here if its lease lapsed (issue 44): every status,
+            # results, export and cancel read of it notices, as workers and the API do
+            self.client._ledger().notice_interrupted([self.id])
             info: BatchInfo = self.client._store().batches.get(self.id)
             return info
 
@@ -432,6 +436,7 @@ class Batch:
         from lmdq.submission.cancel import cancel_batch
 
         c = self.client
+        c._ledger().notice_interrupted([self.id])
         self._info = cancel_batch(c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s)
         return self._info
 
