@@ -182,7 +182,9 @@ class Client:
         return Batch(self, info.id, created=created, info=info)
 
     def batch(self, batch_id: str) -> Batch:
-        """The batch ``batch_id`` (BatchNotFound if there is none, or it expired)."""
+        """The batch ``batch_id`` (BatchNotFound if there is none, or it expired). A batch whose submit died
+        while staging it, and whose staging lease lapsed, is ended first (issue 44)."""
+        self._ledger().notice_interrupted([batch_id])
         info = self._store().batches.get(batch_id)
         return Batch(self, batch_id, info=info)
 
