@@ -484,6 +484,41 @@ if #ids > 0 then for i = 6, #KEYS do lmdq_wake(KEYS[i]) end end
 return #ids
 """, uses=(WAKE, PUSH_JOBS,))
 
+# ==== Progressive staging's lease (lmdq.redis.staging, lmdq.submission.ledger: issue 44) ===================
+
+# KEYS: staging lease. ARGV: token, lease ms. 1: renewed; 0: the lease is not the token's (lapsed, or taken).
+STAGING_RENEW = LuaScript("staging_renew", """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+""")
+
+# KEYS: lease, batch hash. ARGV: token, lease ms. A re-run of the same submit takes a lapsed lease over:
+# 1 taken; 0 the lease is live (another submit stages it); -2 the batch cannot be resumed (staged, ended, its
+# staging ended by a noticer, or no record).
+STAGING_ACQUIRE = LuaScript("staging_acquire", f"""
+local b = redis.call('HMGET', KEYS[2], '{F.status}', '{F.staged_at}', '{F.staging_failed}', '{F.visible_jobs}')
+local live = b[1] == '{BatchStatus.validating.value}' or b[1] == '{BatchStatus.queued.value}'
+  or b[1] == '{BatchStatus.in_progress.value}'
+if not live or b[2] or b[3] or not b[4] then return -2 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+""")
+
+# KEYS: lease, batch hash, staging set. ARGV: batch id, reason. Whoever notices a lapsed lease claims the
+# batch's end once: 1 claimed (staging_failed set: neither its submit nor a re-run may commit any more);
+# 0 the lease is live; -1 its staging had ended already (claimed, or failed in its submit); -2 not part-staged
+# (staged, or no progressive record: it leaves the staging set).
+STAGING_CLAIM_END = LuaScript("staging_claim_end", f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[2], '{F.staged_at}') == 1 or redis.call('HEXISTS', KEYS[2], '{F.visible_jobs}') == 0
+then
+  redis.call('SREM', KEYS[3], ARGV[1])
+  return -2
+end
+if redis.call('HSETNX', KEYS[2], '{F.staging_failed}', ARGV[2]) == 0 then return -1 end
+return 1
+""")
+
 # KEYS: queue list.  ARGV: id prefix.  Returns the removed ids. One pass that rebuilds the list
 # without the batch's ids: O(queue length), not O(jobs x queue) as one LREM per job would be.
 REMOVE_PREFIX = LuaScript("remove_prefix", """

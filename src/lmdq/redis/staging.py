@@ -15,10 +15,9 @@ from collections.abc import Sequence
 
 import redis
 
-from lmdq.contract import BatchStatus
 from lmdq.redis.keys import BatchField, Keys
 from lmdq.redis.replies import reply_text
-from lmdq.redis.scripts import LuaScript
+from lmdq.redis.scripts import STAGING_ACQUIRE, STAGING_CLAIM_END, STAGING_RENEW
 
 __all__ = ["IDS_CHUNK", "StagingLeases"]
 
@@ -28,51 +27,15 @@ IDS_CHUNK = 1000
 """custom_ids per element of the ``request_ids`` list: request ``i``'s id is element ``i // IDS_CHUNK``'s
 entry ``i % IDS_CHUNK``."""
 
-_LIVE = (BatchStatus.validating.value, BatchStatus.queued.value, BatchStatus.in_progress.value)
-
-# KEYS: lease. ARGV: token, lease ms. 1: renewed; 0: the lease is not the token's (lapsed, or taken).
-RENEW = LuaScript("staging_renew", """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-""")
-
-# KEYS: lease, batch hash. ARGV: token, lease ms. A re-run of the same submit takes a lapsed lease over:
-# 1 taken; 0 the lease is live (another submit stages it); -2 the batch cannot be resumed (staged, ended, its
-# staging ended by a noticer, or no record).
-ACQUIRE = LuaScript("staging_acquire", f"""
-local b = redis.call('HMGET', KEYS[2], '{F.status}', '{F.staged_at}', '{F.staging_failed}', '{F.visible_jobs}')
-local live = false
-for _, s in ipairs({{'{_LIVE[0]}', '{_LIVE[1]}', '{_LIVE[2]}'}}) do if b[1] == s then live = true end end
-if not live or b[2] or b[3] or not b[4] then return -2 end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-return 0
-""")
-
-# KEYS: lease, batch hash, staging set. ARGV: batch id, reason. Whoever notices a lapsed lease claims the
-# batch's end once: 1 claimed (staging_failed set: neither its submit nor a re-run may commit any more);
-# 0 the lease is live; -1 its staging had ended already (claimed, or failed in its submit); -2 not part-staged
-# (staged, or no progressive record: it leaves the staging set).
-CLAIM_END = LuaScript("staging_claim_end", f"""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if redis.call('HEXISTS', KEYS[2], '{F.staged_at}') == 1 or redis.call('HEXISTS', KEYS[2], '{F.visible_jobs}') == 0
-then
-  redis.call('SREM', KEYS[3], ARGV[1])
-  return -2
-end
-if redis.call('HSETNX', KEYS[2], '{F.staging_failed}', ARGV[2]) == 0 then return -1 end
-return 1
-""")
-
-
 class StagingLeases:
     """Staging leases, request-id lists and the staging set of one key prefix (thread-safe)."""
 
     def __init__(self, client: redis.Redis, *, keys: Keys) -> None:
         self.client = client
         self.keys = keys
-        self._renew = RENEW.bind(client)
-        self._acquire = ACQUIRE.bind(client)
-        self._claim_end = CLAIM_END.bind(client)
+        self._renew = STAGING_RENEW.bind(client)
+        self._acquire = STAGING_ACQUIRE.bind(client)
+        self._claim_end = STAGING_CLAIM_END.bind(client)
 
     def begin(self, batch_id: str, token: str, *, lease_s: float, id_chunks: Sequence[str], ttl_s: int) -> None:
         """Before any job of the batch is visible: its lease (``token``), its progressive record (no job
@@ -103,7 +66,7 @@ class StagingLeases:
         return bool(self.client.exists(self.keys.staging_lease(batch_id)))
 
     def claim_end(self, batch_id: str, reason: str) -> int:
-        """Claim the end of a batch whose lease lapsed (see :data:`CLAIM_END` for the replies)."""
+        """Claim the end of a batch whose lease lapsed (replies: :data:`lmdq.redis.scripts.STAGING_CLAIM_END`)."""
         return int(self._claim_end(keys=[self.keys.staging_lease(batch_id), self.keys.batch(batch_id),
                                          self.keys.staging()], args=[batch_id, reason]))
 

@@ -909,11 +909,12 @@ class BatchLedger:
                              | {j for j in listed if j.startswith(prefix)})
             k = self.keys
             own = [k.batch(batch_id), k.results(batch_id), k.partials(batch_id), k.shards(batch_id),
-                   k.sealed(batch_id), k.batch_jobs(batch_id)]
+                   k.sealed(batch_id), k.batch_jobs(batch_id), k.staging_lease(batch_id), k.request_ids(batch_id)]
             if batch.idempotency_key and self.idempotency.bound(batch.idempotency_key) == batch_id:
                 own.append(k.idempotency(batch.idempotency_key))
             # one round trip: the batch's keys, its job hashes, its listing entry, RQ's records of its jobs on
             # each of its queues (rq info), and its cancelled-set member once it has ended
+            self.staging.release(batch_id)  # out of the staging set (its keys go with ``own``)
             got = self.records.hashes.delete_batch(batch_id, own=own, job_keys=[Job.key_for(j) for j in job_ids],
                                                    queues=self._queues(batch), job_ids=job_ids, uncancel=not running)
         return Purged(batch_id=batch_id, status=batch.status, keys=got.keys + got.jobs, jobs=got.jobs,
