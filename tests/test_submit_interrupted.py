@@ -331,3 +331,54 @@ def test_a_killed_api_resumes_its_submission_on_restart_and_writes_every_line(
     finally:
         api2.stop()
     assert os.path.isdir(files)
+
+
+def test_a_killed_api_nobody_restarts_in_time_ends_and_its_files_hold_every_line(
+        tmp_path: Path, redis_url: str, client: redis.Redis, env: dict[str, str],
+        procs: list[subprocess.Popen[bytes]]) -> None:
+    """lmdq-api SIGKILLed while staging, and not back within the lease: a running worker ends the batch
+    (unstaged requests failed / submit_interrupted) by itself within the bound. When the API comes back, its
+    retry gets the ended batch (never adopting it as whole, never staging it again) and writes the output and
+    error files: together they hold every custom_id once."""
+    prefix = f"apii{uuid.uuid4().hex[:8]}"
+    keys = Keys(prefix)
+    short = {"LMDQ_STAGING_LEASE_S": str(LEASE_S), "LMDQ_API_SUBMIT_LEASE_S": "2", "LMDQ_KNOWN_MODELS": '["sim"]'}
+    files = tmp_path / "files"
+    n = 20_000
+    procs.append(start_worker(*SIM, env={**env, "LMDQ_KEY_PREFIX": prefix, "LMDQ_STAGING_LEASE_S": str(LEASE_S)}))
+    api = ApiProcess(redis_url=redis_url, prefix=prefix, keys=API_KEYS, files_dir=files, log=tmp_path / "api.log",
+                     env=short).start()
+    try:
+        c = OpenAI(base_url=api.url + "/v1", api_key=API_KEYS["alice"])
+        f = tmp_path / "mid.jsonl"
+        ids = _write(f, n, openai=True)
+        with f.open("rb") as fh:
+            up = c.files.create(file=("mid.jsonl", fh), purpose="batch")
+        b = c.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert api.proc is not None
+        bid = _kill_mid_staging(api.proc, client, keys, f"api-{b.id}")
+    finally:
+        api.stop()
+    killed = time.monotonic()
+    rec = _wait(client, keys, bid, LEASE_S * 1.5 + 30)
+    print(f"\nended {time.monotonic() - killed:.1f} s after the kill (lease {LEASE_S} s), no API running")
+    vis = int(rec[F.visible_requests.value.encode()])
+    assert rec[b"status"] == b"completed" and (int(rec[b"completed"]), int(rec[b"failed"])) == (vis, n - vis)
+    api2 = ApiProcess(redis_url=redis_url, prefix=prefix, keys=API_KEYS, files_dir=files, log=tmp_path / "api2.log",
+                      env=short).start()
+    try:
+        c = OpenAI(base_url=api2.url + "/v1", api_key=API_KEYS["alice"])
+        deadline = time.monotonic() + 120
+        got = c.batches.retrieve(b.id)
+        while got.status != "completed" or not got.output_file_id or not got.error_file_id:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.3)
+            got = c.batches.retrieve(b.id)
+        out = [json.loads(x) for x in c.files.content(got.output_file_id).text.splitlines()]
+        errs = [json.loads(x) for x in c.files.content(got.error_file_id).text.splitlines()]
+        assert (len(out), len(errs)) == (vis, n - vis)
+        assert sorted(x["custom_id"] for x in out + errs) == sorted(ids)
+        assert {x["error"]["code"] for x in errs} == {"submit_interrupted"}
+    finally:
+        api2.stop()
+    assert client.zcard(keys.batches()) == 1  # the retry enqueued nothing new

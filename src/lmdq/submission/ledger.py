@@ -729,7 +729,8 @@ class BatchLedger:
             self.abandon(batch.id, reason)
             outcome = "it was cancelled"
         except (redis.RedisError, RedisRefused, SubmitRejected) as e2:
-            self._log.error("could not cancel the part-staged batch", batch=batch.id, error=str(e2))
+            # the error raised says so, with how to end it later: one line for the user, not two
+            self._log.debug("could not cancel the part-staged batch", batch=batch.id, error=str(e2))
             outcome = f"cancel it with `lmdq-producer cancel {batch.id}` once Redis accepts writes"
         total = batch.request_counts.total
         what = (f"{reason}. Staging stopped after {visible} of {batch.num_jobs} jobs of batch {batch.id} were "
@@ -746,6 +747,9 @@ class BatchLedger:
         it (:meth:`cancel`: never-visible jobs deleted, every request no visible job holds answered
         ``cancelled``). Idempotent."""
         with self._refusals("the batch is left part-staged"):
+            vis = self.records.hashes.fields(batch_id, [F.visible_jobs.value])[0]
+            if vis is not None:  # first what frees memory: Redis may be full (the very reason staging stopped)
+                self._drop_invisible(self.get(batch_id), int(vis))
             self.staging.mark_failed(batch_id, reason[:2000])
         return self.cancel(batch_id)
 
