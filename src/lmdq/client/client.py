@@ -241,7 +241,8 @@ class Batch:
     def __init__(self, client: Client, batch_id: str, *, created: bool = True, info: BatchInfo | None = None) -> None:
         self.client = client
         self.id = batch_id
-        #: False when an idempotency key matched an existing batch (nothing was enqueued)
+        #: False when an idempotency key matched an existing batch (nothing was enqueued twice; one its first
+        #: submit left part-staged was resumed: issue 44)
         self.created = created
         self._info = info
 
