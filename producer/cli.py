@@ -116,7 +116,8 @@ def _print_submitted(batch: Batch, created: bool, as_json: bool) -> None:
         typer.echo(json.dumps(out))
         return
     if not created:
-        err.print("idempotency key matched an existing batch; nothing enqueued")
+        # a batch its first submit left part-staged was resumed (the ledger logs it): nothing is ever staged twice
+        err.print("idempotency key matched an existing batch; nothing enqueued twice")
     typer.echo(batch.id)
 
 

@@ -153,6 +153,9 @@ class ErrorCode(_Value):
     tensor_too_large = "tensor_too_large"
     #: a job no worker of this build can decode (newer format, oversized)
     undecodable_job = "undecodable_job"
+    #: the submit that was staging the batch died before it staged this request, and nobody resumed it within
+    #: its staging lease (LMDQ_STAGING_LEASE_S; docs/reliability.md): it never ran
+    submit_interrupted = "submit_interrupted"
 
     # -- OpenAI-format result files (``results --format openai``, the HTTP API's output file) --
     #: a cancelled request, in OpenAI's name for it

@@ -135,7 +135,7 @@ class Client:
         from lmdq.submission.ledger import BatchLedger
 
         return BatchLedger(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s,
-                           max_job_bytes=self.settings.max_job_bytes)
+                           max_job_bytes=self.settings.max_job_bytes, staging_lease_s=self.settings.staging_lease_s)
 
     # ---- batches ------------------------------------------------------------------------------
     def submit(
@@ -186,6 +186,7 @@ class Client:
         notes = on_warning if on_warning is not None else _warn
         opts, ttl_s = resolve(dict(options), self.settings, model=model, spell=spell,
                               on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
+        opts.staging_lease_s = self.settings.staging_lease_s
         try:
             cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
                              params_columns=params_columns, template=template,
@@ -222,7 +223,9 @@ class Client:
         return Batch(self, info.id, created=created, info=info)
 
     def batch(self, batch_id: str) -> Batch:
-        """The batch ``batch_id`` (BatchNotFound if there is none, or it expired)."""
+        """The batch ``batch_id`` (BatchNotFound if there is none, or it expired). A batch whose submit died
+        while staging it, and whose staging lease lapsed, is ended first (issue 44)."""
+        self._ledger().notice_interrupted([batch_id])
         info = self._store().batches.get(batch_id)
         return Batch(self, batch_id, info=info)
 
@@ -289,7 +292,8 @@ class Batch:
     def __init__(self, client: Client, batch_id: str, *, created: bool = True, info: BatchInfo | None = None) -> None:
         self.client = client
         self.id = batch_id
-        #: False when an idempotency key matched an existing batch (nothing was enqueued)
+        #: False when an idempotency key matched an existing batch (nothing was enqueued twice; one its first
+        #: submit left part-staged was resumed: issue 44)
         self.created = created
         self._info = info
 
@@ -302,6 +306,9 @@ class Batch:
         """The batch record now (status, counts, params, timestamps). ``patient``: a Redis that restarts
         meanwhile is waited for under lmdq's retry policy (about 2 minutes) instead of raising."""
         def get() -> BatchInfo:
+            # a batch whose submit died while staging it ends here if its lease lapsed (issue 44): every status,
+            # results, export and cancel read of it notices, as workers and the API do
+            self.client._ledger().notice_interrupted([self.id])
             info: BatchInfo = self.client._store().batches.get(self.id)
             return info
 
@@ -484,6 +491,7 @@ class Batch:
         from lmdq.submission.cancel import cancel_batch
 
         c = self.client
+        c._ledger().notice_interrupted([self.id])
         self._info = cancel_batch(c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s)
         return self._info
 

@@ -94,12 +94,15 @@ class BatchJobs:
                                 args=[queue_key, _COMMIT_CHUNK, now, ttl_s]))
 
     def commit_upto(self, *, batch_id: str, queue_key: str, wakes: Sequence[str], jobs: int, requests: int,
-                    now: float, ttl_s: int, last: bool) -> int:
+                    now: float, ttl_s: int, last: bool, token: str = "") -> int:
         """Progressive staging: the staged jobs up to ``jobs`` (``requests`` requests) become visible, as
-        :meth:`commit` does for all of them. Returns the jobs made visible, -1 when they were already, -2
-        when the batch is no longer live (cancelled while it was being staged)."""
-        return int(self._commit_upto(keys=self._commit_keys(batch_id, queue_key, wakes),
-                                     args=[queue_key, jobs, requests, now, ttl_s, "1" if last else "0"]))
+        :meth:`commit` does for all of them, only while the staging lease holds ``token`` ('': unfenced).
+        Returns the jobs made visible, -1 when they were already, -2 when the batch is no longer live
+        (cancelled while it was being staged), -3 when the lease is not ``token``'s."""
+        keys = self._commit_keys(batch_id, queue_key, wakes)
+        keys.insert(4, self.keys.staging_lease(batch_id))
+        return int(self._commit_upto(keys=keys,
+                                     args=[queue_key, jobs, requests, now, ttl_s, "1" if last else "0", token]))
 
     # ---- the job list -------------------------------------------------------------------------
     def job_ids(self, batch_id: str, start: int = 0) -> list[str]:

@@ -58,7 +58,6 @@ class BatchHashes:
         self.client = client
         self.keys = keys
         self._transition = scripts.TRANSITION.bind(client)
-        self._abandon = scripts.ABANDON.bind(client)
 
     # ---- write --------------------------------------------------------------------------------
     def write(self, batch_id: str, fields: Mapping[str, str | int | float], *, created_at: float,
@@ -81,13 +80,6 @@ class BatchHashes:
         res = self._transition(keys=[self.keys.batch(batch_id)],
                                args=[",".join(from_), to, stamp, now, ttl_s, "1" if terminal else "0"])
         return None if res is None else reply_text(res)
-
-    def abandon(self, batch_id: str, reason: str, *, now: float, ttl_s: int) -> int:
-        """Count a part-staged batch's never-visible requests as cancelled and move it to cancelling (the
-        ``abandon`` script, fenced on ``staging_failed``: once). Returns the requests counted, -1 when counted
-        already, -2 when the batch has no progressive record or was fully staged."""
-        return int(self._abandon(keys=[self.keys.batch(batch_id), self.keys.cancelled()],
-                                 args=[batch_id, reason, now, ttl_s]))
 
     def mark_cancelled(self, batch_id: str) -> None:
         """Add the batch to the cancelled set (workers poll it and abort what they hold)."""

@@ -448,16 +448,18 @@ return n
 """, uses=(WAKE, PUSH_JOBS,))
 
 # Progressive staging: the batch's staged jobs from ``visible_jobs`` up to ARGV[2] become visible.
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
-# ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), jobs visible after this call,
-# requests visible after this call, now, running ttl, '1' for
-# the last call (every job is visible). Returns the jobs made visible, -1 when they were already (a re-sent
-# call), -2 when the batch is no longer live (cancelled while it was being staged: nothing more is pushed).
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, staging lease, the wake list of each model
+# of the batch. ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), jobs visible after this
+# call, requests visible after this call, now, running ttl, '1' for the last call (every job is visible; the
+# lease is deleted), the submit's lease token ('': no lease). Returns the jobs made visible, -1 when they were
+# already (a re-sent call), -2 when the batch is no longer live (cancelled while it was being staged: nothing
+# more is pushed), -3 when the lease is not the caller's (it lapsed: the batch is another's to end or resume).
 # TTLs as COMMIT's: what is visible (job hashes, record, job list, idempotency key) takes the running TTL.
 COMMIT_UPTO = LuaScript("commit_upto", f"""
 local st = redis.call('HGET', KEYS[4], '{F.status}')
 if st ~= '{BatchStatus.validating.value}' and st ~= '{BatchStatus.queued.value}'
    and st ~= '{BatchStatus.in_progress.value}' then return -2 end
+if ARGV[7] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[7] then return -3 end
 local have = tonumber(redis.call('HGET', KEYS[4], '{F.visible_jobs}') or '0')
 local upto = tonumber(ARGV[2])
 if have >= upto then return -1 end
@@ -473,39 +475,49 @@ if st == '{BatchStatus.validating.value}' then
 end
 if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 0 then redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[4]) end
 redis.call('HSET', KEYS[4], '{F.visible_jobs}', upto, '{F.visible_requests}', ARGV[3])
-if ARGV[6] == '1' then redis.call('HSET', KEYS[4], '{F.staged_at}', ARGV[4]) end
+if ARGV[6] == '1' then
+  redis.call('HSET', KEYS[4], '{F.staged_at}', ARGV[4])
+  if ARGV[7] ~= '' then redis.call('DEL', KEYS[5]) end
+end
 redis.call('EXPIRE', KEYS[1], ARGV[5])
-if #ids > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
+if #ids > 0 then for i = 6, #KEYS do lmdq_wake(KEYS[i]) end end
 return #ids
 """, uses=(WAKE, PUSH_JOBS,))
 
-# A batch whose progressive staging stopped part-way: the requests never made visible count as cancelled
-# (once: fenced on staging_failed) and the batch moves to cancelling (cancelled when nothing else is left).
-# KEYS: batch hash, cancelled set. ARGV: batch id, reason, now, ttl. Returns the requests counted, -1 when
-# counted already, -2 when the batch is fully staged (nothing to count) or has no progressive record.
-ABANDON = LuaScript("abandon", f"""
-if redis.call('HEXISTS', KEYS[1], '{F.staged_at}') == 1 then return -2 end
-if redis.call('HEXISTS', KEYS[1], '{F.visible_jobs}') == 0 then return -2 end
-if redis.call('HSETNX', KEYS[1], '{F.staging_failed}', ARGV[2]) == 0 then return -1 end
-local b = redis.call('HMGET', KEYS[1], '{F.total}', '{F.visible_requests}', '{F.status}')
-local unqueued = tonumber(b[1] or '0') - tonumber(b[2] or '0')
-if unqueued > 0 then redis.call('HINCRBY', KEYS[1], '{F.cancelled}', unqueued) end
-local st = b[3]
-if st == '{BatchStatus.validating.value}' or st == '{BatchStatus.queued.value}'
-   or st == '{BatchStatus.in_progress.value}' then
-  redis.call('HSET', KEYS[1], '{F.status}', '{BatchStatus.cancelling.value}', '{F.cancelling_at}', ARGV[3])
-  st = '{BatchStatus.cancelling.value}'
+# ==== Progressive staging's lease (lmdq.redis.staging, lmdq.submission.ledger: issue 44) ===================
+
+# KEYS: staging lease. ARGV: token, lease ms. 1: renewed; 0: the lease is not the token's (lapsed, or taken).
+STAGING_RENEW = LuaScript("staging_renew", """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+""")
+
+# KEYS: lease, batch hash. ARGV: token, lease ms. A re-run of the same submit takes a lapsed lease over:
+# 1 taken; 0 the lease is live (another submit stages it); -2 the batch cannot be resumed (staged, ended, its
+# staging ended by a noticer, or no record).
+STAGING_ACQUIRE = LuaScript("staging_acquire", f"""
+local b = redis.call('HMGET', KEYS[2], '{F.status}', '{F.staged_at}', '{F.staging_failed}', '{F.visible_jobs}')
+local live = b[1] == '{BatchStatus.validating.value}' or b[1] == '{BatchStatus.queued.value}'
+  or b[1] == '{BatchStatus.in_progress.value}'
+if not live or b[2] or b[3] or not b[4] then return -2 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+""")
+
+# KEYS: lease, batch hash, staging set. ARGV: batch id, reason. Whoever notices a lapsed lease claims the
+# batch's end once: 1 claimed (staging_failed set: neither its submit nor a re-run may commit any more);
+# 0 the lease is live; -1 its staging had ended already (claimed, or failed in its submit); -2 not part-staged
+# (staged, or no progressive record: it leaves the staging set).
+STAGING_CLAIM_END = LuaScript("staging_claim_end", f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[2], '{F.staged_at}') == 1 or redis.call('HEXISTS', KEYS[2], '{F.visible_jobs}') == 0
+then
+  redis.call('SREM', KEYS[3], ARGV[1])
+  return -2
 end
-redis.call('SADD', KEYS[2], ARGV[1])
-local c = redis.call('HMGET', KEYS[1], '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}')
-local done = 0
-for i = 1, 4 do done = done + tonumber(c[i] or '0') end
-if st == '{BatchStatus.cancelling.value}' and done >= tonumber(b[1] or '0') then
-  redis.call('HSET', KEYS[1], '{F.status}', '{BatchStatus.cancelled.value}', '{F.cancelled_at}', ARGV[3])
-  lmdq_batch_ended(KEYS[1], ARGV[4])
-end
-return unqueued
-""", uses=(BATCH_ENDED,))
+if redis.call('HSETNX', KEYS[2], '{F.staging_failed}', ARGV[2]) == 0 then return -1 end
+return 1
+""")
 
 # KEYS: queue list.  ARGV: id prefix.  Returns the removed ids. One pass that rebuilds the list
 # without the batch's ids: O(queue length), not O(jobs x queue) as one LREM per job would be.
