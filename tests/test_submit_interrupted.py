@@ -28,11 +28,11 @@ import pytest
 import redis
 from openai import OpenAI
 
-from lmdq.bench.api_bench import ApiProcess
 from lmdq.contract import BatchStatus, ErrorCode, GenerationParams
 from lmdq.redis.keys import BatchField, Keys, queue_name, rq_queue_key
 from lmdq.submission.ledger import BatchLedger
 from lmdq.submission.submit import SubmitOptions, submit_file
+from lmdq_bench.api_bench import ApiProcess
 from tests.conftest import ROOT, run_cli, start_worker
 
 F = BatchField

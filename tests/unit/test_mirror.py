@@ -35,6 +35,7 @@ NO_UNIT_TEST_YET = {
     "src/lmdq/redis/queue_stats.py",
     "src/lmdq/redis/registry.py",
     "src/lmdq/redis/scripts.py",
+    "src/lmdq/redis/staging.py",
     "src/lmdq/results/blobs.py",
     "src/lmdq/results/export.py",
     "src/lmdq/results/reader.py",
