@@ -216,7 +216,7 @@ class Client:
             try:
                 info, created = submit_mod.submit_file(path, opts, **kw)
             except LmdqError as e:  # the spool is an implementation detail: name the source
-                e.args = (str(e).replace(f"{path}:0: ", f"{src.name}: ").replace(str(path), src.name),)
+                e.args = (str(e).replace(f"{path}: ", f"{src.name}: ").replace(str(path), src.name),)
                 if isinstance(e, SubmitRejected):
                     e.problems = tuple(_spooled(p, str(path), src.name) for p in e.problems)
                 raise

@@ -126,7 +126,7 @@ def _arrow_reader(source: Any) -> Any | None:
 def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
     name = str(path)
     if not path.is_file():
-        raise SubmitRejected(f"{path}:0: no such file")
+        raise SubmitRejected(f"{path}: no such file")
     pa = _need_pyarrow(f"a {fmt} file")
     try:
         if fmt == "parquet":
@@ -144,7 +144,7 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
         reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False))
         return RowSource(name, _reader_chunks(reader, cmap, name))
     except (OSError, pa.ArrowException) as e:
-        raise SubmitRejected(f"{path}:0: cannot read the {fmt} file: {e}") from e
+        raise SubmitRejected(f"{path}: cannot read the {fmt} file: {e}") from e
 
 
 def classify(source: Any, *, fmt: str | None, cmap: ColumnMap) -> FileSource | RowSource:

@@ -278,7 +278,7 @@ def _validate(
                 ids = []
             n += 1
     except OSError as e:
-        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     if not errors:
         errors.extend(_duplicates(path, opts, hashes))
     model = opts.model
@@ -298,14 +298,14 @@ def _validate(
                     "every line on NAME"
                 )
     if model is None and not errors:
-        errors.append(f"{path}:0: no model given: pass --model NAME")
+        errors.append(f"{path}: no model given: pass --model NAME")
     if errors:
         raise SubmitRejected("\n".join(errors))
     if opts.on_warning is not None:
         for w in sampling.warnings(path, batch_samples=bool(opts.params.do_sample)):
             opts.on_warning(w)
     if model is None:  # unreachable: a missing model is one of the errors above
-        raise SubmitRejected(f"{path}:0: no model given: pass --model NAME")
+        raise SubmitRejected(f"{path}: no model given: pass --model NAME")
     if ids:
         id_chunks.append(_IDS_JSON.encode(ids))
     seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
@@ -479,7 +479,7 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
     except OSError as e:
-        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     options = {
         "model": opts.model, "params": opts.params.model_dump(mode="json", exclude_none=True),
         "priority": Priority(opts.priority).value, "batch_size": opts.batch_size, "metadata": opts.metadata,
@@ -507,7 +507,7 @@ def submit_file(
     idempotency key matched an existing batch. ``max_job_bytes`` is LMDQ_MAX_JOB_BYTES: a job the
     workers would refuse unread is refused here, before anything is visible."""
     if not path.is_file():
-        raise SubmitRejected(f"{path}:0: no such file")
+        raise SubmitRejected(f"{path}: no such file")
     if opts.batch_size < 1:
         raise SubmitRejected(f"--batch-size: expected >= 1, got {opts.batch_size}")
     check_submit_urls(opts.results_url, opts.blob_url)
@@ -531,7 +531,7 @@ def submit_file(
             raise SubmitRejected(foreign_format_message(path, foreign))
         fmt = opts.fmt or detect_format(path)
     except OSError as e:
-        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
     seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress)
     field_name = "body.model" if fmt is InputFormat.openai else "model"
