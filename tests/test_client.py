@@ -410,3 +410,17 @@ def test_a_column_option_on_string_rows_is_an_error_not_ignored(api: lmdq.Client
         api.submit(["a", "b"], model="sim", allow_unknown_model=True, prompt_column="question")
     assert e.value.field == "prompt_column" and e.value.value == "question"
     _nothing_enqueued(client, prefix)
+
+
+def test_a_dataframe_warning_names_the_dataframe_and_its_rows_not_a_spool_file(api: lmdq.Client) -> None:
+    """Issue 45: ``warning: /tmp/lmdq-spool-.../rows.jsonl: 1 line set temperature ... (first: line 1)``."""
+    import pandas as pd
+
+    seen: list[str] = []
+    df = pd.DataFrame({"question": ["a?", "b?"], "temperature": [0.0, 0.7]})
+    api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", params_columns=["temperature"],
+               on_warning=seen.append)
+    warned = [w for w in seen if "temperature" in w]
+    assert warned, seen
+    assert all("lmdq-spool" not in w and "rows.jsonl" not in w for w in seen), seen
+    assert warned[0].startswith("DataFrame: 2 rows set temperature") and "(first: row 0)" in warned[0], warned

@@ -213,6 +213,8 @@ class Client:
                 spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress)
             opts.fmt = InputFormat.jsonl
             opts.input_name = src.name
+            if opts.on_warning is not None:  # the spool is an implementation detail: name the source's rows
+                opts.on_warning = _in_rows(opts.on_warning, str(path), src.name)
             try:
                 info, created = submit_mod.submit_file(path, opts, **kw)
             except LmdqError as e:  # the spool is an implementation detail: name the source
@@ -280,6 +282,19 @@ def _spooled(p: InputProblem, spool: str, name: str) -> InputProblem:
     if p.line:
         return InputProblem(message=p.message, source=name, row=p.line - 1, field=p.field, value=p.value)
     return InputProblem(message=p.message, source=name, field=p.field, value=p.value)
+
+
+def _in_rows(warn: Callable[[str], None], spool: str, name: str) -> Callable[[str], None]:
+    """``warn`` for a message the file pipeline words about the spool (``/tmp/...: 3 lines ... (first:
+    line 1)``), reworded as the source counts: its name, rows, row n-1 for spool line n (issue 45)."""
+    import re
+
+    def reworded(message: str) -> None:
+        m = message.replace(f"{spool}: ", f"{name}: ").replace(spool, name)
+        m = re.sub(r"\bline (\d+)", lambda g: f"row {int(g.group(1)) - 1}", m)
+        warn(re.sub(r"\b(\d[\d,]*) line(s?)\b", r"\1 row\2", m))
+
+    return reworded
 
 
 def _warn(message: str) -> None:
