@@ -424,3 +424,27 @@ def test_a_dataframe_warning_names_the_dataframe_and_its_rows_not_a_spool_file(a
     assert warned, seen
     assert all("lmdq-spool" not in w and "rows.jsonl" not in w for w in seen), seen
     assert warned[0].startswith("DataFrame: 2 rows set temperature") and "(first: row 0)" in warned[0], warned
+
+
+def test_a_mixed_object_column_is_an_lmdq_error_naming_row_and_column(api: lmdq.Client, client: redis.Redis,
+                                                                       prefix: str) -> None:
+    """Issue 45: a pandas object column mixing str and int raised a raw pyarrow ArrowTypeError, no row."""
+    import pandas as pd
+
+    df = pd.DataFrame({"question": ["a?", "b?", 3, "d?"]})
+    with pytest.raises(lmdq.SubmitRejected, match=r"^DataFrame: row 2: column 'question': expected a str") as e:
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question")
+    assert (e.value.row, e.value.column, e.value.value) == (2, "question", 3)
+    _nothing_enqueued(client, prefix)
+
+
+def test_a_csv_prompt_or_id_that_looks_numeric_is_read_as_the_text_in_the_file(api: lmdq.Client, tmp_path: Path,
+                                                                              redis_url: str, prefix: str) -> None:
+    """Issue 45: a CSV prompt column of digits was refused (``expected a string, got 1``), and an id like
+    ``007`` would lose its zeros: both are text as written."""
+    f = tmp_path / "q.csv"
+    f.write_text("qid,question\n007,1\n010,22\n")
+    b = api.submit(f, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid",
+                   max_new_tokens=2)
+    drain(redis_url, prefix)
+    assert [(r.custom_id, r.status.value) for r in b.results()] == [("007", "completed"), ("010", "completed")]
