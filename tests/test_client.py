@@ -448,3 +448,23 @@ def test_a_csv_prompt_or_id_that_looks_numeric_is_read_as_the_text_in_the_file(a
                    max_new_tokens=2)
     drain(redis_url, prefix)
     assert [(r.custom_id, r.status.value) for r in b.results()] == [("007", "completed"), ("010", "completed")]
+
+
+def test_gen_config_takes_lmdeploys_generation_config_or_a_dict(api: lmdq.Client, redis_url: str,
+                                                               prefix: str) -> None:
+    """Issue 45: ``gen_config=GenerationConfig(...)`` was a TypeError. LMDeploy's own class (installed here,
+    as on a GPU worker) maps to the options; a field lmdq lacks is refused by name."""
+    from lmdeploy import GenerationConfig
+
+    a = api.submit(["hi", "yo"], model="sim", allow_unknown_model=True,
+                   gen_config=GenerationConfig(max_new_tokens=3, random_seed=5))
+    b = api.submit(["hi", "yo"], model="sim", allow_unknown_model=True, gen_config={"max_new_tokens": 3, "seed": 5})
+    drain(redis_url, prefix)
+    assert [r.generate_token_len for r in a.results()] == [3, 3]
+    assert _answers(a) == _answers(b)
+    with pytest.raises(lmdq.InvalidArgument, match="^gen_config.return_ppl: lmdq does not support") as e:
+        api.submit(["hi"], model="sim", allow_unknown_model=True, gen_config=GenerationConfig(return_ppl=True))
+    assert e.value.field == "gen_config.return_ppl"
+    with pytest.raises(lmdq.InvalidArgument, match="^gen_config.max_new_tokens: also given"):
+        api.submit(["hi"], model="sim", allow_unknown_model=True, max_new_tokens=4,
+                   gen_config=GenerationConfig(max_new_tokens=3))
