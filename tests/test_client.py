@@ -468,3 +468,18 @@ def test_gen_config_takes_lmdeploys_generation_config_or_a_dict(api: lmdq.Client
     with pytest.raises(lmdq.InvalidArgument, match="^gen_config.max_new_tokens: also given"):
         api.submit(["hi"], model="sim", allow_unknown_model=True, max_new_tokens=4,
                    gen_config=GenerationConfig(max_new_tokens=3))
+
+
+def test_an_unknown_model_is_worded_in_the_python_callers_terms(api: lmdq.Client, tmp_path: Path) -> None:
+    """Issue 45: from Python, ``UnknownModel: --model: unknown model ... or pass --allow-unknown-model`` named
+    CLI flags; it now names ``model=`` and ``allow_unknown_model=True`` (the CLI keeps its flags:
+    tests/test_cli_errors.py)."""
+    from lmdq.errors import UnknownModel
+
+    for source in (["hi"], [{"prompt": "hi"}]):
+        with pytest.raises(UnknownModel) as e:
+            api.submit(source, model="no-such-model")
+        text = str(e.value)
+        assert text.startswith("model=: unknown model 'no-such-model'"), text
+        assert text.endswith("or pass allow_unknown_model=True to queue anyway."), text
+        assert "--" not in text, text

@@ -70,6 +70,9 @@ class Backend:
             prefix_group_bytes=s.prefix_group_bytes,
             memory_fraction=s.memory_headroom_fraction,
             staging_lease_s=s.staging_lease_s,
+            # an HTTP caller has no flag to pass: the model is LMDQ_API_MODEL or each line's body.model
+            model_option="LMDQ_API_MODEL",
+            allow_unknown_hint=None,
         )
         batch: Batch
         batch, _created = submit_file(path, opts, client=self.client, keys=self.keys, ttl_s=s.result_ttl_s,

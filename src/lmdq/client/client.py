@@ -206,6 +206,9 @@ class Client:
         kw: dict[str, Any] = {"client": self.redis, "keys": self.keys, "ttl_s": ttl_s,
                               "validate_progress": validate_progress, "enqueue_progress": enqueue_progress,
                               "max_job_bytes": self.settings.max_job_bytes}
+        if spell("model") != "--model":  # this surface's words in submit's errors (issue 45)
+            opts.model_option = f"{spell('model')}="
+            opts.allow_unknown_hint = f"{spell('allow_unknown_model')}=True"
         if isinstance(src, FileSource):
             opts.fmt = src.fmt
             opts.input_name = input_name

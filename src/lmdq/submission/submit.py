@@ -105,6 +105,11 @@ class SubmitOptions:
     #: called once, right after the first jobs became visible and before the rest is staged (tests run a
     #: worker, edit the file or make Redis refuse here: deterministically, not by racing a process)
     after_first_commit: Callable[[], None] | None = None
+    #: how the caller's surface names the model option and the way past an unknown model (issue 45: one
+    #: error, three spellings): the CLI's flags by default, ``model=`` / ``allow_unknown_model=True`` from
+    #: Python; None for the HTTP API, whose caller cannot pass one
+    model_option: str = "--model"
+    allow_unknown_hint: str | None = "--allow-unknown-model"
     #: what the batch record names as its input when ``path`` is a copy of it: ``-`` for stdin (a
     #: temporary file, src/lmdq/submission/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
     #: or Python rows (lmdq.client.sources)
@@ -538,7 +543,7 @@ def submit_file(
     try:
         check_model_name(model)
     except InvalidModelName as e:
-        where = "--model" if opts.model is not None else f"{path}:{model_line}: field '{field_name}'"
+        where = opts.model_option if opts.model is not None else f"{path}:{model_line}: field '{field_name}'"
         raise SubmitRejected(f"{where}: {e}") from e
     total = seen.requests
     if total > opts.limits.max_requests:
@@ -554,11 +559,11 @@ def submit_file(
             known_list = ', '.join(sorted(known)) or '(none: nothing registered, no worker started yet)'
             msgs = []
             for m in unknown[: opts.max_errors]:
-                where = f"{path}:{lines_of[m]}: field '{field_name}'" if lines_of.get(m) else "--model"
+                where = f"{path}:{lines_of[m]}: field '{field_name}'" if lines_of.get(m) else opts.model_option
+                way = f", or pass {opts.allow_unknown_hint} to queue anyway" if opts.allow_unknown_hint else ""
                 msgs.append(
                     f"{where}: unknown model {m!r}; known: {known_list}. Register it with "
-                    f"`lmdq-producer models add {shlex.quote(m)}` (or start a worker serving it), or pass "
-                    "--allow-unknown-model to queue anyway."
+                    f"`lmdq-producer models add {shlex.quote(m)}` (or start a worker serving it){way}."
                 )
             raise UnknownModel("\n".join(msgs))
 
