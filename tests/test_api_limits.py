@@ -298,3 +298,33 @@ def test_missing_custom_id_has_its_own_code(srv: Server) -> None:
     assert b.status == "failed" and b.errors is not None and b.errors.data
     err = b.errors.data[0]
     assert err.code == "missing_required_parameter" and err.param == "custom_id" and err.line == 1
+
+
+def test_output_expires_after_overflow_is_a_400_naming_it(srv: Server) -> None:
+    c = _sdk(srv)
+    f = c.files.create(file=("x.jsonl", b'{"custom_id": "a"}\n'), purpose="batch")
+    body = json.dumps({"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+                       "output_expires_after": {"anchor": "created_at", "seconds": "SECONDS"}})
+    body_bytes = body.replace('"SECONDS"', "1e999").encode()  # a number that parses as inf
+    req = urllib.request.Request(f"{srv.url}/v1/batches", data=body_bytes, method="POST",
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=10)
+        raise AssertionError("accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400
+        assert json.loads(e.read())["error"]["param"] == "output_expires_after.seconds"
+
+
+def test_dropped_json_body_is_not_a_500(srv: Server) -> None:
+    before = len(srv.log_lines())
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    s.sendall((f"POST /v1/batches HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+               "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"input").encode())
+    time.sleep(0.2)
+    s.close()
+    # FastAPI reads a JSON body before the handler runs and answers a cut-off one 400 itself
+    _wait_log(srv, lambda r: r.get("event") in ("client_disconnected", "request") and r.get("tenant") is None
+              and r.get("route") == "/v1/batches" and r.get("status") in (400, None))
+    new = srv.log_lines()[before:]
+    assert not any("internal error" in line or '"status": 500' in line for line in new), new

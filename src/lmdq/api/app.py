@@ -208,6 +208,13 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
         msg = "Not found" if e.status_code == 404 else str(e.detail)
         return JSONResponse(error_body(msg), status_code=e.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(r: Request, _e: ClientDisconnect) -> Response:
+        # the client went away mid-request (or was closed for stalling): not a server error, no traceback
+        log.info("client_disconnected", route=_route_of(r), tenant=r.scope.get("lmdq_tenant"),
+                 closed_by=r.scope.get("lmdq.closed_by", "client"))
+        return Response(status_code=499)  # nobody reads it; nginx's code, for the access log and metrics
+
     @app.exception_handler(redis.RedisError)
     async def _redis(_r: Request, e: redis.RedisError) -> JSONResponse:
         log.warning("redis error answering a request", error_type=type(e).__name__)
