@@ -168,6 +168,8 @@ class ErrorCode(_Value):
     service_unavailable = "service_unavailable"
     model_not_found = "model_not_found"
     duplicate_custom_id = "duplicate_custom_id"
+    #: a batch input line without a field OpenAI requires (``custom_id``)
+    missing_required_parameter = "missing_required_parameter"
     invalid_url = "invalid_url"
     mismatched_model = "mismatched_model"
     invalid_json_line = "invalid_json_line"

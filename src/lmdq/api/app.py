@@ -7,6 +7,7 @@ block); the upload is async so its body can be parsed as it streams in.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -23,12 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lmdq.api.auth import KeyRing
 from lmdq.api.backend import Backend
 from lmdq.api.batches import ApiBatches
 from lmdq.api.errors import ApiError, error_body, unauthorized
 from lmdq.api.files import FileStore, check_purpose, expires_after
+from lmdq.api.server import AcceptErrors
 from lmdq.api.settings import ApiSettings
 from lmdq.api.uploads import FormStream, boundary_of
 from lmdq.contract import ErrorCode
@@ -159,6 +162,7 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     files.ensure_folder()
     metrics = _Metrics()
     worker: _Worker | None = None
+    uploads_now = 0  # uploads in progress (one event loop: no lock needed)
 
     def schedule(fn: Callable[[], None], key: str) -> None:
         assert worker is not None
@@ -170,6 +174,8 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         assert worker is not None
+        # accept failures (EMFILE) as one line per episode, not a traceback per connection (lmdq.api.server)
+        asyncio.get_running_loop().set_exception_handler(AcceptErrors())
         worker.start()
         log.info("lmdq-api ready", tenants=len(keyring.tenants), files_dir=str(settings.api_files_dir))
         yield
@@ -181,7 +187,7 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     # ---- errors in OpenAI's shape ---------------------------------------------------------
     @app.exception_handler(ApiError)
     async def _api_error(_r: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_r: Request, e: RequestValidationError) -> JSONResponse:
@@ -201,6 +207,13 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     async def _http(_r: Request, e: StarletteHTTPException) -> JSONResponse:
         msg = "Not found" if e.status_code == 404 else str(e.detail)
         return JSONResponse(error_body(msg), status_code=e.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(r: Request, _e: ClientDisconnect) -> Response:
+        # the client went away mid-request (or was closed for stalling): not a server error, no traceback
+        log.info("client_disconnected", route=_route_of(r), tenant=r.scope.get("lmdq_tenant"),
+                 closed_by=r.scope.get("lmdq.closed_by", "client"))
+        return Response(status_code=499)  # nobody reads it; nginx's code, for the access log and metrics
 
     @app.exception_handler(redis.RedisError)
     async def _redis(_r: Request, e: redis.RedisError) -> JSONResponse:
@@ -249,12 +262,24 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
 
     # ---- files ----------------------------------------------------------------------------
     @app.post("/v1/files")
-    async def create_file(request: Request, t: Tenant) -> dict[str, Any]:
+    async def create_file(request: Request, t: Tenant) -> Any:
+        nonlocal uploads_now
         boundary = boundary_of(request.headers.get("content-type"))
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > settings.api_max_upload_bytes + (1 << 20):  # + the form's own
             raise ApiError(413, f"file: larger than this server's limit of {settings.api_max_upload_bytes:,} bytes "
                                 "(LMDQ_API_MAX_UPLOAD_BYTES)", param="file")
+        if uploads_now >= settings.api_max_uploads:
+            raise ApiError(503, f"this server is taking {settings.api_max_uploads} uploads at once "
+                           "(LMDQ_API_MAX_UPLOADS); retry shortly", type_="server_error",
+                           code=ErrorCode.service_unavailable, headers={"Retry-After": "2"})
+        uploads_now += 1
+        try:
+            return await _upload(request, t, boundary)
+        finally:
+            uploads_now -= 1
+
+    async def _upload(request: Request, t: Tenant, boundary: bytes) -> Any:
         file_id, f, tmp = await run_in_threadpool(files.open_new)
         form = FormStream(boundary, f, max_bytes=settings.api_max_upload_bytes)
         try:
@@ -275,6 +300,12 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
             rec = await run_in_threadpool(lambda: files.commit(file_id, f, tmp, tenant=t,
                                                                filename=form.filename or "upload.jsonl",
                                                                purpose=purpose, ttl_s=ttl))
+        except ClientDisconnect:
+            # the client went away (or was closed for stalling: LMDQ_API_BODY_TIMEOUT_S): not a server error
+            files.discard(f, tmp)
+            log.info("client_disconnected", route="/v1/files", tenant=t, received=form.file_bytes,
+                     closed_by=request.scope.get("lmdq.closed_by", "client"))
+            return Response(status_code=499)  # nobody reads it; nginx's code for the access log
         except BaseException:
             files.discard(f, tmp)
             raise

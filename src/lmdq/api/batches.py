@@ -45,6 +45,7 @@ log = get_logger("lmdq.api.batches")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/score", "/v1/reward")
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_MAX_WINDOW_S = 365 * 86400
 #: a submission that keeps failing for reasons not about its file (a bug) gives up after this many runs
 MAX_SUBMIT_RUNS = 5
 _FINALIZE_LEASE_S = 120
@@ -53,11 +54,13 @@ _MAX_ERRORS = 100
 
 def parse_window(window: str) -> float:
     """``24h`` (OpenAI's only value), or any ``<n>s|m|h|d``: requests not started by then expire."""
-    m = _WINDOW.match(window) if isinstance(window, str) else None
-    if not m or float(m.group(1)) <= 0:
-        raise bad_request(f"completion_window: expected a duration such as '24h' (or 90m, 7d), got {window!r}",
-                          param="completion_window")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    m = _WINDOW.match(window) if isinstance(window, str) and len(window) <= 32 else None
+    seconds = float(m.group(1)) * _UNITS[m.group(2)] if m else 0.0
+    if not m or not 0 < seconds <= _MAX_WINDOW_S:  # inf (a 400-digit number) included
+        shown = window if not isinstance(window, str) or len(window) <= 32 else window[:32] + "..."
+        raise bad_request(f"completion_window: expected a duration such as '24h' (or 90m, 7d; at most 365d), "
+                          f"got {shown!r}", param="completion_window")
+    return seconds
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
@@ -142,6 +145,8 @@ _FIELD = re.compile(r"^field '(?P<field>[^']*)': ")
 
 def _error_code(field: str | None, message: str) -> ErrorCode:
     """OpenAI's batch error codes where one fits, else ``invalid_request``."""
+    if field == "custom_id" and "missing" in message:  # not a duplicate: OpenAI's code for an absent field
+        return ErrorCode.missing_required_parameter
     if field == "custom_id" and "unique" in message:
         return ErrorCode.duplicate_custom_id
     if field == "url":

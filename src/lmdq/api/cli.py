@@ -40,11 +40,10 @@ def _flags() -> list[FlagSpec]:
 @model_options(_flags(), into="given")
 def serve(given: dict[str, Any]) -> None:
     """Serve /v1/files and /v1/batches for the tenants of LMDQ_API_KEYS / LMDQ_API_KEYS_FILE."""
-    import uvicorn
-
     from lmdq.api.app import create_app
     from lmdq.api.auth import load_keyring
     from lmdq.api.backend import Backend
+    from lmdq.api.server import serve as serve_app
     from lmdq.api.settings import ApiSettings
     from lmdq.logs.config import configure_logging
 
@@ -53,10 +52,7 @@ def serve(given: dict[str, Any]) -> None:
     configure_logging(s.log_format, s.log_level)
     keyring = load_keyring(s.api_keys.get_secret_value() if s.api_keys else None, s.api_keys_file)
     app_ = create_app(s, keyring, Backend(s))
-    # log_config=None: uvicorn's loggers propagate to lmdq's one JSON handler; its access log is off
-    # (lmdq-api logs each request itself, with the tenant and never the key)
-    uvicorn.run(app_, host=s.api_host, port=s.api_port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=10)
+    serve_app(app_, s)  # uvicorn with lmdq-api's timeouts and connection caps (lmdq.api.server)
 
 
 def main() -> None:

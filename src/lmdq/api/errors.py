@@ -18,8 +18,10 @@ class ApiError(Exception):
     """An error the API answers with ``status`` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: ErrorCode | None = None) -> None:
+                 param: str | None = None, code: ErrorCode | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.type = type_

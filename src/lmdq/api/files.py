@@ -192,7 +192,7 @@ def expires_after(anchor: str | None, seconds: str | int | None, param: str) -> 
         raise bad_request(f"{param}.anchor: expected 'created_at', got {anchor!r}", param=f"{param}.anchor")
     try:
         n = int(seconds)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON Infinity
         n = 0
     if not 3600 <= n <= 30 * 86400:
         raise bad_request(f"{param}.seconds: expected 3600 to 2592000 seconds, got {seconds!r}",

@@ -48,3 +48,28 @@ class ApiSettings(ProducerSettings):
         default=0.5, gt=0, le=60, description="how often the server looks for batches that ended (to write their "
         "output files) and for submissions a stopped replica left half done"
     )
+    api_idle_timeout_s: int = Field(
+        default=5, ge=1, le=3600, description="how long a kept-alive connection may sit idle between requests "
+        "before the server closes it"
+    )
+    api_header_timeout_s: float = Field(
+        default=10, gt=0, le=3600, description="how long a client has to send a request's headers, from its "
+        "connection (or the request's first byte); a connection that sends nothing or trickles is closed"
+    )
+    api_body_timeout_s: float = Field(
+        default=30, gt=0, le=3600, description="the longest gap between two received pieces of a request body "
+        "(an upload): a client that stalls or trickles slower is closed and its partial file removed"
+    )
+    api_max_uploads: int = Field(
+        default=16, ge=1, le=100_000, description="uploads (POST /v1/files) in progress at once; one more is "
+        "answered 503 with Retry-After (the SDKs retry it)"
+    )
+    api_max_connections: int = Field(
+        default=1000, ge=1, le=1_000_000, description="client connections held open at once (kept under the "
+        "process's open-file limit); over it, the oldest connection with no request in progress is closed, "
+        "or else the new one"
+    )
+    api_backlog: int = Field(
+        default=2048, ge=1, le=65535, description="connections the kernel queues for lmdq-api to accept (listen "
+        "backlog)"
+    )
