@@ -26,6 +26,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+from tests.conftest import run_cli
+
 KEY = f"limits-key-{uuid.uuid4().hex}"
 FD_LIMIT = 1024
 
@@ -328,3 +330,26 @@ def test_dropped_json_body_is_not_a_500(srv: Server) -> None:
               and r.get("route") == "/v1/batches" and r.get("status") in (400, None))
     new = srv.log_lines()[before:]
     assert not any("internal error" in line or '"status": 500' in line for line in new), new
+
+
+def test_the_default_ports_are_distinct_and_a_port_in_use_is_exit_2_in_one_line(env: dict[str, str]) -> None:
+    """Issue 45: the README's ``lmdq-api --port 8000`` collided with the worker's health port 8000: lmdq-api
+    logged "ready", then uvicorn's ``[Errno 98]``, exit 3 (the code kept for Redis). The defaults differ
+    now, and a port in use is one line naming it and the flag, exit 2."""
+    from lmdq.api.settings import ApiSettings
+    from lmdq.metrics.exporter import ExporterSettings
+    from lmdq.worker.settings import WorkerSettings
+
+    ports = {ApiSettings.model_fields["api_port"].default, ExporterSettings.model_fields["exporter_port"].default,
+             WorkerSettings.model_fields["health_port"].default}
+    assert len(ports) == 3, ports
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        p = run_cli("lmdq.api", "--host", "127.0.0.1", "--port", str(port),
+                    env={**env, "LMDQ_API_KEYS": "t:" + "k" * 32}, timeout=60)
+    err = [ln for ln in p.stderr.decode().splitlines() if ln.strip()]
+    assert p.returncode == 2, p.stderr.decode()[-2000:]
+    assert f"127.0.0.1:{port} is already in use" in err[-1] and "--port" in err[-1], err
+    assert "Traceback" not in p.stderr.decode()

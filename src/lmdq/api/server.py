@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import resource
+import socket
 import time
 from typing import Any
 
@@ -183,4 +184,28 @@ def serve(app: Any, s: ApiSettings) -> None:
     log.info("lmdq-api limits", max_connections=max_conns, max_uploads=s.api_max_uploads,
              header_timeout_s=s.api_header_timeout_s, body_timeout_s=s.api_body_timeout_s,
              idle_timeout_s=s.api_idle_timeout_s, backlog=s.api_backlog)
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[listening_socket(s.api_host, s.api_port, s.api_backlog)])
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """The API's socket, bound here rather than inside uvicorn so a port in use is one line and exit 2
+    naming the port and the flag to change it (issue 45: lmdq-api logged "ready", then uvicorn's
+    ``[Errno 98]``, exit 3, the code the README keeps for Redis)."""
+    import errno
+
+    from lmdq.errors import BadSetting
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise BadSetting(f"--port / LMDQ_API_PORT: {host}:{port} is already in use (a worker's health port, "
+                             "the exporter or another lmdq-api?); pass --port N") from None
+        raise BadSetting(f"--host / --port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock

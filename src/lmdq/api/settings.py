@@ -18,7 +18,8 @@ __all__ = ["ApiSettings"]
 
 class ApiSettings(ProducerSettings):
     api_host: str = Field(default="127.0.0.1", description="address lmdq-api listens on (0.0.0.0 in containers)")
-    api_port: int = Field(default=8000, ge=0, le=65535, description="port lmdq-api listens on (0: any free port)")
+    api_port: int = Field(default=8080, ge=0, le=65535, description="port lmdq-api listens on (0: any free port; "
+                          "8080, apart from the worker's health port 8000 and the exporter's 9464)")
     api_keys: SecretStr | None = Field(
         default=None, description="API keys as comma-separated tenant:key pairs (LMDQ_API_KEYS); kept only hashed"
     )

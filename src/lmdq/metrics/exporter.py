@@ -66,7 +66,8 @@ class ExporterSettings(CommonSettings):
     """The exporter's settings (``LMDQ_`` env vars; ``lmdq-producer exporter`` flags override)."""
 
     exporter_host: str = Field(default="0.0.0.0", description="address the /metrics server binds")
-    exporter_port: int = Field(default=8000, ge=0, le=65535, description="port of /metrics (0: any free port)")
+    exporter_port: int = Field(default=9464, ge=0, le=65535, description="port of /metrics (0: any free port; "
+                               "9464, apart from the worker's health port 8000 and lmdq-api's 8080)")
     exporter_max_batches: int = Field(
         default=1000, ge=0, le=1_000_000, description="newest batches counted in lmdq_batches per read")
     exporter_interval_s: float = Field(
