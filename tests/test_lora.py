@@ -132,3 +132,60 @@ def test_bad_adapter_flags_are_one_line_errors(env: dict[str, str], spec: str, m
     err = p.stderr.decode()
     assert p.returncode == 2, err
     assert message in err and "Traceback" not in err
+
+
+def _one_line_refusal(p: Any) -> str:
+    err = p.stderr.decode()
+    assert p.returncode == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: --adapter"), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, spec, message", [
+    # the base model's served name: its requests would get the adapter's text
+    (("--served-model-name", "smol"), "smol={adapter}", "'smol' is the base model's served name"),
+    ((), "smollm2-135m-instruct={adapter}", "'smollm2-135m-instruct' is the base model's served name"),
+    ((), "twin={adapter},twin={adapter}", "'twin' given twice"),
+    # names lmdq takes but peft / LMDeploy cannot load (torch module names hold no '.')
+    ((), "lora.v1={adapter}", "'lora.v1' contains '.'"),
+    ((), "lora={adapter}", "'lora' is part of peft's LoRA prefix"),
+])
+def test_adapter_names_the_engine_cannot_serve_are_refused_before_the_load(
+        env: dict[str, str], adapter_dir: Path, flags: tuple[str, ...], spec: str, message: str) -> None:
+    e = {**env, "LMDQ_ADAPTER": spec.format(adapter=adapter_dir)} if "," in spec else env
+    args = () if "," in spec else ("--adapter", spec.format(adapter=adapter_dir))
+    p = run_cli("lmdq.worker", "--engine", "transformers", *flags, *args, "--burst", env=e, timeout=120)
+    assert message in _one_line_refusal(p)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "missing", "does not exist"),
+    (lambda d: (d / "file").write_text("x") and d / "file", "is not a folder"),
+    (lambda d: (d / "empty").mkdir() or d / "empty", "has no adapter_config.json"),
+    (lambda d: ((d / "bad").mkdir(), (d / "bad" / "adapter_config.json").write_text("{"))[0] or d / "bad",
+     "adapter_config.json is not valid JSON"),
+    (lambda d: ((d / "bin").mkdir(), (d / "bin" / "adapter_config.json").write_bytes(b"\xff\xfe"))[0] or d / "bin",
+     "adapter_config.json is not UTF-8"),
+])
+def test_bad_adapter_paths_are_one_line_before_the_load(
+        tmp_path: Path, env: dict[str, str], make: Any, message: str) -> None:
+    path = make(tmp_path)
+    p = run_cli("lmdq.worker", "--engine", "transformers", "--adapter", f"sql={path}", "--burst", env=env,
+                timeout=120)
+    line = _one_line_refusal(p)
+    assert "'sql'" in line and str(path) in line and message in line, line
+
+
+def test_adapter_checks_are_one_rule_for_every_engine(adapter_dir: Path) -> None:
+    """LMDeploy's PyTorch backend gets the same name and path checks (no GPU needed: before the load)."""
+    from lmdq.errors import BadSetting
+    from lmdq.worker.settings import load_worker_settings
+
+    for spec, message in ((f"a.b={adapter_dir}", "contains '.'"), ("x=/nonexistent", "does not exist"),
+                          (f"m={adapter_dir}", "base model's served name")):
+        with pytest.raises(BadSetting, match=message):
+            load_worker_settings(engine="lmdeploy", model="/models/m", backend="pytorch", adapter=[spec])
+    s = load_worker_settings(engine="lmdeploy", model="/models/m", backend="pytorch", adapter=[f"sql={adapter_dir}"])
+    assert s.adapters == {"sql": str(adapter_dir)}

@@ -90,14 +90,15 @@ def test_engine_choice_and_its_config() -> None:
     assert type(s.engine_config) is SimConfig and s.engine_config.max_batch == 3
 
 
-def test_the_engine_gets_a_process_of_its_own_where_it_would_hold_the_workers_gil() -> None:
+def test_the_engine_gets_a_process_of_its_own_where_it_would_hold_the_workers_gil(tmp_path: Path) -> None:
     """Unset, ``engine_process`` follows the engine: TurboMind (LMDeploy, backend not pytorch, no adapters) runs
     in the loading process, so it gets a child; LMDeploy's PyTorch backend (its own engine process), the
     transformers engine and the sim stay in the worker. Set, it is what it says."""
     assert WorkerSettings(model="/m").runs_engine_process  # backend auto: TurboMind first
     assert WorkerSettings(model="/m", backend="turbomind").runs_engine_process
     assert not WorkerSettings(model="/m", backend="pytorch").runs_engine_process
-    assert not WorkerSettings(model="/m", adapter=["a=/lora"], backend="pytorch").runs_engine_process
+    (tmp_path / "adapter_config.json").write_text("{}")  # an adapter folder: --adapter checks it at start
+    assert not WorkerSettings(model="/m", adapter=[f"sql={tmp_path}"], backend="pytorch").runs_engine_process
     assert not WorkerSettings().runs_engine_process  # the embedded default on transformers
     assert not WorkerSettings(engine="sim").runs_engine_process
     assert WorkerSettings(engine="sim", engine_process=True).runs_engine_process

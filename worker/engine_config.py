@@ -159,6 +159,9 @@ class TransformersConfig(ModelEngineConfig):
 
     device: str = Field(default="auto", description="auto (cuda when available) | cpu | cuda | cuda:N")
     max_batch_rows: int = Field(default=32, ge=1, description="requests of one stream call decoded as one padded batch")
+    score_logits_mb: int = Field(
+        default=128, ge=1, description="MiB of logits (with their float32 log-softmax) one score forward may hold: "
+        "continuations are batched, and a long one fed in chunks of positions through the KV cache, within it")
 
 
 class SimConfig(EngineConfig):

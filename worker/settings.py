@@ -25,7 +25,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from lmdq.settings import CommonSettings
-from lmdq.worker.adapters import adapter_refusal, parse_adapters
+from lmdq.worker.adapters import adapter_refusal, adapters_problem, parse_adapters
 from lmdq.worker.engine_config import EngineConfig, LMDeployConfig
 from lmdq.worker.engine_settings import ENGINE_CONFIGS, all_flat_names, describe_validation_error, split_engine_settings
 
@@ -201,11 +201,25 @@ class WorkerSettings(CommonSettings):
     @classmethod
     def _adapters_servable(cls, v: list[str], info: ValidationInfo) -> list[str]:
         """Refused before a model load of minutes: an engine that cannot apply an adapter would otherwise
-        answer its requests with the base model's outputs under the adapter's name."""
+        answer its requests with the base model's outputs under the adapter's name; an adapter named as
+        the base model would answer the base model's; a name the engine cannot load or a path that is
+        no adapter folder would end the worker in a library's traceback after the load
+        (:func:`lmdq.worker.adapters.adapters_problem`)."""
         if not v:
             return v
         engine = resolve_engine(info.data.get("engine"), info.data.get("model"))
         why = adapter_refusal(engine, info.data.get("engine_config"))
+        if why:
+            raise ValueError(why)
+        served = info.data.get("served_model_name")
+        if not served:  # the engine's default name for --model (what build_engine will serve)
+            from lmdq.worker.engines.registry import engine_spec
+
+            try:
+                served = engine_spec(engine).served_name(info.data.get("model"))
+            except ValueError:
+                served = ""  # a bad --model is reported where the engine resolves it
+        why = adapters_problem(parse_adapters(v), served)
         if why:
             raise ValueError(why)
         return v

@@ -175,6 +175,7 @@ class TransformersEngine:
         self._model: Any = model
         self._chat_template = self._load_chat_template(chat_template)
         self._accepts_logits_to_keep = "logits_to_keep" in forward_params
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"  # transformers 5.2x: cache
         # transformers >= 5.2x renamed ``past_key_values`` to ``cache``; the old name still works but goes
         # through a deprecation shim on every step.
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -403,7 +404,10 @@ class TransformersEngine:
                 with self._torch.inference_mode():
                     scores = score_continuations(
                         self._torch, self._model, prompt_ids, conts, device=self.device, pad_id=self._pad_id,
-                        vocab_size=self._vocab_size, accepts_logits_to_keep=self._accepts_logits_to_keep)
+                        vocab_size=self._vocab_size, accepts_logits_to_keep=self._accepts_logits_to_keep,
+                        budget_bytes=self.config.score_logits_mb * 1024 * 1024,
+                        logit_bytes=self._torch.tensor([], dtype=self.dtype).element_size(),
+                        cache_kwarg=self._cache_kwarg)
         except EngineError:
             raise
         except Exception as exc:
