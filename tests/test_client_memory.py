@@ -10,6 +10,7 @@ import random
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,3 +73,46 @@ def test_id_hashes_merge_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
             h.add(v)
         assert len(h) == len(feed)
         assert h.duplicates() == dups
+
+
+def _submit_peak(api: Any, n: int) -> int:
+    """tracemalloc's peak over a whole ``Client.submit`` of a generator of ``n`` prompts: the spooling, then
+    the file pipeline's two passes, the staging ids and every job staged."""
+
+    def rows() -> Iterator[str]:
+        for i in range(n):
+            yield f"question number {i}: what comes after it?"
+
+    tracemalloc.start()
+    try:
+        batch = api.submit(rows(), model="m", batch_size=64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert batch.counts().total == n
+    return peak
+
+
+def test_a_whole_submit_of_ten_times_the_rows_takes_no_more_memory(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 44's must-show, deterministic (tracemalloc, not RSS): a generator's whole submit at N and 10 N rows.
+    # Before, the file pipeline kept ~40 bytes a request in memory (two hashes, an offset and a line number for
+    # prefix groups, the staging lease's custom_ids): +7 MB at 10 N for N = 20,000. Now each waits on disk
+    # (lmdq.submission.spill) with a bounded buffer, shrunk here so that N rows already spill: 10 N is the same
+    # shape, longer.
+    import lmdq
+    from lmdq.submission.settings import ProducerSettings
+    from lmdq.submission.spill import SpillArray
+
+    monkeypatch.setattr(IdHashes, "RUN", 4096)
+    monkeypatch.setattr(SpillArray, "BUF", 2048)
+    api = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix))
+    api.register_models(["m"])
+    n = 20_000
+    _submit_peak(api, 100)  # the first submit imports and warms what every submit uses (not the rows')
+    small, large = _submit_peak(api, n), _submit_peak(api, 10 * n)
+    print(f"submit peak: {n:,} rows {small / 1e6:.2f} MB, {10 * n:,} rows {large / 1e6:.2f} MB, "
+          f"{(large - small) / (9 * n):.2f} bytes a row")
+    assert large <= 1.2 * small + 256 * 1024, (small, large)
+    assert (large - small) / (9 * n) < 2.0, f"{(large - small) / (9 * n):.2f} bytes a row"
