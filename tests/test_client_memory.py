@@ -116,3 +116,36 @@ def test_a_whole_submit_of_ten_times_the_rows_takes_no_more_memory(
           f"{(large - small) / (9 * n):.2f} bytes a row")
     assert large <= 1.2 * small + 256 * 1024, (small, large)
     assert (large - small) / (9 * n) < 2.0, f"{(large - small) / (9 * n):.2f} bytes a row"
+
+
+def test_spill_array_reads_back_by_index_and_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmdq.submission.spill import SpillArray
+
+    monkeypatch.setattr(SpillArray, "BUF", 7)
+    monkeypatch.setattr(SpillArray, "WINDOW", 5)
+    rng = random.Random(44)
+    values = [rng.getrandbits(32) for _ in range(103)]
+    with SpillArray("I", str(tmp_path)) as a:
+        for v in values:
+            a.append(v)
+        assert len(a) == len(values) and list(a) == values
+        order = list(range(len(values)))
+        rng.shuffle(order)
+        assert [a[i] for i in order] == [values[i] for i in order]  # any order: windows re-read as needed
+        assert [a[i] for i in range(len(values))] == values and a[-1] == values[-1]
+    assert list(tmp_path.iterdir()) == []  # anonymous temporary files: nothing left behind
+
+
+def test_id_chunks_read_back_as_the_staging_list_holds_them(tmp_path: Path) -> None:
+    import json
+
+    from lmdq.submission.spill import IdChunks
+
+    ids = [f"r{i}" for i in range(2500)] + ["é\"\n"]
+    with IdChunks(1000, str(tmp_path)) as chunks:
+        for cid in ids:
+            chunks.add(cid)
+        got = list(chunks.chunks())
+        assert len(chunks) == len(got) == 3
+        assert [x for c in got for x in json.loads(c)] == ids
+    assert list(tmp_path.iterdir()) == []
