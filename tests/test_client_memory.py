@@ -149,3 +149,20 @@ def test_id_chunks_read_back_as_the_staging_list_holds_them(tmp_path: Path) -> N
         assert len(chunks) == len(got) == 3
         assert [x for c in got for x in json.loads(c)] == ids
     assert list(tmp_path.iterdir()) == []
+
+
+def test_spill_array_mapped_reads_any_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmdq.submission.spill import SpillArray
+
+    monkeypatch.setattr(SpillArray, "BUF", 7)
+    monkeypatch.setattr(SpillArray, "DROP", 5)  # pages dropped every 5 reads: still read back right
+    rng = random.Random(45)
+    values = [rng.getrandbits(64) for _ in range(101)]
+    with SpillArray("Q", str(tmp_path)) as a:
+        for v in values:
+            a.append(v)
+        a.map()
+        order = list(range(len(values)))
+        rng.shuffle(order)
+        assert [a[i] for i in order] == [values[i] for i in order]
+    assert list(tmp_path.iterdir()) == []

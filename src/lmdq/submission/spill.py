@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import mmap
 import os
 import tempfile
 from array import array
@@ -32,11 +33,16 @@ def _temp(prefix: str, directory: str | None) -> BinaryIO:
 
 class SpillArray:
     """An append-only ``array(typecode)`` on disk: :attr:`BUF` items in memory, the rest in a temporary
-    file; readable by index (:meth:`__getitem__`, a window of :attr:`WINDOW` items read at a time:
-    sequential or nearly sequential reads cost one ``pread`` per window) and in order (:meth:`__iter__`)."""
+    file; readable by index (:meth:`__getitem__`: sequential reads cost one ``pread`` per :attr:`WINDOW`
+    items, a jump one of :attr:`JUMP` items) and in order (:meth:`__iter__`). For reads in an order that
+    jumps all the time (a prefix plan's), :meth:`map` maps the file instead: an index is then a memoryview's,
+    and every :attr:`DROP` reads the mapping's pages are dropped from the process (``MADV_DONTNEED``: they
+    stay in the page cache), so its RSS stays bounded all the same."""
 
     BUF = 1 << 14
     WINDOW = 1 << 12
+    JUMP = 1 << 6
+    DROP = 1 << 16
 
     def __init__(self, typecode: str, directory: str | None = None) -> None:
         self.typecode = typecode
@@ -47,6 +53,9 @@ class SpillArray:
         self._written = 0  # items in the file
         self._win = array(typecode)
         self._win_at = 0
+        self._mm: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._reads = 0
 
     def __enter__(self) -> SpillArray:
         return self
@@ -55,9 +64,23 @@ class SpillArray:
         self.close()
 
     def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def map(self) -> None:
+        """Read by index through a read-only mapping of the file from now on (no more appends)."""
+        if self._buf:
+            self._spill()
+        if self._file is not None and self._mm is None:
+            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            self._view = memoryview(self._mm).cast(self.typecode)  # type: ignore[call-overload]
 
     def __len__(self) -> int:
         return self._written + len(self._buf)
@@ -83,6 +106,13 @@ class SpillArray:
         return out
 
     def __getitem__(self, index: int) -> int:
+        if self._view is not None:
+            self._reads += 1
+            if self._reads >= self.DROP:
+                self._reads = 0
+                assert self._mm is not None
+                self._mm.madvise(mmap.MADV_DONTNEED)
+            return int(self._view[index])
         if index < 0:
             index += len(self)
         if index >= self._written:
@@ -92,8 +122,11 @@ class SpillArray:
             return self._win[rel]
         if index < 0:
             raise IndexError(index)
+        # the next item after the window: a sequential read, a whole window at a time; anywhere else (a prefix
+        # plan's order jumps between groups): a few items, so a jump costs a small pread, not WINDOW items
+        size = self.WINDOW if rel == len(self._win) else self.JUMP
         self._win_at = index
-        self._win = self._read(index, min(self.WINDOW, self._written - index))
+        self._win = self._read(index, min(size, self._written - index))
         return self._win[0]
 
     def __iter__(self) -> Iterator[int]:

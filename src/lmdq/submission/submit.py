@@ -434,6 +434,8 @@ def _planned_requests(
         if _stat(path) != (seen.size, seen.mtime_ns):
             raise _changed(path, "its size or modification time is not what was validated")
         running = _new_hash(order_free=True)
+        for spilled in (prefixes.offsets, prefixes.line_nos, seen.per_request):
+            spilled.map()  # read in the plan's order: jumps between groups all the time
         with open(path, "rb") as f:
             for index in plan.order:
                 item = read_request_at(f, name, prefixes.offsets[index], prefixes.line_nos[index], fmt=opts.fmt,
