@@ -5,10 +5,11 @@ against a throwaway redis-server; a generator of prompts (``Client.submit(rows()
 spool, then the file pipeline) and, for comparison, the same prompts as a text file (the file pipeline
 alone). Prints the child's peak RSS and the seconds the submit took; the LAST line is JSON.
 
-What the numbers say (docs/python-api.md, "How a non-file source is submitted"): the spooling itself
-keeps nothing per row (tests/test_client_memory.py), so a generator peaks where the same rows as a file
-do; what still grows with the rows is the file pipeline's pass-1 state (src/lmdq/submission/submit.py:
-two 8-byte hashes a request, and with prefix groups on an offset and a line number, 12 bytes more).
+What the numbers say (docs/python-api.md, "How a non-file source is submitted"): neither the spooling nor
+the file pipeline keeps anything per row in memory (tests/test_client_memory.py): what they keep per request
+(the ids' hashes, each request's hash, offset and line number, the staging lease's custom_ids) waits on disk
+(src/lmdq/submission/spill.py, issue 44), so 2,000,000 rows peak where 200,000 do
+(evidence/client_memory_issue44.json).
 """
 
 from __future__ import annotations

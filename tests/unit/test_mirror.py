@@ -58,6 +58,7 @@ NO_UNIT_TEST_YET = {
     "src/lmdq/submission/progress.py",
     "src/lmdq/submission/retry.py",
     "src/lmdq/submission/settings.py",
+    "src/lmdq/submission/spill.py",
     "src/lmdq/submission/stdin_input.py",
     "src/lmdq/submission/submit.py",
     "src/lmdq/testing.py",

@@ -20,11 +20,8 @@ spool is deleted when the submit returns.
 
 from __future__ import annotations
 
-import heapq
 import json
 import os
-import tempfile
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +31,7 @@ from lmdq.errors import InputProblem, InvalidArgument, SubmitRejected
 from lmdq.submission.formats import InputFormat, InputLimits
 from lmdq.submission.formats.tabular import ColumnMap, RowError, RowMapper, chunked
 from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
+from lmdq.submission.spill import IdHashes
 
 __all__ = ["FileSource", "IdHashes", "RowSource", "classify", "spool"]
 
@@ -279,72 +277,6 @@ class _FastPath:
                 obj["endpoint"] = ep
             out.append((cid, _line(obj)))
         return out
-
-
-class IdHashes:
-    """The 8-byte hashes of the spooled rows' custom_ids, for the duplicate check, kept on disk: sorted
-    runs of :attr:`RUN` hashes appended to a temporary file (256 KiB, and ~1.3 MiB while a run is sorted),
-    then merged from the file :attr:`READ` hashes per run at a time (2 KiB a run: 0.6 MiB for 10 M rows).
-    Memory stays flat in the rows; disk is 8 bytes a row, deleted on :meth:`close`."""
-
-    RUN = 1 << 15
-    READ = 256
-
-    def __init__(self, directory: str | None = None) -> None:
-        self._file = tempfile.TemporaryFile(prefix="lmdq-ids-", dir=directory)  # noqa: SIM115 - closed by close()
-        self._buf = array("Q")
-        self._runs: list[tuple[int, int]] = []  # (first hash's index in the file, hashes) per run
-        self._written = 0
-
-    def __enter__(self) -> IdHashes:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __len__(self) -> int:
-        return self._written + len(self._buf)
-
-    def add(self, h: int) -> None:
-        self._buf.append(h)
-        if len(self._buf) >= self.RUN:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._buf:
-            return
-        run = array("Q", sorted(self._buf))
-        self._file.seek(self._written * run.itemsize)
-        run.tofile(self._file)
-        self._runs.append((self._written, len(run)))
-        self._written += len(run)
-        self._buf = array("Q")
-
-    def _read(self, start: int, count: int) -> Iterator[int]:
-        fd = self._file.fileno()
-        end = start + count
-        while start < end:
-            chunk = array("Q")
-            chunk.frombytes(os.pread(fd, min(self.READ, end - start) * chunk.itemsize, start * chunk.itemsize))
-            if not chunk:
-                raise OSError(f"the id hashes' file ended early at hash {start}")
-            start += len(chunk)
-            yield from chunk
-
-    def duplicates(self) -> set[int]:
-        """The hashes seen more than once (each a duplicate id, or a 64-bit collision the re-read rules out)."""
-        self._flush()
-        self._file.flush()
-        dup: set[int] = set()
-        prev: int | None = None
-        for h in heapq.merge(*(self._read(start, count) for start, count in self._runs)):
-            if h == prev:
-                dup.add(h)
-            prev = h
-        return dup
 
 
 def _row_problem(err: RowError, row: Any) -> InputProblem:

@@ -108,6 +108,49 @@ class StagingLeaseLost(SubmitRejected):
     batch is no longer its to commit. Whoever took it over resumes it or ends it; this submit stops."""
 
 
+IDS_PUSH = 100
+"""Id chunks (of :data:`IDS_CHUNK` ids) per write while :func:`_begin_staging` pushes them: ~0.1 MB of ids in
+memory at a time, whatever the batch's size."""
+
+
+def _begin_staging(staging: StagingLeases, batch_id: str, token: str, *, lease_s: float,
+                   id_chunks: Iterable[str | bytes], ttl_s: int) -> None:
+    """:meth:`StagingLeases.begin` with the ids streamed (issue 44: the client's memory flat in the rows): begin's one
+    MULTI/EXEC would hold every id in the client's pipeline buffer at once, so the ids are pushed first,
+    :data:`IDS_PUSH` chunks a write, each write renewing the list's TTL, and only then does one MULTI/EXEC,
+    begin's less the ids, write the lease, the progressive record and the staging-set entry. The contract holds:
+    every id is in Redis before the batch is listed in the staging set, so before any job is visible and before
+    a noticer can find it (docs/reliability.md "A submit that dies while staging"); a submit that dies while
+    pushing leaves an unlisted list that expires with ``ttl_s``.
+
+    It speaks Redis outside :mod:`lmdq.redis` (through the StagingLeases' client and keys) only because that
+    package was being reorganised when this was written; it belongs in ``StagingLeases.begin``."""
+    client, key = staging.client, staging.keys.request_ids(batch_id)
+    client.delete(key)
+    pending: list[str | bytes] = []
+
+    def push() -> None:
+        with client.pipeline(transaction=False) as p:
+            p.rpush(key, *pending)
+            p.expire(key, ttl_s)
+            p.execute()
+        pending.clear()
+
+    for chunk in id_chunks:
+        pending.append(chunk)
+        if len(pending) == IDS_PUSH:
+            push()
+    if pending:
+        push()
+    # begin's MULTI/EXEC less its ids (begin would delete the list pushed above and rewrite it in one go)
+    with client.pipeline(transaction=True) as p:
+        p.set(staging.keys.staging_lease(batch_id), token, px=max(1, int(lease_s * 1000)))
+        p.hset(staging.keys.batch(batch_id), mapping={F.visible_jobs.value: 0, F.visible_requests.value: 0})
+        p.expire(key, ttl_s)
+        p.sadd(staging.keys.staging(), batch_id)
+        p.execute()
+
+
 class _Renewer:
     """Renews a staging lease every third of it from a thread of its own, so a submit that stages slowly (a
     slow disk, a slow Redis, a long ``after_first_commit``) keeps it; ``lost`` is set once it is not ours."""
@@ -474,7 +517,7 @@ class BatchLedger:
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None, fingerprint: str | None = None,
         first_jobs: int | None = None, after_first_commit: Callable[[], None] | None = None,
-        id_chunks: Sequence[str] = (), resume: bool = False,
+        id_chunks: Iterable[str | bytes] = (), resume: bool = False,
     ) -> Batch:
         """Create ``batch``, stage its jobs and commit them: all or nothing.
 
@@ -486,7 +529,8 @@ class BatchLedger:
         become visible as soon as they are staged, then every ``chunk_jobs``, so workers start while the
         rest is staged; ``after_first_commit`` is called once, right after the first jobs became visible.
         ``id_chunks``: the batch's custom_ids in input order, JSON arrays of :data:`IDS_CHUNK` (progressive
-        staging writes them before anything is visible: what answers requests no job ever held).
+        staging writes them before anything is visible: what answers requests no job ever held), read once,
+        in order, and written to Redis :data:`IDS_PUSH` chunks at a time (:func:`_begin_staging`).
         ``resume``: ``batch`` is a part-staged batch whose staging lease lapsed, and ``requests`` the same
         submit's (same file, same options): take the lease over and stage what is not visible yet.
         """
@@ -508,7 +552,7 @@ class BatchLedger:
     def _enqueue_progressively(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None, chunk_jobs: int,
         job_sizes: Sequence[int] | None, first_jobs: int, after_first_commit: Callable[[], None] | None,
-        fingerprint: str | None = None, id_chunks: Sequence[str] = (), resume: bool = False,
+        fingerprint: str | None = None, id_chunks: Iterable[str | bytes] = (), resume: bool = False,
     ) -> Batch:
         """Stage and make visible in steps: the GPU does not wait for the whole batch to be staged.
 
@@ -535,8 +579,8 @@ class BatchLedger:
             else:
                 self.create(batch, fingerprint=fingerprint)
                 with self._refusals():
-                    self.staging.begin(batch.id, token, lease_s=self.staging_lease_s, id_chunks=id_chunks,
-                                       ttl_s=staging_ttl(self.ttl_s))
+                    _begin_staging(self.staging, batch.id, token, lease_s=self.staging_lease_s,
+                                   id_chunks=id_chunks, ttl_s=staging_ttl(self.ttl_s))
             renewer = _Renewer(self.staging, batch.id, token, self.staging_lease_s)
             with self._refusals(), self.batch_jobs.writes() as writes:
                 next_commit = max(1, first_jobs) if visible == 0 else visible + max(1, chunk_jobs)

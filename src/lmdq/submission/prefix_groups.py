@@ -26,9 +26,11 @@ ahead of the prompt, so a group never spans two models; each model's requests ar
 their own, and the models' jobs are then interleaved (job 1 of each model, job 2 of each, ...) so
 every model's workers start as soon as the first jobs are visible.
 
-Cost: hashing at most 16 KiB a line in pass 1, 12 to 60 bytes a request in arrays (offset, line
-number, a key per length reached), and sorts of 64-bit integers after pass 1: O(n log n). Each request keeps its input
-index and custom_id, so results and exports keep input order.
+Cost: hashing at most 16 KiB a line in pass 1; 12 bytes a request (offset, line number) on disk
+(:class:`lmdq.submission.spill.SpillArray`: memory flat in the rows, issue 44), and in memory 8 bytes a key
+per length reached (only prompts of at least ``LMDQ_PREFIX_GROUP_BYTES`` have any) and, once a plan is
+made, 4 to 8 bytes a request for its order; sorts of 64-bit integers after pass 1: O(n log n). Each
+request keeps its input index and custom_id, so results and exports keep input order.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from __future__ import annotations
 import hashlib
 import heapq
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from lmdq.contract import Endpoint
 from lmdq.submission.formats import ParsedLine
+from lmdq.submission.spill import SpillArray
 
 __all__ = ["LEVELS", "JobPlan", "PrefixKeys", "plan_jobs", "prefix_text"]
 
@@ -76,18 +79,23 @@ def prefix_text(item: ParsedLine, limit: int) -> str:
 
 
 class PrefixKeys:
-    """What pass 1 keeps per request for grouping: its file offset and line number (12 bytes), and a
-    key per length its prompt reaches (8 bytes each; ``keys[j][i]`` absent or 0: request i's prompt
-    is shorter than ``lengths[j]``, so a file of short prompts costs 12 bytes a request)."""
+    """What pass 1 keeps per request for grouping: its file offset and line number (12 bytes, on disk
+    in ``directory``: :class:`SpillArray`), and a key per length its prompt reaches (8 bytes each, in
+    memory; ``keys[j][i]`` absent or 0: request i's prompt is shorter than ``lengths[j]``, so a file of
+    short prompts keeps nothing per request in memory). :meth:`close` deletes the files."""
 
-    def __init__(self, min_bytes: int, *, group: bool = True) -> None:
+    def __init__(self, min_bytes: int, *, group: bool = True, directory: str | None = None) -> None:
         #: hash prefixes (prefix grouping on); off: only offsets and line numbers are kept (what a batch
         #: over several models needs to read its requests back model by model)
         self.group = group
         self.lengths = tuple(min_bytes * m for m in LEVELS)
         self.keys = [array("Q") for _ in self.lengths]
-        self.offsets = array("Q")
-        self.line_nos = array("I")
+        self.offsets = SpillArray("Q", directory)
+        self.line_nos = SpillArray("I", directory)
+
+    def close(self) -> None:
+        self.offsets.close()
+        self.line_nos.close()
 
     def add(self, offset: int, item: ParsedLine, model: str | None = None) -> None:
         """Record request ``item``; ``model``: the model it runs on when the batch has several (None:
@@ -137,7 +145,7 @@ def _sorted(values: array[int], run: int = 1 << 16) -> Iterator[int]:
     return heapq.merge(*(iter(view[s : s + run]) for s in range(0, len(values), run)))
 
 
-def plan_jobs(prefixes: PrefixKeys, batch_size: int, models: array[int] | None = None) -> JobPlan | None:
+def plan_jobs(prefixes: PrefixKeys, batch_size: int, models: Iterable[int] | None = None) -> JobPlan | None:
     """The job layout for the requests ``prefixes`` saw (see the module docstring), or ``None`` when
     no two requests share a prefix (or the file is too big to plan): jobs in input order then.
 
@@ -146,7 +154,7 @@ def plan_jobs(prefixes: PrefixKeys, batch_size: int, models: array[int] | None =
     n = len(prefixes)
     if models is not None:
         return _plan_by_model(prefixes, batch_size, models)
-    if n > _MAX_REQUESTS or n < 2:
+    if n > _MAX_REQUESTS or n < 2 or not any(prefixes.keys):  # no prompt long enough: nothing to group
         return None
     marks = _group_marks(prefixes, n)
     if not marks.starts:
@@ -167,6 +175,8 @@ class _Marks:
 
 
 def _group_marks(prefixes: PrefixKeys, n: int) -> _Marks:
+    if not any(prefixes.keys):  # no prompt reaches the shortest length: no groups, and no 4 bytes a request
+        return _Marks(run_at=array("I"), members=array("I"), starts=array("I"))
     run_at = array("I", bytes(4 * n))  # 0: singleton; r+1: first request of group r; _MEMBER: other member
     members = array("I")
     starts = array("I")
@@ -239,14 +249,13 @@ class _Packer:
         return self.sizes
 
 
-def _plan_by_model(prefixes: PrefixKeys, batch_size: int, models: array[int]) -> JobPlan:
+def _plan_by_model(prefixes: PrefixKeys, batch_size: int, models: Iterable[int]) -> JobPlan:
     """:func:`plan_jobs` for a batch over several models: each model's requests packed on their own (its
     groups are its own: the model is hashed into every key), then the models' jobs interleaved."""
     n = len(prefixes)
     marks = _group_marks(prefixes, n)
     per_model: list[array[int]] = []
-    for i in range(n):
-        m = models[i]
+    for i, m in enumerate(models):
         while len(per_model) <= m:
             per_model.append(array("I"))
         per_model[m].append(i)

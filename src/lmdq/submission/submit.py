@@ -1,14 +1,15 @@
 """Submit a prompt file as one batch: validate the WHOLE file, then stage and commit its jobs.
 
-Two streaming passes keep memory flat however large the file is: pass 1 validates every line
-and keeps only two 8-byte hashes per request (its custom_id's, duplicates being confirmed by a
-targeted re-scan, and its whole content's); pass 2 re-reads the file and the batch ledger
-(:mod:`lmdq.submission.ledger`) stages its jobs. Nothing is visible before the WHOLE file validated, so a bad
-line enqueues nothing. Then the first ``first_jobs`` jobs become visible as soon as they are staged
-and workers start on them while submit stages the rest (issue 27: on the H200 the GPU sat idle for
-the 1.6-2.4 s a submit of 1,024 lines took): a failure before that deletes what was staged; a failure
-after it (the file changed, Redis refused a write) ends the batch cancelled, with the reason
-(:meth:`lmdq.submission.ledger.BatchLedger.abandon`).
+Two streaming passes keep memory flat however large the file is: pass 1 validates every line and keeps per
+request only two 8-byte hashes (its custom_id's, duplicates being confirmed by a targeted re-scan, and its whole
+content's), its offset and line number (prefix groups), its model's number (several models) and its custom_id
+(the staging lease), all on disk in temporary files (:mod:`lmdq.submission.spill`, issue 44: deleted when the
+submit returns or fails); pass 2 re-reads the file and the batch ledger (:mod:`lmdq.submission.ledger`) stages
+its jobs. Nothing is visible before the WHOLE file validated, so a bad line enqueues nothing. Then the first
+``first_jobs`` jobs become visible as soon as they are staged and workers start on them while submit stages the
+rest (issue 27: on the H200 the GPU sat idle for the 1.6-2.4 s a submit of 1,024 lines took): a failure before
+that deletes what was staged; a failure after it (the file changed, Redis refused a write) ends the batch
+cancelled, with the reason (:meth:`lmdq.submission.ledger.BatchLedger.abandon`).
 
 Reading the file twice is only safe if it is the same file both times: pass 1 fingerprints it
 (size, mtime_ns, and a running hash of every request it accepted, line numbers included) and
@@ -22,13 +23,12 @@ never arrive).
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import os
 import shlex
 import time
-from array import array
 from collections.abc import Callable, Generator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ from lmdq.submission.formats.records import Sampling
 from lmdq.submission.ledger import BatchLedger, StagingLeaseLost, job_payloads, new_batch_id
 from lmdq.submission.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 from lmdq.submission.settings import ProducerSettings
+from lmdq.submission.spill import IdChunks, IdHashes, SpillArray
 
 __all__ = [
     "SubmitOptions",
@@ -130,11 +131,12 @@ class _Fingerprint:
     order_free: bool = False
     #: an 8-byte hash of every accepted request, by index: pass 2 checks each request BEFORE it is staged,
     #: since with progressive staging the first jobs are visible before pass 2 has read the whole file
-    per_request: array[int] = field(default_factory=lambda: array("Q"), compare=False)
+    #: (on disk: :class:`lmdq.submission.spill.SpillArray`)
+    per_request: SpillArray = field(default_factory=lambda: SpillArray("Q"), compare=False)
     #: every accepted request's custom_id, in input order, as JSON arrays of IDS_CHUNK: progressive staging
     #: writes them before any job is visible, so a batch whose submit dies part-way still answers each request
-    #: (issue 44). Compact (the JSON text, ~ the ids' bytes), not a Python str per line
-    id_chunks: list[str] = field(default_factory=list, compare=False)
+    #: (issue 44). On disk (:class:`lmdq.submission.spill.IdChunks`), pushed to Redis in bounded batches
+    id_chunks: IdChunks = field(default_factory=lambda: IdChunks(IDS_CHUNK), compare=False)
 
 
 def _h64(s: str) -> int:
@@ -160,7 +162,6 @@ class _SumDigest:
         return (self._sum & ((1 << 128) - 1)).to_bytes(16, "little")
 
 
-_IDS_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _MESSAGES_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
 
 
@@ -199,13 +200,13 @@ class _Models:
     """The models a file's lines name, seen in pass 1 (without ``--model``): one batch may run on several.
 
     ``counts`` in the order the file first names each; ``ids[i]`` is request i's model, its position in
-    ``counts`` (4 bytes a request; a line naming none gets 0)."""
+    ``counts`` (4 bytes a request, on disk; a line naming none gets 0)."""
 
     where: str  #: the field lines name it in: ``model`` (lmdq JSONL) or ``body.model`` (OpenAI)
+    ids: SpillArray
     counts: dict[str, int] = field(default_factory=dict)
     first_line: dict[str, int] = field(default_factory=dict)
     index: dict[str, int] = field(default_factory=dict)
-    ids: array[int] = field(default_factory=lambda: array("I"))
     unnamed: int = 0
     first_unnamed: int = 0
 
@@ -235,26 +236,30 @@ class _Models:
 
 
 def _validate(
-    path: Path, opts: SubmitOptions, progress: Progress | None
+    path: Path, opts: SubmitOptions, progress: Progress | None, spills: ExitStack, spill_dir: str | None = None,
 ) -> tuple[_Fingerprint, str, PrefixKeys | None, int, _Models | None]:
     """Pass 1: returns (the file's fingerprint, model, what prefix grouping needs when it is on, the
     line the model came from: 0 when --model named it, the models the lines name when they name
-    several) or raises SubmitRejected listing file:line errors."""
+    several) or raises SubmitRejected listing file:line errors. What it keeps per request goes to
+    temporary files in ``spill_dir`` (None: TMPDIR), closed by ``spills``."""
     errors: list[str] = []
-    hashes = array("Q")
-    per_request = array("Q")
+    hashes = spills.enter_context(IdHashes(spill_dir))
+    per_request = spills.enter_context(SpillArray("Q", spill_dir))
+    id_chunks = spills.enter_context(IdChunks(IDS_CHUNK, spill_dir))
     n = 0
     # --model wins for every line (an OpenAI file written for gpt-4o-mini runs on the served model);
     # without it, each line's model (lmdq `model`, OpenAI `body.model`) routes it: a batch may run on
     # several models, and lines naming none take the file's one model.
-    lines = None if opts.model is not None else _Models("body.model" if opts.fmt is InputFormat.openai else "model")
+    lines = (None if opts.model is not None else
+             _Models("body.model" if opts.fmt is InputFormat.openai else "model",
+                     ids=spills.enter_context(SpillArray("I", spill_dir))))
     # a file naming its models keeps every request's offset, so a batch over several can be read model by model
-    prefixes = (PrefixKeys(opts.prefix_group_bytes, group=opts.prefix_groups)
+    prefixes = (PrefixKeys(opts.prefix_group_bytes, group=opts.prefix_groups, directory=spill_dir)
                 if opts.prefix_groups or lines is not None else None)
+    if prefixes is not None:
+        spills.callback(prefixes.close)
     running = _new_hash(order_free=prefixes is not None)
     sampling = _SamplingTally()
-    id_chunks: list[str] = []
-    ids: list[str] = []
     try:
         size, mtime_ns = _stat(path)
         for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits):
@@ -272,15 +277,12 @@ def _validate(
                         errors.append(f"{path}: stopping after {opts.max_errors} errors")
                         break
                     continue
-            hashes.append(_h64(item.custom_id))
+            hashes.add(_h64(item.custom_id))
             per_request.append(_feed(running, item))
             if prefixes is not None:
                 prefixes.add(offset, item, model=item.model if lines is not None else None)
             sampling.add(item)
-            ids.append(item.custom_id)
-            if len(ids) == IDS_CHUNK:
-                id_chunks.append(_IDS_JSON.encode(ids))
-                ids = []
+            id_chunks.add(item.custom_id)
             n += 1
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
@@ -311,8 +313,6 @@ def _validate(
             opts.on_warning(w)
     if model is None:  # unreachable: a missing model is one of the errors above
         raise SubmitRejected(f"{path}: no model given: pass --model NAME")
-    if ids:
-        id_chunks.append(_IDS_JSON.encode(ids))
     seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
                         order_free=prefixes is not None, per_request=per_request, id_chunks=id_chunks)
     return seen, model, prefixes, model_line, several
@@ -350,28 +350,9 @@ def _lines(n: int) -> str:
     return f"{n:,} line{'s' if n != 1 else ''}"
 
 
-def _duplicate_hashes(hashes: array[int], run: int = 1 << 16) -> set[int]:
-    """Hashes seen more than once, in flat memory: sort the array in runs in place, then merge.
-
-    ``sorted(hashes)`` would build a Python int per line (~40 MB per million lines); sorting
-    64k-element runs and merging them through zero-copy memoryviews keeps the extra memory to
-    one run, however long the file.
-    """
-    for s in range(0, len(hashes), run):
-        hashes[s : s + run] = array("Q", sorted(hashes[s : s + run]))
-    view = memoryview(hashes)
-    dup: set[int] = set()
-    prev = None
-    for h in heapq.merge(*(iter(view[s : s + run]) for s in range(0, len(hashes), run))):
-        if h == prev:
-            dup.add(h)
-        prev = h
-    return dup
-
-
-def _duplicates(path: Path, opts: SubmitOptions, hashes: array[int]) -> list[str]:
+def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
     """Find duplicate custom_ids from their hashes; re-scan only to name the lines."""
-    dup = _duplicate_hashes(hashes)
+    dup = hashes.duplicates()
     if not dup:
         return []
     first: dict[str, int] = {}
@@ -458,6 +439,8 @@ def _planned_requests(
         if _stat(path) != (seen.size, seen.mtime_ns):
             raise _changed(path, "its size or modification time is not what was validated")
         running = _new_hash(order_free=True)
+        for spilled in (prefixes.offsets, prefixes.line_nos, seen.per_request):
+            spilled.map()  # read in the plan's order: jumps between groups all the time
         with open(path, "rb") as f:
             for index in plan.order:
                 item = read_request_at(f, name, prefixes.offsets[index], prefixes.line_nos[index], fmt=opts.fmt,
@@ -538,94 +521,98 @@ def submit_file(
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
-    seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress)
-    field_name = "body.model" if fmt is InputFormat.openai else "model"
-    try:
-        check_model_name(model)
-    except InvalidModelName as e:
-        where = opts.model_option if opts.model is not None else f"{path}:{model_line}: field '{field_name}'"
-        raise SubmitRejected(f"{where}: {e}") from e
-    total = seen.requests
-    if total > opts.limits.max_requests:
-        raise SubmitRejected(f"{path}: {total} requests, limit is {opts.limits.max_requests}")
-    if not opts.allow_unknown_model:
-        known = ledger.known_models(opts.known_models)
-        named = list(several.counts) if several is not None else [model]
-        unknown = [m for m in named if m not in known]
-        if unknown:
-            # blamed where each name came from: the --model flag (or LMDQ_MODEL), else the first line
-            # whose model / body.model named it; one line per unknown model
-            lines_of = several.first_line if several is not None else {model: model_line}
-            known_list = ', '.join(sorted(known)) or '(none: nothing registered, no worker started yet)'
-            msgs = []
-            for m in unknown[: opts.max_errors]:
-                where = f"{path}:{lines_of[m]}: field '{field_name}'" if lines_of.get(m) else opts.model_option
-                way = f", or pass {opts.allow_unknown_hint} to queue anyway" if opts.allow_unknown_hint else ""
-                msgs.append(
-                    f"{where}: unknown model {m!r}; known: {known_list}. Register it with "
-                    f"`lmdq-producer models add {shlex.quote(m)}` (or start a worker serving it){way}."
-                )
-            raise UnknownModel("\n".join(msgs))
+    # what pass 1 keeps per request waits in temporary files until the submit returns or fails: beside the
+    # input when it is a copy of one (the client's spool, stdin's temporary file), else in TMPDIR
+    spill_dir = str(path.parent) if opts.input_name is not None else None
+    with ExitStack() as spills:
+        seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress, spills, spill_dir)
+        field_name = "body.model" if fmt is InputFormat.openai else "model"
+        try:
+            check_model_name(model)
+        except InvalidModelName as e:
+            where = opts.model_option if opts.model is not None else f"{path}:{model_line}: field '{field_name}'"
+            raise SubmitRejected(f"{where}: {e}") from e
+        total = seen.requests
+        if total > opts.limits.max_requests:
+            raise SubmitRejected(f"{path}: {total} requests, limit is {opts.limits.max_requests}")
+        if not opts.allow_unknown_model:
+            known = ledger.known_models(opts.known_models)
+            named = list(several.counts) if several is not None else [model]
+            unknown = [m for m in named if m not in known]
+            if unknown:
+                # blamed where each name came from: the --model flag (or LMDQ_MODEL), else the first line
+                # whose model / body.model named it; one line per unknown model
+                lines_of = several.first_line if several is not None else {model: model_line}
+                known_list = ', '.join(sorted(known)) or '(none: nothing registered, no worker started yet)'
+                msgs = []
+                for m in unknown[: opts.max_errors]:
+                    where = f"{path}:{lines_of[m]}: field '{field_name}'" if lines_of.get(m) else opts.model_option
+                    way = f", or pass {opts.allow_unknown_hint} to queue anyway" if opts.allow_unknown_hint else ""
+                    msgs.append(
+                        f"{where}: unknown model {m!r}; known: {known_list}. Register it with "
+                        f"`lmdq-producer models add {shlex.quote(m)}` (or start a worker serving it){way}."
+                    )
+                raise UnknownModel("\n".join(msgs))
 
-    batch_id = new_batch_id()
-    now = time.time()
-    plan = (plan_jobs(prefixes, opts.batch_size, models=several.ids if several is not None else None)
-            if prefixes is not None else None)
-    num_jobs = len(plan.sizes) if plan is not None else (total + opts.batch_size - 1) // opts.batch_size
-    if resume is not None:
-        return _resume(resume, path, opts, ledger, seen, prefixes, plan, several is not None, num_jobs,
-                       enqueue_progress, chunk_jobs, fingerprint)
-    check_batch_fits(client, requests=total, jobs=num_jobs, input_bytes=seen.size, params=opts.params,
-                     results_url=opts.results_url, fraction=opts.memory_fraction)
-    try:
-        batch = Batch(
-            id=batch_id,
-            model=model,
-            status=BatchStatus.validating,
-            input_file=opts.input_name or str(path),
-            priority=opts.priority,
-            batch_size=opts.batch_size,
-            num_jobs=num_jobs,
-            prefix_groups=plan is not None,
-            params=opts.params,
-            request_counts=RequestCounts(total=total),
-            model_counts=({m: RequestCounts(total=c) for m, c in several.counts.items()}
-                          if several is not None else None),
-            metadata=opts.metadata,
-            idempotency_key=opts.idempotency_key,
-            completion_window_s=opts.completion_window_s,
-            results_url=opts.results_url,
-            blob_url=opts.blob_url,
-            created_at=now,
-            expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
-        )
-    except ValidationError as e:  # e.g. --metadata over its limits: checked before anything is written
-        first = e.errors()[0]
-        field_ = ".".join(str(x) for x in first["loc"]) or "batch"
-        raise SubmitRejected(f"--{field_}: {first['msg'].removeprefix('Value error, ')}") from e
-    if opts.idempotency_key:
-        existing_id = ledger.bind_key(opts.idempotency_key, batch_id)
-        if existing_id is not None:
-            bound = ledger.bound_batch(opts.idempotency_key, fingerprint=fingerprint)
-            return bound or ledger.get(existing_id), False
-    if plan is not None and prefixes is not None:
-        requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None)
-    else:
-        requests = _file_requests(path, opts, seen)
-    try:
-        if opts.after_validation is not None:
-            opts.after_validation()
-        batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
-                               job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
-                               first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit,
-                               id_chunks=seen.id_chunks)
-    except BaseException:
-        if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
-            ledger.release_key(opts.idempotency_key, batch_id)
-        raise
-    finally:
-        requests.close()
-    return batch, True
+        batch_id = new_batch_id()
+        now = time.time()
+        plan = (plan_jobs(prefixes, opts.batch_size, models=several.ids if several is not None else None)
+                if prefixes is not None else None)
+        num_jobs = len(plan.sizes) if plan is not None else (total + opts.batch_size - 1) // opts.batch_size
+        if resume is not None:
+            return _resume(resume, path, opts, ledger, seen, prefixes, plan, several is not None, num_jobs,
+                           enqueue_progress, chunk_jobs, fingerprint)
+        check_batch_fits(client, requests=total, jobs=num_jobs, input_bytes=seen.size, params=opts.params,
+                         results_url=opts.results_url, fraction=opts.memory_fraction)
+        try:
+            batch = Batch(
+                id=batch_id,
+                model=model,
+                status=BatchStatus.validating,
+                input_file=opts.input_name or str(path),
+                priority=opts.priority,
+                batch_size=opts.batch_size,
+                num_jobs=num_jobs,
+                prefix_groups=plan is not None,
+                params=opts.params,
+                request_counts=RequestCounts(total=total),
+                model_counts=({m: RequestCounts(total=c) for m, c in several.counts.items()}
+                              if several is not None else None),
+                metadata=opts.metadata,
+                idempotency_key=opts.idempotency_key,
+                completion_window_s=opts.completion_window_s,
+                results_url=opts.results_url,
+                blob_url=opts.blob_url,
+                created_at=now,
+                expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
+            )
+        except ValidationError as e:  # e.g. --metadata over its limits: checked before anything is written
+            first = e.errors()[0]
+            field_ = ".".join(str(x) for x in first["loc"]) or "batch"
+            raise SubmitRejected(f"--{field_}: {first['msg'].removeprefix('Value error, ')}") from e
+        if opts.idempotency_key:
+            existing_id = ledger.bind_key(opts.idempotency_key, batch_id)
+            if existing_id is not None:
+                bound = ledger.bound_batch(opts.idempotency_key, fingerprint=fingerprint)
+                return bound or ledger.get(existing_id), False
+        if plan is not None and prefixes is not None:
+            requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None)
+        else:
+            requests = _file_requests(path, opts, seen)
+        try:
+            if opts.after_validation is not None:
+                opts.after_validation()
+            batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
+                                   job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
+                                   first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit,
+                                   id_chunks=seen.id_chunks.chunks())
+        except BaseException:
+            if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
+                ledger.release_key(opts.idempotency_key, batch_id)
+            raise
+        finally:
+            requests.close()
+        return batch, True
 
 
 def _resume(
