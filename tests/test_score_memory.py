@@ -149,7 +149,7 @@ def test_sim_scores_hash_each_byte_once(monkeypatch: pytest.MonkeyPatch) -> None
     assert before.scores == [(-round(sum(want), 6), 4, all(c < 1.0 for c in want))]
 
     monkeypatch.setattr(sim, "_HASH", _CountingHash)
-    cont = " ".join(f"w{i % 997}" for i in range(20_000))[:100_000]
+    cont = " ".join(f"w{i % 997}" for i in range(25_000))[:100_000].rstrip()
     assert len(cont) == 100_000 or len(cont) > 99_000
     _CountingHash.fed = 0
     ev = sim._sim_score(EngineRequest(index=0, prompt=prompt, endpoint=Endpoint.score, continuations=(cont,)),
