@@ -37,11 +37,11 @@ from typing import Any
 
 import redis
 
+from lmdq.bench.keyspace import keys_memory, scan
 from lmdq.contract import Batch, BatchStatus, GenerationParams, RequestCounts
+from lmdq.jobs.reads import inflight_count
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
-from lmdq.redis.keyspace import keys_memory, scan
-from lmdq.redis.reads import inflight_count
 from lmdq.redis.server import info as server_info
 from lmdq.results.store import ResultStore
 from lmdq.submission.ledger import BatchLedger, new_batch_id

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lmdq.bench.keyspace import delete, scan
 from lmdq.contract import FinishReason, Result, ResultStatus, Timings
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
-from lmdq.redis.keyspace import delete, scan
 from lmdq.redis.server import info
 from lmdq.results.store import ResultStore
 

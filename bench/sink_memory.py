@@ -19,9 +19,9 @@ from typing import Any
 
 import redis
 
+from lmdq.bench.keyspace import keys_memory, scan
 from lmdq.contract import BatchStatus, GenerationParams, Result
 from lmdq.redis.keys import Keys
-from lmdq.redis.keyspace import keys_memory, scan
 from lmdq.redis.server import info
 from lmdq.results.export import iter_lmdq_lines
 from lmdq.results.store import ResultStore

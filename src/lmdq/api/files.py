@@ -21,8 +21,8 @@ from typing import IO, Any
 import redis
 
 from lmdq.api.errors import bad_request, not_found
+from lmdq.api.file_records import ApiFileRecords
 from lmdq.api.paging import Page, page
-from lmdq.redis.api_files import ApiFileRecords
 from lmdq.redis.keys import Keys
 
 __all__ = ["FileRecord", "FileStore", "new_file_id"]

@@ -9,8 +9,8 @@ from typing import Generic, TypeVar
 
 import redis
 
+from lmdq.api import id_index
 from lmdq.api.errors import bad_request
-from lmdq.redis import id_index
 
 __all__ = ["Page", "page"]
 

@@ -5,7 +5,7 @@ JSON, and everything that changes after submit (status, counters, timestamps) is
 so the results script bumps a counter atomically without rewriting the JSON
 (:class:`~lmdq.redis.keys.BatchField`). The batch rules (create, stage, commit, cancel, retry) are the
 ledger's (:mod:`lmdq.submission.ledger`); this module is the record they and the results share. Its Redis
-commands are :class:`lmdq.redis.batch_records.BatchHashes`'; what a record holds and means is decided here.
+commands are :class:`lmdq.batches.hashes.BatchHashes`'; what a record holds and means is decided here.
 
 TTLs count from the END of a batch (``submit --result-ttl``, kept in the record's ``ttl`` field): while
 it runs, every key of the batch has :data:`RUNNING_TTL_S` (set at commit), so a batch that runs longer
@@ -24,9 +24,9 @@ from typing import Any
 
 import redis
 
+from lmdq.batches.hashes import BatchHashes
 from lmdq.contract import Batch, BatchStatus, RequestCounts
 from lmdq.errors import BatchNotFound
-from lmdq.redis.batch_records import BatchHashes
 from lmdq.redis.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys, model_count_field
 
 __all__ = ["RUNNING_TTL_S", "STAGING_TTL_S", "BatchRecords", "staging_ttl"]

@@ -21,7 +21,7 @@ from rq.serializers import JSONSerializer
 
 from lmdq.contract import FORMAT_VERSION
 from lmdq.errors import SubmitRejected
-from lmdq.redis import scripts
+from lmdq.jobs.reads import READ_JOB
 from lmdq.redis.replies import reply_text
 from lmdq.settings import DEFAULT_MAX_JOB_BYTES  # declared with the setting; the rule is here
 
@@ -152,7 +152,7 @@ def read_job(
     read; Redis errors propagate (the caller re-queues, never refuses, on those).
     """
     key = Job.key_for(job_id)
-    got: list[Any] = scripts.READ_JOB(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
+    got: list[Any] = READ_JOB(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
     tag = reply_text(got[0])
     if tag == "missing":
         raise JobRefused(f"No such job {job_id}: no job hash (deleted, expired, or never created)")

@@ -27,9 +27,9 @@ from pydantic import ValidationError
 from rq.job import Job
 
 from lmdq.contract import MAX_JOB_REQUESTS, Batch, JobPayload
+from lmdq.jobs import reads
 from lmdq.jobs.data import MAX_FIELD_BYTES, REQUESTS_FIELD, JobRefused, NotDecodable
 from lmdq.jobs.queue import JobQueue, job_id_for
-from lmdq.redis import reads, scripts
 from lmdq.results.output_urls import OutputPolicy, OutputUrlRejected
 
 __all__ = [
@@ -156,7 +156,7 @@ def undecodable(client: redis.Redis, queue: JobQueue, job_id: str, reason: str) 
 
 def _batch_record(client: redis.Redis, queue: JobQueue, batch_id: str) -> tuple[Batch, int]:
     """The producer's record of ``batch_id`` (size-capped, validated) and its request total."""
-    got: Any = scripts.READ_BATCH(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
+    got: Any = reads.READ_BATCH(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
     if not got or got[1] is None:
         raise JobRefused(f"batch {batch_id}: no batch record (deleted, expired, or the job is forged)")
     if got[0] == b"too_large":

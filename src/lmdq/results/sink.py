@@ -12,7 +12,7 @@ its worker:
    right size, a folder write fsynced, renamed and its folder fsynced
    (:meth:`lmdq.results.blobs.BlobStore.put_bytes`), each bounded by ``LMDQ_SINK_TIMEOUT_S``;
 3. only then, and never once its worker is past the drain deadline, in ONE Lua call
-   (``SEAL_SHARD``, :func:`lmdq.redis.shard_index.seal`): adds the job's :class:`ShardEntry` (shard
+   (``SEAL_SHARD``, :func:`lmdq.results.shard_index.seal`): adds the job's :class:`ShardEntry` (shard
    name, the job's request indices as ranges, counts per status) to the batch's index hash
    (``Keys.shards``), sets the requests' bits in the batch's ``sealed`` bitmap, and DELETES their
    records from the results hash. A completed request then costs Redis one bit plus its share of
@@ -56,8 +56,8 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmdq.contract import BATCH_ID_PATTERN, JobPayload, ResultStatus
-from lmdq.redis import shard_index, sink_pending
 from lmdq.redis.keys import Keys
+from lmdq.results import shard_index, sink_pending
 from lmdq.results.shards import MAX_ENTRY_BYTES, ShardEntry, decode_entry, shard_key
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 

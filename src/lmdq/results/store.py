@@ -25,7 +25,7 @@ from lmdq.batches.records import BatchRecords
 from lmdq.contract import Result, ResultStatus
 from lmdq.errors import BatchNotFound
 from lmdq.redis.keys import BatchField, Keys
-from lmdq.redis.result_records import ResultRecords, ResultWrite
+from lmdq.results.records import ResultRecords, ResultWrite
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["ResultStore"]
@@ -52,7 +52,7 @@ class ResultStore:
         self.keys = keys or Keys()
         self.ttl_s = ttl_s
         self.batches = BatchRecords(client, keys=self.keys, ttl_s=ttl_s)
-        #: the Redis half (:mod:`lmdq.redis.result_records`): this class keeps the rules, that one the calls
+        #: the stored records (:mod:`lmdq.results.records`): this class keeps the rules, that one the calls
         self.records = ResultRecords(client, keys=self.keys)
 
     # ---- results -------------------------------------------------------------------------

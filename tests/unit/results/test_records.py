@@ -1,0 +1,63 @@
+"""lmdq.results.records: final and partial records, the shard index read, on a real redis-server."""
+
+from __future__ import annotations
+
+import redis
+
+from lmdq.redis.keys import BatchField, Keys
+from lmdq.results.records import ResultRecords, ResultWrite
+
+
+def _records(client: redis.Redis, prefix: str, batch_id: str = "b1") -> ResultRecords:
+    client.hset(Keys(prefix).batch(batch_id), mapping={BatchField.status.value: "in_progress"})
+    return ResultRecords(client, keys=Keys(prefix))
+
+
+def _final(index: int, data: str, batch_id: str = "b1") -> ResultWrite:
+    return (batch_id, index, data, BatchField.completed.value, 1.0, 60, 3, "m")
+
+
+def test_a_final_is_written_once_and_counted_once(client: redis.Redis, prefix: str) -> None:
+    r = _records(client, prefix)
+    assert r.write_final(_final(0, '{"a":1}')) is True
+    assert r.write_final(_final(0, '{"a":2}')) is False  # HSETNX: the first answer stays
+    k = Keys(prefix)
+    assert client.hget(k.results("b1"), "0") == b'{"a":1}'
+    assert client.hget(k.batch("b1"), BatchField.completed.value) == b"1"
+    assert r.output_tokens_field("b1") == b"3"
+
+
+def test_many_finals_go_in_one_pipeline_with_per_result_answers(client: redis.Redis, prefix: str) -> None:
+    r = _records(client, prefix)
+    r.write_final(_final(1, "x"))
+    assert r.write_finals([_final(0, "a"), _final(1, "b"), _final(2, "c")]) == [True, False, True]
+    assert r.write_finals([]) == []
+    finals, partials = r.read("b1", [0, 1, 2, 3], partial=False)
+    assert finals == [b"a", b"x", b"c", None] and partials == [None] * 4
+
+
+def test_a_write_for_a_batch_without_a_record_is_refused(client: redis.Redis, prefix: str) -> None:
+    r = ResultRecords(client, keys=Keys(prefix))
+    assert r.write_final(_final(0, "a", batch_id="gone")) is False
+    assert not client.exists(Keys(prefix).results("gone"))
+
+
+def test_partials_are_read_beside_finals_and_dropped_by_the_final(client: redis.Redis, prefix: str) -> None:
+    r = _records(client, prefix)
+    assert r.write_partial("b1", 0, "p0", 60) and r.write_partial("b1", 1, "p1", 60)
+    assert r.partial_count("b1") == 2
+    assert r.read("b1", [0, 1], partial=True) == ([None, None], [b"p0", b"p1"])
+    with client.pipeline(transaction=False) as p:
+        assert r.write_final(_final(0, "f0"), pipe=p) is True  # in a pipeline: the answer is execute's
+        assert p.execute() == [1]
+    assert r.partial_count("b1") == 1
+    assert r.read("b1", [0, 1], partial=True) == ([b"f0", None], [None, b"p1"])
+
+
+def test_the_shard_index_is_read_raw(client: redis.Redis, prefix: str) -> None:
+    r = _records(client, prefix)
+    assert r.index_len("b1") == 0 and list(r.index_items("b1")) == []
+    client.hset(Keys(prefix).shards("b1"), mapping={"0": "e0", "1": "e1"})
+    assert r.index_len("b1") == 2
+    assert sorted(r.index_items("b1")) == [(b"0", b"e0"), (b"1", b"e1")]
+    assert r.output_tokens_field("nope") is None
