@@ -22,7 +22,7 @@ import redis
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from lmdq.batches.hashes import BatchHashes
+from lmdq.batches.records import BatchHashes
 from lmdq.bench.keyspace import delete
 from lmdq.metrics.exporter import QueueCollector, start_metrics_server
 from lmdq.redis.connection import connect

@@ -40,7 +40,7 @@ SCRIPTS_MODULE = "src/lmdq/redis/scripts.py"
 #: or script objects, each inside its concept's package. Exact: see the module doc.
 STORE_MODULES: dict[str, set[str]] = {
     "src/lmdq/api/": {"src/lmdq/api/batch_records.py", "src/lmdq/api/file_records.py", "src/lmdq/api/id_index.py"},
-    "src/lmdq/batches/": {"src/lmdq/batches/batch_jobs.py", "src/lmdq/batches/hashes.py",
+    "src/lmdq/batches/": {"src/lmdq/batches/batch_jobs.py", "src/lmdq/batches/records.py",
                           "src/lmdq/batches/idempotency.py"},
     "src/lmdq/jobs/": {"src/lmdq/jobs/idle_roster.py", "src/lmdq/jobs/leases.py", "src/lmdq/jobs/reads.py",
                        "src/lmdq/jobs/rq_records.py", "src/lmdq/jobs/wakeup.py"},

@@ -1,10 +1,10 @@
-"""lmdq.batches.hashes: the batch hash, its listing and the cancelled set, on a real redis-server."""
+"""lmdq.batches.records: the batch hash, its listing and the cancelled set, on a real redis-server."""
 
 from __future__ import annotations
 
 import redis
 
-from lmdq.batches.hashes import BatchHashes, Deleted
+from lmdq.batches.records import BatchHashes, Deleted
 from lmdq.contract import BatchStatus
 from lmdq.redis.keys import BatchField, Keys
 
