@@ -46,8 +46,7 @@ STORE_MODULES: dict[str, set[str]] = {
                        "src/lmdq/jobs/rq_records.py", "src/lmdq/jobs/wakeup.py"},
     "src/lmdq/metrics/": {"src/lmdq/metrics/queue_stats.py"},
     "src/lmdq/registry/": {"src/lmdq/registry/store.py"},
-    "src/lmdq/results/": {"src/lmdq/results/records.py", "src/lmdq/results/shard_index.py",
-                          "src/lmdq/results/sink_pending.py"},
+    "src/lmdq/results/": {"src/lmdq/results/sink.py", "src/lmdq/results/store.py"},
     "bench/": {"bench/keyspace.py"},  # the lab's key scans (only the benches and their tests use them)
 }
 STORES: set[str] = set().union(*STORE_MODULES.values())
@@ -266,14 +265,14 @@ def test_each_rule_fails_on_a_planted_tree() -> None:
         "src/lmdq/redis/keys.py": call + lua + obj,     # shared Redis code: commands yes, Lua and scripts no
         "src/lmdq/jobs/queue.py": lua + obj + call,     # the concept's rules, not its store: nothing
         "worker/runner.py": call + "r.eval('return 1', 0)\n",
-        "src/lmdq/results/records.py": "x = 1\n",      # declared, but holds no stored state
+        "src/lmdq/results/store.py": "x = 1\n",      # declared, but holds no stored state
     }
-    stores = {"src/lmdq/jobs/leases.py", "src/lmdq/results/records.py", "src/lmdq/api/gone.py"}
+    stores = {"src/lmdq/jobs/leases.py", "src/lmdq/results/store.py", "src/lmdq/api/gone.py"}
     assert set(lua_outside_homes(tree, stores)) == {"src/lmdq/redis/keys.py", "src/lmdq/jobs/queue.py"}
     assert set(script_objects_outside_homes(tree, stores)) == {"src/lmdq/redis/keys.py", "src/lmdq/jobs/queue.py"}
     assert set(commands_outside_homes(tree, stores)) == {"src/lmdq/jobs/queue.py", "worker/runner.py"}
     assert set(script_paths_outside_runner(tree)) == {"worker/runner.py"}
-    assert idle_stores(tree, stores) == {"src/lmdq/results/records.py", "src/lmdq/api/gone.py"}
+    assert idle_stores(tree, stores) == {"src/lmdq/results/store.py", "src/lmdq/api/gone.py"}
 
 
 # ---- the boundary itself ------------------------------------------------------------------------

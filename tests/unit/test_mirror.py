@@ -36,8 +36,6 @@ NO_UNIT_TEST_YET = {
     "src/lmdq/results/blobs.py",
     "src/lmdq/results/export.py",
     "src/lmdq/results/reader.py",
-    "src/lmdq/results/sink.py",
-    "src/lmdq/results/store.py",
     "src/lmdq/results/worker_sink.py",
     "src/lmdq/results/writer.py",
     "src/lmdq/settings.py",

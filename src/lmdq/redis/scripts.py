@@ -2,7 +2,7 @@
 
 A script is where several keys change in one atomic step, so it is where a concept's rules are hardest
 to read: each concept keeps its scripts beside the code that builds their KEYS/ARGV, in its store
-module (``lmdq.jobs.leases``, ``lmdq.batches.batch_jobs``, ``lmdq.results.records``, ...; the list is
+module (``lmdq.jobs.leases``, ``lmdq.batches.batch_jobs``, ``lmdq.results.store``, ...; the list is
 ``STORE_MODULES`` in tests/test_redis_boundary.py), and each is a :class:`LuaScript` built once at
 import, its full text (:attr:`LuaScript.source`) visible in one object. Every call goes the same way:
 
