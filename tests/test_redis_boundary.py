@@ -39,7 +39,7 @@ SCRIPTS_MODULE = "src/lmdq/redis/scripts.py"
 #: Each concept's store modules: the only modules outside src/lmdq/redis/ with Redis commands, Lua text
 #: or script objects, each inside its concept's package. Exact: see the module doc.
 STORE_MODULES: dict[str, set[str]] = {
-    "src/lmdq/api/": {"src/lmdq/api/batch_records.py", "src/lmdq/api/file_records.py", "src/lmdq/api/id_index.py"},
+    "src/lmdq/api/": {"src/lmdq/api/batch_records.py", "src/lmdq/api/files.py", "src/lmdq/api/paging.py"},
     "src/lmdq/batches/": {"src/lmdq/batches/batch_jobs.py", "src/lmdq/batches/records.py",
                           "src/lmdq/batches/idempotency.py"},
     "src/lmdq/jobs/": {"src/lmdq/jobs/idle_roster.py", "src/lmdq/jobs/leases.py", "src/lmdq/jobs/reads.py",

@@ -16,7 +16,6 @@ NO_UNIT_TEST_YET = {
     "src/lmdq/api/backend.py",
     "src/lmdq/api/batches.py",
     "src/lmdq/api/cli.py",
-    "src/lmdq/api/files.py",
     "src/lmdq/api/settings.py",
     "src/lmdq/api/uploads.py",
     "src/lmdq/cli/options.py",

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import redis
 from redis.typing import EncodableT, FieldT
 
-from lmdq.api.file_records import RawRecord
+from lmdq.api.files import RawRecord
 from lmdq.redis.keys import Keys
 
 __all__ = ["ApiBatchRecords", "RawRecord"]

@@ -318,7 +318,7 @@ class Keys:
         return f"{self.prefix}:api:file:{file_id}"
 
     def api_files(self, tenant: str) -> str:
-        """Sorted set: the tenant's file ids by creation time (its file list; :mod:`lmdq.api.id_index`)."""
+        """Sorted set: the tenant's file ids by creation time (its file list; :mod:`lmdq.api.paging`)."""
         return f"{self.prefix}:api:tenant:{tenant}:files"
 
     def api_batch(self, batch_id: str) -> str:

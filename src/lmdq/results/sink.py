@@ -228,11 +228,11 @@ def seal(client: redis.Redis, keys: Keys, batch_id: str, job: str, entry: str, t
     (the script's comment below says when)."""
     bid = batch_id
     return int(SEAL_SHARD(keys=[keys.results(bid), keys.shards(bid), keys.sealed(bid), keys.batch(bid)],
-                                  args=[job, entry, ttl_s, *indices], client=client))
+                          args=[job, entry, ttl_s, *indices], client=client))
 
 
 def pending_add(client: redis.Redis, keys: Keys, *, member: str, data: str, delay_s: float, batch_id: str,
-        job_no: int) -> None:
+                job_no: int) -> None:
     """Schedule ``member`` ``delay_s`` from now (replacing an earlier schedule), unless its job is sealed
     by now (the script checks the batch's shard index)."""
     z, h = keys.sink_pending()
