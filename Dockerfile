@@ -41,7 +41,6 @@ COPY pyproject.toml README.md ./
 COPY src/ src/
 COPY producer/ producer/
 COPY worker/ worker/
-COPY bench/ bench/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-from lmdq.bench.cli import main
+from lmdq_bench.cli import main
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lmdq.bench.local_redis import local_redis
+from lmdq_bench.local_redis import local_redis
 
 __all__ = ["ApiProcess", "report", "run", "write_batch_file"]
 

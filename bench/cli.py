@@ -34,7 +34,7 @@ def _resolve_model(engine: str, model: str | None, random_llama8b: Path | None, 
     model_name = model or ""
     if engine_spec(engine).bench.needs_model:
         if random_llama8b:
-            from lmdq.bench.random_model import build_random_llama
+            from lmdq_bench.random_model import build_random_llama
 
             if tokenizer_from is None:
                 raise typer.BadParameter("needs --tokenizer-from", param_hint="--random-llama8b")
@@ -86,8 +86,8 @@ def efficiency(
 
     The engine is built exactly as the worker builds it (same settings, flags and env vars: --tp,
     --backend, --sim-step-ms, ...); a flag the engine does not take is an error."""
-    from lmdq.bench.efficiency import EfficiencyConfig, run_efficiency
-    from lmdq.bench.local_redis import local_redis
+    from lmdq_bench.efficiency import EfficiencyConfig, run_efficiency
+    from lmdq_bench.local_redis import local_redis
 
     cfg = EfficiencyConfig(n=n, batch_size=batch_size, input_len=input_len, output_len=output_len, repeat=repeat,
                            jobs_in_flight=jobs_in_flight, naive=not skip_naive,
@@ -134,7 +134,7 @@ def prefix(
     workload: Annotated[Path | None, typer.Option(help="write the JSONL here (default: a temp folder)")] = None,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     workers: Annotated[int, typer.Option(help="N > 1: N lmdq workers vs N raw processes on 1/N of the file "
-                                         "each, one device each (lmdq.bench.prefix_fleet)")] = 1,
+                                         "each, one device each (lmdq_bench.prefix_fleet)")] = 1,
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
     """Shuffled document-QA: raw pipe(prompts) vs lmdq (prefix groups, one worker), prefix caching on
@@ -145,8 +145,8 @@ def prefix(
     --cache-docs documents and --sim-prefill-us-per-token 25 (about an 8B model's prefill on an H200)."""
     import tempfile
 
-    from lmdq.bench.local_redis import local_redis
-    from lmdq.bench.prefix import KV_BLOCK_TOKENS, PrefixConfig, kv_blocks, run_prefix
+    from lmdq_bench.local_redis import local_redis
+    from lmdq_bench.prefix import KV_BLOCK_TOKENS, PrefixConfig, kv_blocks, run_prefix
 
     cfg = PrefixConfig(docs=docs, doc_tokens=doc_tokens, questions=questions, output_len=output_len,
                        batch_size=batch_size, cache_docs=cache_docs, jobs_in_flight=jobs_in_flight, seed=seed)
@@ -208,12 +208,12 @@ def samples(
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
 ) -> None:
     """P prompts x n samples (params.n) vs the same P x n requests one per line: out tok/s and prefilled
-    tokens side by side (lmdq.bench.samples); the LAST line printed is a JSON object.
+    tokens side by side (lmdq_bench.samples); the LAST line printed is a JSON object.
 
     Unless given: lmdeploy runs --enable-prefix-caching (what shares the prefill there); sim gets
     --sim-prefix-cache-tokens for every prompt and --sim-prefill-us-per-token 25."""
-    from lmdq.bench.local_redis import local_redis
-    from lmdq.bench.samples import SamplesConfig, run_samples
+    from lmdq_bench.local_redis import local_redis
+    from lmdq_bench.samples import SamplesConfig, run_samples
 
     cfg = SamplesConfig(prompts=prompts, n=n, input_len=input_len, output_len=output_len, batch_size=batch_size,
                         temperature=temperature, seed=seed, jobs_in_flight=jobs_in_flight, raw_baseline=raw_baseline)
@@ -249,9 +249,9 @@ def _prefix_fleet(cfg: Any, workers: int, engine: str, model: str | None, random
     sizes the documents with the model's tokenizer and writes the workload."""
     import tempfile
 
-    from lmdq.bench.local_redis import local_redis
-    from lmdq.bench.prefix import make_workload
-    from lmdq.bench.prefix_fleet import run_split_and_fleet
+    from lmdq_bench.local_redis import local_redis
+    from lmdq_bench.prefix import make_workload
+    from lmdq_bench.prefix_fleet import run_split_and_fleet
 
     model, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
     if engine == "lmdeploy":
@@ -341,9 +341,9 @@ def e2e(
              "(TurboMind: blocks)")] = False,
 ) -> None:
     """Real CLIs (an lmdq-worker process, an lmdq-producer submit process per batch) vs a raw pipe() process
-    on the same prompts; the LAST line printed is a JSON object (lmdq.bench.e2e)."""
-    from lmdq.bench.e2e import E2EConfig, parse_variant, run_e2e
-    from lmdq.bench.local_redis import local_redis
+    on the same prompts; the LAST line printed is a JSON object (lmdq_bench.e2e)."""
+    from lmdq_bench.e2e import E2EConfig, parse_variant, run_e2e
+    from lmdq_bench.local_redis import local_redis
 
     if interleave and engine == "lmdeploy":  # before a model is built or an engine started
         _require_fixed_kv(engine_settings)
@@ -391,8 +391,8 @@ def producer(
 ) -> None:
     """Submit a generated JSONL and export its results: requests/s both ways, peak RSS, Redis bytes/result;
     with --tabular-rows, Parquet vs JSONL submit side by side and results -o out.parquet."""
-    from lmdq.bench.local_redis import local_redis
-    from lmdq.bench.producer_bench import run_producer_bench, run_tabular_bench
+    from lmdq_bench.local_redis import local_redis
+    from lmdq_bench.producer_bench import run_producer_bench, run_tabular_bench
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     with local_redis(redis_url) as url:
@@ -422,9 +422,9 @@ def fleet(
     """N sim worker processes on one Redis: req/s and efficiency vs N x one worker, Redis CPU and
     commands per request, memory per queued/running/completed request, idle workers' cost. The LAST
     line printed is a JSON object."""
-    from lmdq.bench.fleet import FleetConfig, run_fleet, table
-    from lmdq.bench.local_redis import local_redis
     from lmdq.logs.config import configure_logging
+    from lmdq_bench.fleet import FleetConfig, run_fleet, table
+    from lmdq_bench.local_redis import local_redis
 
     configure_logging("json", "WARNING")  # the idle workers run in this process: keep stdout for results
     cfg = FleetConfig(workers=workers, capacity=capacity, batch_size=batch_size, rounds=rounds, input_len=input_len,
@@ -446,8 +446,8 @@ def sink(
     output: Annotated[Path | None, typer.Option("-o")] = None,
 ) -> None:
     """Redis bytes per completed request with and without a results sink; the LAST line is JSON."""
-    from lmdq.bench.local_redis import local_redis
-    from lmdq.bench.sink_memory import run_sink_bench
+    from lmdq_bench.local_redis import local_redis
+    from lmdq_bench.sink_memory import run_sink_bench
 
     with local_redis(redis_url) as url:
         res = run_sink_bench(n=n, batch_size=batch_size, tokens=max_new_tokens, redis_url=url,
@@ -471,8 +471,8 @@ def exporter(
 ) -> None:
     """Concurrent /metrics scrapes, Redis read at each scrape vs the exporter's snapshot, side by side;
     the LAST line is JSON."""
-    from lmdq.bench.exporter_bench import run_exporter_bench, table
-    from lmdq.bench.local_redis import local_redis
+    from lmdq_bench.exporter_bench import run_exporter_bench, table
+    from lmdq_bench.local_redis import local_redis
 
     with local_redis(redis_url) as url:
         res = run_exporter_bench(url, batches=batches, scrapes=scrapes,
@@ -491,8 +491,8 @@ def api(
                                               "in the server) and report its time and the peak RSS after")] = False,
 ) -> None:
     """lmdq-api under load: a large upload's peak server memory, many SDK clients polling one batch
-    (lmdq.bench.api_bench); the LAST line is JSON."""
-    from lmdq.bench.api_bench import report, run
+    (lmdq_bench.api_bench); the LAST line is JSON."""
+    from lmdq_bench.api_bench import report, run
 
     report(run(upload_mb, clients, polls, redis_url, submit), clients=clients, polls=polls, submit=submit)
 

@@ -40,13 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.bench.finished_batch import read_finished, timeline, wait_terminal
-from lmdq.bench.gpu_monitor import GpuMonitor
-from lmdq.bench.occupancy import batch_occupancy, occupancy_events
-from lmdq.bench.proc_cpu import cpu_delta, tree_cpu
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
+from lmdq_bench.finished_batch import read_finished, timeline, wait_terminal
+from lmdq_bench.gpu_monitor import GpuMonitor
+from lmdq_bench.occupancy import batch_occupancy, occupancy_events
+from lmdq_bench.proc_cpu import cpu_delta, tree_cpu
 
 __all__ = ["E2EConfig", "make_workload", "run_e2e", "run_interleaved", "summarize"]
 
@@ -170,16 +170,16 @@ def _raw_result(rc: int, work: Path) -> dict[str, Any]:
 def run_raw(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
             log: Any) -> dict[str, Any]:
     _raw_spec(cfg, model, workload, engine_settings, work)
-    log(f"raw: python -m lmdq.bench.raw_pipe ({cfg.batches} batches of {cfg.n})")
+    log(f"raw: python -m lmdq_bench.raw_pipe ({cfg.batches} batches of {cfg.n})")
     with (work / "raw.log").open("wb") as out:
-        p = subprocess.run([sys.executable, "-m", "lmdq.bench.raw_pipe", str(work / "raw_spec.json")],
+        p = subprocess.run([sys.executable, "-m", "lmdq_bench.raw_pipe", str(work / "raw_spec.json")],
                            stdout=out, stderr=subprocess.STDOUT, timeout=cfg.timeout_s)
     return _raw_result(p.returncode, work)
 
 
 class _RawGated:
     """The raw process of an interleaved run, driven through files in a fresh gate folder
-    (:mod:`lmdq.bench.raw_pipe`'s ``gate_dir``): loaded beside the workers, one batch per ``go_<b>``.
+    (:mod:`lmdq_bench.raw_pipe`'s ``gate_dir``): loaded beside the workers, one batch per ``go_<b>``.
     Its own session, so :meth:`kill` reaches LMDeploy's engine processes too, which a plain kill of the
     raw process would leave holding the GPU."""
 
@@ -195,14 +195,14 @@ class _RawGated:
     def start(self) -> None:
         _raw_spec(self.cfg, self.model, self.workload, self.engine_settings, self.work, gate_dir=str(self.gate),
                   parent_pid=os.getpid(), gate_timeout_s=self.gate_timeout_s)
-        self.log(f"raw: python -m lmdq.bench.raw_pipe ({self.cfg.batches} gated batches of {self.cfg.n})")
+        self.log(f"raw: python -m lmdq_bench.raw_pipe ({self.cfg.batches} gated batches of {self.cfg.n})")
         self.started_at = time.time()
         with (self.work / "raw.log").open("wb") as out:
-            self.p = subprocess.Popen([sys.executable, "-m", "lmdq.bench.raw_pipe", str(self.work / "raw_spec.json")],
+            self.p = subprocess.Popen([sys.executable, "-m", "lmdq_bench.raw_pipe", str(self.work / "raw_spec.json")],
                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _wait_file(self, path: Path, what: str) -> dict[str, Any]:
-        from lmdq.bench.raw_pipe import GateError, wait_for_file
+        from lmdq_bench.raw_pipe import GateError, wait_for_file
 
         p = self.p
         assert p is not None
@@ -224,7 +224,7 @@ class _RawGated:
         self.log(f"raw: ready in {r['ready_s']} s (load + warm-up)")
 
     def run_batch(self, b: int) -> dict[str, Any]:
-        from lmdq.bench.raw_pipe import write_atomic
+        from lmdq_bench.raw_pipe import write_atomic
 
         spy = profile = None
         if b == self.cfg.profile_batch and self.p is not None:  # raw's profile beside lmdq's, the same batch

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.bench.finished_batch import read_finished, wait_terminal
 from lmdq.contract import Endpoint, GenerationParams
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
@@ -25,6 +24,7 @@ from lmdq.submission.submit import SubmitOptions, submit_file
 from lmdq.worker.engines.base import Borrowed, Engine, EngineRequest
 from lmdq.worker.runner import Worker
 from lmdq.worker.settings import WorkerSettings
+from lmdq_bench.finished_batch import read_finished, wait_terminal
 
 __all__ = ["EfficiencyConfig", "run_efficiency"]
 

@@ -23,11 +23,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from lmdq.batches.records import BatchHashes
-from lmdq.bench.keyspace import delete
 from lmdq.metrics.exporter import QueueCollector, start_metrics_server
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import BatchField, Keys
 from lmdq.redis.server import info
+from lmdq_bench.keyspace import delete
 
 __all__ = ["run_exporter_bench", "table"]
 

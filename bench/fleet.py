@@ -37,7 +37,6 @@ from typing import Any
 
 import redis
 
-from lmdq.bench.keyspace import keys_memory, scan
 from lmdq.contract import Batch, BatchStatus, GenerationParams, RequestCounts
 from lmdq.jobs.reads import inflight_count
 from lmdq.redis.connection import connect
@@ -45,6 +44,7 @@ from lmdq.redis.keys import Keys
 from lmdq.redis.server import info as server_info
 from lmdq.results.store import ResultStore
 from lmdq.submission.ledger import BatchLedger, new_batch_id
+from lmdq_bench.keyspace import keys_memory, scan
 
 __all__ = ["FleetConfig", "run_fleet"]
 

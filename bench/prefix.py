@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmdq.bench.efficiency import EfficiencyConfig, make_prompts, run_lmdq, run_raw
 from lmdq.worker.engines.base import Engine
+from lmdq_bench.efficiency import EfficiencyConfig, make_prompts, run_lmdq, run_raw
 
 __all__ = ["PrefixConfig", "kv_blocks", "make_workload", "run_prefix"]
 

@@ -1,10 +1,10 @@
 """Prefix-sharing throughput on N GPUs: N lmdq workers vs N raw processes each given 1/N of the file.
 
-Issue #18's second comparison: the same shuffled document-QA file (:func:`lmdq.bench.prefix.make_workload`)
+Issue #18's second comparison: the same shuffled document-QA file (:func:`lmdq_bench.prefix.make_workload`)
 run two ways on N devices, one engine per device, engine settings from ``LMDQ_*`` env vars (the names the
 worker reads):
 
-* split: N processes (``python -m lmdq.bench.prefix_fleet part``), process i pinned to device i
+* split: N processes (``python -m lmdq_bench.prefix_fleet part``), process i pinned to device i
   (``CUDA_VISIBLE_DEVICES``), each running one ``pipe(prompts)`` call on the i-th contiguous 1/N of the
   file. Each times its own call (engine start-up excluded); the split's rate is all tokens over the
   slowest part's time, as if the N calls started together.
@@ -27,14 +27,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmdq.bench.efficiency import EfficiencyConfig, run_raw
-from lmdq.bench.fleet import blocked_clients, wait_until
-from lmdq.bench.prefix import PrefixConfig
 from lmdq.contract import GenerationParams
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
 from lmdq.submission.submit import SubmitOptions, submit_file
+from lmdq_bench.efficiency import EfficiencyConfig, run_raw
+from lmdq_bench.fleet import blocked_clients, wait_until
+from lmdq_bench.prefix import PrefixConfig
 
 __all__ = ["run_split_and_fleet"]
 
@@ -70,7 +70,7 @@ def run_split_and_fleet(cfg: PrefixConfig, *, workers: int, engine: str, env: di
     for i in range(workers):
         out = open(tmp / f"part{i}.out", "wb")  # noqa: SIM115 - closed with the process
         procs.append((subprocess.Popen(
-            [sys.executable, "-m", "lmdq.bench.prefix_fleet", "part", str(workload), str(i), str(workers),
+            [sys.executable, "-m", "lmdq_bench.prefix_fleet", "part", str(workload), str(i), str(workers),
              str(cfg.output_len)], env=_device_env(base, i, engine), cwd=CHILD_CWD, stdout=out,
             stderr=open(tmp / f"part{i}.log", "wb")), out))  # noqa: SIM115
     parts = []
@@ -147,4 +147,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "part":
         _part_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     else:
-        sys.exit("usage: python -m lmdq.bench.prefix_fleet part WORKLOAD I PARTS OUTPUT_LEN")
+        sys.exit("usage: python -m lmdq_bench.prefix_fleet part WORKLOAD I PARTS OUTPUT_LEN")

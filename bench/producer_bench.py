@@ -17,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmdq.bench.keyspace import delete, scan
 from lmdq.contract import FinishReason, Result, ResultStatus, Timings
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.redis.server import info
 from lmdq.results.store import ResultStore
+from lmdq_bench.keyspace import delete, scan
 
 #: where child processes start: never inside the installed package, whose lmdq/redis/ would hide the
 #: redis library from `python -m` (sys.path[0] is the working directory)
@@ -84,7 +84,7 @@ def _in_child(fn: str, *args: Any) -> None:
     """Run one of this module's functions in a child process: the bench process stays small, so the
     CLI children it forks start small (a forked child's peak RSS counts the parent's pages it had
     before exec), and pyarrow is never imported here."""
-    code = f"from lmdq.bench.producer_bench import {fn}; from pathlib import Path; {fn}(*{args!r})"
+    code = f"from lmdq_bench.producer_bench import {fn}; from pathlib import Path; {fn}(*{args!r})"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=CHILD_CWD)
 
 

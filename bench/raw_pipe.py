@@ -1,6 +1,6 @@
 """The raw side of ``lmdq-bench e2e``: one process, one LMDeploy pipeline, ``pipe(prompts)`` per batch.
 
-Run by :mod:`lmdq.bench.e2e` as ``python -m lmdq.bench.raw_pipe SPEC.json`` so it owns the GPU alone, as a
+Run by :mod:`lmdq_bench.e2e` as ``python -m lmdq_bench.raw_pipe SPEC.json`` so it owns the GPU alone, as a
 user's own script would: the pipeline is built exactly as the worker builds it (the same settings and
 flags, through :func:`lmdq.worker.engine_factory.build_engine`), then each batch is ONE plain
 ``pipe(prompts, gen_config=[...])`` call on the same JSONL lmdq submits. The spec's ``warmup`` runs the
@@ -102,10 +102,10 @@ def _one_call(eng: Any, prompts: list[Any], params: list[dict[str, Any]], chat: 
 
 def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
-    from lmdq.bench.proc_cpu import cpu_delta, tree_cpu
     from lmdq.logs.config import configure_logging
     from lmdq.worker.engine_factory import build_engine
     from lmdq.worker.settings import load_worker_settings
+    from lmdq_bench.proc_cpu import cpu_delta, tree_cpu
 
     # JSON lines, as the worker's: the engine's own events (``engine occupancy``) are read back from this log
     configure_logging("json", "INFO")

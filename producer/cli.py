@@ -116,7 +116,8 @@ def _print_submitted(batch: Batch, created: bool, as_json: bool) -> None:
         typer.echo(json.dumps(out))
         return
     if not created:
-        err.print("idempotency key matched an existing batch; nothing enqueued")
+        # a batch its first submit left part-staged was resumed (the ledger logs it): nothing is ever staged twice
+        err.print("idempotency key matched an existing batch; nothing enqueued twice")
     typer.echo(batch.id)
 
 
@@ -141,6 +142,8 @@ def submit(
                                ] = None,
     id_column: Annotated[str | None, typer.Option(help="Parquet/CSV: the column holding each row's custom_id "
                                                        "(default: the row number)")] = None,
+    model_column: Annotated[str | None, typer.Option(help="Parquet/CSV: the column naming each row's served "
+                                                          "model (one batch over several models)")] = None,
     params_column: Annotated[list[str] | None, typer.Option(help="Parquet/CSV: a column named like a generation "
                                                                  "parameter, per row (repeatable)")] = None,
     template: Annotated[str | None, typer.Option(help="Parquet/CSV: the prompt as a str.format template of "
@@ -175,7 +178,8 @@ def submit(
             batch = _lmdq().submit(
                 path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
                 prompt_column=prompt_column, messages_column=messages_column,
-                id_column=id_column, params_columns=params_column or None, template=template, spell=cli_spell,
+                id_column=id_column, model_column=model_column, params_columns=params_column or None,
+                template=template, spell=cli_spell,
                 validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
                 **generation, **grouping, **batch_options,
             )

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @contextmanager
 def local_redis() -> Iterator[str]:
-    """A redis-server of its own for the demo's lifetime (lmdq.bench.local_redis: no persistence, its
+    """A redis-server of its own for the demo's lifetime (lmdq_bench.local_redis: no persistence, its
     folder removed at the end), so a run leaves nothing in /tmp."""
-    from lmdq.bench.local_redis import local_redis as throwaway_redis
+    from lmdq_bench.local_redis import local_redis as throwaway_redis
 
     with throwaway_redis(data_prefix="lmdq-quickstart-redis-") as url:
         yield url

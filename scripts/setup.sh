@@ -18,7 +18,9 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 grep -i -E '^(pip|setuptools|wheel)==' constraints/dev.txt > "$VENV/.lmdq-bootstrap.txt"
 pip install --no-deps -r "$VENV/.lmdq-bootstrap.txt"
 pip install --no-deps -r constraints/dev.txt
-# lmdq itself, editable, built with the locked setuptools (no isolated build env that would float)
+# lmdq itself and the lab (lmdq-bench, bench/), editable, built with the locked setuptools (no isolated
+# build env that would float)
 pip install --no-deps --no-build-isolation -e .
+pip install --no-deps --no-build-isolation -e ./bench   # after lmdq: replacing lmdq must not take its script
 rm -f "$VENV"/.lmdq-setup-*
 touch "$stamp"

@@ -28,8 +28,8 @@ from openai import OpenAI
 from openai.types import Batch, BatchError, Completion, FileObject
 from openai.types.chat import ChatCompletion
 
-from lmdq.bench.api_bench import ApiProcess, write_batch_file
 from lmdq.redis.keys import BatchField, Keys
+from lmdq_bench.api_bench import ApiProcess, write_batch_file
 from tests.conftest import start_worker
 
 KEYS = {t: f"{t}-key-{uuid.uuid4().hex}" for t in ("alice", "bob", "pager", "poll", "mem")}

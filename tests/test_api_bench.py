@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 
 
 def test_api_bench_prints_rss_and_poll_numbers(redis_url: str) -> None:
-    p = subprocess.run([sys.executable, "-m", "lmdq.bench", "api", "--upload-mb", "2", "--clients", "5",
+    p = subprocess.run([sys.executable, "-m", "lmdq_bench", "api", "--upload-mb", "2", "--clients", "5",
                         "--polls", "3", "--submit", "--redis-url", redis_url],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -14,7 +14,7 @@ from tests.conftest import run_cli
 
 
 def test_e2e_bench_runs_the_real_clis_and_reports_each_batch(tmp_path: Path, env: dict[str, str]) -> None:
-    p = run_cli("lmdq.bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "40", "--batches", "2",
+    p = run_cli("lmdq_bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "40", "--batches", "2",
                 "--batch-size", "8", "--min-input", "4", "--max-input", "12", "--min-output", "2", "--max-output", "6",
                 "--workdir", str(tmp_path / "w"), "-o", str(tmp_path / "e2e.json"),
                 "--lmdq-variant", "default", "--lmdq-variant", "small:SIM_MAX_BATCH=4", env=env, timeout=600)
@@ -53,7 +53,7 @@ def test_e2e_interleave_alternates_raw_and_lmdq_batches_on_engines_loaded_at_onc
     """--interleave: the raw process and the worker load together, then batch b of each side runs with the
     other idle, raw first on even batches and lmdq first on odd ones. Checked from the wall-clock stamps
     each side records (start/end of every batch, ready of each process), never from the test's own clock."""
-    p = run_cli("lmdq.bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "16", "--batches", "3",
+    p = run_cli("lmdq_bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "16", "--batches", "3",
                 "--batch-size", "8", "--min-input", "4", "--max-input", "8", "--min-output", "2", "--max-output", "4",
                 "--no-raw-warmup", "--interleave", "--workdir", str(tmp_path / "w"), "-o", str(tmp_path / "e2e.json"),
                 env=env, timeout=600)
@@ -90,7 +90,7 @@ def test_the_gate_wait_returns_on_the_file_and_names_why_the_other_end_cannot_wr
     """bench/raw_pipe.wait_for_file, both ends' wait of --interleave: a file already there returns at once;
     an other end that is gone raises its reason on the first poll (not at the timeout); no file within the
     timeout (0 s: decided by the first poll, no race with the clock) names the file and the folder."""
-    from lmdq.bench.raw_pipe import GateError, wait_for_file
+    from lmdq_bench.raw_pipe import GateError, wait_for_file
 
     (tmp_path / "go_0").write_text("{}")
     wait_for_file(tmp_path / "go_0", 3600, lambda: "never asked")
@@ -105,7 +105,7 @@ def test_e2e_interleave_keeps_each_variants_jobs_to_its_own_worker(tmp_path: Pat
     one side's batch runs the other side's worker is up and idle. Each side has its own key prefix, so every
     result of a side's batch comes from that side's one worker (the result's ``worker``), never from the
     other's."""
-    p = run_cli("lmdq.bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "48", "--batches", "2",
+    p = run_cli("lmdq_bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--n", "48", "--batches", "2",
                 "--batch-size", "4", "--min-input", "4", "--max-input", "8", "--min-output", "2", "--max-output", "4",
                 "--no-raw-warmup", "--interleave", "--lmdq-variant", "a", "--lmdq-variant", "b:BATCH_SIZE=16",
                 "--workdir", str(tmp_path / "w"), "-o", str(tmp_path / "e2e.json"), env=env, timeout=600)
@@ -136,7 +136,7 @@ def test_e2e_interleave_on_lmdeploy_refuses_a_kv_cache_given_as_a_fraction(tmp_p
     """Session 16: --interleave with each engine's default 0.8 of the memory free when it allocated gave the
     second engine a fraction of the first's KV blocks (lmdq "0.58x raw", all of it from a smaller running
     batch). The bench refuses before it builds a model or starts an engine, naming the flag that fixes it."""
-    p = run_cli("lmdq.bench", "e2e", "--engine", "lmdeploy", "--model", str(tmp_path / "absent"), "--interleave",
+    p = run_cli("lmdq_bench", "e2e", "--engine", "lmdeploy", "--model", str(tmp_path / "absent"), "--interleave",
                 *flags, env=env, timeout=120)
     err = p.stderr.decode()
     assert p.returncode != 0
@@ -148,8 +148,8 @@ def test_timeline_counts_the_requests_held_and_when_results_finished() -> None:
     """bench/finished_batch.timeline on hand-made stamps: two jobs of 2 requests, the second job starting late
     (a worker that left the engine short of work). held_min must show the gap, held_mean the time-weighted
     count, the percentiles the finish times from t0."""
-    from lmdq.bench.finished_batch import timeline
     from lmdq.contract import Result, ResultStatus, Timings
+    from lmdq_bench.finished_batch import timeline
 
     def r(i: int, start: float, end: float) -> Result:
         return Result(batch_id="b", custom_id=f"c{i}", index=i, status=ResultStatus.completed, model="m",

@@ -157,7 +157,7 @@ def test_parquet_and_csv_are_read_as_tables_not_refused_as_foreign(env: dict[str
     bad.write_bytes(b"PAR1\x15\x04\x15\x10")
     line = _one_error(run_cli("lmdq.producer", "submit", str(bad), "--model", "sim", "--allow-unknown-model",
                               env=env), ExitCode.bad_input)
-    assert line.startswith(f"error: {bad}:0: cannot read the parquet file: "), line
+    assert line.startswith(f"error: {bad}: cannot read the parquet file: "), line  # no line 0 (issue 45)
 
 
 # ---- the worker's health port ---------------------------------------------------------------------
@@ -240,3 +240,12 @@ def test_a_bad_health_port_is_one_sentence(env: dict[str, str], value: str) -> N
     assert p.returncode == ExitCode.bad_input
     assert p.stderr.decode().splitlines()[-1] == (
         f"error: --health-port / LMDQ_HEALTH_PORT: expected a port 0-65535, 0 for no endpoint, or auto; got {value!r}")
+
+
+def test_a_file_level_error_names_no_line_0(tmp_path: Path, env: dict[str, str]) -> None:
+    """Issue 45: ``nope.csv:0: no such file``: a file-level error has no line; it names the file alone."""
+    for name in ("nope.csv", "nope.jsonl"):
+        p = run_cli("lmdq.producer", "submit", str(tmp_path / name), "--model", "m", env=env)
+        assert p.returncode == 2, p.stderr.decode()
+        err = p.stderr.decode().strip().splitlines()
+        assert err == [f"error: {tmp_path / name}: no such file"], err

@@ -177,13 +177,13 @@ def test_status_watch_prints_plain_progress_lines_when_not_a_terminal(
     assert not CONTROL.search("".join(err.seen))
 
 
-@pytest.mark.parametrize(("module", "args"), [("lmdq.worker", ()), ("lmdq.bench", ("efficiency",))])
+@pytest.mark.parametrize(("module", "args"), [("lmdq.worker", ()), ("lmdq_bench", ("efficiency",))])
 def test_worker_and_bench_help_name_every_option_whole_at_80_columns(env: dict[str, str], module: str,
                                                                     args: tuple[str, ...]) -> None:
     """The worker's and the bench's --help too (their flags are generated from the engine configs)."""
     import importlib
 
-    app = importlib.import_module(module.replace("lmdq.", "lmdq.cli.")).app  # lmdq.worker's CLI: lmdq.worker.cli
+    app = importlib.import_module(f"{module}.cli").app  # lmdq.worker's CLI: lmdq.worker.cli; the lab's: lmdq_bench.cli
     cmd = typer.main.get_command(app)
     if args:
         assert isinstance(cmd, typer.core.TyperGroup)

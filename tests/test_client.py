@@ -372,3 +372,41 @@ def test_the_column_wise_fast_path_spools_exactly_what_the_row_parser_does(tmp_p
             assert spool(classify(src, fmt=None, cmap=cmap), cmap, f) == 10_000
         out[kind] = (tmp_path / kind).read_bytes()
     assert out["arrow"] == out["rows"] and out["rows"].count(b"\n") == 10_000
+
+
+def test_openai_names_of_generation_options_are_accepted_as_in_files(api: lmdq.Client, redis_url: str,
+                                                                    prefix: str) -> None:
+    """Issue 45: ``submit(..., max_tokens=5)`` was a TypeError though JSONL and OpenAI bodies take the alias;
+    ``max_tokens``, ``seed`` and ``stop`` now set ``max_new_tokens``, ``random_seed`` and ``stop_words``, and
+    passing both spellings is refused by name."""
+    aliased = api.submit(["hi", "there"], model="sim", allow_unknown_model=True, max_tokens=5, seed=7, stop=["\n"])
+    named = api.submit(["hi", "there"], model="sim", allow_unknown_model=True, max_new_tokens=5, random_seed=7,
+                       stop_words=["\n"])
+    drain(redis_url, prefix)
+    assert [r.generate_token_len for r in aliased.results()] == [5, 5]
+    assert _answers(aliased) == _answers(named)
+    with pytest.raises(lmdq.SubmitRejected, match="^max_tokens: the same option as max_new_tokens"):
+        api.submit(["hi"], model="sim", allow_unknown_model=True, max_tokens=5, max_new_tokens=6)
+
+
+def test_results_is_an_iterator_as_the_docs_say(api: lmdq.Client, redis_url: str, prefix: str) -> None:
+    """Issue 45: docs/python-api.md described a list; it is an iterator (memory flat in the batch's size),
+    and the docs now say so and how to slice it."""
+    from collections.abc import Iterator
+
+    b = api.submit(["a", "b", "c", "d"], model="sim", allow_unknown_model=True, max_new_tokens=2)
+    drain(redis_url, prefix)
+    it = b.results()
+    assert isinstance(it, Iterator)
+    assert [r.index for r in list(b.results())[:3]] == [0, 1, 2]
+    doc = (ROOT / "docs" / "python-api.md").read_text()
+    assert "| `.results()` | an iterator" in doc and "list(b.results())[:3]" in doc
+
+
+def test_a_column_option_on_string_rows_is_an_error_not_ignored(api: lmdq.Client, client: redis.Redis,
+                                                                 prefix: str) -> None:
+    """Issue 45: ``prompt_column=`` on a list of strings was silently ignored."""
+    with pytest.raises(lmdq.InvalidArgument, match="^prompt_column: the rows are strings") as e:
+        api.submit(["a", "b"], model="sim", allow_unknown_model=True, prompt_column="question")
+    assert e.value.field == "prompt_column" and e.value.value == "question"
+    _nothing_enqueued(client, prefix)

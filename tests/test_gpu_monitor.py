@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lmdq.bench.gpu_monitor import FIELDS, GpuMonitor, parse_line, summarize
+from lmdq_bench.gpu_monitor import FIELDS, GpuMonitor, parse_line, summarize
 
 H200_LINE = "0, 1980, 3201, 97, 612.45, 54, 0x0000000000000000"
 

@@ -13,8 +13,8 @@ def test_doubled_heads_compute_the_same_function(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lmdq.bench.head_doubled import double_heads
     from lmdq.worker.default_model import ensure_default_model
+    from lmdq_bench.head_doubled import double_heads
 
     src = ensure_default_model()
     dst = double_heads(src, tmp_path / "doubled")

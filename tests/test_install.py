@@ -1,6 +1,7 @@
 """A normal (non-editable) ``pip install .`` works from any folder, the repository root included
 (issue: ``./lmdq`` shadowed the installed package there, and ``lmdq-bench fleet`` started its workers
-inside ``site-packages/lmdq/``, where ``lmdq/redis/`` hid the redis library).
+inside ``site-packages/lmdq/``, where ``lmdq/redis/`` hid the redis library). The lab, lmdq-bench
+(bench/, a distribution of its own), is installed beside it as ``pip install '.[bench]' ./bench`` would.
 
 The new venv takes its dependencies from this environment (the lock's versions, through a ``.pth``
 line, which Python does not scan for further ``.pth`` files, so the editable lmdq stays out) and gets
@@ -38,7 +39,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / f, src / f)
     p = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-                        "--no-build-isolation", "--no-cache-dir", str(src)],
+                        "--no-build-isolation", "--no-cache-dir", str(src), str(src / "bench")],
                        capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not list(site.glob("__editable__*")), "expected a real install, not an editable one"
@@ -56,7 +57,7 @@ def test_the_core_and_the_services_import_from_the_repository_root(installed: Pa
     assert "site-packages/redis/" in files[2]
 
 
-@pytest.mark.parametrize("script", sorted(pyproject()["project"]["scripts"]))
+@pytest.mark.parametrize("script", sorted([*pyproject()["project"]["scripts"], "lmdq-bench"]))
 def test_every_console_script_answers_help_from_the_repository_root(installed: Path, script: str) -> None:
     p = subprocess.run([str(installed / "bin" / script), "--help"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)

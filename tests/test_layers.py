@@ -1,6 +1,6 @@
 """The layers of docs/architecture.md, checked by import-linter (.importlinter) on the package as it
 installs: the core from src/lmdq/ with worker/, producer/ and bench/ inside it as lmdq.worker,
-lmdq.producer and lmdq.bench. grimp (import-linter's graph) walks a package's folder, so the
+lmdq.producer and lmdq_bench. grimp (import-linter's graph) walks a package's folder, so the
 editable install's package-dir mapping is rebuilt here as a tree of links."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def installed_shape(into: Path) -> Path:
     for name, folder in mapping.items():
         if name != "lmdq":
             (into / name.replace(".", "/")).symlink_to(ROOT / folder)
+    (into / "lmdq_bench").symlink_to(ROOT / "bench")  # the lab, a distribution of its own (bench/pyproject.toml)
     return into
 
 

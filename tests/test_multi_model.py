@@ -216,3 +216,38 @@ def test_cancel_of_a_several_model_batch_answers_every_queue(tmp_path: Path, env
     assert {m: x.cancelled for m, x in b.model_counts.items()} == {
         m: sum(1 for r in rows if r["model"] == m) for m in MODELS}
     assert all(not _queued_jobs(client, prefix, m) for m in MODELS)
+
+
+@pytest.mark.parametrize("kind", ["dataframe", "table", "parquet", "csv", "cli-parquet", "cli-csv"])
+def test_model_column_names_each_rows_model_for_every_tabular_source(kind: str, tmp_path: Path, redis_url: str,
+                                                                     env: dict[str, str], prefix: str,
+                                                                     client: redis.Redis) -> None:
+    """Issue 45: ``model_column=`` worked only for dicts and JSONL; a DataFrame, an Arrow table, a .parquet
+    and a .csv file were refused with "no model given", and the CLI had no ``--model-column``."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import lmdq
+
+    df = pd.DataFrame({"question": ["a?", "b?", "c?"], "model": ["ma", "mb", "ma"]})
+    if kind.endswith("parquet"):
+        source: object = tmp_path / "q.parquet"
+        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), source)
+    elif kind.endswith("csv"):
+        source = tmp_path / "q.csv"
+        df.to_csv(source, index=False)
+    else:
+        source = df if kind == "dataframe" else pa.Table.from_pandas(df, preserve_index=False)
+    if kind.startswith("cli-"):
+        p = run_cli("lmdq.producer", "submit", str(source), "--prompt-column", "question", "--model-column", "model",
+                    "--allow-unknown-model", env=env)
+        assert p.returncode == 0, p.stderr.decode()[-2000:]
+        batch_id = p.stdout.decode().strip().splitlines()[-1]
+    else:
+        c = lmdq.Client(redis_url)
+        c.settings.key_prefix = prefix
+        batch_id = c.submit(source, prompt_column="question", model_column="model", allow_unknown_model=True).id
+    info = ResultStore(client, keys=Keys(prefix)).batches.get(batch_id)
+    assert info.request_counts.total == 3
+    assert sorted(info.models) == ["ma", "mb"], info

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import structlog
 
-from lmdq.bench.occupancy import batch_occupancy, occupancy_events
+from lmdq_bench.occupancy import batch_occupancy, occupancy_events
 
 WAIT_S = 30.0  # a bound on waiting for an event, never a measured duration
 

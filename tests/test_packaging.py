@@ -772,9 +772,10 @@ def test_overlay_external_redis_drops_the_statefulset() -> None:
 
 
 def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
-    """worker/, producer/ and bench/ ship as lmdq.worker, lmdq.producer, lmdq.bench: a wheel built
-    from this tree has no other top-level package, so `import worker` fails after `pip install`
-    while the console scripts (which name lmdq.* modules) work."""
+    """worker/ and producer/ ship as lmdq.worker, lmdq.producer: a wheel built from this tree has no
+    other top-level package, so `import worker` fails after `pip install` while the console scripts
+    (which name lmdq.* modules) work. The lab (bench/) is not in it: it is its own wheel, lmdq-bench,
+    whose files all land in lmdq_bench/."""
     import zipfile
 
     src = tmp_path / "src"  # a copy, so the build leaves no build/ folder in the checkout
@@ -791,9 +792,19 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
     )
     (wheel,) = (tmp_path / "dist").glob("lmdq-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if n.startswith("lmdq_bench/")], "the product's wheel holds the lab"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist-bench"), str(src / "bench")],
+        check=True,
+        capture_output=True,
+    )
+    (bench_wheel,) = (tmp_path / "dist-bench").glob("lmdq_bench-*.whl")
+    bench_names = [n for n in zipfile.ZipFile(bench_wheel).namelist() if ".dist-info/" not in n]
+    assert bench_names and all(n.startswith("lmdq_bench/") for n in bench_names), bench_names
     tops = {n.split("/")[0] for n in names}
     assert tops == {"lmdq", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
-    for module in ("lmdq/worker/runner.py", "lmdq/producer/cli.py", "lmdq/bench/cli.py",
+    for module in ("lmdq/worker/runner.py", "lmdq/producer/cli.py",
                    "lmdq/worker/engines/sim.py", "lmdq/submission/formats/jsonl.py", "lmdq/py.typed"):
         assert module in names
     for target in pyproject()["project"]["scripts"].values():
@@ -815,10 +826,11 @@ def test_packages_install_inside_the_lmdq_namespace(tmp_path: Path) -> None:
         p = subprocess.run([str(site / "bin" / script), "--help"], cwd=cwd, env=env, capture_output=True, text=True)
         assert p.returncode == 0 and "Usage" in p.stdout, (script, p.stderr[-2000:])
     # every .py under the mapped folders made it into the wheel (a new subpackage must be listed)
-    for folder, pkg in (("worker", "lmdq/worker"), ("producer", "lmdq/producer"), ("bench", "lmdq/bench")):
+    for folder, pkg, held in (("worker", "lmdq/worker", names), ("producer", "lmdq/producer", names),
+                              ("bench", "lmdq_bench", bench_names)):
         for py in (ROOT / folder).rglob("*.py"):
             if "__pycache__" not in py.parts:
-                assert f"{pkg}/{py.relative_to(ROOT / folder).as_posix()}" in names, py
+                assert f"{pkg}/{py.relative_to(ROOT / folder).as_posix()}" in held, py
 
 
 # ------------------------------------------------------------------------------------ image locks

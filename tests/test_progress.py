@@ -159,3 +159,68 @@ def test_redis_gone_between_a_poll_and_the_display_keeps_the_last_values() -> No
         assert p._tokens == 7
     finally:
         srv.cleanup()
+
+
+def test_the_hint_names_every_model_a_multi_model_batch_waits_on(redis_url: str, client: redis.Redis,
+                                                                  prefix: str) -> None:
+    """A batch over ma/mb/mc (issue 44): ma served, mb's worker killed (its record expired, as a killed
+    worker's does), mc registered but never served. The hint names mb and mc, not ma; when mb's worker is
+    back, only mc; once ma's requests are all done, ma's missing worker is no reason for a hint."""
+    import lmdq
+    from lmdq.submission.settings import ProducerSettings
+
+    keys = Keys(prefix)
+    WorkerRegistry(client, keys=keys, name="wa", model="ma", ttl_s=60).register(pid=1)
+    WorkerRegistry(client, keys=keys, name="wb", model="mb", ttl_s=0).register(pid=2)  # record lives ~1 s
+    api = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix))
+    api.register_models(["mc"], note="never served")
+    rows = [{"q": f"question {i}", "m": ("ma", "mb", "mc")[i % 3]} for i in range(9)]
+    batch = api.submit(rows, prompt_column="q", model_column="m", batch_size=2)
+    assert batch.last_info.models == ["ma", "mb", "mc"]
+    time.sleep(1.3)  # mb's worker was killed: no deregister, its record's TTL runs out
+    assert {m.name: m.live_workers for m in api.models()[0]} == {"ma": 1, "mb": 0, "mc": 0}
+
+    clock = Clock()
+    p, out = _progress(client, prefix, clock, interval=5)
+    p.update(batch.info())
+    hints = [ln for ln in out.getvalue().splitlines() if ln.startswith("hint: ")]
+    assert hints == ["hint: no live worker serves models 'mb' (3 waiting), 'mc' (3 waiting): their requests "
+                     "wait until one starts for each (lmdq-worker --served-model-name mb ...; "
+                     "lmdq-worker --served-model-name mc ...; see `lmdq-producer models list`)"], out.getvalue()
+
+    WorkerRegistry(client, keys=keys, name="wb2", model="mb", ttl_s=60).register(pid=3)  # mb served again
+    clock.t += 5
+    p.update(batch.info())
+    last = out.getvalue().splitlines()[-1]
+    assert last == ("hint: no live worker serves model 'mc' (3 waiting): its requests wait until one starts "
+                    "(lmdq-worker --served-model-name mc ...; see `lmdq-producer models list`)"), out.getvalue()
+
+    # the terminal bar shows the same hint, once
+    tty = io.StringIO()
+    bar = BatchProgress(store=ResultStore(client, keys=keys), models=ModelRegistry(client, keys=keys), stream=tty,
+                        terminal=True, interval_s=5, clock=clock, wall=lambda: 0.0)
+    with bar:
+        bar.update(batch.info())
+        bar.update(batch.info())
+    assert tty.getvalue().count("hint: no live worker serves model 'mc' (3 waiting)") == 1, tty.getvalue()
+
+
+def test_a_model_whose_requests_are_done_needs_no_worker(client: redis.Redis, prefix: str) -> None:
+    """The hint looks at the models the batch still waits on: one whose requests all ended is not named."""
+    store = ResultStore(client, keys=Keys(prefix))
+    bid = f"batch_{time.time_ns():024x}"[:30]
+    store.batches.create(Batch(id=bid, model="ma", status=BatchStatus.in_progress, batch_size=8,
+                               request_counts=RequestCounts(total=4),
+                               model_counts={"ma": RequestCounts(total=2), "mb": RequestCounts(total=2)},
+                               created_at=time.time()))
+    for i in (0, 1):  # ma's two requests end (the results script counts them per model)
+        assert store.write_result(Result(batch_id=bid, custom_id=str(i), index=i, status=ResultStatus.completed,
+                                         model="ma", generate_token_len=1))
+    assert store.batches.get(bid).model_counts["ma"].done == 2  # type: ignore[index]
+    ModelRegistry(client, keys=Keys(prefix)).add("ma")
+    ModelRegistry(client, keys=Keys(prefix)).add("mb")
+    p, out = _progress(client, prefix, Clock())
+    p.update(store.batches.get(bid))
+    hints = [ln for ln in out.getvalue().splitlines() if ln.startswith("hint: ")]
+    assert hints == ["hint: no live worker serves model 'mb' (2 waiting): its requests wait until one starts "
+                     "(lmdq-worker --served-model-name mb ...; see `lmdq-producer models list`)"], out.getvalue()

@@ -40,8 +40,8 @@ SCRIPTS_MODULE = "src/lmdq/redis/scripts.py"
 #: or script objects, each inside its concept's package. Exact: see the module doc.
 STORE_MODULES: dict[str, set[str]] = {
     "src/lmdq/api/": {"src/lmdq/api/batch_records.py", "src/lmdq/api/files.py", "src/lmdq/api/paging.py"},
-    "src/lmdq/batches/": {"src/lmdq/batches/batch_jobs.py", "src/lmdq/batches/records.py",
-                          "src/lmdq/batches/idempotency.py"},
+    "src/lmdq/batches/": {"src/lmdq/batches/batch_jobs.py", "src/lmdq/batches/idempotency.py",
+                          "src/lmdq/batches/records.py", "src/lmdq/batches/staging.py"},
     "src/lmdq/jobs/": {"src/lmdq/jobs/data.py", "src/lmdq/jobs/decode.py", "src/lmdq/jobs/idle_roster.py",
                        "src/lmdq/jobs/leases.py", "src/lmdq/jobs/reads.py", "src/lmdq/jobs/rq_records.py",
                        "src/lmdq/jobs/wakeup.py"},
@@ -166,7 +166,9 @@ def script_objects(source: str) -> list[str]:
 
 
 def _module_name(path: str) -> str:
-    """``src/lmdq/jobs/leases.py`` -> ``lmdq.jobs.leases``; ``bench/keyspace.py`` -> ``lmdq.bench.keyspace``."""
+    """``src/lmdq/jobs/leases.py`` -> ``lmdq.jobs.leases``; ``bench/keyspace.py`` -> ``lmdq_bench.keyspace``."""
+    if path.startswith("bench/"):
+        return "lmdq_bench." + path.removeprefix("bench/").removesuffix(".py").replace("/", ".")
     rel = path.removeprefix("src/").removesuffix(".py").replace("/", ".")
     return rel if rel.startswith("lmdq.") else f"lmdq.{rel}"
 

@@ -95,7 +95,7 @@ def test_installed_as_a_plugin_its_settings_are_flags(plugin_env: dict[str, str]
     text = out.stdout.decode()
     for flag in ("--echo-slots", "--echo-upper", "--echo-max-words"):
         assert flag in text, flag
-    bench = run_cli("lmdq.bench", "efficiency", "--help", env={**plugin_env, "COLUMNS": "200"})
+    bench = run_cli("lmdq_bench", "efficiency", "--help", env={**plugin_env, "COLUMNS": "200"})
     assert bench.returncode == 0 and b"--echo-slots" in bench.stdout, bench.stderr.decode()
     # --engine's choices are the registry's
     nope = run_cli("lmdq.worker", "--engine", "nope", env=plugin_env)

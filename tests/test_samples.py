@@ -372,7 +372,7 @@ def test_bench_samples_runs_both_sides_on_the_sim(tmp_path: Path) -> None:
     """``lmdq-bench samples`` (the GPU bench's CPU check): both sides drain, same sequences and tokens, and the
     JSON line holds the side-by-side numbers."""
     out = tmp_path / "b.json"
-    p = subprocess.run([sys.executable, "-m", "lmdq.bench", "samples", "--prompts", "12", "--n", "4", "--input-len",
+    p = subprocess.run([sys.executable, "-m", "lmdq_bench", "samples", "--prompts", "12", "--n", "4", "--input-len",
                         "24", "--output-len", "6", "--sim-step-ms", "1", "--raw-baseline", "-o", str(out)], cwd=ROOT,
                        capture_output=True, timeout=300)
     assert p.returncode == 0, p.stderr.decode()[-3000:]

@@ -179,6 +179,7 @@ class Worker:
         # Shard writes that failed (here or on any worker) are retried until they land: lmdq.results.worker_sink
         threading.Thread(target=self.sink.sweep_loop, args=(self._stop,), name="lmdq-sink-sweeper",
                          daemon=True).start()
+        threading.Thread(target=self._staging_watch_loop, name="lmdq-staging-watch", daemon=True).start()
         if self.s.idle_wait_s > 0 and not self.s.burst:  # a burst worker exits when idle instead
             wakeup = WakeUp(self.client, keys=self.keys, model=self.model, block_s=self.s.idle_wait_s,
                             also=self.served[1:])
@@ -419,6 +420,22 @@ class Worker:
                 return
             if self._stop.is_set():
                 time.sleep(min(period, 1.0))
+
+    def _staging_watch_loop(self) -> None:
+        """Batches whose submit died while staging them (issue 44) are ended here once their staging lease
+        lapsed (their unstaged requests fail as ``submit_interrupted``), on a thread of its own: answering a
+        large batch's requests must never delay the heartbeat that keeps this worker's leases."""
+        from lmdq.submission.ledger import BatchLedger
+
+        ledger = BatchLedger(self.client, keys=self.keys, ttl_s=self.s.result_ttl_s,
+                             max_job_bytes=self.s.max_job_bytes, staging_lease_s=self.s.staging_lease_s)
+        period = max(0.5, min(self.s.heartbeat_ttl_s / 3, self.s.staging_lease_s / 2))
+        while not self._stop.wait(period):
+            try:
+                for batch_id in ledger.notice_interrupted():
+                    self.log.warning("ended a batch whose submit died while staging it", batch=batch_id)
+            except Exception as e:  # noqa: BLE001 - tried again next period
+                self.log.warning("staging watch failed", error_type=type(e).__name__, error=str(e)[:300])
 
     def _heartbeat_once(self) -> None:
         with self._lock:

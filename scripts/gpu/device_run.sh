@@ -31,10 +31,11 @@ stage=${1:?stage bench|setup|suite|tp|parity|faults|prefix|tm|tmsuite|tmbench|e2
 for part in 1-wheels 2-model-a 3-model-b; do
   [ -d "gpu-bundle/$part" ] && bash "gpu-bundle/$part/host-setup.sh" gpu-bundle >> "$OUT/setup_$stage.log" 2>&1
 done
-# pyproject installs src/lmdq as lmdq and worker/, producer/, bench/ inside it as lmdq.worker, lmdq.producer,
-# lmdq.bench (package-dir); nothing is pip-installed here, so src/ comes first on sys.path and the same import
-# names come from symlinks inside this copy's src/lmdq/ (untracked, device copy only).
-for d in worker producer bench; do [ -e "src/lmdq/$d" ] || ln -s "../../$d" "src/lmdq/$d"; done
+# pyproject installs src/lmdq as lmdq and worker/, producer/ inside it as lmdq.worker, lmdq.producer
+# (package-dir), bench/pyproject.toml installs bench/ as lmdq_bench; nothing is pip-installed here, so src/
+# comes first on sys.path and the same import names come from symlinks (untracked, device copy only).
+for d in worker producer; do [ -e "src/lmdq/$d" ] || ln -s "../../$d" "src/lmdq/$d"; done
+[ -e src/lmdq_bench ] || ln -s ../bench src/lmdq_bench
 export PYTHONPATH=/root/site:$PWD/src:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 LMDQ_GPU_TOKENIZER=$PWD/gpu-bundle/tok
 M=/root/models/smollm2-135m-instruct
 # the suite: test_lmdeploy_gpu.py and the GPU checks of issue 24 (n samples, LoRA, scores) where present;
@@ -49,7 +50,7 @@ env_txt() {
 }
 eff() {  # eff NAME TP EXTRA... (a --backend in EXTRA wins over the --backend pytorch below)
   local name=$1 tp=$2; shift 2
-  timeout "${EFF_TIMEOUT:-300}" python3 -m lmdq.bench efficiency --engine lmdeploy --backend pytorch --random-llama8b /root/llama8b \
+  timeout "${EFF_TIMEOUT:-300}" python3 -m lmdq_bench efficiency --engine lmdeploy --backend pytorch --random-llama8b /root/llama8b \
     --tokenizer-from gpu-bundle/tok --tp "$tp" --n 1024 --batch-size 32 --input-len 234 --output-len 256 "$@" \
     -o "$OUT/efficiency_gpu_$name.json" > "$OUT/efficiency_$name.log" 2>&1
   grep -E "^rep|^(raw|stream1|lmdq|naive) " "$OUT/efficiency_$name.log" | tail -12
@@ -75,7 +76,7 @@ e2e() {  # e2e NAME BACKEND WORKLOAD
   # e.g. "--lmdq-variant default --lmdq-variant whole:STREAM_FROM_NEW_TOKENS=100000" (several lmdq sides)
   local spy=(); [ "${E2E_PYSPY:-0}" = 1 ] && [ -x /root/site/bin/py-spy ] && spy=(--py-spy /root/site/bin/py-spy)
   # shellcheck disable=SC2086
-  timeout $(( ${E2E_TIMEOUT:-585} - SECONDS )) python3 -m lmdq.bench e2e --backend "$backend" "${args[@]}" \
+  timeout $(( ${E2E_TIMEOUT:-585} - SECONDS )) python3 -m lmdq_bench e2e --backend "$backend" "${args[@]}" \
     --batches "${E2E_BATCHES:-3}" --workdir "/tmp/e2e_$name" "${spy[@]}" ${E2E_ARGS:-} -o "$OUT/e2e_$name.json" \
     > "$OUT/e2e_$name.log" 2>&1
   echo "e2e $name rc=$?"
@@ -158,13 +159,13 @@ case $stage in
   prefix)
     env_txt
     # builds /root/llama8b on a fresh machine first (as `bench` does); default sizes: 200 docs x 8 questions
-    timeout $(( ${PREFIX_TIMEOUT:-585} - SECONDS )) python3 -m lmdq.bench prefix --engine lmdeploy \
+    timeout $(( ${PREFIX_TIMEOUT:-585} - SECONDS )) python3 -m lmdq_bench prefix --engine lmdeploy \
       --random-llama8b /root/llama8b --tokenizer-from gpu-bundle/tok --workload /tmp/prefix_workload.jsonl \
       ${PREFIX_ARGS:-} -o "$OUT/prefix_gpu.json" > "$OUT/prefix.log" 2>&1
     echo "rc=$?"; grep -E "^(workload|lmdq|raw|path|random)" "$OUT/prefix.log" | tail -8
     ;;
   samples)  # issue 24: lmdq-bench samples, P prompts x n=8 vs the same requests one per line (SmolLM2 after `suite`)
-    timeout $(( ${SAMPLES_TIMEOUT:-585} - SECONDS )) python3 -m lmdq.bench samples --engine lmdeploy --backend pytorch \
+    timeout $(( ${SAMPLES_TIMEOUT:-585} - SECONDS )) python3 -m lmdq_bench samples --engine lmdeploy --backend pytorch \
       --model "$M" --dtype float16 --prompts "${SAMPLES_PROMPTS:-1024}" --n 8 ${SAMPLES_ARGS:-} \
       -o "$OUT/samples_gpu.json" > "$OUT/samples_gpu.log" 2>&1
     echo "samples rc=$?"; grep -vE "^\{|DEBUG" "$OUT/samples_gpu.log" | tail -12

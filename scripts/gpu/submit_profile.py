@@ -42,7 +42,7 @@ def _import_tree(stderr: str, min_us: int = 20000) -> list[str]:
 
 def main() -> int:
     wl, out = sys.argv[1], Path(sys.argv[2])
-    from lmdq.bench.local_redis import local_redis
+    from lmdq_bench.local_redis import local_redis
 
     lines: list[str] = []
     with local_redis(None) as url:

@@ -56,7 +56,7 @@ def main() -> None:
     model = args[0] if args else "/root/models/smollm2-135m-instruct"
     out_dir = Path(os.environ.get("OUT", "."))
     if "--double-heads" in sys.argv:
-        from lmdq.bench.head_doubled import double_heads
+        from lmdq_bench.head_doubled import double_heads
 
         model = str(double_heads(Path(model), Path(model.rstrip("/") + "-doubled-heads")))
     srv = RedisServer().start()

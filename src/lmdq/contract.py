@@ -66,7 +66,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
-class Priority(str, Enum):
+class _Value(str, Enum):
+    """A str enum that prints as its value: ``print(r.finish_reason)`` shows ``stop``, as LMDeploy and the
+    OpenAI SDK show it, not ``FinishReason.stop`` (issue 45). Formatting already gave the value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Priority(_Value):
     """Queue priority; workers drain high before normal before low."""
 
     high = "high"
@@ -74,7 +82,7 @@ class Priority(str, Enum):
     low = "low"
 
 
-class Endpoint(str, Enum):
+class Endpoint(_Value):
     """How a prompt is fed to the model: chat goes through the chat template, completion is raw.
 
     ``score`` and ``reward`` generate nothing (docs/outputs.md, "Scores"): ``score`` gives the
@@ -102,7 +110,7 @@ MAX_CONTINUATION_CHARS = 100_000
 """Longest single continuation, in characters (it must fit the model's context with its prompt anyway)."""
 
 
-class FinishReason(str, Enum):
+class FinishReason(_Value):
     """Why generation stopped; the same values as LMDeploy's ``Response.finish_reason``."""
 
     stop = "stop"
@@ -111,7 +119,7 @@ class FinishReason(str, Enum):
     abort = "abort"
 
 
-class ErrorCode(str, Enum):
+class ErrorCode(_Value):
     """Every error code a user sees: a failed result's ``error.code``, OpenAI-format outputs, the HTTP
     API's errors. What users filter, count and alert on.
 
@@ -145,6 +153,9 @@ class ErrorCode(str, Enum):
     tensor_too_large = "tensor_too_large"
     #: a job no worker of this build can decode (newer format, oversized)
     undecodable_job = "undecodable_job"
+    #: the submit that was staging the batch died before it staged this request, and nobody resumed it within
+    #: its staging lease (LMDQ_STAGING_LEASE_S; docs/reliability.md): it never ran
+    submit_interrupted = "submit_interrupted"
 
     # -- OpenAI-format result files (``results --format openai``, the HTTP API's output file) --
     #: a cancelled request, in OpenAI's name for it
@@ -172,7 +183,7 @@ class ErrorCode(str, Enum):
         return format(str(self.value), spec)
 
 
-class ResultStatus(str, Enum):
+class ResultStatus(_Value):
     """Final state of one request; ``in_progress`` only ever appears on partial records."""
 
     completed = "completed"
@@ -182,7 +193,7 @@ class ResultStatus(str, Enum):
     in_progress = "in_progress"
 
 
-class BatchStatus(str, Enum):
+class BatchStatus(_Value):
     """Batch lifecycle, modelled on OpenAI batches."""
 
     validating = "validating"

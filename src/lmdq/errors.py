@@ -7,11 +7,16 @@ writes is one line on stderr and the documented code, never a traceback.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 __all__ = [
     "IdempotencyConflict",
     "EXIT_CODES_HELP",
+    "InputProblem",
     "ExitCode",
     "LmdqError",
     "BadSetting",
@@ -54,9 +59,14 @@ EXIT_CODES_HELP = (
 
 
 class LmdqError(Exception):
-    """Base class; CLIs print ``str(err)`` on one line and exit non-zero."""
+    """Base class; CLIs print ``str(err)`` on one line and exit non-zero. ``message`` is that text."""
 
     exit_code: int = ExitCode.failed
+
+    @property
+    def message(self) -> str:
+        """The error's text, as the CLIs print it (``str(err)``)."""
+        return str(self.args[0]) if self.args else ""
 
 
 class BatchNotFound(LmdqError):
@@ -69,10 +79,89 @@ class UnknownModel(LmdqError):
     exit_code = ExitCode.bad_input
 
 
+_ROW = re.compile(r"^(?P<source>.+?): row (?P<row>\d+)(?:: column '(?P<column>[^']*)')?: (?P<message>.*)$", re.S)
+_LINE = re.compile(r"^(?P<source>.+?):(?P<line>\d+): (?:field '(?P<field>[^']*)': )?(?P<message>.*)$", re.S)
+
+
+@dataclass(frozen=True)
+class InputProblem:
+    """One thing wrong with a submit: where it is and what was expected.
+
+    ``row`` (0-based, as ``df.iloc`` counts: a DataFrame, Parquet/CSV file or Python rows) or ``line``
+    (1-based, a prompt file; 0 for the whole file) says where; ``column`` is the source column (tabular
+    sources and dict rows), ``field`` the JSON field (a prompt file's line) or the submit option
+    (``result_ttl``, ``temperature`` ...); ``value`` the value refused, where it is known (an option's,
+    a row's cell); ``message`` what was expected, without the location."""
+
+    message: str
+    source: str | None = None
+    row: int | None = None
+    line: int | None = None
+    column: str | None = None
+    field: str | None = None
+    value: Any = None
+
+    @classmethod
+    def parse(cls, text: str) -> InputProblem:
+        """A problem from its one-line form (``src: row 4: column 'q': ...``, ``path:3: field 'f': ...``);
+        text in neither form is a problem with a message only."""
+        m = _ROW.match(text)
+        if m:
+            return cls(message=m["message"], source=m["source"], row=int(m["row"]), column=m["column"])
+        m = _LINE.match(text)
+        if m:
+            return cls(message=m["message"], source=m["source"], line=int(m["line"]), field=m["field"])
+        return cls(message=text)
+
+
 class SubmitRejected(LmdqError):
-    """The input file was not accepted; nothing was enqueued."""
+    """The input (a source's rows or lines, or a submit option) was not accepted; nothing was enqueued.
+
+    ``str(err)`` is every problem, one a line (as the CLIs print it). The problems are data too:
+    ``err.problems`` (each an :class:`InputProblem`), and the first one's ``row``, ``line``, ``column``,
+    ``field``, ``value`` on the error itself (``except SubmitRejected as e: df.iloc[e.row]``)."""
 
     exit_code = ExitCode.bad_input
+
+    def __init__(self, message: str, *, problems: Sequence[InputProblem] | None = None) -> None:
+        super().__init__(message)
+        self.problems: tuple[InputProblem, ...] = (
+            tuple(problems) if problems is not None
+            else tuple(InputProblem.parse(ln) for ln in message.split("\n") if ln.strip())
+        )
+
+    def _first(self) -> InputProblem:
+        return self.problems[0] if self.problems else InputProblem(message=self.message)
+
+    @property
+    def source(self) -> str | None:
+        """What the first problem's location names: a file's path, ``DataFrame``, ``rows`` ..."""
+        return self._first().source
+
+    @property
+    def row(self) -> int | None:
+        """The first bad row (0-based) of a DataFrame, Parquet/CSV file, Arrow object or Python rows."""
+        return self._first().row
+
+    @property
+    def line(self) -> int | None:
+        """The first bad line (1-based) of a prompt file (0: the whole file)."""
+        return self._first().line
+
+    @property
+    def column(self) -> str | None:
+        """The first problem's column (tabular sources, dict rows)."""
+        return self._first().column
+
+    @property
+    def field(self) -> str | None:
+        """The first problem's JSON field (a prompt file's line) or submit option (``result_ttl``)."""
+        return self._first().field
+
+    @property
+    def value(self) -> Any:
+        """The value the first problem refused, where it is known (None otherwise)."""
+        return self._first().value
 
 
 class IdempotencyConflict(SubmitRejected):
@@ -118,9 +207,15 @@ class BadSetting(LmdqError, ValueError):
 
 class InvalidArgument(LmdqError, ValueError):
     """An argument of an lmdq call (a CLI flag, a Python keyword) with a bad value; nothing was done.
-    A ValueError too, as Python callers expect of a bad argument."""
+    A ValueError too, as Python callers expect of a bad argument. ``field``: the argument's name where
+    the caller named it (None otherwise), ``value``: the value refused, where it is known."""
 
     exit_code = ExitCode.bad_input
+
+    def __init__(self, message: str, *, field: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
 
 
 class WaitTimeout(LmdqError, TimeoutError):

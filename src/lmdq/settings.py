@@ -59,6 +59,13 @@ class CommonSettings(BaseSettings):
         default=60.0, gt=0, le=3600, description="cap of the jittered, doubling delay between retries of a "
         "shard write that failed (its results stay in Redis until it lands)"
     )
+    staging_lease_s: float = Field(
+        default=30.0, gt=0, le=3600, description="the staging lease of a batch whose first jobs are visible "
+        "while its submit stages the rest (LMDQ_STAGING_LEASE_S): the submit renews it every third of it; once "
+        "it lapses (the submit died) a re-run of the same submit resumes the batch, or whoever notices first "
+        "(workers, status/results/cancel, the API) ends it with its unstaged requests failed as "
+        "submit_interrupted (docs/reliability.md)"
+    )
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     log_level: str = "INFO"
     max_job_bytes: int = Field(

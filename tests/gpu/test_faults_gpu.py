@@ -45,7 +45,7 @@ def llama8b(tokenizer_dir: Path) -> Path:
     the GPU, which the worker-SIGKILL test wants to see empty."""
     dst = Path(os.environ.get("LMDQ_GPU_LLAMA8B", "/root/llama8b"))
     if not (dst / "config.json").exists():
-        code = ("import sys; from pathlib import Path; from lmdq.bench.random_model import build_random_llama; "
+        code = ("import sys; from pathlib import Path; from lmdq_bench.random_model import build_random_llama; "
                 "build_random_llama(Path(sys.argv[1]), Path(sys.argv[2]))")
         p = subprocess.run([sys.executable, "-c", code, str(dst), str(tokenizer_dir)], cwd=ROOT, timeout=400)
         assert p.returncode == 0 and (dst / "config.json").exists(), "building the random 8B model failed"

@@ -113,3 +113,12 @@ def test_statuses_and_counts() -> None:
     res = Result(batch_id=BATCH, custom_id="a", index=0, model="m", status=ResultStatus.in_progress)
     assert not res.final
     assert Result(batch_id=BATCH, custom_id="a", index=0, model="m", status=ResultStatus.failed).final
+
+
+def test_enums_print_as_their_value() -> None:
+    """``print(result.finish_reason)`` shows ``stop`` (issue 45): str() and format() both give the value."""
+    from lmdq.contract import BatchStatus, Endpoint, ErrorCode, FinishReason, Priority, ResultStatus
+
+    for enum in (BatchStatus, Endpoint, ErrorCode, FinishReason, Priority, ResultStatus):
+        for member in enum:
+            assert str(member) == f"{member}" == member.value, member

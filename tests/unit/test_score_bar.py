@@ -14,7 +14,7 @@ import pytest
 
 from tests.gpu.score_bar import PAIR_TOL, PER_TOKEN_TOL, Pair, score_bar, verdict
 
-RECORDED = Path(__file__).resolve().parents[2] / "docs" / "results" / "session11" / "scores_gpu_2729dda.json"
+RECORDED = Path(__file__).resolve().parents[2] / "evidence" / "session11" / "scores_gpu_2729dda.json"
 
 
 @pytest.fixture(scope="module")

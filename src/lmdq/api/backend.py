@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -19,6 +20,9 @@ from lmdq.redis import server
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
+
+if TYPE_CHECKING:
+    from lmdq.submission.ledger import BatchLedger
 
 __all__ = ["Backend"]
 
@@ -65,6 +69,7 @@ class Backend:
             prefix_groups=s.prefix_groups,
             prefix_group_bytes=s.prefix_group_bytes,
             memory_fraction=s.memory_headroom_fraction,
+            staging_lease_s=s.staging_lease_s,
         )
         batch: Batch
         batch, _created = submit_file(path, opts, client=self.client, keys=self.keys, ttl_s=s.result_ttl_s,
@@ -72,10 +77,26 @@ class Backend:
                                       max_job_bytes=s.max_job_bytes)
         return batch
 
+    def _ledger(self) -> BatchLedger:
+        from lmdq.submission.ledger import BatchLedger
+
+        s = self.settings
+        return BatchLedger(self.client, keys=self.keys, ttl_s=s.result_ttl_s, max_job_bytes=s.max_job_bytes,
+                           staging_lease_s=s.staging_lease_s)
+
+    def notice_interrupted(self, batch_ids: Iterable[str] | None = None, *, keep_keys: Iterable[str] = ()) -> list[str]:
+        """End the batches (``batch_ids``, or every one being staged) whose submit died while staging them and
+        whose staging lease lapsed: their unstaged requests fail as ``submit_interrupted`` (issue 44). Those
+        bound to ``keep_keys`` (idempotency keys a submission re-run is owed for) are left to that re-run."""
+        ledger = self._ledger()
+        keep = {b for b in (ledger.idempotency.bound(k) for k in keep_keys) if b}
+        return ledger.notice_interrupted(batch_ids, keep=keep)
+
     def get(self, batch_id: str) -> Batch | None:
         """The batch (``lmdq-producer status``), or None once it is gone (purged, past its TTL)."""
         from lmdq.errors import BatchNotFound
 
+        self.notice_interrupted([batch_id])
         try:
             return self.store.batches.get(batch_id)
         except BatchNotFound:
@@ -89,6 +110,7 @@ class Backend:
         """``lmdq-producer cancel``: queued jobs off the queue, in-flight requests aborted."""
         from lmdq.submission.cancel import cancel_batch
 
+        self.notice_interrupted([batch_id])
         batch: Batch = cancel_batch(self.client, self.keys, batch_id, ttl_s=self.settings.result_ttl_s)
         return batch
 

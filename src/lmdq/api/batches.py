@@ -47,7 +47,6 @@ _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: a submission that keeps failing for reasons not about its file (a bug) gives up after this many runs
 MAX_SUBMIT_RUNS = 5
-_SUBMIT_LEASE_S = 60
 _FINALIZE_LEASE_S = 120
 _MAX_ERRORS = 100
 
@@ -75,6 +74,12 @@ def check_metadata(metadata: Any) -> dict[str, str]:
             raise bad_request(f"metadata: key {k[:64]!r}: keys are at most 64 and values at most 512 characters",
                               param="metadata")
     return dict(metadata)
+
+
+def _idempotency_key(api_batch_id: str) -> str:
+    """The idempotency key an API batch's submissions use: a re-run (another replica, a restart) finds the
+    lmdq batch the first made, and resumes it if that one died while staging it."""
+    return f"api-{api_batch_id}"
 
 
 @dataclass
@@ -205,6 +210,8 @@ class ApiBatches:
         self.ttl_s = ttl_s
         self.schedule = schedule
         self.records = ApiBatchRecords(self.client, Keys(prefix))
+        #: LMDQ_API_SUBMIT_LEASE_S: how long a replica's hold on a submission lasts unrenewed
+        self._submit_lease_s = int(backend.settings.api_submit_lease_s)
 
     # ---- records ------------------------------------------------------------------------------
     def _load(self, batch_id: str) -> Record | None:
@@ -359,7 +366,7 @@ class ApiBatches:
     def submit(self, batch_id: str) -> None:
         """Validate and enqueue a ``validating`` batch (a background thread). Only one replica at a time
         (a lease); a fault (Redis away, the process stopping) leaves it ``validating`` for a re-run."""
-        token = self._take_lease(batch_id, _SUBMIT_LEASE_S)
+        token = self._take_lease(batch_id, self._submit_lease_s)
         if token is None:
             return
         hold_s = 0
@@ -404,14 +411,14 @@ class ApiBatches:
         last = [time.monotonic()]
 
         def progress(_n: int) -> None:  # a long validation keeps its lease
-            if time.monotonic() - last[0] > _SUBMIT_LEASE_S / 4:
+            if time.monotonic() - last[0] > self._submit_lease_s / 4:
                 last[0] = time.monotonic()
-                self._renew(rec.id, token, _SUBMIT_LEASE_S)
+                self._renew(rec.id, token, self._submit_lease_s)
 
         meta = dict(rec.metadata)
         try:
-            batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta, idempotency_key=f"api-{rec.id}",
-                                        progress=progress)
+            batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta,
+                                        idempotency_key=_idempotency_key(rec.id), progress=progress)
         except (SubmitRejected, UnknownModel) as e:  # about the file: the batch fails, with its lines
             self._fail(rec, errors_from(e, path, shown))
             return
@@ -482,12 +489,16 @@ class ApiBatches:
 
     def sweep_open(self) -> Iterator[tuple[str, Callable[[], None]]]:
         """The background work open batches need now, as (key, work): a submission no replica holds
-        (its replica stopped) and ended batches whose files are not written yet."""
+        (its replica stopped) and ended batches whose files are not written yet. Batches whose submit died
+        while staging them (any replica's, the CLI's too) are ended first once their staging lease lapsed."""
         ids = self.records.open_ids()
+        recs = {i: (Record.decode(i, raw) if raw else None, leased)
+                for i, (raw, leased) in zip(ids, self.records.open_records(ids))} if ids else {}
+        # ... except those a submission of ours still owes a re-run: that re-run resumes them (same key, same file)
+        self.backend.notice_interrupted(keep_keys=[_idempotency_key(i) for i, (r, _) in recs.items()
+                                                   if r is not None and r.state == "validating"])
         if not ids:
             return
-        recs = {i: (Record.decode(i, raw) if raw else None, leased)
-                for i, (raw, leased) in zip(ids, self.records.open_records(ids))}
         gone = [i for i, (r, _) in recs.items() if r is None or r.state == "failed" or r.final_status]
         self.records.drop_open(gone)
         submitted = {i: r for i, (r, _) in recs.items() if r is not None and r.state == "submitted" and r.lmdq_id}

@@ -39,6 +39,11 @@ class ApiSettings(ProducerSettings):
         default=30 * 24 * 3600, ge=60, description="how long uploaded and output files are kept (OpenAI's "
         "expires_at; DELETE /v1/files/{id} removes one sooner)"
     )
+    api_submit_lease_s: int = Field(
+        default=60, ge=1, le=3600, description="how long a replica's hold on a submission lasts unrenewed "
+        "(LMDQ_API_SUBMIT_LEASE_S): once a replica that was submitting a batch stopped, another one (or it, "
+        "restarted) runs the submission again after this; the re-run resumes a batch left half staged"
+    )
     api_poll_interval_s: float = Field(
         default=0.5, gt=0, le=60, description="how often the server looks for batches that ended (to write their "
         "output files) and for submissions a stopped replica left half done"

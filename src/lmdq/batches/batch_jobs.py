@@ -95,12 +95,15 @@ class BatchJobs:
                                 args=[queue_key, _COMMIT_CHUNK, now, ttl_s]))
 
     def commit_upto(self, *, batch_id: str, queue_key: str, wakes: Sequence[str], jobs: int, requests: int,
-                    now: float, ttl_s: int, last: bool) -> int:
+                    now: float, ttl_s: int, last: bool, token: str = "") -> int:
         """Progressive staging: the staged jobs up to ``jobs`` (``requests`` requests) become visible, as
-        :meth:`commit` does for all of them. Returns the jobs made visible, -1 when they were already, -2
-        when the batch is no longer live (cancelled while it was being staged)."""
-        return int(self._commit_upto(keys=self._commit_keys(batch_id, queue_key, wakes),
-                                     args=[queue_key, jobs, requests, now, ttl_s, "1" if last else "0"]))
+        :meth:`commit` does for all of them, only while the staging lease holds ``token`` ('': unfenced).
+        Returns the jobs made visible, -1 when they were already, -2 when the batch is no longer live
+        (cancelled while it was being staged), -3 when the lease is not ``token``'s."""
+        keys = self._commit_keys(batch_id, queue_key, wakes)
+        keys.insert(4, self.keys.staging_lease(batch_id))
+        return int(self._commit_upto(keys=keys,
+                                     args=[queue_key, jobs, requests, now, ttl_s, "1" if last else "0", token]))
 
     # ---- the job list -------------------------------------------------------------------------
     def job_ids(self, batch_id: str, start: int = 0) -> list[str]:
@@ -226,16 +229,18 @@ return n
 """, uses=(WAKE, PUSH_JOBS,))
 
 # Progressive staging: the batch's staged jobs from ``visible_jobs`` up to ARGV[2] become visible.
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
-# ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), jobs visible after this call,
-# requests visible after this call, now, running ttl, '1' for
-# the last call (every job is visible). Returns the jobs made visible, -1 when they were already (a re-sent
-# call), -2 when the batch is no longer live (cancelled while it was being staged: nothing more is pushed).
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, staging lease, the wake list of each model
+# of the batch. ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), jobs visible after this
+# call, requests visible after this call, now, running ttl, '1' for the last call (every job is visible; the
+# lease is deleted), the submit's lease token ('': no lease). Returns the jobs made visible, -1 when they were
+# already (a re-sent call), -2 when the batch is no longer live (cancelled while it was being staged: nothing
+# more is pushed), -3 when the lease is not the caller's (it lapsed: the batch is another's to end or resume).
 # TTLs as COMMIT's: what is visible (job hashes, record, job list, idempotency key) takes the running TTL.
 COMMIT_UPTO = LuaScript("commit_upto", f"""
 local st = redis.call('HGET', KEYS[4], '{F.status}')
 if st ~= '{BatchStatus.validating.value}' and st ~= '{BatchStatus.queued.value}'
    and st ~= '{BatchStatus.in_progress.value}' then return -2 end
+if ARGV[7] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[7] then return -3 end
 local have = tonumber(redis.call('HGET', KEYS[4], '{F.visible_jobs}') or '0')
 local upto = tonumber(ARGV[2])
 if have >= upto then return -1 end
@@ -251,9 +256,12 @@ if st == '{BatchStatus.validating.value}' then
 end
 if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 0 then redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[4]) end
 redis.call('HSET', KEYS[4], '{F.visible_jobs}', upto, '{F.visible_requests}', ARGV[3])
-if ARGV[6] == '1' then redis.call('HSET', KEYS[4], '{F.staged_at}', ARGV[4]) end
+if ARGV[6] == '1' then
+  redis.call('HSET', KEYS[4], '{F.staged_at}', ARGV[4])
+  if ARGV[7] ~= '' then redis.call('DEL', KEYS[5]) end
+end
 redis.call('EXPIRE', KEYS[1], ARGV[5])
-if #ids > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
+if #ids > 0 then for i = 6, #KEYS do lmdq_wake(KEYS[i]) end end
 return #ids
 """, uses=(WAKE, PUSH_JOBS,))
 

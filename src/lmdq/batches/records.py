@@ -177,7 +177,6 @@ class BatchHashes:
         self.client = client
         self.keys = keys
         self._transition = TRANSITION.bind(client)
-        self._abandon = ABANDON.bind(client)
 
     # ---- write --------------------------------------------------------------------------------
     def write(self, batch_id: str, fields: Mapping[str, str | int | float], *, created_at: float,
@@ -200,13 +199,6 @@ class BatchHashes:
         res = self._transition(keys=[self.keys.batch(batch_id)],
                                args=[",".join(from_), to, stamp, now, ttl_s, "1" if terminal else "0"])
         return None if res is None else reply_text(res)
-
-    def abandon(self, batch_id: str, reason: str, *, now: float, ttl_s: int) -> int:
-        """Count a part-staged batch's never-visible requests as cancelled and move it to cancelling (the
-        ``abandon`` script, fenced on ``staging_failed``: once). Returns the requests counted, -1 when counted
-        already, -2 when the batch has no progressive record or was fully staged."""
-        return int(self._abandon(keys=[self.keys.batch(batch_id), self.keys.cancelled()],
-                                 args=[batch_id, reason, now, ttl_s]))
 
     def mark_cancelled(self, batch_id: str) -> None:
         """Add the batch to the cancelled set (workers poll it and abort what they hold)."""
@@ -262,34 +254,6 @@ class BatchHashes:
 
 
 # ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
-
-# A batch whose progressive staging stopped part-way: the requests never made visible count as cancelled
-# (once: fenced on staging_failed) and the batch moves to cancelling (cancelled when nothing else is left).
-# KEYS: batch hash, cancelled set. ARGV: batch id, reason, now, ttl. Returns the requests counted, -1 when
-# counted already, -2 when the batch is fully staged (nothing to count) or has no progressive record.
-ABANDON = LuaScript("abandon", f"""
-if redis.call('HEXISTS', KEYS[1], '{F.staged_at}') == 1 then return -2 end
-if redis.call('HEXISTS', KEYS[1], '{F.visible_jobs}') == 0 then return -2 end
-if redis.call('HSETNX', KEYS[1], '{F.staging_failed}', ARGV[2]) == 0 then return -1 end
-local b = redis.call('HMGET', KEYS[1], '{F.total}', '{F.visible_requests}', '{F.status}')
-local unqueued = tonumber(b[1] or '0') - tonumber(b[2] or '0')
-if unqueued > 0 then redis.call('HINCRBY', KEYS[1], '{F.cancelled}', unqueued) end
-local st = b[3]
-if st == '{BatchStatus.validating.value}' or st == '{BatchStatus.queued.value}'
-   or st == '{BatchStatus.in_progress.value}' then
-  redis.call('HSET', KEYS[1], '{F.status}', '{BatchStatus.cancelling.value}', '{F.cancelling_at}', ARGV[3])
-  st = '{BatchStatus.cancelling.value}'
-end
-redis.call('SADD', KEYS[2], ARGV[1])
-local c = redis.call('HMGET', KEYS[1], '{F.completed}', '{F.failed}', '{F.cancelled}', '{F.expired}')
-local done = 0
-for i = 1, 4 do done = done + tonumber(c[i] or '0') end
-if st == '{BatchStatus.cancelling.value}' and done >= tonumber(b[1] or '0') then
-  redis.call('HSET', KEYS[1], '{F.status}', '{BatchStatus.cancelled.value}', '{F.cancelled_at}', ARGV[3])
-  lmdq_batch_ended(KEYS[1], ARGV[4])
-end
-return unqueued
-""", uses=(BATCH_ENDED,))
 
 # KEYS: batch. ARGV: from-status list (comma separated), to-status, timestamp field, now, ttl, to is terminal
 TRANSITION = LuaScript("transition", f"""

@@ -18,25 +18,58 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from lmdq.client.options import Spell, resolve
 from lmdq.contract import Batch as BatchInfo
 from lmdq.contract import BatchStatus, Endpoint, Priority, RequestCounts, Result
-from lmdq.errors import BadSetting, InvalidArgument, LmdqError, WaitTimeout
+from lmdq.errors import BadSetting, InputProblem, InvalidArgument, LmdqError, SubmitRejected, WaitTimeout
 from lmdq.registry.store import MAX_NOTE
 from lmdq.submission.formats.tabular import ColumnMap
 from lmdq.submission.settings import ProducerSettings
 
-__all__ = ["MAX_NOTE", "Batch", "BatchInfo", "Client"]
+if TYPE_CHECKING:
+    from typing import TextIO
+
+    import pandas as pd
+    import pyarrow as pa
+    import redis
+    from typing_extensions import Unpack
+
+    from lmdq.client.submit_kwargs import SubmitKwargs
+    from lmdq.redis.keys import Keys
+    from lmdq.registry.store import ModelInfo, RemovedModel
+    from lmdq.results.store import ResultStore
+    from lmdq.submission.ledger import BatchLedger, Purged
+    from lmdq.submission.progress import BatchProgress
+
+__all__ = ["MAX_NOTE", "Batch", "BatchInfo", "Client", "Source"]
 
 T = TypeVar("T")
 Progress = Callable[[int], None]
+
+
+class _ArrowStream(Protocol):
+    """pyarrow Table / RecordBatchReader, pandas (>= 2.2) / polars DataFrame, DuckDB relation ..."""
+
+    def __arrow_c_stream__(self, requested_schema: object | None = None) -> object: ...
+
+
+class _ArrowArray(Protocol):
+    """A pyarrow RecordBatch."""
+
+    def __arrow_c_array__(self, requested_schema: object | None = None) -> tuple[object, object]: ...
+
+
+Source = (str | os.PathLike[str] | _ArrowStream | _ArrowArray | Iterable[str] | Iterable[Mapping[str, Any]])
+"""What :meth:`Client.submit` reads (:mod:`lmdq.client.sources`): a path, an Arrow-speaking object, or an
+iterable of prompts (str) or rows (dicts; a Hugging Face Dataset is one)."""
 
 
 def _python_name(name: str) -> str:
@@ -75,11 +108,11 @@ class Client:
         if redis_url:
             self.settings.redis_url = redis_url
         self._on_slow = on_slow
-        self._redis: Any = None
+        self._redis: redis.Redis | None = None
 
     # ---- plumbing ---------------------------------------------------------------------------
     @property
-    def redis(self) -> Any:
+    def redis(self) -> redis.Redis:
         """The redis-py client (made on first use)."""
         if self._redis is None:
             from lmdq.redis.connection import connect
@@ -88,26 +121,26 @@ class Client:
         return self._redis
 
     @property
-    def keys(self) -> Any:
+    def keys(self) -> Keys:
         from lmdq.redis.keys import Keys
 
         return Keys(self.settings.key_prefix)
 
-    def _store(self) -> Any:
+    def _store(self) -> ResultStore:
         from lmdq.results.store import ResultStore
 
         return ResultStore(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s)
 
-    def _ledger(self) -> Any:
+    def _ledger(self) -> BatchLedger:
         from lmdq.submission.ledger import BatchLedger
 
         return BatchLedger(self.redis, keys=self.keys, ttl_s=self.settings.result_ttl_s,
-                           max_job_bytes=self.settings.max_job_bytes)
+                           max_job_bytes=self.settings.max_job_bytes, staging_lease_s=self.settings.staging_lease_s)
 
     # ---- batches ------------------------------------------------------------------------------
     def submit(
         self,
-        source: Any,
+        source: Source,
         *,
         model: str | None = None,
         format: str | None = None,  # noqa: A002 - the word users know (pandas, pyarrow)
@@ -116,14 +149,14 @@ class Client:
         id_column: str | None = None,
         params_columns: Sequence[str] | Mapping[str, str] | None = None,
         template: str | None = None,
-        endpoint: Endpoint | str | None = None,
+        endpoint: Endpoint | Literal["chat", "completion", "score", "reward"] | None = None,
         model_column: str | None = None,
         on_warning: Callable[[str], None] | None = None,
         validate_progress: Progress | None = None,
         enqueue_progress: Progress | None = None,
         spell: Spell = _python_name,
         input_name: str | None = None,
-        **options: Any,
+        **options: Unpack[SubmitKwargs],
     ) -> Batch:
         """Validate ``source`` completely, then enqueue it as one batch (all or nothing).
 
@@ -137,17 +170,23 @@ class Client:
         (``max_new_tokens=``, ``temperature=``, ``batch_size=``, ``priority=``, ``metadata=``,
         ``idempotency_key=``, ``results_url=``, ``result_ttl=``, ``completion_window=``, ...).
 
+        Each option is a typed keyword (:class:`lmdq.client.submit_kwargs.SubmitKwargs`): a misspelt one
+        or a value of the wrong type is a type checker's error in the caller's code, and a TypeError or
+        SubmitRejected at run time.
+
         ``input_name``: what the batch record calls a file ``source`` (``-`` when it is a copy of stdin).
 
-        Raises SubmitRejected (bad input: the first bad rows named by row and column; nothing was
+        Raises SubmitRejected (bad input: the first bad rows named by row and column, as text and as
+        ``err.problems`` / ``err.row``, ``err.column``, ``err.field``, ``err.value``; nothing was
         enqueued), UnknownModel, RedisRefused, RedisUnavailable."""
         from lmdq.client.sources import FileSource, classify, spool
         from lmdq.submission import submit as submit_mod
         from lmdq.submission.formats import InputFormat
 
         notes = on_warning if on_warning is not None else _warn
-        opts, ttl_s = resolve(options, self.settings, model=model, spell=spell,
+        opts, ttl_s = resolve(dict(options), self.settings, model=model, spell=spell,
                               on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
+        opts.staging_lease_s = self.settings.staging_lease_s
         try:
             cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
                              params_columns=params_columns, template=template,
@@ -156,8 +195,9 @@ class Client:
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         src = classify(source, fmt=format, cmap=cmap)
-        kw = {"client": self.redis, "keys": self.keys, "ttl_s": ttl_s, "validate_progress": validate_progress,
-              "enqueue_progress": enqueue_progress, "max_job_bytes": self.settings.max_job_bytes}
+        kw: dict[str, Any] = {"client": self.redis, "keys": self.keys, "ttl_s": ttl_s,
+                              "validate_progress": validate_progress, "enqueue_progress": enqueue_progress,
+                              "max_job_bytes": self.settings.max_job_bytes}
         if isinstance(src, FileSource):
             opts.fmt = src.fmt
             opts.input_name = input_name
@@ -166,7 +206,7 @@ class Client:
             return Batch(self, info.id, created=created, info=info)
         if opts.model is None and model_column is None:
             raise InvalidArgument("model: expected the served model name (model=...), or the column naming "
-                                  "each row's (model_column=...)")
+                                  "each row's (model_column=...)", field="model")
         with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:
@@ -176,12 +216,16 @@ class Client:
             try:
                 info, created = submit_mod.submit_file(path, opts, **kw)
             except LmdqError as e:  # the spool is an implementation detail: name the source
-                e.args = (str(e).replace(f"{path}:0: ", f"{src.name}: ").replace(str(path), src.name),)
+                e.args = (str(e).replace(f"{path}: ", f"{src.name}: ").replace(str(path), src.name),)
+                if isinstance(e, SubmitRejected):
+                    e.problems = tuple(_spooled(p, str(path), src.name) for p in e.problems)
                 raise
         return Batch(self, info.id, created=created, info=info)
 
     def batch(self, batch_id: str) -> Batch:
-        """The batch ``batch_id`` (BatchNotFound if there is none, or it expired)."""
+        """The batch ``batch_id`` (BatchNotFound if there is none, or it expired). A batch whose submit died
+        while staging it, and whose staging lease lapsed, is ended first (issue 44)."""
+        self._ledger().notice_interrupted([batch_id])
         info = self._store().batches.get(batch_id)
         return Batch(self, batch_id, info=info)
 
@@ -189,7 +233,7 @@ class Client:
         """The newest ``limit`` batches, newest first."""
         return [Batch(self, b.id, info=b) for b in self._store().batches.newest(limit)]
 
-    def purge(self, batch_id: str, *, force: bool = False) -> Any:
+    def purge(self, batch_id: str, *, force: bool = False) -> Purged:
         """Delete a batch from Redis now (record, results, jobs); returns what was deleted
         (:class:`lmdq.submission.ledger.Purged`). PurgeRefused for a running batch unless ``force``."""
         return self._ledger().purge(batch_id, force=force)
@@ -205,20 +249,21 @@ class Client:
             try:
                 check_model_name(name)
             except ValueError as e:
-                raise InvalidArgument(f"{spell('names')}: {e}") from e
+                raise InvalidArgument(f"{spell('names')}: {e}", field="names", value=name) from e
         if note is not None and len(note) > MAX_NOTE:
-            raise InvalidArgument(f"{spell('note')}: expected at most {MAX_NOTE} characters, got {len(note)}")
+            raise InvalidArgument(f"{spell('note')}: expected at most {MAX_NOTE} characters, got {len(note)}",
+                                  field="note", value=note)
         registry = ModelRegistry(self.redis, keys=self.keys)
         return [registry.add(name, note=note) for name in names]
 
-    def models(self) -> tuple[list[Any], float]:
+    def models(self) -> tuple[list[ModelInfo], float]:
         """(registered and served models as :class:`lmdq.registry.store.ModelInfo`, Redis' clock now)."""
         from lmdq.registry.store import ModelRegistry
 
         registry = ModelRegistry(self.redis, keys=self.keys)
         return registry.models(), registry.now()
 
-    def remove_model(self, name: str) -> Any:
+    def remove_model(self, name: str) -> RemovedModel:
         """Forget a model (:class:`lmdq.registry.store.RemovedModel`); LmdqError when it was unknown."""
         from lmdq.registry.store import ModelRegistry
 
@@ -226,6 +271,15 @@ class Client:
         if not (removed.registered or removed.seen):
             raise LmdqError(f"unknown model {name!r}: not registered and never served; nothing removed")
         return removed
+
+
+def _spooled(p: InputProblem, spool: str, name: str) -> InputProblem:
+    """A problem the file pipeline found in the spool, located in the source: spool line n is row n-1."""
+    if p.source != spool:
+        return p
+    if p.line:
+        return InputProblem(message=p.message, source=name, row=p.line - 1, field=p.field, value=p.value)
+    return InputProblem(message=p.message, source=name, field=p.field, value=p.value)
 
 
 def _warn(message: str) -> None:
@@ -238,7 +292,8 @@ class Batch:
     def __init__(self, client: Client, batch_id: str, *, created: bool = True, info: BatchInfo | None = None) -> None:
         self.client = client
         self.id = batch_id
-        #: False when an idempotency key matched an existing batch (nothing was enqueued)
+        #: False when an idempotency key matched an existing batch (nothing was enqueued twice; one its first
+        #: submit left part-staged was resumed: issue 44)
         self.created = created
         self._info = info
 
@@ -251,6 +306,9 @@ class Batch:
         """The batch record now (status, counts, params, timestamps). ``patient``: a Redis that restarts
         meanwhile is waited for under lmdq's retry policy (about 2 minutes) instead of raising."""
         def get() -> BatchInfo:
+            # a batch whose submit died while staging it ends here if its lease lapsed (issue 44): every status,
+            # results, export and cancel read of it notices, as workers and the API do
+            self.client._ledger().notice_interrupted([self.id])
             info: BatchInfo = self.client._store().batches.get(self.id)
             return info
 
@@ -262,7 +320,7 @@ class Batch:
             self._info = get()
         return self._info
 
-    def progress(self, *, stream: Any, terminal: bool, interval_s: float, quiet: bool = False) -> Any:
+    def progress(self, *, stream: TextIO, terminal: bool, interval_s: float, quiet: bool = False) -> BatchProgress:
         """A :class:`lmdq.submission.progress.BatchProgress` for this batch (done/total, req/s, tok/s,
         ETA; a hint when no live worker serves its model), drawn on ``stream``."""
         from lmdq.registry.store import ModelRegistry
@@ -273,7 +331,8 @@ class Batch:
                              terminal=terminal, interval_s=interval_s, quiet=quiet)
 
     def follow(self, emit: Callable[[bool, bytes], None], *, fmt: str = "lmdq", in_order: bool = False,
-               progress: Any = None, deadline: float | None = None, on_poll: Callable[[], None] | None = None,
+               progress: BatchProgress | None = None, deadline: float | None = None,
+               on_poll: Callable[[], None] | None = None,
                on_retry: Callable[[Exception, float], None] | None = None) -> BatchInfo:
         """Emit each final result as it is stored, as ``(is_error, line)`` in ``fmt`` (``lmdq`` records
         or OpenAI Batch output lines), until the batch ends or ``deadline`` (monotonic) passes: finish
@@ -405,7 +464,7 @@ class Batch:
             info = self.info(patient=True)
 
     # ---- Arrow / pandas / Parquet ---------------------------------------------------------------
-    def to_arrow(self) -> Any:
+    def to_arrow(self) -> pa.Table:
         """The final results as a pyarrow Table (schema: :data:`lmdq.results.export.RESULT_COLUMNS`)."""
         import pyarrow as pa
 
@@ -414,7 +473,7 @@ class Batch:
         schema = schema_with_batch(self.info().model_dump_json())
         return pa.Table.from_batches(list(record_batches(self._raw_records())), schema=schema)
 
-    def to_pandas(self) -> Any:
+    def to_pandas(self) -> pd.DataFrame:
         """:meth:`to_arrow` as a pandas DataFrame."""
         return self.to_arrow().to_pandas()
 
@@ -432,6 +491,7 @@ class Batch:
         from lmdq.submission.cancel import cancel_batch
 
         c = self.client
+        c._ledger().notice_interrupted([self.id])
         self._info = cancel_batch(c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s)
         return self._info
 
@@ -448,6 +508,6 @@ class Batch:
             priority=Priority(priority) if priority is not None else None, idempotency_key=idempotency_key)
         return Batch(c, info.id, created=created, info=info)
 
-    def purge(self, *, force: bool = False) -> Any:
+    def purge(self, *, force: bool = False) -> Purged:
         """:meth:`Client.purge` of this batch."""
         return self.client.purge(self.id, force=force)

@@ -20,14 +20,18 @@ completion window, results/blob URLs made absolute. A bad value raises :class:`S
 from __future__ import annotations
 
 import json
+import textwrap
+import types
 from collections.abc import Callable, Mapping
+from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 
 from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
-from lmdq.errors import SubmitRejected
+from lmdq.errors import InputProblem, SubmitRejected
 from lmdq.flags import FlagSpec, option_name
 from lmdq.logs.redaction import redact_url
 from lmdq.settings import DEFAULT_RESULT_TTL_S, default_of
@@ -39,9 +43,11 @@ __all__ = [
     "GROUPING_FLAGS",
     "SUBMIT_FLAGS",
     "Spell",
+    "option_fields",
     "option_names",
     "parse_duration",
     "parse_window",
+    "render_submit_kwargs",
     "resolve",
 ]
 
@@ -139,9 +145,98 @@ SUBMIT_FLAGS = [FlagSpec(key=name, flat=name, info=info, cli_type=_CLI_TYPES.get
                 for name, info in BatchOptions.model_fields.items()]
 
 
+def option_aliases() -> dict[str, str]:
+    """The OpenAI / LMDeploy names a file's params accept (``max_tokens``, ``seed``, ``stop``), taken by
+    ``submit`` too: alias -> the option it sets. One table, the file formats'
+    (:data:`lmdq.submission.formats.jsonl.PARAM_ALIASES`)."""
+    from lmdq.submission.formats.jsonl import PARAM_ALIASES
+
+    keys = {s.key for s in (*SUBMIT_FLAGS, *GENERATION_FLAGS, *GROUPING_FLAGS)}
+    return {alias: name for alias, name in PARAM_ALIASES.items() if name in keys and alias not in keys}
+
+
 def option_names() -> set[str]:
-    """Every keyword :meth:`lmdq.Client.submit` takes as an option (each one flag of the CLI)."""
-    return {s.key for s in (*SUBMIT_FLAGS, *GENERATION_FLAGS, *GROUPING_FLAGS)}
+    """Every keyword :meth:`lmdq.Client.submit` takes as an option (each one flag of the CLI), and the
+    aliases a file's params take (:func:`option_aliases`)."""
+    return {s.key for s in (*SUBMIT_FLAGS, *GENERATION_FLAGS, *GROUPING_FLAGS)} | set(option_aliases())
+
+
+def option_fields() -> dict[str, FieldInfo]:
+    """Each option's declaration (its type, constraints and help), in the order the groups above list them."""
+    return {s.key: s.info for s in (*SUBMIT_FLAGS, *GENERATION_FLAGS, *GROUPING_FLAGS)}
+
+
+SUBMIT_KWARGS_PATH = Path(__file__).with_name("submit_kwargs.py")
+"""The generated :class:`lmdq.client.submit_kwargs.SubmitKwargs` (a TypedDict mypy and IDEs read)."""
+
+
+def _type_source(tp: Any, imports: set[type]) -> list[str]:
+    """The members of the union a caller may pass for ``tp``, as Python source (constraints are checked at
+    run time; a type checker sees the types). An enum also takes its values, a model its dict."""
+    origin, args = get_origin(tp), get_args(tp)
+    if tp is type(None):
+        return ["None"]
+    if tp is Any:
+        return ["Any"]
+    if origin is Annotated:
+        return _type_source(args[0], imports)
+    if origin in (Union, types.UnionType):
+        return [m for a in args for m in _type_source(a, imports)]
+    if origin is Literal:
+        return [f"Literal[{', '.join(repr(a) for a in args)}]"]
+    if origin in (list, dict, tuple):
+        return [f"{origin.__name__}[{', '.join(' | '.join(_type_source(a, imports)) for a in args)}]"]
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        imports.add(tp)
+        return [tp.__name__, f"Literal[{', '.join(repr(m.value) for m in tp)}]"]
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        imports.add(tp)
+        return [tp.__name__, "dict[str, Any]"]
+    if tp in (bool, int, float, str):
+        return [tp.__name__]
+    raise TypeError(f"no source form for the option type {tp!r}: teach options._type_source it")
+
+
+def render_submit_kwargs() -> str:
+    """The source of ``submit_kwargs.py``: one TypedDict key per option, typed from its declaration
+    (BatchOptions, GenerationParams, ProducerSettings); every option also takes None (unset).
+    ``tests/test_client_typing.py`` checks the committed file is this text;
+    ``python -m lmdq.client.options`` rewrites it."""
+    imports: set[type] = set()
+    body: list[str] = []
+    for name, info in option_fields().items():
+        members = list(dict.fromkeys([*_type_source(info.annotation, imports), "None"]))
+        if info.description:
+            body.extend(textwrap.wrap(info.description, 112, initial_indent="    #: ", subsequent_indent="    #: "))
+        body.append(f"    {name}: {' | '.join(members)}")
+    fields = option_fields()
+    for alias, name in sorted(option_aliases().items()):
+        members = list(dict.fromkeys([*_type_source(fields[name].annotation, imports), "None"]))
+        body.append(f"    #: the same as {name} (its name in OpenAI and LMDeploy, as a file's params take it)")
+        body.append(f"    {alias}: {' | '.join(members)}")
+    from_contract = sorted(t.__name__ for t in imports if t.__module__ == "lmdq.contract")
+    if any(t.__module__ != "lmdq.contract" for t in imports):
+        raise TypeError(f"option types outside lmdq.contract: {sorted(map(repr, imports))}")
+    head = [
+        '"""GENERATED by ``python -m lmdq.client.options`` from the options\' declarations',
+        "(:mod:`lmdq.client.options`): do not edit. ``Client.submit(**options: Unpack[SubmitKwargs])`` lets",
+        'mypy and IDEs check each option\'s name and type in the caller\'s code."""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from typing import Any, Literal, TypedDict",
+        "",
+        f"from lmdq.contract import {', '.join(from_contract)}",
+        "",
+        '__all__ = ["SubmitKwargs"]',
+        "",
+        "",
+        "class SubmitKwargs(TypedDict, total=False):",
+        '    """``lmdq.Client.submit``\'s options (``lmdq-producer submit``\'s flags by their Python names); all',
+        '    optional, None meaning unset (the producer\'s ``LMDQ_*`` settings or the engine decide)."""',
+        "",
+    ]
+    return "\n".join([*head, *body]) + "\n"
 
 
 def parse_duration(value: str | float | None, name: str) -> float | None:
@@ -156,9 +251,9 @@ def parse_duration(value: str | float | None, name: str) -> float | None:
         try:
             v = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
         except ValueError as e:
-            raise SubmitRejected(f"{name}: expected e.g. 7d, 24h, 90m, 3600; got {value!r}") from e
+            raise _rejected(name, f"expected e.g. 7d, 24h, 90m, 3600; got {value!r}", value) from e
     if not v > 0:
-        raise SubmitRejected(f"{name}: expected a positive duration, got {value!r}")
+        raise _rejected(name, f"expected a positive duration, got {value!r}", value)
     return v
 
 
@@ -167,7 +262,7 @@ def parse_window(value: str | float | None, name: str) -> float | None:
     ``2`` could mean 2 hours as easily as 2 seconds, and a window that is silently 2 s expires everything.
     A number from Python is seconds (its type says so)."""
     if isinstance(value, str) and value.strip() and value.strip()[-1:] not in ("s", "m", "h", "d"):
-        raise SubmitRejected(f"{name}: expected a duration with its unit (e.g. 24h, 90m, 2d, 3600s), got {value!r}")
+        raise _rejected(name, f"expected a duration with its unit (e.g. 24h, 90m, 2d, 3600s), got {value!r}", value)
     return parse_duration(value, name)
 
 
@@ -178,7 +273,7 @@ def _check_url(url: str | None, name: str) -> str | None:
     if "://" in url:
         scheme = url.split("://", 1)[0]
         if scheme not in ("file", "s3", "s3a"):
-            raise SubmitRejected(f"{name}: expected a folder, file:// or s3:// URL, got {redact_url(url)!r}")
+            raise _rejected(name, f"expected a folder, file:// or s3:// URL, got {redact_url(url)!r}", redact_url(url))
         return url.rstrip("/")
     return str(Path(url).expanduser().resolve())
 
@@ -191,10 +286,21 @@ def _sink_url(given: str | None, cluster: str | None, spell: Spell) -> str | Non
     return _check_url(cluster, "LMDQ_RESULTS_URL")
 
 
+def _python_option(spelled: str) -> str:
+    """``--result-ttl`` / ``--do-sample/--greedy`` / ``result_ttl`` → ``result_ttl``."""
+    return spelled.split("/", 1)[0].removeprefix("--").replace("-", "_") if spelled.startswith("--") else spelled
+
+
+def _rejected(where: str, message: str, value: Any = None) -> SubmitRejected:
+    """An option's bad value: ``where: message`` as text, the option (Python name) and value as data."""
+    return SubmitRejected(f"{where}: {message}",
+                          problems=[InputProblem(message=message, field=_python_option(where), value=value)])
+
+
 def _first_error(e: ValidationError, spell: Spell) -> SubmitRejected:
     first = e.errors(include_url=False)[0]
     where = spell(str(first["loc"][0])) if first["loc"] else "options"
-    return SubmitRejected(f"{where}: {first['msg'].removeprefix('Value error, ')}")
+    return _rejected(where, first["msg"].removeprefix("Value error, "), first.get("input"))
 
 
 def resolve(
@@ -210,6 +316,14 @@ def resolve(
     from lmdq.submission.formats.validation import imply_sampling
     from lmdq.submission.submit import SubmitOptions
 
+    given = dict(given)
+    for alias, name in option_aliases().items():
+        if given.get(alias) is not None:
+            if given.get(name) is not None:
+                raise SubmitRejected(f"{spell(alias)}: the same option as {spell(name)}; pass only one of them")
+            given[name] = given.pop(alias)
+        else:
+            given.pop(alias, None)
     unknown = set(given) - option_names()
     if unknown:
         raise TypeError(f"submit() got unexpected option(s) {sorted(unknown)}; expected some of "
@@ -242,7 +356,8 @@ def resolve(
         except ValueError as e:
             which = ("json_schema" if b.json_schema is not None else "regex" if b.regex is not None
                      else "response_format")
-            raise SubmitRejected(f"{spell(which)}: {e}") from e
+            raise _rejected(spell(which), str(e), getattr(b, which, None) if which != "response_format"
+                                else raw.get("response_format")) from e
     grouping: dict[str, Any] = {}
     for name in ("prefix_groups", "prefix_group_bytes"):
         info = ProducerSettings.model_fields[name]
@@ -251,7 +366,7 @@ def resolve(
                 adapter: TypeAdapter[Any] = TypeAdapter(Annotated[info.annotation, info])  # type: ignore[arg-type]
                 grouping[name] = adapter.validate_python(values[name])
             except ValidationError as e:
-                raise SubmitRejected(f"{spell(name)}: {e.errors()[0]['msg']}") from None
+                raise _rejected(spell(name), e.errors()[0]["msg"], values[name]) from None
         else:
             grouping[name] = getattr(settings, name)
     window_s = parse_window(b.completion_window, spell("completion_window"))
@@ -260,7 +375,8 @@ def resolve(
     # every key of the batch expires this long after the batch ENDS (lmdq.results.store): any TTL covers the run,
     # however long it takes or its completion window is
     if ttl_s < 60:
-        raise SubmitRejected(f"{spell('result_ttl')}: expected at least 60 seconds, got {b.result_ttl!r}")
+        given_ttl = values.get("result_ttl", b.result_ttl)  # as the caller wrote it (5, not pydantic's 5.0)
+        raise _rejected(spell("result_ttl"), f"expected at least 60 seconds, got {given_ttl!r}", given_ttl)
     opts = SubmitOptions(
         model=model,
         batch_size=b.batch_size or settings.batch_size,
@@ -286,3 +402,8 @@ def cli_spell(name: str) -> str:
     """An option as the CLI names it (a bool flag with its negative spelling: ``--do-sample/--greedy``)."""
     negative = [a.strip(" /") for a in _GENERATION_ALIASES.get(name, ()) if a.startswith(" /")]
     return option_name(name) + (f"/{negative[0]}" if negative else "")
+
+
+if __name__ == "__main__":  # rewrite submit_kwargs.py after an option's declaration changed
+    SUBMIT_KWARGS_PATH.write_text(render_submit_kwargs())
+    print(f"wrote {SUBMIT_KWARGS_PATH}")

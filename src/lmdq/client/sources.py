@@ -13,25 +13,29 @@ Rows of the last two kinds, and tabular files, are validated one by one as they 
 (:mod:`lmdq.submission.formats.tabular`) into a *spool*: an lmdq JSONL file on local disk (``TMPDIR``)
 holding the validated requests, which the file pipeline then submits with its rules (whole-batch
 validation, duplicate ids, prefix groups, Redis headroom, all or nothing). Memory stays flat in the
-number of rows, whatever the source; the spool is deleted when the submit returns.
+number of rows, whatever the source: what the spooling keeps per row (its custom_id's hash, for the
+duplicate check) goes to disk beside the spool in sorted runs (:class:`IdHashes`), merged from there; the
+spool is deleted when the submit returns.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
+import tempfile
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from lmdq.errors import SubmitRejected
+from lmdq.errors import InputProblem, InvalidArgument, SubmitRejected
 from lmdq.submission.formats import InputFormat, InputLimits
 from lmdq.submission.formats.tabular import ColumnMap, RowError, RowMapper, chunked
 from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
 
-__all__ = ["FileSource", "RowSource", "classify", "spool"]
+__all__ = ["FileSource", "IdHashes", "RowSource", "classify", "spool"]
 
 FILE_FORMATS = {"text": InputFormat.text, "jsonl": InputFormat.jsonl, "openai": InputFormat.openai}
 TABULAR_FORMATS = ("parquet", "csv")
@@ -122,7 +126,7 @@ def _arrow_reader(source: Any) -> Any | None:
 def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
     name = str(path)
     if not path.is_file():
-        raise SubmitRejected(f"{path}:0: no such file")
+        raise SubmitRejected(f"{path}: no such file")
     pa = _need_pyarrow(f"a {fmt} file")
     try:
         if fmt == "parquet":
@@ -140,7 +144,7 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
         reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False))
         return RowSource(name, _reader_chunks(reader, cmap, name))
     except (OSError, pa.ArrowException) as e:
-        raise SubmitRejected(f"{path}:0: cannot read the {fmt} file: {e}") from e
+        raise SubmitRejected(f"{path}: cannot read the {fmt} file: {e}") from e
 
 
 def classify(source: Any, *, fmt: str | None, cmap: ColumnMap) -> FileSource | RowSource:
@@ -200,7 +204,8 @@ class _FastPath:
         self.seen: dict[str, set[Any]] = {c: set() for c in self.params}
         names = {PARAM_ALIASES.get(p, p) for p in self.params.values()}
         self.ok = (
-            self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
+            cmap.model_column is None  # the fast line has no model: each row's model goes through the row parser
+            and self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
             and self.prompt is not None and self.prompt in schema.names
             and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
             and (self.id is None or (self.id in schema.names and (
@@ -246,17 +251,101 @@ class _FastPath:
         return out
 
 
+class IdHashes:
+    """The 8-byte hashes of the spooled rows' custom_ids, for the duplicate check, kept on disk: sorted
+    runs of :attr:`RUN` hashes appended to a temporary file (256 KiB, and ~1.3 MiB while a run is sorted),
+    then merged from the file :attr:`READ` hashes per run at a time (2 KiB a run: 0.6 MiB for 10 M rows).
+    Memory stays flat in the rows; disk is 8 bytes a row, deleted on :meth:`close`."""
+
+    RUN = 1 << 15
+    READ = 256
+
+    def __init__(self, directory: str | None = None) -> None:
+        self._file = tempfile.TemporaryFile(prefix="lmdq-ids-", dir=directory)  # noqa: SIM115 - closed by close()
+        self._buf = array("Q")
+        self._runs: list[tuple[int, int]] = []  # (first hash's index in the file, hashes) per run
+        self._written = 0
+
+    def __enter__(self) -> IdHashes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __len__(self) -> int:
+        return self._written + len(self._buf)
+
+    def add(self, h: int) -> None:
+        self._buf.append(h)
+        if len(self._buf) >= self.RUN:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        run = array("Q", sorted(self._buf))
+        self._file.seek(self._written * run.itemsize)
+        run.tofile(self._file)
+        self._runs.append((self._written, len(run)))
+        self._written += len(run)
+        self._buf = array("Q")
+
+    def _read(self, start: int, count: int) -> Iterator[int]:
+        fd = self._file.fileno()
+        end = start + count
+        while start < end:
+            chunk = array("Q")
+            chunk.frombytes(os.pread(fd, min(self.READ, end - start) * chunk.itemsize, start * chunk.itemsize))
+            if not chunk:
+                raise OSError(f"the id hashes' file ended early at hash {start}")
+            start += len(chunk)
+            yield from chunk
+
+    def duplicates(self) -> set[int]:
+        """The hashes seen more than once (each a duplicate id, or a 64-bit collision the re-read rules out)."""
+        self._flush()
+        self._file.flush()
+        dup: set[int] = set()
+        prev: int | None = None
+        for h in heapq.merge(*(self._read(start, count) for start, count in self._runs)):
+            if h == prev:
+                dup.add(h)
+            prev = h
+        return dup
+
+
+def _row_problem(err: RowError, row: Any) -> InputProblem:
+    """A bad row as data: its 0-based number, column, and the value refused (a dict row's cell, a str row)."""
+    if isinstance(row, str):
+        value: Any = row
+    elif isinstance(row, Mapping) and err.field is not None:
+        value = row.get(err.field)
+    else:
+        value = None
+    return InputProblem(message=err.message, source=err.path, row=err.row, column=err.field, value=value)
+
+
 def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20,
           max_requests: int = InputLimits().max_requests,
           progress: Callable[[int], None] | None = None) -> int:
     """Validate every row of ``src`` into ``out`` (lmdq JSONL, one line per row: line n is row n-1).
 
     Returns the rows written; raises SubmitRejected naming the first bad rows (up to ``max_errors``)
-    or the duplicate ids, having read the whole source (a file's submit shows every problem too)."""
-    from lmdq.submission.submit import _duplicate_hashes, _h64
+    or the duplicate ids, having read the whole source (a file's submit shows every problem too).
+    Memory is flat in the rows: the ids' hashes wait on disk beside ``out`` (:class:`IdHashes`)."""
+    directory = os.path.dirname(out.name) if isinstance(getattr(out, "name", None), str) else None
+    with IdHashes(directory or None) as hashes:
+        return _spool(src, cmap, out, hashes, max_errors=max_errors, max_requests=max_requests, progress=progress)
 
-    errors: list[str] = []
-    hashes = array("Q")
+
+def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *, max_errors: int,
+           max_requests: int, progress: Callable[[int], None] | None) -> int:
+    from lmdq.submission.submit import _h64
+
+    problems: list[InputProblem] = []
     mapper = RowMapper(src.name, cmap)
     fast: _FastPath | None = None
     n = 0
@@ -265,61 +354,82 @@ def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 
         if not isinstance(chunk, list):  # a RecordBatch
             if fast is None:
                 fast = _FastPath(cmap, mapper, chunk.schema)
-            done = fast.lines(chunk, n) if fast.ok and not errors else None
+            done = fast.lines(chunk, n) if fast.ok and not problems else None
             if done is None:
                 chunk = chunk.to_pylist()
         if done is not None:
             for cid, line in done:
                 out.write(line)
-                hashes.append(_h64(cid))
+                hashes.add(_h64(cid))
             n += len(done)
         else:
+            if n == 0 and chunk and isinstance(chunk[0], str):
+                _columns_need_columns(cmap)
             for row in chunk:
                 item = mapper(row, n)
                 n += 1
                 if isinstance(item, RowError):
-                    errors.append(str(item))
-                    if len(errors) >= max_errors:
+                    problems.append(_row_problem(item, row))
+                    if len(problems) >= max_errors:
                         break
                     continue
-                if not errors:
+                if not problems:
                     parsed, obj = item
                     out.write(_line(obj))
-                    hashes.append(_h64(parsed.custom_id))
-            if len(errors) >= max_errors:
-                errors.append(f"{src.name}: stopping after {max_errors} errors")
+                    hashes.add(_h64(parsed.custom_id))
+            if len(problems) >= max_errors:
+                problems.append(InputProblem(message=f"stopping after {max_errors} errors", source=src.name))
                 break
         if n > max_requests:
             raise SubmitRejected(f"{src.name}: too many requests: the limit is {max_requests:,} per batch")
         if progress is not None:
             progress(n - n % 5000)
-    if not errors and n == 0:
-        errors.append(f"{src.name}: no rows (expected at least one request)")
-    if not errors:
-        dup = _duplicate_hashes(hashes)
+    if not problems and n == 0:
+        problems.append(InputProblem(message="no rows (expected at least one request)", source=src.name))
+    if not problems:
+        dup = hashes.duplicates()
         if dup:
             out.flush()
-            errors.extend(_name_duplicates(out.name, dup, src.name, cmap, max_errors))
-    if errors:
-        raise SubmitRejected("\n".join(errors))
+            problems.extend(_name_duplicates(out.name, dup, src.name, cmap, max_errors))
+    if problems:
+        raise SubmitRejected("\n".join(_text(p) for p in problems), problems=problems)
     return n
 
 
-def _name_duplicates(path: str, dup: set[int], name: str, cmap: ColumnMap, max_errors: int) -> list[str]:
+def _columns_need_columns(cmap: ColumnMap) -> None:
+    """Rows that are plain strings have no columns: an option naming one would be silently ignored
+    (issue 45: ``prompt_column=`` on a list of strings), so it is an error naming the option."""
+    named = [name for name in ("prompt_column", "messages_column", "id_column", "model_column", "params_columns")
+             if getattr(cmap, name)]
+    if named:
+        raise InvalidArgument(f"{named[0]}: the rows are strings (each one a prompt), which have no columns; "
+                              f"pass dicts or a table to name columns, or leave {named[0]} out",
+                              field=named[0], value=getattr(cmap, named[0]))
+
+
+def _text(p: InputProblem) -> str:
+    """A problem's one line, as the row parser words it (``rows: row 4: column 'q': ...``)."""
+    if p.row is None:
+        return f"{p.source}: {p.message}" if p.source else p.message
+    where = f"{p.source}: row {p.row}"
+    return f"{where}: column '{p.column}': {p.message}" if p.column else f"{where}: {p.message}"
+
+
+def _name_duplicates(path: str, dup: set[int], name: str, cmap: ColumnMap, max_errors: int) -> list[InputProblem]:
     """Re-read the spool for the rows whose id hashes collided, naming both rows of each duplicate."""
     from lmdq.submission.submit import _h64
 
     column = cmap.id_column or "custom_id"
     first: dict[str, int] = {}
-    out: list[str] = []
+    out: list[InputProblem] = []
     with open(path, "rb") as f:
         for row, line in enumerate(f):
             cid = json.loads(line)["custom_id"]
             if _h64(cid) not in dup:
                 continue
             if cid in first:
-                out.append(f"{name}: row {row}: column '{column}': expected a unique id, {cid!r} already used "
-                           f"on row {first[cid]}")
+                out.append(InputProblem(message=f"expected a unique id, {cid!r} already used on row {first[cid]}",
+                                        source=name, row=row, column=column, value=cid))
                 if len(out) >= max_errors:
                     break
             else:

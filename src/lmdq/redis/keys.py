@@ -89,6 +89,9 @@ class BatchField(str, Enum):
     visible_requests = "visible_requests"
     staged_at = "staged_at"
     staging_failed = "staging_failed"
+    #: the requests no job ever held were answered (``cancelled`` or ``failed``/``submit_interrupted``): set
+    #: once, by whoever ended the part-staged batch (lmdq.submission.ledger.BatchLedger.answer_unstaged)
+    unstaged_answered = "unstaged_answered"
     #: generated tokens of the batch's final results so far (progress' tokens/s; absent before the first)
     output_tokens = "output_tokens"
 
@@ -236,6 +239,20 @@ class Keys:
     def batches(self) -> str:
         """Sorted set of batch ids by creation time (for ``list``)."""
         return f"{self.prefix}:batches"
+
+    def staging_lease(self, batch_id: str) -> str:
+        """String with a TTL: the token of the submit staging the batch (progressive staging); it renews it
+        while it stages. Gone before the batch is staged: the submit died (docs/reliability.md)."""
+        return f"{self.prefix}:batch:{batch_id}:staging"
+
+    def request_ids(self, batch_id: str) -> str:
+        """List of JSON arrays of the batch's custom_ids in input order (1,000 a chunk), written before
+        any job is visible, while the batch is being staged: what answers requests no job ever held."""
+        return f"{self.prefix}:batch:{batch_id}:ids"
+
+    def staging(self) -> str:
+        """Set of batch ids being staged progressively (their leases are checked by whoever notices)."""
+        return f"{self.prefix}:staging"
 
     def idempotency(self, key: str) -> str:
         """String: the batch id an idempotency key is bound to (with the results' TTL)."""

@@ -39,9 +39,10 @@ whose jobs a worker may already hold is never deleted under it.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +54,26 @@ from rq.job import Job
 from lmdq.batches.batch_jobs import BatchJobs
 from lmdq.batches.idempotency import IdempotencyKeys
 from lmdq.batches.records import RUNNING_TTL_S, staging_ttl
-from lmdq.contract import Batch, BatchStatus, GenerationParams, Request, Result, ResultStatus, Timings
-from lmdq.errors import IdempotencyConflict, PurgeRefused, RedisRefused, RetryRejected, SubmitRejected
+from lmdq.batches.staging import IDS_CHUNK, StagingLeases
+from lmdq.contract import (
+    Batch,
+    BatchStatus,
+    ErrorCode,
+    ErrorInfo,
+    GenerationParams,
+    Request,
+    Result,
+    ResultStatus,
+    Timings,
+)
+from lmdq.errors import (
+    BatchNotFound,
+    IdempotencyConflict,
+    PurgeRefused,
+    RedisRefused,
+    RetryRejected,
+    SubmitRejected,
+)
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
 from lmdq.jobs.decode import JobRefused, decode_job
 from lmdq.jobs.queue import JobQueue, job_id_for, job_id_prefix
@@ -64,8 +83,9 @@ from lmdq.redis.keys import BatchField, Keys, queue_name, queue_names, rq_queue_
 from lmdq.redis.replies import reply_text
 from lmdq.registry.store import ModelRegistry
 from lmdq.results.store import ResultStore
+from lmdq.settings import CommonSettings, default_of
 
-__all__ = ["BatchLedger", "Purged", "Staged", "job_payloads", "new_batch_id", "redis_refusal"]
+__all__ = ["BatchLedger", "Purged", "Staged", "StagingLeaseLost", "job_payloads", "new_batch_id", "redis_refusal"]
 
 F = BatchField
 
@@ -78,9 +98,44 @@ live lease by ``cancel``."""
 
 
 
+INTERRUPTED = (f"{ErrorCode.submit_interrupted}: the submit staging this batch stopped renewing its staging lease "
+               "(it died) before it staged every request, and no re-run of it resumed the batch")
+"""``staging_failed`` of a batch ended by whoever noticed its lapsed lease, and its unstaged requests' message."""
 
 
+class StagingLeaseLost(SubmitRejected):
+    """The staging lease lapsed under a submit that is still running (it stalled longer than the lease): the
+    batch is no longer its to commit. Whoever took it over resumes it or ends it; this submit stops."""
 
+
+class _Renewer:
+    """Renews a staging lease every third of it from a thread of its own, so a submit that stages slowly (a
+    slow disk, a slow Redis, a long ``after_first_commit``) keeps it; ``lost`` is set once it is not ours."""
+
+    def __init__(self, leases: StagingLeases, batch_id: str, token: str, lease_s: float) -> None:
+        self.leases, self.batch_id, self.token, self.lease_s = leases, batch_id, token, lease_s
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lmdq-staging-lease-{batch_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                if not self.leases.renew(self.batch_id, self.token, lease_s=self.lease_s):
+                    self.lost.set()
+                    return
+            except redis.RedisError:
+                continue  # tried again a third of the lease later; the commit fence catches a lapse
+
+    def check(self) -> None:
+        if self.lost.is_set():
+            raise StagingLeaseLost(f"batch {self.batch_id}: its staging lease lapsed while this submit staged it")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
 
 
 def _manifest(raw: Any, total: int) -> list[tuple[int, str]] | None:
@@ -221,11 +276,15 @@ class BatchLedger:
     """
 
     def __init__(
-        self, client: redis.Redis, *, keys: Keys, ttl_s: int, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES
+        self, client: redis.Redis, *, keys: Keys, ttl_s: int, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+        staging_lease_s: float = default_of(CommonSettings, "staging_lease_s"),
     ) -> None:
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
+        #: LMDQ_STAGING_LEASE_S: how long a progressive submit's lease lasts unrenewed (docs/reliability.md)
+        self.staging_lease_s = staging_lease_s
+        self.staging = StagingLeases(client, keys=keys)
         self.store = ResultStore(client, keys=keys, ttl_s=ttl_s)
         # the same cap the workers read jobs with (LMDQ_MAX_JOB_BYTES): staging refuses a job over it, and
         # retry reads its source jobs within it
@@ -407,6 +466,7 @@ class BatchLedger:
         present, is_listed = self.batch_jobs.staged(batch.id, candidates)
         if present or is_listed:
             self.batch_jobs.unstage(batch.id, present)
+            self.staging.release(batch.id)
         if batch.idempotency_key:
             self.release_key(batch.idempotency_key, batch.id)
 
@@ -414,6 +474,7 @@ class BatchLedger:
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None, fingerprint: str | None = None,
         first_jobs: int | None = None, after_first_commit: Callable[[], None] | None = None,
+        id_chunks: Sequence[str] = (), resume: bool = False,
     ) -> Batch:
         """Create ``batch``, stage its jobs and commit them: all or nothing.
 
@@ -424,11 +485,16 @@ class BatchLedger:
         ``first_jobs``: progressive instead (:meth:`_enqueue_progressively`): the first ``first_jobs`` jobs
         become visible as soon as they are staged, then every ``chunk_jobs``, so workers start while the
         rest is staged; ``after_first_commit`` is called once, right after the first jobs became visible.
+        ``id_chunks``: the batch's custom_ids in input order, JSON arrays of :data:`IDS_CHUNK` (progressive
+        staging writes them before anything is visible: what answers requests no job ever held).
+        ``resume``: ``batch`` is a part-staged batch whose staging lease lapsed, and ``requests`` the same
+        submit's (same file, same options): take the lease over and stage what is not visible yet.
         """
-        if first_jobs is not None:
+        if first_jobs is not None or resume:
             return self._enqueue_progressively(batch, requests, progress=progress, chunk_jobs=chunk_jobs,
-                                               job_sizes=job_sizes, first_jobs=first_jobs,
-                                               after_first_commit=after_first_commit, fingerprint=fingerprint)
+                                               job_sizes=job_sizes, first_jobs=first_jobs or 8,
+                                               after_first_commit=after_first_commit, fingerprint=fingerprint,
+                                               id_chunks=id_chunks, resume=resume)
         try:
             self.create(batch, fingerprint=fingerprint)
             staged = self.stage(batch, requests, progress=progress, chunk_jobs=chunk_jobs, job_sizes=job_sizes)
@@ -442,7 +508,7 @@ class BatchLedger:
     def _enqueue_progressively(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None, chunk_jobs: int,
         job_sizes: Sequence[int] | None, first_jobs: int, after_first_commit: Callable[[], None] | None,
-        fingerprint: str | None = None,
+        fingerprint: str | None = None, id_chunks: Sequence[str] = (), resume: bool = False,
     ) -> Batch:
         """Stage and make visible in steps: the GPU does not wait for the whole batch to be staged.
 
@@ -451,18 +517,39 @@ class BatchLedger:
         A failure before the first jobs are visible rolls everything back as :meth:`enqueue` does. A
         failure after (the file changed, Redis refused a write, Ctrl-C) cannot un-run visible jobs, so the
         batch ends cancelled (:meth:`abandon`): staged-but-invisible jobs are deleted, queued ones get
-        ``cancelled`` results, running ones are aborted by their workers, the never-queued requests count
-        as cancelled, and ``staging_failed`` says why; the error is re-raised with that added."""
+        ``cancelled`` results, running ones are aborted by their workers, the never-queued requests get
+        ``cancelled`` results too (their ids are in Redis from the start), and ``staging_failed`` says why;
+        the error is re-raised with that added.
+
+        A submit that DIES instead (SIGKILL, a lost host) ends nothing itself: its staging lease
+        (LMDQ_STAGING_LEASE_S, renewed by a thread of its own and checked by every commit) lapses, and then
+        a re-run of the same submit resumes the batch here (``resume``: the jobs already visible are
+        skipped, never staged twice) or whoever notices first ends it (:meth:`end_interrupted`)."""
         total = batch.request_counts.total
         jobs = reqs = visible = visible_reqs = 0
+        token = uuid.uuid4().hex
+        renewer: _Renewer | None = None
         try:
-            self.create(batch, fingerprint=fingerprint)
+            if resume:
+                visible, visible_reqs = self._take_over(batch, token)
+            else:
+                self.create(batch, fingerprint=fingerprint)
+                with self._refusals():
+                    self.staging.begin(batch.id, token, lease_s=self.staging_lease_s, id_chunks=id_chunks,
+                                       ttl_s=staging_ttl(self.ttl_s))
+            renewer = _Renewer(self.staging, batch.id, token, self.staging_lease_s)
             with self._refusals(), self.batch_jobs.writes() as writes:
-                next_commit = max(1, first_jobs)
+                next_commit = max(1, first_jobs) if visible == 0 else visible + max(1, chunk_jobs)
                 for payload in job_payloads(requests, batch_id=batch.id, model=batch.model, params=batch.params,
                                             batch_size=batch.batch_size, results_url=batch.results_url,
                                             blob_url=batch.blob_url, job_sizes=job_sizes):
                     reqs += len(payload["requests"])
+                    if jobs < visible:  # resumed: this job is visible already (same file, same options: same jobs)
+                        jobs += 1
+                        if jobs == visible and reqs != visible_reqs:
+                            raise SubmitRejected(f"batch {batch.id}: its {visible} visible jobs hold {visible_reqs} "
+                                                 f"requests, this submit's first {visible} hold {reqs}")
+                        continue
                     if reqs > total or jobs >= batch.num_jobs:
                         raise SubmitRejected(f"batch {batch.id}: more requests than the {total} its record counts")
                     self.jobs.stage(payload, queue=self._queue_of(batch, payload), job_no=payload["job_no"],
@@ -470,8 +557,9 @@ class BatchLedger:
                     jobs += 1
                     if jobs == next_commit and jobs < batch.num_jobs:
                         writes.flush()
+                        renewer.check()
                         first = visible == 0
-                        self._make_visible(batch, jobs, reqs, last=False)
+                        self._make_visible(batch, jobs, reqs, last=False, token=token)
                         visible, visible_reqs = jobs, reqs
                         next_commit = jobs + max(1, chunk_jobs)
                         if progress:
@@ -482,11 +570,18 @@ class BatchLedger:
             if reqs != total or jobs != batch.num_jobs:
                 raise SubmitRejected(f"batch {batch.id}: staged {reqs} requests in {jobs} jobs, its record counts "
                                      f"{total} in {batch.num_jobs}")
-            self._make_visible(batch, jobs, reqs, last=True)
+            renewer.check()
+            self._make_visible(batch, jobs, reqs, last=True, token=token)
+            renewer.stop()
+            self.staging.release(batch.id, token)
             if progress:
                 progress(jobs)
         except BaseException as e:
-            if visible == 0 and not self._commit_landed(batch, e):
+            if renewer is not None:
+                renewer.stop()
+            if isinstance(e, StagingLeaseLost):
+                raise  # the batch is another's now: a re-run resumes it, or a noticer ends it
+            if visible == 0 and not resume and not self._commit_landed(batch, e):
                 self._rollback_quietly(batch)
                 raise
             err = self._abandoned(batch, e, visible, visible_reqs)
@@ -495,13 +590,135 @@ class BatchLedger:
             raise err from e
         return self.get(batch.id)
 
-    def _make_visible(self, batch: Batch, jobs: int, reqs: int, *, last: bool) -> None:
+    def resumable(self, batch: Batch) -> bool:
+        """Whether ``batch`` is part-staged with its staging unended: a re-run of its submit may resume it once
+        its lease lapses."""
+        if batch.status.terminal or batch.status is BatchStatus.cancelling:
+            return False
+        vis, staged, failed = self.records.hashes.fields(
+            batch.id, [F.visible_jobs.value, F.staged_at.value, F.staging_failed.value])
+        return vis is not None and staged is None and failed is None
+
+    def _take_over(self, batch: Batch, token: str) -> tuple[int, int]:
+        """Take a lapsed staging lease over for a re-run (waiting up to the lease for a live one to lapse);
+        drop the dead submit's staged-but-invisible jobs; returns (jobs, requests) visible."""
+        deadline = time.monotonic() + self.staging_lease_s + 1
+        while True:
+            got = self.staging.acquire(batch.id, token, lease_s=self.staging_lease_s)
+            if got == 1:
+                break
+            if got == -2:
+                raise StagingLeaseLost(f"batch {batch.id} can no longer be resumed: it was staged or ended")
+            if time.monotonic() > deadline:
+                raise StagingLeaseLost(f"batch {batch.id} is being staged by another submit (its lease is live)")
+            time.sleep(min(0.2, self.staging_lease_s / 4))
+        raw = self.records.hashes.fields(batch.id, [F.visible_jobs.value, F.visible_requests.value])
+        visible, visible_reqs = int(raw[0] or 0), int(raw[1] or 0)
+        self._drop_invisible(batch, visible)
+        self._log.warning("resuming a batch whose submit died while staging it", batch=batch.id,
+                          visible_jobs=visible, jobs=batch.num_jobs)
+        return visible, visible_reqs
+
+    def _drop_invisible(self, batch: Batch, visible: int) -> None:
+        """Delete the batch's staged jobs past its first ``visible`` (never visible: nothing may run them)."""
+        listed = self.batch_jobs.job_ids(batch.id, start=visible)
+        gone = {job_id_for(batch.id, n) for n in range(visible, batch.num_jobs)} | set(listed)
+        self.batch_jobs.drop_unqueued(batch.id, sorted(gone), keep=visible)
+
+    def _make_visible(self, batch: Batch, jobs: int, reqs: int, *, last: bool, token: str = "") -> None:
         qkey, wakes = self._commit_keys(batch)
         with self._refusals("the batch was cancelled"):
             n = self.batch_jobs.commit_upto(batch_id=batch.id, queue_key=qkey, wakes=wakes, jobs=jobs, requests=reqs,
-                                            now=time.time(), ttl_s=RUNNING_TTL_S, last=last)
+                                            now=time.time(), ttl_s=RUNNING_TTL_S, last=last, token=token)
         if n == -2:
             raise SubmitRejected(f"batch {batch.id} was cancelled while it was being staged")
+        if n == -3:
+            raise StagingLeaseLost(f"batch {batch.id}: its staging lease lapsed while this submit staged it; "
+                                   "nothing more of it was made visible")
+
+    # ---- a part-staged batch's end: every request answered ----------------------------------------
+    def answer_unstaged(self, batch: Batch, status: ResultStatus, error: ErrorInfo | None = None) -> int:
+        """Give every request of a part-staged batch that no visible job holds its final result (``status``,
+        ``error``), so the batch counts and exports one line per request however it ended; staged jobs that
+        never became visible are deleted first. The caller has frozen the batch's visible jobs (moved it to
+        cancelling, or claimed its lapsed lease). Idempotent (a request is answered once). Returns how many
+        results were new."""
+        vis, vis_reqs = self.records.hashes.fields(batch.id, [F.visible_jobs.value, F.visible_requests.value])
+        visible, visible_reqs = int(vis or 0), int(vis_reqs or 0)
+        self._drop_invisible(batch, visible)
+        total = batch.request_counts.total
+        covered = bytearray(total)
+        if batch.prefix_groups:  # jobs hold any indices: their manifests say which
+            job_ids = self.batch_jobs.job_ids(batch.id)[:visible]
+            for start in range(0, len(job_ids), _FETCH_CHUNK):
+                for _, (raw,) in self.batch_jobs.leases_and_fields(job_ids[start : start + _FETCH_CHUNK],
+                                                                   [REQUESTS_FIELD]):
+                    for i, _cid in _manifest(raw, total) or []:
+                        covered[i] = 1
+        else:  # jobs in input order: the visible ones hold the first requests
+            n = min(visible_reqs, total)
+            covered[:n] = b"\x01" * n
+        model = "" if batch.model_counts else batch.model  # a batch over several models: the line's model is unknown
+        now = time.time()
+        new = 0
+        chunks = (total + IDS_CHUNK - 1) // IDS_CHUNK
+        for c0 in range(0, chunks, 20):
+            ids = self.staging.ids(batch.id, c0, min(chunks, c0 + 20) - 1)
+            ids += [[]] * (min(chunks, c0 + 20) - c0 - len(ids))
+            results = []
+            for k, chunk in enumerate(ids):
+                base = (c0 + k) * IDS_CHUNK
+                for i in range(base, min(total, base + IDS_CHUNK)):
+                    if covered[i]:
+                        continue
+                    j = i - base
+                    cid = chunk[j] if j < len(chunk) else f"<unknown:{i}>"  # its ids expired: still one line each
+                    results.append(Result(batch_id=batch.id, custom_id=cid, index=i, status=status, model=model,
+                                          error=error, timings=Timings(enqueued_at=batch.created_at, finished_at=now)))
+            new += self.store.write_results(results)
+        self.staging.mark_answered(batch.id, now)
+        return new
+
+    def end_interrupted(self, batch_id: str) -> bool:
+        """End a part-staged batch whose staging lease lapsed (its submit died and no re-run resumed it): its
+        staged-but-invisible jobs are deleted, every request no visible job holds is answered ``failed`` with
+        ``submit_interrupted``; the visible jobs run on, and the batch ends when they are done. Whoever notices
+        calls this (workers, status/results/cancel, the API); the lease script lets one of them claim it, and
+        a claimer that died half-way is finished by the next. True when this call ended it."""
+        got = self.staging.claim_end(batch_id, INTERRUPTED)
+        if got in (0, -2):
+            return False
+        vis, answered, why = self.records.hashes.fields(
+            batch_id, [F.visible_jobs.value, F.unstaged_answered.value, F.staging_failed.value])
+        if answered is not None:
+            self.staging.release(batch_id)
+            return False
+        batch = self.get(batch_id)
+        if got == -1 and (why is None or reply_text(why) != INTERRUPTED):
+            self.cancel(batch_id)  # its submit failed and was cancelling it when it stopped: finish that
+        else:
+            n = self.answer_unstaged(batch, ResultStatus.failed,
+                                     ErrorInfo(code=ErrorCode.submit_interrupted.value, message=INTERRUPTED))
+            self._log.warning("ended a batch whose submit died while staging it", batch=batch_id,
+                              visible_jobs=int(vis or 0), jobs=batch.num_jobs, unstaged_failed=n)
+        self.staging.release(batch_id)
+        return True
+
+    def notice_interrupted(self, batch_ids: Iterable[str] | None = None, *,
+                           keep: Collection[str] = ()) -> list[str]:
+        """End every part-staged batch (of ``batch_ids``, or of the staging set) whose lease lapsed, but those
+        in ``keep`` (a re-run of their submit is on its way: the API's own retry); returns the ids this call
+        ended. Cheap when there is none: one SMEMBERS (or one script per id given)."""
+        ended = []
+        for batch_id in (self.staging.pending() if batch_ids is None else batch_ids):
+            if batch_id in keep:
+                continue
+            try:
+                if self.end_interrupted(batch_id):
+                    ended.append(batch_id)
+            except BatchNotFound:
+                self.staging.release(batch_id)
+        return ended
 
     def _abandoned(self, batch: Batch, err: BaseException, visible: int, visible_reqs: int) -> BaseException:
         """Cancel a batch whose staging stopped after ``visible`` jobs were visible; the error to raise."""
@@ -512,7 +729,8 @@ class BatchLedger:
             self.abandon(batch.id, reason)
             outcome = "it was cancelled"
         except (redis.RedisError, RedisRefused, SubmitRejected) as e2:
-            self._log.error("could not cancel the part-staged batch", batch=batch.id, error=str(e2))
+            # the error raised says so, with how to end it later: one line for the user, not two
+            self._log.debug("could not cancel the part-staged batch", batch=batch.id, error=str(e2))
             outcome = f"cancel it with `lmdq-producer cancel {batch.id}` once Redis accepts writes"
         total = batch.request_counts.total
         what = (f"{reason}. Staging stopped after {visible} of {batch.num_jobs} jobs of batch {batch.id} were "
@@ -525,19 +743,14 @@ class BatchLedger:
         return err  # Ctrl-C and the like: the batch is cancelled all the same, the error stays what it was
 
     def abandon(self, batch_id: str, reason: str) -> Batch:
-        """End a batch whose progressive staging stopped part-way: delete its never-visible jobs, count their
-        requests as cancelled and cancel the rest (:meth:`cancel`). Also what ``cancel`` does for such a batch
-        (a submit killed mid-staging). Idempotent."""
-        raw = self.records.hashes.fields(batch_id, [F.visible_jobs.value, F.staged_at.value])
-        if raw[0] is None or raw[1] is not None:
-            return self.cancel(batch_id)
-        visible = int(raw[0])
-        batch = self.get(batch_id)
-        listed = self.batch_jobs.job_ids(batch_id, start=visible)
-        gone = {job_id_for(batch_id, n) for n in range(visible, batch.num_jobs)} | set(listed)
+        """End a batch whose progressive staging stopped part-way (its submit failed): record why, then cancel
+        it (:meth:`cancel`: never-visible jobs deleted, every request no visible job holds answered
+        ``cancelled``). Idempotent."""
         with self._refusals("the batch is left part-staged"):
-            self.batch_jobs.drop_unqueued(batch_id, sorted(gone), keep=visible)
-            self.records.hashes.abandon(batch_id, reason[:2000], now=time.time(), ttl_s=self.ttl_s)
+            vis = self.records.hashes.fields(batch_id, [F.visible_jobs.value])[0]
+            if vis is not None:  # first what frees memory: Redis may be full (the very reason staging stopped)
+                self._drop_invisible(self.get(batch_id), int(vis))
+            self.staging.mark_failed(batch_id, reason[:2000])
         return self.cancel(batch_id)
 
     def _commit_landed(self, batch: Batch, err: BaseException) -> bool:
@@ -571,11 +784,8 @@ class BatchLedger:
         batch = self.get(batch_id)
         if batch.status.terminal:
             return batch
-        staging = self.records.hashes.fields(batch_id, [F.visible_jobs.value, F.staged_at.value])
-        if staging[0] is not None and staging[1] is None:  # a submit stopped mid-staging: its other requests too
-            with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
-                self.records.hashes.abandon(batch_id, "cancelled while it was being staged", now=time.time(),
-                                            ttl_s=self.ttl_s)
+        staging = self.records.hashes.fields(batch_id, [F.visible_jobs.value, F.staged_at.value,
+                                                        F.unstaged_answered.value])
         with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
             self.store.batches.transition(
                 batch_id,
@@ -584,6 +794,12 @@ class BatchLedger:
                 F.cancelling_at,
             )
             self.records.hashes.mark_cancelled(batch_id)
+            if staging[0] is not None and staging[1] is None:  # part-staged: its never-staged requests too
+                # cancelling: its submit's next commit is refused, so the visible jobs are fixed from here
+                self.staging.mark_failed(batch_id, "cancelled while it was being staged")
+                if staging[2] is None:
+                    self.answer_unstaged(batch, ResultStatus.cancelled)
+                self.staging.release(batch_id)
             now = time.time()
             prefix = job_id_prefix(batch_id)
             for q in self._queues(batch):
@@ -697,11 +913,12 @@ class BatchLedger:
                              | {j for j in listed if j.startswith(prefix)})
             k = self.keys
             own = [k.batch(batch_id), k.results(batch_id), k.partials(batch_id), k.shards(batch_id),
-                   k.sealed(batch_id), k.batch_jobs(batch_id)]
+                   k.sealed(batch_id), k.batch_jobs(batch_id), k.staging_lease(batch_id), k.request_ids(batch_id)]
             if batch.idempotency_key and self.idempotency.bound(batch.idempotency_key) == batch_id:
                 own.append(k.idempotency(batch.idempotency_key))
             # one round trip: the batch's keys, its job hashes, its listing entry, RQ's records of its jobs on
             # each of its queues (rq info), and its cancelled-set member once it has ended
+            self.staging.release(batch_id)  # out of the staging set (its keys go with ``own``)
             got = self.records.hashes.delete_batch(batch_id, own=own, job_keys=[Job.key_for(j) for j in job_ids],
                                                    queues=self._queues(batch), job_ids=job_ids, uncancel=not running)
         return Purged(batch_id=batch_id, status=batch.status, keys=got.keys + got.jobs, jobs=got.jobs,

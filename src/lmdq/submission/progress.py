@@ -11,16 +11,17 @@ once a second either way, so the end of a batch is seen at once.
 Rates are measured over the last :data:`RATE_WINDOW_S` seconds of polls, not since the start: a
 batch that waited an hour for a worker and then runs at 500 req/s shows 500, and its ETA follows.
 Tokens/s reads the batch's ``output_tokens`` counter, which the results script bumps with each
-final result (:mod:`lmdq.results.store`). Whether a live worker serves the batch's model is read from the
-worker registry every :data:`WORKER_CHECK_S` seconds; a batch nobody can run says so (it would
-otherwise show ``queued 0/8`` forever).
+final result (:mod:`lmdq.results.store`). Whether a live worker serves each model the batch still waits on is read
+from the worker registry every :data:`WORKER_CHECK_S` seconds; a batch nobody can run says so, naming
+every such model (it would otherwise show ``queued 0/8`` forever, or a batch over several models would
+stall at 2/3 with no word about its third).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TextIO
@@ -44,6 +45,7 @@ __all__ = [
     "RateWindow",
     "format_duration",
     "no_worker_hint",
+    "waiting_models",
     "watch",
 ]
 
@@ -111,12 +113,43 @@ def _rate(v: float | None, unit: str) -> str:
     return f"{v:,.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}"
 
 
-def no_worker_hint(b: Batch, live_workers: int | None) -> str | None:
-    """What to do about a batch no live worker can run (None when one can, or it has ended)."""
-    if b.status.terminal or live_workers is None or live_workers > 0:
+def waiting_models(b: Batch) -> list[str]:
+    """The models ``b`` still has requests waiting on (all of a batch of one model until it ends; of a
+    batch over several, each model with requests not done yet), in the batch's order."""
+    if b.status.terminal:
+        return []
+    if not b.model_counts:
+        return [b.model]
+    return [m for m, c in b.model_counts.items() if c.total > c.done]
+
+
+def no_worker_hint(b: Batch, live_workers: Mapping[str, int] | None) -> str | None:
+    """What to do about the models of ``b`` that no live worker serves (None when every model the batch
+    still waits on has one, when the batch has ended, or when the workers are unknown).
+
+    ``live_workers``: live workers per model name (a model absent: none). Every model the batch waits on
+    without a worker is named, with its waiting requests when the batch runs over several models."""
+    if live_workers is None:
         return None
-    return (f"no live worker serves model {b.model!r}: its requests wait until one starts "
-            f"(lmdq-worker --served-model-name {b.model} ...; see `lmdq-producer models list`)")
+    idle = [m for m in waiting_models(b) if live_workers.get(m, 0) <= 0]
+    if not idle:
+        return None
+    if not b.model_counts or len(b.model_counts) == 1:
+        m = idle[0]
+        return (f"no live worker serves model {m!r}: its requests wait until one starts "
+                f"(lmdq-worker --served-model-name {m} ...; see `lmdq-producer models list`)")
+    counts = b.model_counts
+
+    def waiting(m: str) -> str:
+        return f"{m!r} ({counts[m].total - counts[m].done:,} waiting)"
+
+    if len(idle) == 1:
+        m = idle[0]
+        return (f"no live worker serves model {waiting(m)}: its requests wait until one starts "
+                f"(lmdq-worker --served-model-name {m} ...; see `lmdq-producer models list`)")
+    starts = "; ".join(f"lmdq-worker --served-model-name {m} ..." for m in idle)
+    return (f"no live worker serves models {', '.join(waiting(m) for m in idle)}: their requests wait until "
+            f"one starts for each ({starts}; see `lmdq-producer models list`)")
 
 
 class BatchProgress:
@@ -149,7 +182,7 @@ class BatchProgress:
         self.window = RateWindow()
         self.started = clock()
         self.lines = 0
-        self._live: int | None = None
+        self._live: dict[str, int] | None = None
         self._tokens = 0
         self._checked_at: float | None = None
         self._checked_status: BatchStatus | None = None
@@ -195,14 +228,16 @@ class BatchProgress:
             self._say(self.line(b, tokens), hint if hint is not None and state != self._said else None)
             self._said, self._last_line_at = state, now
 
-    def _live_workers(self, b: Batch, now: float) -> int | None:
+    def _live_workers(self, b: Batch, now: float) -> dict[str, int] | None:
+        """Live workers of each model the batch waits on (read every WORKER_CHECK_S; None: not known)."""
         if self.models is None or b.status.terminal:
             return None
         # again at once when the status moved (queued -> in_progress: someone serves it after all)
         if self._checked_at is None or now - self._checked_at >= WORKER_CHECK_S or b.status != self._checked_status:
             self._checked_at, self._checked_status = now, b.status
             try:
-                self._live = next((m.live_workers for m in self.models.models() if m.name == b.model), 0)
+                served = {m.name: m.live_workers for m in self.models.models()}
+                self._live = {m: served.get(m, 0) for m in b.models}
             except RETRYABLE_ERRORS:
                 self._checked_at = None  # asked again at the next poll
         return self._live

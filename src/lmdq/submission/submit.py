@@ -37,6 +37,7 @@ import redis
 from pydantic import ValidationError
 
 from lmdq.batches.headroom import check_batch_fits
+from lmdq.batches.staging import IDS_CHUNK
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
@@ -55,7 +56,7 @@ from lmdq.submission.formats import (
     read_request_at,
 )
 from lmdq.submission.formats.records import Sampling
-from lmdq.submission.ledger import BatchLedger, job_payloads, new_batch_id
+from lmdq.submission.ledger import BatchLedger, StagingLeaseLost, job_payloads, new_batch_id
 from lmdq.submission.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 from lmdq.submission.settings import ProducerSettings
 
@@ -108,6 +109,8 @@ class SubmitOptions:
     #: temporary file, src/lmdq/submission/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
     #: or Python rows (lmdq.client.sources)
     input_name: str | None = None
+    #: LMDQ_STAGING_LEASE_S: the staging lease this submit renews while it stages (lmdq.settings.CommonSettings)
+    staging_lease_s: float = default_of(ProducerSettings, "staging_lease_s")
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,10 @@ class _Fingerprint:
     #: an 8-byte hash of every accepted request, by index: pass 2 checks each request BEFORE it is staged,
     #: since with progressive staging the first jobs are visible before pass 2 has read the whole file
     per_request: array[int] = field(default_factory=lambda: array("Q"), compare=False)
+    #: every accepted request's custom_id, in input order, as JSON arrays of IDS_CHUNK: progressive staging
+    #: writes them before any job is visible, so a batch whose submit dies part-way still answers each request
+    #: (issue 44). Compact (the JSON text, ~ the ids' bytes), not a Python str per line
+    id_chunks: list[str] = field(default_factory=list, compare=False)
 
 
 def _h64(s: str) -> int:
@@ -148,6 +155,7 @@ class _SumDigest:
         return (self._sum & ((1 << 128) - 1)).to_bytes(16, "little")
 
 
+_IDS_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _MESSAGES_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
 
 
@@ -240,6 +248,8 @@ def _validate(
                 if opts.prefix_groups or lines is not None else None)
     running = _new_hash(order_free=prefixes is not None)
     sampling = _SamplingTally()
+    id_chunks: list[str] = []
+    ids: list[str] = []
     try:
         size, mtime_ns = _stat(path)
         for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits):
@@ -262,9 +272,13 @@ def _validate(
             if prefixes is not None:
                 prefixes.add(offset, item, model=item.model if lines is not None else None)
             sampling.add(item)
+            ids.append(item.custom_id)
+            if len(ids) == IDS_CHUNK:
+                id_chunks.append(_IDS_JSON.encode(ids))
+                ids = []
             n += 1
     except OSError as e:
-        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     if not errors:
         errors.extend(_duplicates(path, opts, hashes))
     model = opts.model
@@ -284,16 +298,18 @@ def _validate(
                     "every line on NAME"
                 )
     if model is None and not errors:
-        errors.append(f"{path}:0: no model given: pass --model NAME")
+        errors.append(f"{path}: no model given: pass --model NAME")
     if errors:
         raise SubmitRejected("\n".join(errors))
     if opts.on_warning is not None:
         for w in sampling.warnings(path, batch_samples=bool(opts.params.do_sample)):
             opts.on_warning(w)
     if model is None:  # unreachable: a missing model is one of the errors above
-        raise SubmitRejected(f"{path}:0: no model given: pass --model NAME")
+        raise SubmitRejected(f"{path}: no model given: pass --model NAME")
+    if ids:
+        id_chunks.append(_IDS_JSON.encode(ids))
     seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
-                        order_free=prefixes is not None, per_request=per_request)
+                        order_free=prefixes is not None, per_request=per_request, id_chunks=id_chunks)
     return seen, model, prefixes, model_line, several
 
 
@@ -463,7 +479,7 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
     except OSError as e:
-        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     options = {
         "model": opts.model, "params": opts.params.model_dump(mode="json", exclude_none=True),
         "priority": Priority(opts.priority).value, "batch_size": opts.batch_size, "metadata": opts.metadata,
@@ -491,17 +507,23 @@ def submit_file(
     idempotency key matched an existing batch. ``max_job_bytes`` is LMDQ_MAX_JOB_BYTES: a job the
     workers would refuse unread is refused here, before anything is visible."""
     if not path.is_file():
-        raise SubmitRejected(f"{path}:0: no such file")
+        raise SubmitRejected(f"{path}: no such file")
     if opts.batch_size < 1:
         raise SubmitRejected(f"--batch-size: expected >= 1, got {opts.batch_size}")
     check_submit_urls(opts.results_url, opts.blob_url)
-    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s, max_job_bytes=max_job_bytes)
+    ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s, max_job_bytes=max_job_bytes,
+                         staging_lease_s=opts.staging_lease_s)
     fingerprint = None
+    resume: Batch | None = None
     if opts.idempotency_key:
         fingerprint = submit_fingerprint(path, opts)
         bound = ledger.bound_batch(opts.idempotency_key, fingerprint=fingerprint)
         if bound is not None:
-            return bound, False
+            # issue 44: a batch whose submit died while staging it is resumed by this re-run (same key, same
+            # file and options), never returned as if it were whole; any other bound batch is the answer
+            if not ledger.resumable(bound):
+                return bound, False
+            resume = bound
 
     try:
         foreign = foreign_format(path) if opts.fmt is None else None
@@ -509,7 +531,7 @@ def submit_file(
             raise SubmitRejected(foreign_format_message(path, foreign))
         fmt = opts.fmt or detect_format(path)
     except OSError as e:
-        raise SubmitRejected(f"{path}:0: cannot read the file: {e.strerror or e}") from e
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
     seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress)
     field_name = "body.model" if fmt is InputFormat.openai else "model"
@@ -545,6 +567,9 @@ def submit_file(
     plan = (plan_jobs(prefixes, opts.batch_size, models=several.ids if several is not None else None)
             if prefixes is not None else None)
     num_jobs = len(plan.sizes) if plan is not None else (total + opts.batch_size - 1) // opts.batch_size
+    if resume is not None:
+        return _resume(resume, path, opts, ledger, seen, prefixes, plan, several is not None, num_jobs,
+                       enqueue_progress, chunk_jobs, fingerprint)
     check_batch_fits(client, requests=total, jobs=num_jobs, input_bytes=seen.size, params=opts.params,
                      results_url=opts.results_url, fraction=opts.memory_fraction)
     try:
@@ -587,7 +612,8 @@ def submit_file(
             opts.after_validation()
         batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
                                job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
-                               first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit)
+                               first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit,
+                               id_chunks=seen.id_chunks)
     except BaseException:
         if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
             ledger.release_key(opts.idempotency_key, batch_id)
@@ -595,3 +621,31 @@ def submit_file(
     finally:
         requests.close()
     return batch, True
+
+
+def _resume(
+    batch: Batch, path: Path, opts: SubmitOptions, ledger: BatchLedger, seen: _Fingerprint,
+    prefixes: PrefixKeys | None, plan: JobPlan | None, with_model: bool, num_jobs: int,
+    enqueue_progress: Progress | None, chunk_jobs: int, fingerprint: str | None,
+) -> tuple[Batch, bool]:
+    """Finish staging ``batch``, which the same submit (same key, same file and options: its fingerprint)
+    left part-staged when it died: once its staging lease lapsed, take it over and stage the jobs that are
+    not visible yet, from the file validated again. Returns (batch, False): it was not created here. A batch
+    another submit still stages, or that was ended meanwhile, is returned as it is."""
+    if seen.requests != batch.request_counts.total or num_jobs != batch.num_jobs:
+        raise SubmitRejected(f"{path}: batch {batch.id} (its idempotency key's) counts {batch.request_counts.total} "
+                             f"requests in {batch.num_jobs} jobs, this submit {seen.requests} in {num_jobs}; "
+                             "nothing was enqueued")
+    if plan is not None and prefixes is not None:
+        requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=with_model)
+    else:
+        requests = _file_requests(path, opts, seen)
+    try:
+        done = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
+                              job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
+                              first_jobs=opts.first_jobs, resume=True)
+    except StagingLeaseLost:
+        return ledger.get(batch.id), False
+    finally:
+        requests.close()
+    return done, False

@@ -67,20 +67,6 @@ def test_transition_moves_only_from_the_listed_statuses(client: redis.Redis, pre
     assert h.transition("nope", ["queued"], "cancelled", stamp="", terminal=True, **kw) is None
 
 
-def test_abandon_counts_the_unqueued_requests_once(client: redis.Redis, prefix: str) -> None:
-    h = _hashes(client, prefix)
-    h.write("b1", {F.status.value: "queued", F.total.value: 10, F.visible_jobs.value: 1,
-                   F.visible_requests.value: 4, F.completed.value: 0, F.cancelled.value: 0},
-            created_at=1.0, ttl_s=600)
-    assert h.abandon("b1", "the file changed", now=5.0, ttl_s=60) == 6
-    assert h.abandon("b1", "again", now=6.0, ttl_s=60) == -1
-    assert h.fields("b1", [F.status.value, F.cancelled.value, F.staging_failed.value]) == [
-        b"cancelling", b"6", b"the file changed"]
-    assert client.sismember(Keys(prefix).cancelled(), "b1")
-    h.write("b2", {F.status.value: "queued", F.total.value: 1}, created_at=1.0, ttl_s=600)
-    assert h.abandon("b2", "not progressive", now=5.0, ttl_s=60) == -2
-
-
 def test_mark_cancelled_and_delete(client: redis.Redis, prefix: str) -> None:
     k = Keys(prefix)
     h = _hashes(client, prefix)
