@@ -85,13 +85,28 @@ def _print_batch(b: Batch, as_json: bool) -> None:
         typer.echo(b.model_dump_json())
         return
     c = b.request_counts
-    typer.echo(
+    _echo_fit(
         f"{b.id}  {b.status.value}  {_model_field(b)}  total={c.total} completed={c.completed} "
         f"failed={c.failed} cancelled={c.cancelled} expired={c.expired}"
     )
     for m, mc in (b.model_counts or {}).items():  # a batch over several models: a line per model
-        typer.echo(f"  model={m}  total={mc.total} completed={mc.completed} failed={mc.failed} "
-                   f"cancelled={mc.cancelled} expired={mc.expired}")
+        _echo_fit(f"  model={m}  total={mc.total} completed={mc.completed} failed={mc.failed} "
+                  f"cancelled={mc.cancelled} expired={mc.expired}")
+
+
+def _echo_fit(line: str) -> None:
+    """``line`` as it is for a pipe or a file (one record a line, for scripts); on a terminal, wrapped
+    at spaces to its width, continuation lines indented (issue 45: a 122-column status line)."""
+    if not sys.stdout.isatty():
+        typer.echo(line)
+        return
+    import shutil
+    import textwrap
+
+    width = shutil.get_terminal_size((80, 24)).columns
+    indent = " " * (len(line) - len(line.lstrip()))
+    typer.echo("\n".join(textwrap.wrap(line, width=max(width, 20), subsequent_indent=indent + "    ",
+                                       break_long_words=False, break_on_hyphens=False)))
 
 
 def _model_field(b: Batch) -> str:

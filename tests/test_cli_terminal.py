@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import IO
 
 import pytest
@@ -196,3 +197,41 @@ def test_worker_and_bench_help_name_every_option_whole_at_80_columns(env: dict[s
     missing = [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
     assert not missing, f"cut or missing at 80 columns: {missing}\n{text}"
     assert "…" not in text and not CONTROL.search(text), text
+
+
+def test_status_on_an_80_column_terminal_wraps_and_on_a_pipe_stays_one_line(env: dict[str, str],
+                                                                             tmp_path: Path) -> None:
+    """Issue 45: ``status BATCH`` printed a 122-column line on an 80-column terminal. On a terminal it wraps
+    at spaces (every field kept); through a pipe it stays one record a line, for scripts."""
+    import os
+    import pty
+    import select
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"custom_id": "a", "prompt": "x"}\n')
+    sub = run_cli("lmdq.producer", "submit", str(f), "--model", "a-rather-long-served-model-name-for-this-test",
+                  "--allow-unknown-model", env=env)
+    bid = sub.stdout.decode().strip().splitlines()[-1]
+    piped = run_cli("lmdq.producer", "status", bid, env=_cols(env, 80)).stdout.decode().splitlines()
+    assert len(piped) == 1 and len(piped[0]) > 80, piped
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", "status", bid], env=_cols(env, 80), cwd=ROOT,
+                         stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    out = b""
+    try:
+        while p.poll() is None or select.select([leader], [], [], 0.2)[0]:
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.close(leader)
+    assert p.wait(30) == 0
+    shown = [ln.rstrip("\r") for ln in out.decode().split("\n") if ln.strip()]
+    assert len(shown) > 1 and all(len(ln) <= 80 for ln in shown), shown
+    assert " ".join(ln.strip() for ln in shown).split() == piped[0].split()

@@ -410,3 +410,61 @@ def test_a_column_option_on_string_rows_is_an_error_not_ignored(api: lmdq.Client
         api.submit(["a", "b"], model="sim", allow_unknown_model=True, prompt_column="question")
     assert e.value.field == "prompt_column" and e.value.value == "question"
     _nothing_enqueued(client, prefix)
+
+
+def test_a_dataframe_warning_names_the_dataframe_and_its_rows_not_a_spool_file(api: lmdq.Client) -> None:
+    """Issue 45: ``warning: /tmp/lmdq-spool-.../rows.jsonl: 1 line set temperature ... (first: line 1)``."""
+    import pandas as pd
+
+    seen: list[str] = []
+    df = pd.DataFrame({"question": ["a?", "b?"], "temperature": [0.0, 0.7]})
+    api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", params_columns=["temperature"],
+               on_warning=seen.append)
+    warned = [w for w in seen if "temperature" in w]
+    assert warned, seen
+    assert all("lmdq-spool" not in w and "rows.jsonl" not in w for w in seen), seen
+    assert warned[0].startswith("DataFrame: 2 rows set temperature") and "(first: row 0)" in warned[0], warned
+
+
+def test_a_mixed_object_column_is_an_lmdq_error_naming_row_and_column(api: lmdq.Client, client: redis.Redis,
+                                                                       prefix: str) -> None:
+    """Issue 45: a pandas object column mixing str and int raised a raw pyarrow ArrowTypeError, no row."""
+    import pandas as pd
+
+    df = pd.DataFrame({"question": ["a?", "b?", 3, "d?"]})
+    with pytest.raises(lmdq.SubmitRejected, match=r"^DataFrame: row 2: column 'question': expected a str") as e:
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question")
+    assert (e.value.row, e.value.column, e.value.value) == (2, "question", 3)
+    _nothing_enqueued(client, prefix)
+
+
+def test_a_csv_prompt_or_id_that_looks_numeric_is_read_as_the_text_in_the_file(api: lmdq.Client, tmp_path: Path,
+                                                                              redis_url: str, prefix: str) -> None:
+    """Issue 45: a CSV prompt column of digits was refused (``expected a string, got 1``), and an id like
+    ``007`` would lose its zeros: both are text as written."""
+    f = tmp_path / "q.csv"
+    f.write_text("qid,question\n007,1\n010,22\n")
+    b = api.submit(f, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid",
+                   max_new_tokens=2)
+    drain(redis_url, prefix)
+    assert [(r.custom_id, r.status.value) for r in b.results()] == [("007", "completed"), ("010", "completed")]
+
+
+def test_gen_config_takes_lmdeploys_generation_config_or_a_dict(api: lmdq.Client, redis_url: str,
+                                                               prefix: str) -> None:
+    """Issue 45: ``gen_config=GenerationConfig(...)`` was a TypeError. LMDeploy's own class (installed here,
+    as on a GPU worker) maps to the options; a field lmdq lacks is refused by name."""
+    from lmdeploy import GenerationConfig
+
+    a = api.submit(["hi", "yo"], model="sim", allow_unknown_model=True,
+                   gen_config=GenerationConfig(max_new_tokens=3, random_seed=5))
+    b = api.submit(["hi", "yo"], model="sim", allow_unknown_model=True, gen_config={"max_new_tokens": 3, "seed": 5})
+    drain(redis_url, prefix)
+    assert [r.generate_token_len for r in a.results()] == [3, 3]
+    assert _answers(a) == _answers(b)
+    with pytest.raises(lmdq.InvalidArgument, match="^gen_config.return_ppl: lmdq does not support") as e:
+        api.submit(["hi"], model="sim", allow_unknown_model=True, gen_config=GenerationConfig(return_ppl=True))
+    assert e.value.field == "gen_config.return_ppl"
+    with pytest.raises(lmdq.InvalidArgument, match="^gen_config.max_new_tokens: also given"):
+        api.submit(["hi"], model="sim", allow_unknown_model=True, max_new_tokens=4,
+                   gen_config=GenerationConfig(max_new_tokens=3))

@@ -24,7 +24,8 @@ def test_freezing_moves_the_live_heap_out_of_the_collectors_sight() -> None:
 
 @pytest.mark.parametrize("where", [[], ["--engine-process"]])
 def test_the_worker_freezes_its_heap_after_start_up(env: dict[str, str], where: list[str]) -> None:
-    p = run_cli("lmdq.worker", "--engine", "sim", "--burst", *where, env=env)
+    # an internal: logged at debug level (issue 45)
+    p = run_cli("lmdq.worker", "--engine", "sim", "--burst", *where, env={**env, "LMDQ_LOG_LEVEL": "DEBUG"})
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     frozen = [json.loads(ln) for ln in p.stderr.decode().splitlines() if '"heap frozen"' in ln]
     assert len(frozen) == (2 if where else 1), p.stderr.decode()[-2000:]  # the child's own, with a child

@@ -138,3 +138,31 @@ def test_transformers_worker_log_is_json_from_start_to_stop(env: dict[str, str],
     assert bars and all(d["event"] == "progress" for d in bars), events  # the bars were drawn, as events
     assert any(d.get("done") for d in bars)
     assert next(d for d in docs if d["event"] == "worker stopped")["results"] == 3
+
+
+def test_on_a_terminal_every_worker_line_fits_80_columns_and_internals_stay_at_debug(env: dict[str, str],
+                                                                                     tmp_path: Path) -> None:
+    """Issue 45: on a terminal (auto format: not JSON) the worker's start-up lines ran 105-369 columns and
+    showed internals (``heap frozen objects=432381``). Each line now fits the terminal's width, wrapped,
+    with every value kept; the heap freeze is a debug line."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": f"Say {i}."}) + "\n" for i in range(3)))
+    sub = run_cli("lmdq.producer", "submit", str(f), "--model", "sim", "--allow-unknown-model", env=env)
+    assert sub.returncode == 0, sub.stderr
+    wenv = {k: v for k, v in env.items() if k != "LMDQ_LOG_FORMAT"}
+    wenv.update({"COLUMNS": "80", "TERM": "xterm"})
+    leader, follower = pty.openpty()
+    w = subprocess.Popen([sys.executable, "-m", "lmdq.worker", "--engine", "sim", "--burst"], env=wenv, cwd=ROOT,
+                         stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    try:
+        text = _read_pty(leader, w, 120).decode("utf-8", "replace")
+    finally:
+        os.close(leader)
+    assert w.wait(60) == 0, text[-3000:]
+    lines = [ln.rstrip("\r") for ln in text.split("\n") if ln.strip()]
+    assert any("worker started" in ln for ln in lines) and any("worker stopped" in ln for ln in lines), text
+    assert not any(ln.lstrip().startswith("{") for ln in lines), text  # a person's lines, not JSON
+    assert all(len(ln) <= 80 for ln in lines), [ln for ln in lines if len(ln) > 80]
+    assert "heap frozen" not in text and "\x1b[" not in text, text
+    assert "queues=" in text and "results=3" in text.replace("\n    ", " "), text  # wrapped, nothing cut

@@ -108,7 +108,7 @@ def run(given: dict[str, Any]) -> None:
     if note:
         log.warning(note, model=eng.model_name)
     worker = Worker(engine=eng, client=client, settings=s, health=health, capacity=engine_capacity(eng))
-    log.info("heap frozen", objects=freeze_heap())  # after start-up: full collections skip it (lmdq.worker.heap)
+    log.debug("heap frozen", objects=freeze_heap())  # after start-up: full collections skip it (lmdq.worker.heap)
     if health is not None:
         health.set_engine_loaded(load_s)
     worker.install_signal_handlers()

@@ -171,7 +171,7 @@ def child_main(conn: Any, spec_json: str) -> None:
         elif op == "warm_up":
             warm = getattr(engine, "warm_up", None)
             value = warm() if warm is not None else {}
-            log.info("heap frozen", objects=freeze_heap())  # built and warm: what exists now lives as long as we do
+            log.debug("heap frozen", objects=freeze_heap())  # built and warm: what exists now lives as long as we do
             send({"op": "reply", "id": call, "value": value})
         elif op == "close":
             break

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-from lmdq.client.options import Spell, resolve
+from lmdq.client.options import Spell, from_gen_config, resolve
 from lmdq.contract import Batch as BatchInfo
 from lmdq.contract import BatchStatus, Endpoint, Priority, RequestCounts, Result
 from lmdq.errors import BadSetting, InputProblem, InvalidArgument, LmdqError, SubmitRejected, WaitTimeout
@@ -156,6 +156,7 @@ class Client:
         enqueue_progress: Progress | None = None,
         spell: Spell = _python_name,
         input_name: str | None = None,
+        gen_config: Mapping[str, Any] | object | None = None,
         **options: Unpack[SubmitKwargs],
     ) -> Batch:
         """Validate ``source`` completely, then enqueue it as one batch (all or nothing).
@@ -174,6 +175,10 @@ class Client:
         or a value of the wrong type is a type checker's error in the caller's code, and a TypeError or
         SubmitRejected at run time.
 
+        ``gen_config``: LMDeploy's ``GenerationConfig`` (or a dict of its fields), mapped to the options
+        above; fields left at LMDeploy's defaults are not passed (lmdq's defaults apply), a field lmdq
+        does not support is an InvalidArgument naming it.
+
         ``input_name``: what the batch record calls a file ``source`` (``-`` when it is a copy of stdin).
 
         Raises SubmitRejected (bad input: the first bad rows named by row and column, as text and as
@@ -184,7 +189,10 @@ class Client:
         from lmdq.submission.formats import InputFormat
 
         notes = on_warning if on_warning is not None else _warn
-        opts, ttl_s = resolve(dict(options), self.settings, model=model, spell=spell,
+        given: dict[str, Any] = dict(options)
+        if gen_config is not None:
+            given = from_gen_config(gen_config, given)
+        opts, ttl_s = resolve(given, self.settings, model=model, spell=spell,
                               on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
         opts.staging_lease_s = self.settings.staging_lease_s
         try:
@@ -213,6 +221,8 @@ class Client:
                 spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress)
             opts.fmt = InputFormat.jsonl
             opts.input_name = src.name
+            if opts.on_warning is not None:  # the spool is an implementation detail: name the source's rows
+                opts.on_warning = _in_rows(opts.on_warning, str(path), src.name)
             try:
                 info, created = submit_mod.submit_file(path, opts, **kw)
             except LmdqError as e:  # the spool is an implementation detail: name the source
@@ -280,6 +290,19 @@ def _spooled(p: InputProblem, spool: str, name: str) -> InputProblem:
     if p.line:
         return InputProblem(message=p.message, source=name, row=p.line - 1, field=p.field, value=p.value)
     return InputProblem(message=p.message, source=name, field=p.field, value=p.value)
+
+
+def _in_rows(warn: Callable[[str], None], spool: str, name: str) -> Callable[[str], None]:
+    """``warn`` for a message the file pipeline words about the spool (``/tmp/...: 3 lines ... (first:
+    line 1)``), reworded as the source counts: its name, rows, row n-1 for spool line n (issue 45)."""
+    import re
+
+    def reworded(message: str) -> None:
+        m = message.replace(f"{spool}: ", f"{name}: ").replace(spool, name)
+        m = re.sub(r"\bline (\d+)", lambda g: f"row {int(g.group(1)) - 1}", m)
+        warn(re.sub(r"\b(\d[\d,]*) line(s?)\b", r"\1 row\2", m))
+
+    return reworded
 
 
 def _warn(message: str) -> None:

@@ -407,3 +407,40 @@ def cli_spell(name: str) -> str:
 if __name__ == "__main__":  # rewrite submit_kwargs.py after an option's declaration changed
     SUBMIT_KWARGS_PATH.write_text(render_submit_kwargs())
     print(f"wrote {SUBMIT_KWARGS_PATH}")
+
+
+def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` with the fields of an LMDeploy ``GenerationConfig`` (or a dict of its fields) added as
+    submit options (issue 45: LMDeploy users pass ``gen_config=``). A dataclass's fields still at their
+    defaults are not passed (lmdq's own defaults apply, as documented); every other field must be an
+    option lmdq has, else InvalidArgument naming it; a field also given as a keyword is refused by name."""
+    import dataclasses
+
+    from lmdq.errors import InvalidArgument
+
+    if isinstance(gen_config, Mapping):
+        items, defaults = dict(gen_config), {}
+    elif dataclasses.is_dataclass(gen_config) and not isinstance(gen_config, type):
+        items = {f.name: getattr(gen_config, f.name) for f in dataclasses.fields(gen_config)}
+        try:
+            fresh = type(gen_config)()
+            defaults = {k: getattr(fresh, k) for k in items}
+        except TypeError:  # a class without defaults for every field: everything is given
+            defaults = {}
+    else:
+        raise InvalidArgument(f"gen_config: expected LMDeploy's GenerationConfig or a dict of its fields, got "
+                              f"{type(gen_config).__name__}", field="gen_config", value=gen_config)
+    params = set(GenerationParams.model_fields) | set(option_aliases())
+    out = dict(given)
+    for key, value in items.items():
+        if key in defaults and value == defaults[key]:
+            continue
+        if key not in params:
+            raise InvalidArgument(f"gen_config.{key}: lmdq does not support this GenerationConfig field (it "
+                                  f"supports {', '.join(sorted(GenerationParams.model_fields))})",
+                                  field=f"gen_config.{key}", value=value)
+        if out.get(key) is not None:
+            raise InvalidArgument(f"gen_config.{key}: also given as {key}=; pass it once",
+                                  field=f"gen_config.{key}", value=value)
+        out[key] = value
+    return out

@@ -111,16 +111,41 @@ def _arrow_reader(source: Any) -> Any | None:
                 yield from table.to_batches()
 
         return pa.RecordBatchReader.from_batches(arrow[:0].schema, hf_batches())
+    if mod == "pandas" and hasattr(source, "to_dict"):
+        return _pandas_reader(source)
     if hasattr(source, "__arrow_c_stream__"):
         pa = _need_pyarrow(type(source).__name__)
         return pa.RecordBatchReader.from_stream(source)
     if hasattr(source, "__arrow_c_array__"):  # a RecordBatch
         pa = _need_pyarrow(type(source).__name__)
         return pa.table(source).to_reader()
-    if mod == "pandas" and hasattr(source, "to_dict"):  # pandas < 2.2 has no __arrow_c_stream__
-        pa = _need_pyarrow("a pandas DataFrame")
-        return pa.Table.from_pandas(source, preserve_index=False).to_reader()
     return None
+
+
+def _pandas_reader(df: Any) -> Any:
+    """A DataFrame as Arrow. A column Arrow cannot type (an object column mixing str and int) is an lmdq
+    error naming the first row whose value's type differs from the column's first
+    value (counted as ``df.iloc`` counts), not a raw ``ArrowTypeError`` (issue 45)."""
+    pa = _need_pyarrow("a pandas DataFrame")
+    try:
+        return pa.Table.from_pandas(df, preserve_index=False).to_reader()
+    except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
+        for col in df.columns:
+            try:
+                pa.array(df[col], from_pandas=True)
+            except (pa.ArrowTypeError, pa.ArrowInvalid):
+                values = df[col]
+                first = next((v for v in values if v is not None and v == v), None)
+                for pos, v in enumerate(values):
+                    if v is not None and v == v and type(v) is not type(first):
+                        raise SubmitRejected(
+                            f"DataFrame: row {pos}: column {col!r}: expected a {type(first).__name__} like the "
+                            f"column's first value, got {v!r} ({type(v).__name__})",
+                            problems=[InputProblem(message=f"expected a {type(first).__name__} like the column's "
+                                                           f"first value, got {v!r} ({type(v).__name__})",
+                                                   source="DataFrame", row=pos, column=str(col), value=v)]) from None
+                raise SubmitRejected(f"DataFrame: column {col!r}: {e}") from None
+        raise SubmitRejected(f"DataFrame: {e}") from None
 
 
 def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
@@ -141,7 +166,12 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
             return RowSource(name, parquet_chunks())
         import pyarrow.csv as pcsv
 
-        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False))
+        # the columns a prompt, an id or a model come from are text as written, even where they look like
+        # numbers ("001", "42": issue 45 refused a numeric-looking prompt column)
+        text = {c: pa.string() for c in (cmap.prompt_column or "prompt", cmap.messages_column or "messages",
+                                         cmap.id_column or "custom_id", cmap.model_column) if c}
+        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False),
+                               convert_options=pcsv.ConvertOptions(column_types=text))
         return RowSource(name, _reader_chunks(reader, cmap, name))
     except (OSError, pa.ArrowException) as e:
         raise SubmitRejected(f"{path}: cannot read the {fmt} file: {e}") from e

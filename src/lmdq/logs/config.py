@@ -110,6 +110,37 @@ def adopt_foreign_loggers(names: tuple[str, ...] = ADOPTED_LOGGERS) -> None:
         lg.propagate = True
 
 
+class TerminalRenderer:
+    """A log line for a person at a terminal: ``HH:MM:SS level event key=value ...`` wrapped to the
+    terminal's width (``COLUMNS``, else the terminal's, else 80), continuation lines indented, nothing
+    cut: every value is still there (issue 45: structlog's console lines ran 105-369 columns). No
+    colour codes, so the width a line is measured at is the width it shows; containers and pipes get
+    JSON (:func:`configure_logging`), which this never replaces."""
+
+    def __init__(self, width: int | None = None) -> None:
+        self.width = width
+
+    def __call__(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
+        import shutil
+        import textwrap
+
+        width = self.width or shutil.get_terminal_size((80, 24)).columns
+        e = dict(event)
+        stamp = str(e.pop("timestamp", ""))[11:19]
+        level = str(e.pop("level", "")).lower()
+        text = str(e.pop("event", ""))
+        e.pop("logger", None)
+        exc = e.pop("exception", None) or e.pop("stack", None)
+        head = " ".join(x for x in (stamp, f"{level:<7}", text) if x)
+        pairs = " ".join(f"{k}={v}" for k, v in e.items())
+        out = textwrap.wrap(f"{head} {pairs}".rstrip(), width=max(width, 20), subsequent_indent="    ",
+                            break_long_words=True, break_on_hyphens=False) or [""]
+        if exc:
+            for line in str(exc).splitlines():
+                out += textwrap.wrap(line, width=max(width, 20), subsequent_indent="    ") or [""]
+        return "\n".join(out)
+
+
 def configure_logging(fmt: str = "auto", level: str = "INFO") -> None:
     """Configure structlog and stdlib logging once per process. ``fmt``: auto | json | console
     (auto: JSON unless stderr is a terminal). Calling it again replaces the previous set-up."""
@@ -117,7 +148,7 @@ def configure_logging(fmt: str = "auto", level: str = "INFO") -> None:
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
         raise BadSetting(f"LMDQ_LOG_LEVEL: expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
-    renderer: Any = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
+    renderer: Any = structlog.processors.JSONRenderer() if use_json else TerminalRenderer()
     timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
     # Both kinds of records get the same fields; structlog's own calls get them before wrap_for_formatter,
     # stdlib records (from the root handler) in foreign_pre_chain.
