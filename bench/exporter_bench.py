@@ -22,12 +22,12 @@ import redis
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from lmdq.batches.records import BatchHashes
 from lmdq.metrics.exporter import QueueCollector, start_metrics_server
-from lmdq.redis.batch_records import BatchHashes
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import BatchField, Keys
-from lmdq.redis.keyspace import delete
 from lmdq.redis.server import info
+from lmdq_bench.keyspace import delete
 
 __all__ = ["run_exporter_bench", "table"]
 

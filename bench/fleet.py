@@ -38,13 +38,13 @@ from typing import Any
 import redis
 
 from lmdq.contract import Batch, BatchStatus, GenerationParams, RequestCounts
+from lmdq.jobs.reads import inflight_count
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
-from lmdq.redis.keyspace import keys_memory, scan
-from lmdq.redis.reads import inflight_count
 from lmdq.redis.server import info as server_info
 from lmdq.results.store import ResultStore
 from lmdq.submission.ledger import BatchLedger, new_batch_id
+from lmdq_bench.keyspace import keys_memory, scan
 
 __all__ = ["FleetConfig", "run_fleet"]
 

@@ -20,9 +20,9 @@ from typing import Any
 from lmdq.contract import FinishReason, Result, ResultStatus, Timings
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
-from lmdq.redis.keyspace import delete, scan
 from lmdq.redis.server import info
 from lmdq.results.store import ResultStore
+from lmdq_bench.keyspace import delete, scan
 
 #: where child processes start: never inside the installed package, whose lmdq/redis/ would hide the
 #: redis library from `python -m` (sys.path[0] is the working directory)

@@ -21,11 +21,11 @@ import redis
 
 from lmdq.contract import BatchStatus, GenerationParams, Result
 from lmdq.redis.keys import Keys
-from lmdq.redis.keyspace import keys_memory, scan
 from lmdq.redis.server import info
 from lmdq.results.export import iter_lmdq_lines
 from lmdq.results.store import ResultStore
 from lmdq.submission.submit import SubmitOptions, submit_file
+from lmdq_bench.keyspace import keys_memory, scan
 
 __all__ = ["run_sink_bench"]
 

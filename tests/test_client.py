@@ -313,7 +313,7 @@ def test_cli_submit_parquet_and_results_to_parquet(tmp_path: Path, env: dict[str
 #: Modules that talk to Redis or a results store, or hold submit/cancel/retry logic: the CLI reaches
 #: them only through lmdq.Client.
 _BELOW_THE_API = {"redis", "rq", "lmdq.redis.connection", "lmdq.results.store", "lmdq.submission.ledger",
-                  "lmdq.redis.registry", "lmdq.redis.keys", "lmdq.results.sink", "lmdq.jobs.queue",
+                  "lmdq.registry.store", "lmdq.redis.keys", "lmdq.results.sink", "lmdq.jobs.queue",
                   "lmdq.submission.submit", "lmdq.submission.retry", "lmdq.submission.cancel",
                   "lmdq.results.openai", "lmdq.results.export", "lmdq.results.reader", "lmdq.results.writer",
                   "lmdq.batches.records", "lmdq.submission.formats", "lmdq.batches.headroom", "lmdq.guided"}

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from lmdq.redis.keys import Keys
-from lmdq.redis.registry import ModelRegistry
+from lmdq.registry.store import ModelRegistry
 from tests.conftest import ROOT, start_worker
 
 MARKER = "<!-- python-api-example: executed by tests/test_client_readme.py -->"

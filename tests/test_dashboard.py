@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmdq.metrics.exporter import QueueCollector
 from lmdq.redis.keys import Keys
-from lmdq.redis.registry import WorkerRegistry
+from lmdq.registry.store import WorkerRegistry
 from lmdq.worker.health import WorkerHealth
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "lmdq-dashboard.json"

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmdq.jobs.queue import JobQueue
 from lmdq.redis.keys import Keys, queue_names
-from lmdq.redis.registry import WorkerRegistry
+from lmdq.registry.store import WorkerRegistry
 from tests.conftest import ROOT, RedisServer, free_port, run_cli
 from tests.helpers import write_jsonl
 
@@ -225,7 +225,7 @@ def test_a_read_walks_junk_sets_within_its_scan_budget(client: redis.Redis, pref
     """A models hash of 50,000 junk names: the read takes at most SCAN_CALLS short HSCANs (no HKEYS of
     the whole hash), serves at most MAX_MODELS models and says it was cut short."""
     from lmdq.metrics.exporter import SnapshotCollector
-    from lmdq.redis.queue_stats import MAX_MODELS, SCAN_CALLS
+    from lmdq.metrics.queue_stats import MAX_MODELS, SCAN_CALLS
 
     k = Keys(prefix)
     with client.pipeline(transaction=False) as p:

@@ -1,4 +1,4 @@
-"""Idle workers share a small batch (lmdq.redis.idle_roster, worker.admission.fair_share): with two idle
+"""Idle workers share a small batch (lmdq.jobs.idle_roster, worker.admission.fair_share): with two idle
 workers a 4-job batch runs 2 + 2 and ends in about half the one-worker time. Time is counted in the
 sim engines' decode steps (each engine steps only while it has sequences), never on the wall clock:
 the batch's makespan is the busiest engine's step count."""

@@ -1,4 +1,4 @@
-"""Idle workers sleep in Redis instead of polling (lmdq.redis.wakeup, worker.idle), and a worker's connection
+"""Idle workers sleep in Redis instead of polling (lmdq.jobs.wakeup, worker.idle), and a worker's connection
 pool never runs out (connect(max_connections=...)). Costs are counted on the server (INFO), never timed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""lmdq.jobs.queue' budget counters and server-clock leases, and lmdq.redis.registry, against a real Redis.
+"""lmdq.jobs.queue' budget counters and server-clock leases, and lmdq.registry.store, against a real Redis.
 
 Issue 13: only a charged re-queue spends an attempt; runs and engine crashes are counted apart, in
 the same atomic step as the release; lease times are the Redis server's clock."""
@@ -12,7 +12,7 @@ import redis
 from lmdq.contract import Batch, BatchStatus, RequestCounts
 from lmdq.jobs.queue import Charge, JobQueue
 from lmdq.redis.keys import Keys, queue_name
-from lmdq.redis.registry import WorkerRegistry
+from lmdq.registry.store import WorkerRegistry
 from lmdq.results.store import ResultStore
 from tests.helpers import commit_staged, stage_jobs
 

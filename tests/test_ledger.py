@@ -59,7 +59,7 @@ def test_create_stage_commit_write_exactly_the_batch_keys(client: redis.Redis, p
     assert ledger.commit(b, staged) == 3
     assert _keys(client) - before - {"rq:queues"} == {
         k.idempotency("nightly"), k.batch(b.id), k.batches(), k.batch_jobs(b.id), qkey, *jobs,
-        k.wake("sim"),  # the model's wake-up token (one per model, not per batch: lmdq.redis.wakeup)
+        k.wake("sim"),  # the model's wake-up token (one per model, not per batch: lmdq.jobs.wakeup)
     }
     assert client.lrange(qkey, 0, -1) == [job_id_for(b.id, n).encode() for n in range(3)]
     assert client.sismember("rq:queues", qkey)

@@ -25,7 +25,7 @@ import redis
 
 from lmdq.contract import BatchStatus, ResultStatus
 from lmdq.redis.keys import Keys, queue_name, rq_queue_key
-from lmdq.redis.registry import MAX_MODEL_NAME, MAX_NOTE, ModelRegistry, WorkerRegistry
+from lmdq.registry.store import MAX_MODEL_NAME, MAX_NOTE, ModelRegistry, WorkerRegistry
 from tests.conftest import ROOT, RedisServer, run_cli
 from tests.helpers import results_of, wait_batch, write_jsonl
 

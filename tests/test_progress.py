@@ -11,7 +11,7 @@ import redis
 
 from lmdq.contract import Batch, BatchStatus, RequestCounts, Result, ResultStatus
 from lmdq.redis.keys import Keys
-from lmdq.redis.registry import ModelRegistry, WorkerRegistry
+from lmdq.registry.store import ModelRegistry, WorkerRegistry
 from lmdq.results.store import ResultStore
 from lmdq.submission.progress import BatchProgress, RateWindow, format_duration, watch
 

@@ -14,7 +14,7 @@ import redis
 from rq.worker import Worker as RqWorker
 
 from lmdq.redis.keys import Keys, queue_names, rq_worker_key, rq_workers_by_queue_key, rq_workers_key
-from lmdq.redis.registry import WorkerRegistry
+from lmdq.registry.store import WorkerRegistry
 from tests.conftest import run_cli, start_worker
 from tests.helpers import wait_batch, write_jsonl
 
@@ -61,7 +61,7 @@ def test_registry_writes_an_rq_worker_record(client: redis.Redis, prefix: str) -
 
 def test_utc_stamp_matches_python_across_dates(client: redis.Redis) -> None:
     """The script's own civil-date arithmetic, checked against Python for leap days and centuries."""
-    from lmdq.redis.scripts import RQ_CLOCK
+    from lmdq.registry.store import RQ_CLOCK
 
     probe = RQ_CLOCK.source.replace("redis.call('TIME')", "{ARGV[1], ARGV[2]}")
     script = client.register_script(probe + "return utc()")

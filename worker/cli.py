@@ -16,7 +16,7 @@ from lmdq.logs.config import configure_logging, get_logger, route_child_logs
 from lmdq.logs.relay import install_relay
 from lmdq.logs.tqdm_events import install as install_tqdm_events
 from lmdq.redis.connection import connect, redact_url
-from lmdq.redis.registry import redis_answers
+from lmdq.registry.store import redis_answers
 from lmdq.settings import CommonSettings
 from lmdq.worker.engine_settings import engine_flag_specs, unused_env
 from lmdq.worker.heap import freeze_heap

@@ -3,7 +3,7 @@
 Why a thread: a BLPOP in the loop's own (main) thread could not be cut short by SIGTERM (Python
 resumes an interrupted ``recv`` for the rest of its timeout), so a drain would wait for the whole
 block. Here the loop waits on the worker's condition, which the signal handler and ``Worker.stop``
-notify, and the helper thread does the blocking (:class:`lmdq.redis.wakeup.WakeUp`) only while the loop
+notify, and the helper thread does the blocking (:class:`lmdq.jobs.wakeup.WakeUp`) only while the loop
 asks for it: a busy worker never pops a token meant for an idle one. A token that arrives when nobody
 waits any more (the worker began draining, or gave up on a slow Redis) is passed on to the next idle
 worker, never swallowed.
@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from lmdq.redis.wakeup import BLOCK_MARGIN_S, WakeUp
+from lmdq.jobs.wakeup import BLOCK_MARGIN_S, WakeUp
 
 __all__ = ["IdleWaiter"]
 

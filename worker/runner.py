@@ -12,7 +12,7 @@ re-queues what it holds without charging it, fails its health checks and exits w
 How many jobs to claim is :mod:`lmdq.worker.admission`; one job attempt :mod:`lmdq.worker.attempt`;
 writing results through store faults :mod:`lmdq.results.writer`. Every Redis call goes through
 lmdq's core objects (:class:`~lmdq.jobs.queue.JobQueue`, :class:`~lmdq.results.store.ResultStore`,
-:class:`~lmdq.redis.registry.WorkerRegistry`).
+:class:`~lmdq.registry.store.WorkerRegistry`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import redis
 import structlog
 
 from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, Result, ResultStatus, Timings
+from lmdq.jobs import reads
 from lmdq.jobs.decode import OutputNotAllowed, UndecodableJob, decode_job
+from lmdq.jobs.idle_roster import IdleRoster
 from lmdq.jobs.queue import Charge, Claim, JobQueue
-from lmdq.redis import reads
+from lmdq.jobs.wakeup import WakeUp
 from lmdq.redis.connection import RETRYABLE_ERRORS, with_reconnect
-from lmdq.redis.idle_roster import IdleRoster
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name, queue_names
-from lmdq.redis.registry import WorkerRegistry
-from lmdq.redis.wakeup import WakeUp
+from lmdq.registry.store import WorkerRegistry
 from lmdq.results.output_urls import OutputPolicy
 from lmdq.results.sink import pending_count
 from lmdq.results.store import ResultStore

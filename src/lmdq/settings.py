@@ -75,7 +75,7 @@ class CommonSettings(BaseSettings):
     # Redis client timeouts and the startup wait. Retries themselves are lmdq.redis.connection.RetryPolicy,
     # declared there once (30 jittered retries, 0.1 s doubling to 5 s: about 2 minutes).
     # One default for both sides: no lmdq command blocks in Redis (Lua scripts work in bounded chunks;
-    # the one BLPOP, an idle worker's wait, has its own connection and timeout: lmdq.redis.wakeup), so a
+    # the one BLPOP, an idle worker's wait, has its own connection and timeout: lmdq.jobs.wakeup), so a
     # reply slower than 10 s means Redis is frozen or the network is gone. The
     # worker rides such a spell out with its operation retries, not with a longer timeout, so a
     # frozen Redis is noticed (and logged) equally fast on both sides.

@@ -29,13 +29,13 @@ import redis
 from redis.typing import EncodableT
 
 from lmdq.api.backend import Backend
+from lmdq.api.batch_records import ApiBatchRecords
 from lmdq.api.errors import bad_request, conflict, not_found
 from lmdq.api.files import FileStore
 from lmdq.api.paging import Page, page
 from lmdq.contract import Batch, BatchStatus, ErrorCode
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
 from lmdq.logs.config import get_logger
-from lmdq.redis.api_batches import ApiBatchRecords
 from lmdq.redis.keys import Keys
 
 __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]

@@ -30,7 +30,7 @@ from lmdq.client.options import Spell, from_gen_config, resolve
 from lmdq.contract import Batch as BatchInfo
 from lmdq.contract import BatchStatus, Endpoint, Priority, RequestCounts, Result
 from lmdq.errors import BadSetting, InputProblem, InvalidArgument, LmdqError, SubmitRejected, WaitTimeout
-from lmdq.redis.registry import MAX_NOTE
+from lmdq.registry.store import MAX_NOTE
 from lmdq.submission.formats.tabular import ColumnMap
 from lmdq.submission.settings import ProducerSettings
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from lmdq.client.submit_kwargs import SubmitKwargs
     from lmdq.redis.keys import Keys
-    from lmdq.redis.registry import ModelInfo, RemovedModel
+    from lmdq.registry.store import ModelInfo, RemovedModel
     from lmdq.results.store import ResultStore
     from lmdq.submission.ledger import BatchLedger, Purged
     from lmdq.submission.progress import BatchProgress
@@ -256,7 +256,7 @@ class Client:
                         ) -> list[bool]:
         """Register served model names so submit accepts them with no worker running; per name, whether
         it was new (adding one again replaces its note)."""
-        from lmdq.redis.registry import MAX_NOTE, ModelRegistry, check_model_name
+        from lmdq.registry.store import MAX_NOTE, ModelRegistry, check_model_name
 
         for name in names:
             try:
@@ -270,15 +270,15 @@ class Client:
         return [registry.add(name, note=note) for name in names]
 
     def models(self) -> tuple[list[ModelInfo], float]:
-        """(registered and served models as :class:`lmdq.redis.registry.ModelInfo`, Redis' clock now)."""
-        from lmdq.redis.registry import ModelRegistry
+        """(registered and served models as :class:`lmdq.registry.store.ModelInfo`, Redis' clock now)."""
+        from lmdq.registry.store import ModelRegistry
 
         registry = ModelRegistry(self.redis, keys=self.keys)
         return registry.models(), registry.now()
 
     def remove_model(self, name: str) -> RemovedModel:
-        """Forget a model (:class:`lmdq.redis.registry.RemovedModel`); LmdqError when it was unknown."""
-        from lmdq.redis.registry import ModelRegistry
+        """Forget a model (:class:`lmdq.registry.store.RemovedModel`); LmdqError when it was unknown."""
+        from lmdq.registry.store import ModelRegistry
 
         removed = ModelRegistry(self.redis, keys=self.keys).remove(name)
         if not (removed.registered or removed.seen):
@@ -349,7 +349,7 @@ class Batch:
     def progress(self, *, stream: TextIO, terminal: bool, interval_s: float, quiet: bool = False) -> BatchProgress:
         """A :class:`lmdq.submission.progress.BatchProgress` for this batch (done/total, req/s, tok/s,
         ETA; a hint when no live worker serves its model), drawn on ``stream``."""
-        from lmdq.redis.registry import ModelRegistry
+        from lmdq.registry.store import ModelRegistry
         from lmdq.submission.progress import BatchProgress
 
         c = self.client

@@ -21,8 +21,8 @@ from rq.serializers import JSONSerializer
 
 from lmdq.contract import FORMAT_VERSION
 from lmdq.errors import SubmitRejected
-from lmdq.redis import scripts
 from lmdq.redis.replies import reply_text
+from lmdq.redis.scripts import LuaScript
 from lmdq.settings import DEFAULT_MAX_JOB_BYTES  # declared with the setting; the rule is here
 
 __all__ = [
@@ -152,7 +152,7 @@ def read_job(
     read; Redis errors propagate (the caller re-queues, never refuses, on those).
     """
     key = Job.key_for(job_id)
-    got: list[Any] = scripts.READ_JOB(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
+    got: list[Any] = READ_JOB(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
     tag = reply_text(got[0])
     if tag == "missing":
         raise JobRefused(f"No such job {job_id}: no job hash (deleted, expired, or never created)")
@@ -187,3 +187,24 @@ def read_job(
     return job
 
 
+# ==== Lua: the capped read of a job hash (composed and run by lmdq.redis.scripts.LuaScript) ====
+
+# KEYS: job hash.  ARGV: cap for the first field, cap for the others, field names...
+# Returns {'missing'} | {'not_hash', type} | {'too_large', field, size} | {'ok', value1, value2, ...}
+READ_JOB = LuaScript("read_job", """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return {'missing'} end
+if t ~= 'hash' then return {'not_hash', t} end
+local fields = {}
+for i = 3, #ARGV do
+  local cap = tonumber(ARGV[2])
+  if i == 3 then cap = tonumber(ARGV[1]) end
+  local n = redis.call('HSTRLEN', KEYS[1], ARGV[i])
+  if n > cap then return {'too_large', ARGV[i], n} end
+  table.insert(fields, ARGV[i])
+end
+local vals = redis.call('HMGET', KEYS[1], unpack(fields))
+local out = {'ok'}
+for i = 1, #fields do out[i + 1] = vals[i] end
+return out
+""")

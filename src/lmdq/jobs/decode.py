@@ -27,9 +27,10 @@ from pydantic import ValidationError
 from rq.job import Job
 
 from lmdq.contract import MAX_JOB_REQUESTS, Batch, JobPayload
+from lmdq.jobs import reads
 from lmdq.jobs.data import MAX_FIELD_BYTES, REQUESTS_FIELD, JobRefused, NotDecodable
 from lmdq.jobs.queue import JobQueue, job_id_for
-from lmdq.redis import reads, scripts
+from lmdq.redis.scripts import LuaScript
 from lmdq.results.output_urls import OutputPolicy, OutputUrlRejected
 
 __all__ = [
@@ -156,7 +157,7 @@ def undecodable(client: redis.Redis, queue: JobQueue, job_id: str, reason: str) 
 
 def _batch_record(client: redis.Redis, queue: JobQueue, batch_id: str) -> tuple[Batch, int]:
     """The producer's record of ``batch_id`` (size-capped, validated) and its request total."""
-    got: Any = scripts.READ_BATCH(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
+    got: Any = READ_BATCH(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
     if not got or got[1] is None:
         raise JobRefused(f"batch {batch_id}: no batch record (deleted, expired, or the job is forged)")
     if got[0] == b"too_large":
@@ -178,3 +179,15 @@ def _first_error(e: ValidationError) -> str:
     loc = ".".join(str(x) for x in first["loc"]) or "payload"
     more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
     return f"field {loc!r}: {first['msg']}{more}"
+
+
+# ==== Lua: the capped read of a batch record (composed and run by lmdq.redis.scripts.LuaScript) ====
+
+# KEYS: batch hash.  ARGV: cap on 'meta'.  Returns false | {'too_large', size} | {'ok', meta, total}
+READ_BATCH = LuaScript("read_batch", """
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'hash' then return false end
+local n = redis.call('HSTRLEN', KEYS[1], 'meta')
+if n > tonumber(ARGV[1]) then return {'too_large', n} end
+local v = redis.call('HMGET', KEYS[1], 'meta', 'total')
+return {'ok', v[1], v[2]}
+""")

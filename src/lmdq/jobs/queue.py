@@ -34,10 +34,10 @@ from lmdq.jobs.data import (
     manifest,
     read_job,
 )
-from lmdq.redis.job_leases import JobLeases
+from lmdq.jobs.leases import JobLeases
+from lmdq.jobs.reads import capped_job_field
+from lmdq.jobs.rq_records import RQRecords
 from lmdq.redis.keys import Keys, queue_name
-from lmdq.redis.reads import capped_job_field
-from lmdq.redis.rq_records import RQRecords
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
@@ -132,8 +132,8 @@ class JobQueue:
         self.keys = keys or Keys()
         self.job_ttl_s = job_ttl_s
         self.max_job_bytes = max_job_bytes
-        #: the Redis halves: this class keeps the rules, :mod:`lmdq.redis.job_leases` and
-        #: :mod:`lmdq.redis.rq_records` the calls
+        #: the jobs' stores: this class keeps the rules, :mod:`lmdq.jobs.leases` and
+        #: :mod:`lmdq.jobs.rq_records` the calls
         self.leases = JobLeases(client, keys=self.keys)
         self.records = RQRecords(client, keys=self.keys, serializer=SERIALIZER, ttl_s=job_ttl_s)
 

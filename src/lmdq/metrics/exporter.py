@@ -10,7 +10,7 @@ queue, so queue-level series exist once, also at zero workers; workers keep thei
 Redis is read by ONE collector thread every ``LMDQ_EXPORTER_INTERVAL_S`` (:class:`SnapshotCollector`),
 never by a scrape: a scrape serves the last snapshot and its age, so any number of scrapers cost
 Redis nothing and answer at once, and a frozen Redis cannot hold them. A read walks the model and
-queue sets with short SCAN calls within a budget (:data:`lmdq.redis.queue_stats.SCAN_CALLS`), then takes two pipelined
+queue sets with short SCAN calls within a budget (:data:`lmdq.metrics.queue_stats.SCAN_CALLS`), then takes two pipelined
 round trips whatever the number of models; the whole read has ``LMDQ_EXPORTER_READ_TIMEOUT_S`` of
 Redis time. Redis content is untrusted: names are decoded with replacement, counts that are not
 integers count 0, and the number of models, workers and batches read is capped. A Redis that is
@@ -51,9 +51,9 @@ from prometheus_client.registry import Collector
 from pydantic import Field
 
 from lmdq.flags import own_fields, settings_flags
+from lmdq.metrics.queue_stats import Snapshot, read_snapshot
 from lmdq.redis.connection import connect, redact_url
 from lmdq.redis.keys import Keys
-from lmdq.redis.queue_stats import Snapshot, read_snapshot
 from lmdq.settings import CommonSettings
 
 __all__ = ["EXPORTER_FLAGS", "ExporterSettings", "QueueCollector", "SnapshotCollector", "View", "load_settings",

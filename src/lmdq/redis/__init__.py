@@ -1,6 +1,7 @@
-"""lmdq's Redis home: connections, the key layout, reply decoding, every Lua script, and the data access
-that is nothing but Redis (wake-ups, the idle roster, the worker and model registries, the exporter's read).
+"""What lmdq's concepts share about Redis: connections and retry (``connection``), the key layout
+(``keys``), reply decoding (``replies``), server checks (``server``), and the one way Lua is composed
+and run with the fragments several concepts use (``scripts``).
 
-Concept packages (batches, jobs, results, metrics) keep the rules; what they say to Redis belongs here
-(tests/test_redis_boundary.py lists, exactly, the modules that still say it themselves).
+Each concept owns its stored state: its Redis commands and its Lua live beside its rules, in its own
+package's store modules (tests/test_redis_boundary.py lists them, exactly, in ``STORE_MODULES``).
 """

@@ -180,7 +180,7 @@ def rq_queue_key(name: str) -> str:
 
 
 # RQ's worker registry, spelled by the installed rq's own constants so a new rq cannot drift from it.
-# lmdq workers write these records too (lmdq.redis.registry), so `rq info` and rq-dashboard list them.
+# lmdq workers write these records too (lmdq.registry.store), so `rq info` and rq-dashboard list them.
 
 
 def rq_worker_key(name: str) -> str:
@@ -304,13 +304,13 @@ class Keys:
     def wake(self, model: str) -> str:
         """List: at most one wake-up token, meaning "the model's queues may have work". Pushed when
         jobs become visible (commit, re-queue, reap); an idle worker BLPOPs it instead of polling
-        (:mod:`lmdq.redis.wakeup`)."""
+        (:mod:`lmdq.jobs.wakeup`)."""
         return f"{self.prefix}:wake:{model_slug(model)}"
 
     def idle(self, model: str) -> str:
         """Sorted set worker name -> until when (Redis TIME) it counts as idle: the model's workers with
         nothing to do, so a worker claiming a small batch takes only its fair share
-        (:mod:`lmdq.redis.idle_roster`)."""
+        (:mod:`lmdq.jobs.idle_roster`)."""
         return f"{self.prefix}:idle:{model_slug(model)}"
 
     def worker(self, name: str) -> str:
@@ -335,7 +335,7 @@ class Keys:
         return f"{self.prefix}:api:file:{file_id}"
 
     def api_files(self, tenant: str) -> str:
-        """Sorted set: the tenant's file ids by creation time (its file list; :mod:`lmdq.redis.id_index`)."""
+        """Sorted set: the tenant's file ids by creation time (its file list; :mod:`lmdq.api.paging`)."""
         return f"{self.prefix}:api:tenant:{tenant}:files"
 
     def api_batch(self, batch_id: str) -> str:

@@ -12,7 +12,7 @@ its worker:
    right size, a folder write fsynced, renamed and its folder fsynced
    (:meth:`lmdq.results.blobs.BlobStore.put_bytes`), each bounded by ``LMDQ_SINK_TIMEOUT_S``;
 3. only then, and never once its worker is past the drain deadline, in ONE Lua call
-   (``SEAL_SHARD``, :func:`lmdq.redis.shard_index.seal`): adds the job's :class:`ShardEntry` (shard
+   (``SEAL_SHARD``, :func:`seal`): adds the job's :class:`ShardEntry` (shard
    name, the job's request indices as ranges, counts per status) to the batch's index hash
    (``Keys.shards``), sets the requests' bits in the batch's ``sealed`` bitmap, and DELETES their
    records from the results hash. A completed request then costs Redis one bit plus its share of
@@ -44,6 +44,13 @@ write lands and the job is sealed (``lmdq.results.worker_sink``). The one reader
 (:class:`lmdq.results.reader.ResultReader`) takes each request from Redis or from its job's shard
 accordingly, in input order, whatever the job layout. The shard format and the index entry are
 :mod:`lmdq.results.shards`.
+
+The sink's store is at the end of this module (tests/test_redis_boundary.py): the shard index read, a
+job's finals, the seal (``SEAL_SHARD``), and the retry schedule (a zset ``<batch id>:<job no>`` -> next
+try, Redis server time, and a hash member -> the job's request ranges and tries, one pair per key
+prefix, fleet-wide), each change one script call (``PENDING_ADD`` / ``PENDING_CLAIM`` / ``PENDING_DROP``)
+so two sweepers never interleave. Replies are handed back raw (untrusted: the functions above validate
+them).
 """
 
 from __future__ import annotations
@@ -51,18 +58,21 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmdq.contract import BATCH_ID_PATTERN, JobPayload, ResultStatus
-from lmdq.redis import shard_index, sink_pending
 from lmdq.redis.keys import Keys
+from lmdq.redis.scripts import Fragment, LuaScript
 from lmdq.results.shards import MAX_ENTRY_BYTES, ShardEntry, decode_entry, shard_key
+from lmdq.results.store import BATCH_TTL, OOM_GUARD
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
-__all__ = ["PendingShard", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard",
-           "pending_count"]
+__all__ = ["PendingShard", "add_pending", "claim_pending", "drop_pending", "flush_job", "flush_shard", "index_entry",
+           "job_finals", "pending_add", "pending_claim_due", "pending_count", "pending_drop", "seal"]
 
 
 
@@ -101,10 +111,10 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
     from lmdq.results.blobs import BlobStore, SinkAbandoned
 
     bid, job = batch_id, str(job_no)
-    done = shard_index.index_entry(client, keys, bid, job)
+    done = index_entry(client, keys, bid, job)
     if done is not None:
         return decode_entry(done)
-    got = shard_index.job_finals(client, keys, bid, indices)
+    got = job_finals(client, keys, bid, indices)
     if any(v is None for v in got):
         return None
     vals: list[bytes] = [v for v in got if isinstance(v, bytes)]
@@ -114,11 +124,11 @@ def flush_shard(client: redis.Redis, keys: Keys, batch_id: str, job_no: int, res
         key, b"".join(v + b"\n" for v in vals))
     if cancel is not None and cancel.is_set():
         raise SinkAbandoned(f"seal of {key}: not done (the worker is past its drain deadline)")
-    sealed = shard_index.seal(client, keys, bid, job, entry.encode(), ttl_s, indices)
+    sealed = seal(client, keys, bid, job, entry.encode(), ttl_s, indices)
     if sealed < 0:
         return None
     if sealed == 0:  # another flush sealed it first: its entry is the one that counts
-        again = shard_index.index_entry(client, keys, bid, job)
+        again = index_entry(client, keys, bid, job)
         return decode_entry(again) if again is not None else None
     return entry
 
@@ -165,15 +175,14 @@ def add_pending(client: redis.Redis, keys: Keys, p: PendingShard, delay_s: float
     """Schedule ``p``'s shard write to be tried again in ``delay_s`` (replacing any earlier schedule),
     unless the job is sealed by now (two sweeps of one entry: the one that failed must not bring
     back what the other finished)."""
-    sink_pending.add(client, keys, member=p.member, data=p.data(), delay_s=delay_s, batch_id=p.batch_id,
-                     job_no=p.job_no)
+    pending_add(client, keys, member=p.member, data=p.data(), delay_s=delay_s, batch_id=p.batch_id, job_no=p.job_no)
 
 
 def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float, ahead_s: float = 0.0
                   ) -> list[PendingShard]:
     """Up to ``limit`` entries due now (or within ``ahead_s``), each pushed ``lease_s`` ahead (ours to
     try meanwhile). Entries that are not lmdq's are removed (they could never be retried)."""
-    raw = sink_pending.claim_due(client, keys, limit=limit, lease_s=lease_s, ahead_s=ahead_s)
+    raw = pending_claim_due(client, keys, limit=limit, lease_s=lease_s, ahead_s=ahead_s)
     out: list[PendingShard] = []
     for m, d in zip(raw[0::2], raw[1::2]):
         member = m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m)
@@ -191,9 +200,114 @@ def claim_pending(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float
 
 def drop_pending(client: redis.Redis, keys: Keys, member: str) -> None:
     """Take ``member`` off the retry schedule (its shard landed, or it can never be written)."""
-    sink_pending.drop(client, keys, member)
+    pending_drop(client, keys, member)
 
 
 def pending_count(client: redis.Redis, keys: Keys) -> int:
     """Shard writes waiting to be retried, fleet-wide."""
-    return sink_pending.count(client, keys)
+    return int(client.zcard(keys.sink_pending()[0]))
+
+
+# ==== The store: the shard index, the seal and the retry schedule in Redis ==============================
+
+
+def index_entry(client: redis.Redis, keys: Keys, batch_id: str, job: str) -> Any:
+    """The raw shard-index entry of job number ``job`` (None: the job is not sealed)."""
+    return client.hget(keys.shards(batch_id), job)
+
+
+def job_finals(client: redis.Redis, keys: Keys, batch_id: str, indices: Sequence[int]) -> list[Any]:
+    """The final records of ``indices`` in Redis, raw, in that order (None: no final result there)."""
+    return list(client.hmget(keys.results(batch_id), list(indices)))
+
+
+def seal(client: redis.Redis, keys: Keys, batch_id: str, job: str, entry: str, ttl_s: int,
+         indices: Sequence[int]) -> int:
+    """Seal one job in ONE script call (atomic: a reader finds its records all in Redis or all in its
+    shard). Returns 1 when sealed now, 0 when an earlier seal holds the entry, negative when refused
+    (the script's comment below says when)."""
+    bid = batch_id
+    return int(SEAL_SHARD(keys=[keys.results(bid), keys.shards(bid), keys.sealed(bid), keys.batch(bid)],
+                          args=[job, entry, ttl_s, *indices], client=client))
+
+
+def pending_add(client: redis.Redis, keys: Keys, *, member: str, data: str, delay_s: float, batch_id: str,
+                job_no: int) -> None:
+    """Schedule ``member`` ``delay_s`` from now (replacing an earlier schedule), unless its job is sealed
+    by now (the script checks the batch's shard index)."""
+    z, h = keys.sink_pending()
+    PENDING_ADD(keys=[z, h, keys.shards(batch_id)], args=[member, data, f"{delay_s:.3f}", job_no],
+                client=client)
+
+
+def pending_claim_due(client: redis.Redis, keys: Keys, *, limit: int, lease_s: float, ahead_s: float) -> list[Any]:
+    """Up to ``limit`` entries due within ``ahead_s``, each pushed ``lease_s`` ahead, in one script call:
+    the raw flat reply ``[member, data, member, data, ...]`` (untrusted)."""
+    z, h = keys.sink_pending()
+    return list(PENDING_CLAIM(keys=[z, h], args=[limit, f"{lease_s:.3f}", f"{ahead_s:.3f}"],
+                              client=client))
+
+
+def pending_drop(client: redis.Redis, keys: Keys, member: str) -> None:
+    """Take ``member`` off the schedule (one script call)."""
+    z, h = keys.sink_pending()
+    PENDING_DROP(keys=[z, h], args=[member], client=client)
+
+
+# ==== Lua: the seal and the retry schedule ====
+
+# KEYS: results, shards index, sealed bitmap, batch.  ARGV: job_no, entry JSON, ttl, index1, index2, ...
+# 1: sealed now; 0: sealed already (another flush won); -1: a record is missing (purged/expired batch).
+SEAL_SHARD = LuaScript("seal_shard", """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
+for i = 4, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then return -1 end
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+for i = 4, #ARGV do
+  redis.call('SETBIT', KEYS[3], ARGV[i], 1)
+  redis.call('HDEL', KEYS[1], ARGV[i])
+end
+local ttl = batch_ttl(KEYS[4], ARGV[3])
+for k = 2, 3 do
+  if redis.call('TTL', KEYS[k]) < 0 then redis.call('EXPIRE', KEYS[k], ttl) end
+end
+return 1
+""", uses=(BATCH_TTL, OOM_GUARD,))
+
+SERVER_NOW = Fragment("server_now",
+                      "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n")
+
+# KEYS: schedule zset, data hash, the batch's shard index. ARGV: member, data JSON, delay_s, job_no.
+# 0 (and the entry removed): the job is sealed already (another flush landed meanwhile).
+PENDING_ADD = LuaScript("pending_add", """
+if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 1 then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+""", uses=(SERVER_NOW, OOM_GUARD,))
+
+# KEYS: schedule zset, data hash. ARGV: max entries, lease_s, ahead_s (also take entries due that much
+# later). Returns member, data, member, data, ...
+PENDING_CLAIM = LuaScript("pending_claim", """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[3]), 'LIMIT', 0, tonumber(ARGV[1]))
+local out = {}
+for _, m in ipairs(due) do
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), m)
+  out[#out + 1] = m
+  out[#out + 1] = redis.call('HGET', KEYS[2], m) or ''
+end
+return out
+""", uses=(SERVER_NOW, OOM_GUARD,))
+
+# KEYS: schedule zset, data hash. ARGV: member. (A script, not MULTI: Redis 6 refuses a MULTI under OOM.)
+PENDING_DROP = LuaScript("pending_drop", """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+""", uses=(OOM_GUARD,))

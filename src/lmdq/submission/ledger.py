@@ -51,7 +51,10 @@ import redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
+from lmdq.batches.batch_jobs import BatchJobs
+from lmdq.batches.idempotency import IdempotencyKeys
 from lmdq.batches.records import RUNNING_TTL_S, staging_ttl
+from lmdq.batches.staging import IDS_CHUNK, StagingLeases
 from lmdq.contract import (
     Batch,
     BatchStatus,
@@ -75,13 +78,10 @@ from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
 from lmdq.jobs.decode import JobRefused, decode_job
 from lmdq.jobs.queue import JobQueue, job_id_for, job_id_prefix
 from lmdq.logs.config import get_logger
-from lmdq.redis.batch_jobs import BatchJobs
 from lmdq.redis.connection import Refusal, refusal, server_address
-from lmdq.redis.idempotency import IdempotencyKeys
 from lmdq.redis.keys import BatchField, Keys, queue_name, queue_names, rq_queue_key
-from lmdq.redis.registry import ModelRegistry
 from lmdq.redis.replies import reply_text
-from lmdq.redis.staging import IDS_CHUNK, StagingLeases
+from lmdq.registry.store import ModelRegistry
 from lmdq.results.store import ResultStore
 from lmdq.settings import CommonSettings, default_of
 

@@ -1,6 +1,6 @@
 """``lmdq-producer models``: what ``models list`` prints, at any terminal width.
 
-The names and times come from :class:`lmdq.redis.registry.ModelRegistry`; this module only lays them out.
+The names and times come from :class:`lmdq.registry.store.ModelRegistry`; this module only lays them out.
 Times are shown as ages against the Redis server's clock (the clock they were written with), so a
 producer machine with a wrong clock does not make a live model look stale. A model name is never
 cut: it is what an operator copies into ``submit --model`` or ``models remove``.
@@ -12,7 +12,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from lmdq.redis.registry import ModelInfo
+from lmdq.registry.store import ModelInfo
 
 __all__ = ["age", "model_lines", "models_table"]
 

@@ -32,7 +32,7 @@ from rich.progress import Progress as Bar
 
 from lmdq.contract import Batch, BatchStatus
 from lmdq.redis.connection import RETRYABLE_ERRORS
-from lmdq.redis.registry import ModelRegistry
+from lmdq.registry.store import ModelRegistry
 from lmdq.results.store import ResultStore
 
 __all__ = [

@@ -37,11 +37,11 @@ import redis
 from pydantic import ValidationError
 
 from lmdq.batches.headroom import check_batch_fits
+from lmdq.batches.staging import IDS_CHUNK
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
-from lmdq.redis.staging import IDS_CHUNK
 from lmdq.results.output_urls import check_submit_urls
 from lmdq.settings import default_of
 from lmdq.submission.foreign import foreign_format, foreign_format_message

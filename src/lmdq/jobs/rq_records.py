@@ -1,11 +1,11 @@
-"""The Redis half of RQ's view of lmdq's jobs: the job hash (written by RQ's ``Job``, plus lmdq's plain
+"""The store of RQ's view of lmdq's jobs: the job hash (written by RQ's ``Job``, plus lmdq's plain
 fields), RQ's status and registries (Started/Finished/FailedJobRegistry, executions), and what a worker
 reads with them before a job starts.
 
 Why a module of its own: lmdq keeps RQ's records so ``rq info`` and rq-dashboard show lmdq's work, but
 when a job is staged, started, ended or refused is the jobs' rule (:mod:`lmdq.jobs.queue`); the
-commands (RQ's own, on pipelines handed to it, and lmdq's) are here, because lmdq speaks Redis only
-under :mod:`lmdq.redis` (tests/test_redis_boundary.py). Each step is the pipeline it was before the
+commands (RQ's own, on pipelines handed to it, and lmdq's) are here, in the jobs' store
+(tests/test_redis_boundary.py). Each step is the pipeline it was before the
 move: one round trip per job start, end or re-queue. Replies are handed back raw (untrusted).
 """
 
@@ -20,8 +20,8 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from lmdq.redis import scripts
 from lmdq.redis.keys import BatchField, Keys
+from lmdq.redis.scripts import LuaScript
 
 __all__ = ["RQRecords"]
 
@@ -35,7 +35,7 @@ class RQRecords:
         self.serializer = serializer
         #: how long RQ keeps a finished or failed job's registry entry
         self.ttl_s = ttl_s
-        self._drop_orphan = scripts.DROP_ORPHAN.bind(client)
+        self._drop_orphan = DROP_ORPHAN.bind(client)
 
     # ---- staging (the ledger's pipeline) ------------------------------------------------------
     def stage(self, job: Job, fields: Mapping[str, str], *, batch_id: str, ttl_s: int, pipe: Any) -> None:
@@ -137,3 +137,14 @@ class RQRecords:
     def forget(self, job_id: str) -> None:
         """Delete the job hash (its payload: the prompts)."""
         self.client.delete(Job.key_for(job_id))
+
+
+# ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
+
+# KEYS: job hash, its batch's record.  Run last in the MULTI of every RQ bookkeeping write a worker makes
+# for a job (started, ended, re-queued): RQ's HSETs re-create a job hash that ``purge`` deleted, with no
+# TTL; with the batch gone, the re-created hash goes too.
+DROP_ORPHAN = LuaScript("drop_orphan", """
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.call('DEL', KEYS[1]) end
+return 0
+""")

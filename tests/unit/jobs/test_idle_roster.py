@@ -1,10 +1,10 @@
-"""lmdq.redis.idle_roster: who else is idle, and how many jobs are visible (real redis-server)."""
+"""lmdq.jobs.idle_roster: who else is idle, and how many jobs are visible (real redis-server)."""
 
 from __future__ import annotations
 
 import redis
 
-from lmdq.redis.idle_roster import IdleRoster
+from lmdq.jobs.idle_roster import IdleRoster
 from lmdq.redis.keys import Keys, rq_queue_key
 
 

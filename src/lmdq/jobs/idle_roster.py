@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import redis
 
-from lmdq.redis import scripts
 from lmdq.redis.keys import Keys, rq_queue_key
+from lmdq.redis.scripts import LuaScript
 
 __all__ = ["IdleRoster"]
 
@@ -35,8 +35,8 @@ class IdleRoster:
         self.key = keys.idle(model)
         self.name = name
         self.ttl_s = max(1.0, ttl_s)
-        self._enter = scripts.IDLE_ENTER.bind(client)
-        self._look = scripts.IDLE_LOOK.bind(client)
+        self._enter = IDLE_ENTER.bind(client)
+        self._look = IDLE_LOOK.bind(client)
         #: when (monotonic, this process) the entry was last written; None: not in the roster
         self.entered_at: float | None = None
 
@@ -59,3 +59,27 @@ class IdleRoster:
         """(other workers of the model idle now, jobs visible on ``queues``), one round trip."""
         idle, visible = self._look(keys=[self.key, *(rq_queue_key(q) for q in queues)], args=[self.name])
         return max(0, int(idle)), max(0, int(visible))
+
+
+# ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
+
+# KEYS: roster.  ARGV: worker, ttl.  The key itself expires with its youngest entry's TTL.
+IDLE_ENTER = LuaScript("idle_enter", """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])))
+return 1
+""")
+
+# KEYS: roster, queue1..n.  ARGV: worker.  Read-only: {other idle workers, visible jobs}.
+IDLE_LOOK = LuaScript("idle_look", """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local idle = redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+local mine = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or '0')
+if mine > now then idle = idle - 1 end
+local visible = 0
+for i = 2, #KEYS do visible = visible + redis.call('LLEN', KEYS[i]) end
+return {idle, visible}
+""")

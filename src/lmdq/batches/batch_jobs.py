@@ -1,10 +1,10 @@
-"""The Redis half of a batch's jobs as the ledger moves them: staged writes, the job list
+"""The store of a batch's jobs as the ledger moves them: staged writes, the job list
 (``Keys.batch_jobs``), the commit that makes them visible, the rollback of what a failed submit staged,
 and what ``cancel``, ``purge`` and ``retry`` read of them (on a queue, under a live lease, which fields).
 
 Why a module of its own: when jobs may be staged, committed, rolled back, cancelled or purged is the
-ledger's rule (:mod:`lmdq.submission.ledger`); the commands are here, because lmdq speaks Redis only under
-:mod:`lmdq.redis` (tests/test_redis_boundary.py). A job hash itself is written by
+ledger's rule (:mod:`lmdq.submission.ledger`); the commands and the commit scripts' Lua are here, in the
+batches' store (tests/test_redis_boundary.py). A job hash itself is written by
 :class:`lmdq.jobs.queue.JobQueue` into the pipeline :meth:`BatchJobs.writes` hands out, so a submit's
 staging still goes to Redis in few round trips. Replies are handed back raw or as plain numbers; the
 callers check them (untrusted).
@@ -19,9 +19,10 @@ from typing import Any
 import redis
 from rq.job import Job, JobStatus
 
-from lmdq.redis import scripts
-from lmdq.redis.keys import Keys
+from lmdq.contract import BatchStatus
+from lmdq.redis.keys import BatchField, Keys, rq_queue_key
 from lmdq.redis.replies import reply_text
+from lmdq.redis.scripts import WAKE, Fragment, LuaScript
 
 __all__ = ["RQ_QUEUES", "BatchJobs", "JobWrites"]
 
@@ -67,10 +68,10 @@ class BatchJobs:
     def __init__(self, client: redis.Redis, *, keys: Keys) -> None:
         self.client = client
         self.keys = keys
-        self._commit = scripts.COMMIT.bind(client)
-        self._commit_upto = scripts.COMMIT_UPTO.bind(client)
-        self._find_prefix = scripts.FIND_PREFIX.bind(client)
-        self._remove_prefix = scripts.REMOVE_PREFIX.bind(client)
+        self._commit = COMMIT.bind(client)
+        self._commit_upto = COMMIT_UPTO.bind(client)
+        self._find_prefix = FIND_PREFIX.bind(client)
+        self._remove_prefix = REMOVE_PREFIX.bind(client)
 
     # ---- staging and commit -------------------------------------------------------------------
     @contextmanager
@@ -171,3 +172,123 @@ class BatchJobs:
                 p.hmget(Job.key_for(jid), list(fields))
             leases, *values = p.execute()
         return [(_score(lease), [_raw(v) for v in vs]) for lease, vs in zip(leases, values)]
+
+
+F = BatchField
+
+# ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
+
+# ``lmdq_push(qkey, ids, queues)``: push job ids onto queue key ``qkey``, or, when it is '' (a batch over
+# several models), each onto its own model's queue, the one its job hash names as ``origin`` (the ledger's
+# stage wrote it); every queue used joins RQ's set of queues ``queues``.
+PUSH_JOBS = Fragment("push_jobs", f"""
+local function lmdq_push(qkey, ids, queues)
+  if #ids == 0 then return end
+  if qkey ~= '' then
+    for s = 1, #ids, 4000 do
+      redis.call('RPUSH', qkey, unpack(ids, s, math.min(s + 3999, #ids)))
+    end
+    redis.call('SADD', queues, qkey)
+    return
+  end
+  for _, id in ipairs(ids) do
+    local q = redis.call('HGET', '{Job.redis_job_namespace_prefix}' .. id, 'origin')
+    if q then
+      local k = '{rq_queue_key("")}' .. q
+      redis.call('RPUSH', k, id)
+      redis.call('SADD', queues, k)
+    end
+  end
+end
+""")
+
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
+# ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), chunk, now, running ttl.
+# Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
+# Every key of the batch takes the running TTL here (lmdq.results.store: TTLs count from the batch's end).
+COMMIT = LuaScript("commit", f"""
+if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
+local n = redis.call('LLEN', KEYS[1])
+local chunk = tonumber(ARGV[2])
+for s = 0, n - 1, chunk do
+  local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
+  lmdq_push(ARGV[1], ids, KEYS[3])
+  for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[4]) end
+end
+redis.call('EXPIRE', KEYS[4], ARGV[4])
+local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
+local bid = string.match(KEYS[4], ':batch:([^:]+)$')
+if idem and bid and redis.call('GET', idem) == bid then redis.call('EXPIRE', idem, ARGV[4]) end
+if redis.call('HGET', KEYS[4], '{F.status}') == '{BatchStatus.validating.value}' then
+  redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
+end
+redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+if n > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
+return n
+""", uses=(WAKE, PUSH_JOBS,))
+
+# Progressive staging: the batch's staged jobs from ``visible_jobs`` up to ARGV[2] become visible.
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, staging lease, the wake list of each model
+# of the batch. ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), jobs visible after this
+# call, requests visible after this call, now, running ttl, '1' for the last call (every job is visible; the
+# lease is deleted), the submit's lease token ('': no lease). Returns the jobs made visible, -1 when they were
+# already (a re-sent call), -2 when the batch is no longer live (cancelled while it was being staged: nothing
+# more is pushed), -3 when the lease is not the caller's (it lapsed: the batch is another's to end or resume).
+# TTLs as COMMIT's: what is visible (job hashes, record, job list, idempotency key) takes the running TTL.
+COMMIT_UPTO = LuaScript("commit_upto", f"""
+local st = redis.call('HGET', KEYS[4], '{F.status}')
+if st ~= '{BatchStatus.validating.value}' and st ~= '{BatchStatus.queued.value}'
+   and st ~= '{BatchStatus.in_progress.value}' then return -2 end
+if ARGV[7] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[7] then return -3 end
+local have = tonumber(redis.call('HGET', KEYS[4], '{F.visible_jobs}') or '0')
+local upto = tonumber(ARGV[2])
+if have >= upto then return -1 end
+local ids = redis.call('LRANGE', KEYS[1], have, upto - 1)
+lmdq_push(ARGV[1], ids, KEYS[3])
+for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[5]) end
+redis.call('EXPIRE', KEYS[4], ARGV[5])
+local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
+local bid = string.match(KEYS[4], ':batch:([^:]+)$')
+if idem and bid and redis.call('GET', idem) == bid then redis.call('EXPIRE', idem, ARGV[5]) end
+if st == '{BatchStatus.validating.value}' then
+  redis.call('HSET', KEYS[4], '{F.status}', '{BatchStatus.queued.value}')
+end
+if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 0 then redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[4]) end
+redis.call('HSET', KEYS[4], '{F.visible_jobs}', upto, '{F.visible_requests}', ARGV[3])
+if ARGV[6] == '1' then
+  redis.call('HSET', KEYS[4], '{F.staged_at}', ARGV[4])
+  if ARGV[7] ~= '' then redis.call('DEL', KEYS[5]) end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+if #ids > 0 then for i = 6, #KEYS do lmdq_wake(KEYS[i]) end end
+return #ids
+""", uses=(WAKE, PUSH_JOBS,))
+
+# KEYS: queue list.  ARGV: id prefix.  Returns the removed ids. One pass that rebuilds the list
+# without the batch's ids: O(queue length), not O(jobs x queue) as one LREM per job would be.
+REMOVE_PREFIX = LuaScript("remove_prefix", """
+local ids = redis.call('LRANGE', KEYS[1], 0, -1)
+local keep, gone = {}, {}
+local p = ARGV[1]
+for _, id in ipairs(ids) do
+  if string.sub(id, 1, string.len(p)) == p then table.insert(gone, id) else table.insert(keep, id) end
+end
+if #gone > 0 then
+  redis.call('DEL', KEYS[1])
+  for s = 1, #keep, 4000 do
+    redis.call('RPUSH', KEYS[1], unpack(keep, s, math.min(s + 3999, #keep)))
+  end
+end
+return gone
+""")
+
+# KEYS: queue list.  ARGV: id prefix.  Returns the ids on the queue that start with the prefix (read only).
+FIND_PREFIX = LuaScript("find_prefix", """
+local out = {}
+local p = ARGV[1]
+for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  if string.sub(id, 1, string.len(p)) == p then table.insert(out, id) end
+end
+return out
+""")

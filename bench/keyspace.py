@@ -2,8 +2,8 @@
 
 For the benchmarks (lmdq_bench): their memory figures are the exact bytes of the keys a phase wrote,
 and each run clears what it wrote on a shared server. lmdq itself never walks the keyspace (it knows
-its keys: :mod:`lmdq.redis.keys`); these live here because lmdq speaks Redis only under
-:mod:`lmdq.redis` (tests/test_redis_boundary.py).
+its keys: :mod:`lmdq.redis.keys`); only the benches and their tests use these, so they
+live in the lab, a declared store module (tests/test_redis_boundary.py).
 """
 
 from __future__ import annotations

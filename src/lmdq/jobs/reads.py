@@ -2,9 +2,10 @@
 field (the worker answering a job it cannot decode), a job hash field within a size cap (decode_job),
 how many jobs a model's workers hold (the fleet bench waits for a cancelled batch to leave them).
 
-Why here and not at the caller: lmdq speaks Redis only under :mod:`lmdq.redis`
+Why here and not at the caller: Redis commands live only in a concept's store modules
 (tests/test_redis_boundary.py); what a caller does with the answer (untrusted: every caller validates
-it) stays with the caller.
+it) stays with the caller. The two capped reads that are scripts sit beside the code that runs them:
+``READ_JOB`` in :mod:`lmdq.jobs.data`, ``READ_BATCH`` in :mod:`lmdq.jobs.decode`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""lmdq.redis.api_batches: the HTTP API's batch records, their open set and their one-replica lease."""
+"""lmdq.api.batch_records: the HTTP API's batch records, their open set and their one-replica lease."""
 
 from __future__ import annotations
 
 import redis
 
-from lmdq.redis.api_batches import ApiBatchRecords
+from lmdq.api.batch_records import ApiBatchRecords
 from lmdq.redis.keys import Keys
 
 

@@ -1,9 +1,9 @@
-"""The Redis half of idempotency keys (``submit --idempotency-key``): ``Keys.idempotency(key)`` holds the id
+"""The store of idempotency keys (``submit --idempotency-key``): ``Keys.idempotency(key)`` holds the id
 of the batch the key is bound to.
 
 Why a module of its own: when a key is bound, checked against a submit's fingerprint or freed is the
-ledger's rule (:mod:`lmdq.submission.ledger`); the commands are here, because lmdq speaks Redis only under
-:mod:`lmdq.redis` (tests/test_redis_boundary.py). Binding is SET NX, so two concurrent submits with one
+ledger's rule (:mod:`lmdq.submission.ledger`); the commands and the release script are here, in the batches'
+store (tests/test_redis_boundary.py). Binding is SET NX, so two concurrent submits with one
 key cannot both win; freeing is a script that deletes the key only while it names the batch, so a
 failing submit never frees a key another batch holds.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import redis
 
-from lmdq.redis import scripts
 from lmdq.redis.keys import Keys
 from lmdq.redis.replies import reply_text
+from lmdq.redis.scripts import LuaScript
 
 __all__ = ["IdempotencyKeys"]
 
@@ -26,7 +26,7 @@ class IdempotencyKeys:
     def __init__(self, client: redis.Redis, *, keys: Keys) -> None:
         self.client = client
         self.keys = keys
-        self._release = scripts.RELEASE_KEY.bind(client)
+        self._release = RELEASE_KEY.bind(client)
 
     def bound(self, idempotency_key: str) -> str | None:
         """The batch id the key is bound to (decoded with replacement: untrusted), None when it is free."""
@@ -45,3 +45,12 @@ class IdempotencyKeys:
         bound = self.client.get(key)
         if bound is not None and reply_text(bound) == batch_id:
             self._release(keys=[key], args=[batch_id])
+
+
+# ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
+
+# KEYS: idempotency key.  ARGV: batch id.  Deletes the key only while it still names this batch.
+RELEASE_KEY = LuaScript("release_key", """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+""")

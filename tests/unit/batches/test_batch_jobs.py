@@ -1,4 +1,4 @@
-"""lmdq.redis.batch_jobs: a batch's jobs staged, committed, rolled back and read back, on a real redis-server.
+"""lmdq.batches.batch_jobs: a batch's jobs staged, committed, rolled back and read back, on a real redis-server.
 
 Job hashes are written here by hand (tests may speak Redis): this module is the data access under the
 ledger, so its tests do not go through the ledger's rules (tests/test_ledger.py does)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import redis
 
-from lmdq.redis.batch_jobs import RQ_QUEUES, BatchJobs
+from lmdq.batches.batch_jobs import RQ_QUEUES, BatchJobs
 from lmdq.redis.keys import BatchField, Keys, rq_queue_key
 
 F = BatchField

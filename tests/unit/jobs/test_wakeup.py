@@ -1,11 +1,11 @@
-"""lmdq.redis.wakeup: one token at most, one token wakes one waiter (real redis-server)."""
+"""lmdq.jobs.wakeup: one token at most, one token wakes one waiter (real redis-server)."""
 
 from __future__ import annotations
 
 import redis
 
+from lmdq.jobs.wakeup import BLOCK_MARGIN_S, WakeUp
 from lmdq.redis.keys import Keys
-from lmdq.redis.wakeup import BLOCK_MARGIN_S, WakeUp
 
 
 def test_notify_leaves_at_most_one_token(client: redis.Redis, prefix: str) -> None:

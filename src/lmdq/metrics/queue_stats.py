@@ -1,8 +1,9 @@
 """Reading the queue's state for the exporter: models, queue depths, jobs running, live workers, batch
 statuses, in bounded SCAN walks and two pipelined round trips.
 
-The Redis half of :mod:`lmdq.metrics.exporter` (which keeps the collector thread, the series and the
-HTTP server): lmdq speaks Redis only under :mod:`lmdq.redis` (tests/test_redis_boundary.py). Redis
+The metrics' store: the reads :mod:`lmdq.metrics.exporter` (which keeps the collector thread, the series
+and the HTTP server) serves; a concept's Redis commands live in its store modules
+(tests/test_redis_boundary.py). Redis
 content is untrusted: names are decoded with replacement, counts that are not integers count 0, and
 the number of models, workers and batches read is capped.
 """

@@ -32,7 +32,6 @@ from typing import Any
 import redis
 from rq.version import VERSION as RQ_VERSION
 
-from lmdq.redis import scripts
 from lmdq.redis.keys import (
     MAX_MODEL_NAME,
     Keys,
@@ -44,6 +43,7 @@ from lmdq.redis.keys import (
     rq_workers_key,
 )
 from lmdq.redis.replies import reply_text
+from lmdq.redis.scripts import Fragment, LuaScript
 
 __all__ = [
     "MAX_MODEL_NAME",
@@ -84,8 +84,8 @@ class WorkerRegistry:
         self.queues = [q for m in self.models for q in queue_names(m, keys.prefix)]
         #: the worker hash outlives a missed beat by a second; a dead worker's record expires by itself
         self.ttl_s = max(1, int(ttl_s) + 1)
-        self._register = scripts.WORKER_REGISTER.bind(client)
-        self._beat = scripts.WORKER_BEAT.bind(client)
+        self._register = WORKER_REGISTER.bind(client)
+        self._beat = WORKER_BEAT.bind(client)
 
     def _rq_set_keys(self) -> list[str]:
         return [rq_workers_key(), *(rq_workers_by_queue_key(q) for q in self.queues)]
@@ -278,3 +278,64 @@ def _registration(raw: bytes | str) -> tuple[float | None, str | None]:
         return None, None
     note = record.get("note")
     return _time(record.get("added_at")), (note[:MAX_NOTE] if isinstance(note, str) else None)
+
+
+# ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
+
+# Server time as RQ writes it (rq.utils.utcformat: '%Y-%m-%dT%H:%M:%S.%fZ'), computed in the script
+# from TIME so the RQ record and lmdq's share one clock. Days to civil date: H. Hinnant's algorithm.
+RQ_CLOCK = Fragment("rq_clock", """
+local t = redis.call('TIME')
+local sec, usec = tonumber(t[1]), tonumber(t[2])
+local now = sec + usec / 1000000
+local function utc()
+  local days = math.floor(sec / 86400)
+  local rem = sec - days * 86400
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%06dZ', y, m, d,
+    math.floor(rem / 3600), math.floor(rem % 3600 / 60), rem % 60, usec)
+end
+""")
+
+# KEYS: models, worker hash, workers set, rq worker hash, rq workers set, rq workers-by-queue sets...
+# ARGV: models (comma-separated: the worker's, then its LoRA adapters'), ttl, pid, worker name, rq queues
+# (comma-separated), hostname, rq version, python version
+WORKER_REGISTER = LuaScript("worker_register", """
+local first = nil
+for m in string.gmatch(ARGV[1], '[^,]+') do
+  redis.call('HSET', KEYS[1], m, now)
+  first = first or m
+end
+redis.call('HSET', KEYS[2], 'model', first, 'served', ARGV[1], 'started_at', now, 'last_heartbeat', now,
+  'pid', ARGV[3])
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+redis.call('SADD', KEYS[3], ARGV[4])
+local stamp = utc()
+redis.call('DEL', KEYS[4])
+redis.call('HSET', KEYS[4], 'birth', stamp, 'last_heartbeat', stamp, 'queues', ARGV[5], 'pid', ARGV[3],
+  'hostname', ARGV[6], 'ip_address', '', 'version', ARGV[7], 'python_version', ARGV[8], 'state', 'idle',
+  'successful_job_count', 0, 'failed_job_count', 0, 'total_working_time', 0)
+redis.call('EXPIRE', KEYS[4], tonumber(ARGV[2]))
+for i = 5, #KEYS do redis.call('SADD', KEYS[i], KEYS[4]) end
+return 1
+""", uses=(RQ_CLOCK,))
+
+# KEYS: models, worker hash, rq worker hash.  ARGV: models (comma-separated), ttl, rq state, jobs done, failed
+WORKER_BEAT = LuaScript("worker_beat", """
+redis.call('HSET', KEYS[2], 'last_heartbeat', now)
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+for m in string.gmatch(ARGV[1], '[^,]+') do redis.call('HSET', KEYS[1], m, now) end
+redis.call('HSET', KEYS[3], 'last_heartbeat', utc(), 'state', ARGV[3],
+  'successful_job_count', ARGV[4], 'failed_job_count', ARGV[5])
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
+return 1
+""", uses=(RQ_CLOCK,))

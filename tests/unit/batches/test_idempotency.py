@@ -1,10 +1,10 @@
-"""lmdq.redis.idempotency: an idempotency key bound, read and freed, on a real redis-server."""
+"""lmdq.batches.idempotency: an idempotency key bound, read and freed, on a real redis-server."""
 
 from __future__ import annotations
 
 import redis
 
-from lmdq.redis.idempotency import IdempotencyKeys
+from lmdq.batches.idempotency import IdempotencyKeys
 from lmdq.redis.keys import Keys
 
 

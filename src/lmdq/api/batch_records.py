@@ -1,9 +1,9 @@
 """The HTTP API's batch records in Redis: one hash per API batch, one list of ids per tenant, the set of
 batches still open, and the lease that lets one replica at a time submit or finalize a batch.
 
-The Redis half of :class:`lmdq.api.batches.ApiBatches`, which keeps the rules: the states, what a
-record that does not parse means, who may see a batch, when to submit, fail or finalize it. lmdq
-speaks Redis only under :mod:`lmdq.redis` (tests/test_redis_boundary.py).
+The store of :class:`lmdq.api.batches.ApiBatches`, which keeps the rules: the states, what a
+record that does not parse means, who may see a batch, when to submit, fail or finalize it. Redis
+commands live only in a concept's store modules (tests/test_redis_boundary.py).
 
 Records come back raw (``{field: value}`` bytes): a record is untrusted input, and ``ApiBatches``
 decodes it and checks its ``tenant`` field against the caller's (another tenant's batch reads as
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import redis
 from redis.typing import EncodableT, FieldT
 
-from lmdq.redis.api_files import RawRecord
+from lmdq.api.files import RawRecord
 from lmdq.redis.keys import Keys
 
 __all__ = ["ApiBatchRecords", "RawRecord"]

@@ -1,11 +1,11 @@
-"""The Redis half of progressive staging's lease (issue 44): a submit that makes jobs visible before the
+"""The store of progressive staging's lease (issue 44): a submit that makes jobs visible before the
 last one is staged holds a lease on the batch, and writes the batch's custom_ids before any job is visible.
 
 Keys (:class:`lmdq.redis.keys.Keys`): ``staging_lease`` (the submit's token, with a TTL it renews),
 ``request_ids`` (the custom_ids, in chunks), ``staging`` (the set of batches being staged, which the
 noticers scan). What they mean, and who ends or resumes a batch whose lease lapsed, is the ledger's
-(:mod:`lmdq.submission.ledger`, docs/reliability.md "A submit that dies while staging"); the commands are
-here, because lmdq speaks Redis only under :mod:`lmdq.redis`.
+(:mod:`lmdq.submission.ledger`, docs/reliability.md "A submit that dies while staging"); the commands and
+their Lua are here, in the batches' store (tests/test_redis_boundary.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import redis
 
+from lmdq.contract import BatchStatus
 from lmdq.redis.keys import BatchField, Keys
 from lmdq.redis.replies import reply_text
-from lmdq.redis.scripts import STAGING_ACQUIRE, STAGING_CLAIM_END, STAGING_RENEW
+from lmdq.redis.scripts import LuaScript
 
 __all__ = ["IDS_CHUNK", "StagingLeases"]
 
@@ -66,7 +67,7 @@ class StagingLeases:
         return bool(self.client.exists(self.keys.staging_lease(batch_id)))
 
     def claim_end(self, batch_id: str, reason: str) -> int:
-        """Claim the end of a batch whose lease lapsed (replies: :data:`lmdq.redis.scripts.STAGING_CLAIM_END`)."""
+        """Claim the end of a batch whose lease lapsed (replies: :data:`STAGING_CLAIM_END`)."""
         return int(self._claim_end(keys=[self.keys.staging_lease(batch_id), self.keys.batch(batch_id),
                                          self.keys.staging()], args=[batch_id, reason]))
 
@@ -109,3 +110,39 @@ class StagingLeases:
                 got = []
             out.append([str(x) for x in got] if isinstance(got, list) else [])
         return out
+
+
+# ==== Lua: progressive staging's lease (issue 44; composed and run by lmdq.redis.scripts.LuaScript) ====
+
+# KEYS: staging lease. ARGV: token, lease ms. 1: renewed; 0: the lease is not the token's (lapsed, or taken).
+STAGING_RENEW = LuaScript("staging_renew", """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+""")
+
+# KEYS: lease, batch hash. ARGV: token, lease ms. A re-run of the same submit takes a lapsed lease over:
+# 1 taken; 0 the lease is live (another submit stages it); -2 the batch cannot be resumed (staged, ended, its
+# staging ended by a noticer, or no record).
+STAGING_ACQUIRE = LuaScript("staging_acquire", f"""
+local b = redis.call('HMGET', KEYS[2], '{F.status}', '{F.staged_at}', '{F.staging_failed}', '{F.visible_jobs}')
+local live = b[1] == '{BatchStatus.validating.value}' or b[1] == '{BatchStatus.queued.value}'
+  or b[1] == '{BatchStatus.in_progress.value}'
+if not live or b[2] or b[3] or not b[4] then return -2 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+""")
+
+# KEYS: lease, batch hash, staging set. ARGV: batch id, reason. Whoever notices a lapsed lease claims the
+# batch's end once: 1 claimed (staging_failed set: neither its submit nor a re-run may commit any more);
+# 0 the lease is live; -1 its staging had ended already (claimed, or failed in its submit); -2 not part-staged
+# (staged, or no progressive record: it leaves the staging set).
+STAGING_CLAIM_END = LuaScript("staging_claim_end", f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[2], '{F.staged_at}') == 1 or redis.call('HEXISTS', KEYS[2], '{F.visible_jobs}') == 0
+then
+  redis.call('SREM', KEYS[3], ARGV[1])
+  return -2
+end
+if redis.call('HSETNX', KEYS[2], '{F.staging_failed}', ARGV[2]) == 0 then return -1 end
+return 1
+""")

@@ -1,10 +1,10 @@
-"""lmdq.redis.keyspace: find keys by pattern, weigh them exactly, delete them in chunks."""
+"""lmdq_bench.keyspace: find keys by pattern, weigh them exactly, delete them in chunks."""
 
 from __future__ import annotations
 
 import redis
 
-from lmdq.redis import keyspace
+from lmdq_bench import keyspace
 
 
 def test_scan_finds_exactly_the_matching_keys(client: redis.Redis, prefix: str) -> None:

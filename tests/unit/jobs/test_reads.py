@@ -1,11 +1,11 @@
-"""lmdq.redis.reads: plain reads for callers outside the owning object, untrusted replies kept raw."""
+"""lmdq.jobs.reads: plain reads for callers outside the owning object, untrusted replies kept raw."""
 
 from __future__ import annotations
 
 import redis
 from rq.job import Job
 
-from lmdq.redis import reads
+from lmdq.jobs import reads
 from lmdq.redis.keys import BatchField, Keys
 
 

@@ -1,10 +1,10 @@
-"""lmdq.redis.job_leases: claim, renewal, release, reap, move and the lease clock, on a real redis-server."""
+"""lmdq.jobs.leases: claim, renewal, release, reap, move and the lease clock, on a real redis-server."""
 
 from __future__ import annotations
 
 import redis
 
-from lmdq.redis.job_leases import JobLeases
+from lmdq.jobs.leases import JobLeases
 from lmdq.redis.keys import Keys, queue_name, rq_queue_key
 
 

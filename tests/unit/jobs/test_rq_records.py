@@ -1,4 +1,4 @@
-"""lmdq.redis.rq_records: RQ's job hash, status and registries as lmdq keeps them, on a real redis-server."""
+"""lmdq.jobs.rq_records: RQ's job hash, status and registries as lmdq keeps them, on a real redis-server."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 
 from lmdq.contract import JOB_FUNCTION
+from lmdq.jobs.rq_records import RQRecords
 from lmdq.redis.keys import BatchField, Keys
-from lmdq.redis.rq_records import RQRecords
 
 SER = JSONSerializer()
 

@@ -28,8 +28,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from lmdq.redis import scripts
 from lmdq.redis.keys import Keys
+from lmdq.redis.scripts import WAKE, LuaScript
 
 __all__ = ["WakeUp"]
 
@@ -51,7 +51,7 @@ class WakeUp:
         #: (its LoRA adapters): a token on any of them wakes it
         self.wait_keys = [self.key, *(keys.wake(m) for m in also)]
         self.block_s = block_s
-        self._notify = scripts.WAKE_NOTIFY.bind(client)
+        self._notify = WAKE_NOTIFY.bind(client)
         kw = dict(client.connection_pool.connection_kwargs)
         kw["socket_timeout"] = block_s + BLOCK_MARGIN_S
         # No reconnect-and-resend: close() cuts the connection to end a block early, and a resent BLPOP
@@ -76,3 +76,8 @@ class WakeUp:
     def close(self) -> None:
         """End a :meth:`wait` in progress in another thread now (its connection is shut)."""
         self._pool.disconnect(inuse_connections=True)
+
+
+# ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
+
+WAKE_NOTIFY = LuaScript("wake_notify", "lmdq_wake(KEYS[1])\nreturn 1\n", uses=(WAKE,))

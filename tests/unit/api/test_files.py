@@ -1,10 +1,10 @@
-"""lmdq.redis.api_files: the HTTP API's file records, one hash each plus one id list per tenant."""
+"""lmdq.api.files: the HTTP API's file records, one hash each plus one id list per tenant."""
 
 from __future__ import annotations
 
 import redis
 
-from lmdq.redis.api_files import ApiFileRecords
+from lmdq.api.files import ApiFileRecords
 from lmdq.redis.keys import Keys
 
 

@@ -1,11 +1,11 @@
-"""lmdq.redis.batch_records: the batch hash, its listing and the cancelled set, on a real redis-server."""
+"""lmdq.batches.records: the batch hash, its listing and the cancelled set, on a real redis-server."""
 
 from __future__ import annotations
 
 import redis
 
+from lmdq.batches.records import BatchHashes, Deleted
 from lmdq.contract import BatchStatus
-from lmdq.redis.batch_records import BatchHashes, Deleted
 from lmdq.redis.keys import BatchField, Keys
 
 F = BatchField

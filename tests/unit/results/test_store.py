@@ -1,11 +1,11 @@
-"""lmdq.redis.result_records: final and partial records, the shard index read, on a real redis-server."""
+"""lmdq.results.store: final and partial records, the shard index read, on a real redis-server."""
 
 from __future__ import annotations
 
 import redis
 
 from lmdq.redis.keys import BatchField, Keys
-from lmdq.redis.result_records import ResultRecords, ResultWrite
+from lmdq.results.store import ResultRecords, ResultWrite
 
 
 def _records(client: redis.Redis, prefix: str, batch_id: str = "b1") -> ResultRecords:
