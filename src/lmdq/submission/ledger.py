@@ -25,9 +25,9 @@ Results, partials and counters (``P:batch:<id>:results`` / ``:partials``) belong
 
 This module decides WHEN each step may run and what it means; the Redis commands themselves are in
 :mod:`lmdq.redis` (tests/test_redis_boundary.py): the record, the listing and the cancelled set in
-:class:`lmdq.redis.batch_records.BatchHashes` (through :attr:`BatchLedger.records`), the staged writes, job
-list, commit and queue scans in :class:`lmdq.redis.batch_jobs.BatchJobs`, idempotency keys in
-:class:`lmdq.redis.idempotency.IdempotencyKeys`.
+:class:`lmdq.batches.records.BatchHashes` (through :attr:`BatchLedger.records`), the staged writes, job
+list, commit and queue scans in :class:`lmdq.batches.batch_jobs.BatchJobs`, idempotency keys in
+:class:`lmdq.batches.idempotency.IdempotencyKeys`.
 
 Why a commit is one Lua script that also flips the status: jobs become visible and the batch
 becomes ``queued`` in the same step, and the script is fenced on ``queued_at`` so a retried call
@@ -106,49 +106,6 @@ INTERRUPTED = (f"{ErrorCode.submit_interrupted}: the submit staging this batch s
 class StagingLeaseLost(SubmitRejected):
     """The staging lease lapsed under a submit that is still running (it stalled longer than the lease): the
     batch is no longer its to commit. Whoever took it over resumes it or ends it; this submit stops."""
-
-
-IDS_PUSH = 100
-"""Id chunks (of :data:`IDS_CHUNK` ids) per write while :func:`_begin_staging` pushes them: ~0.1 MB of ids in
-memory at a time, whatever the batch's size."""
-
-
-def _begin_staging(staging: StagingLeases, batch_id: str, token: str, *, lease_s: float,
-                   id_chunks: Iterable[str | bytes], ttl_s: int) -> None:
-    """:meth:`StagingLeases.begin` with the ids streamed (issue 44: the client's memory flat in the rows): begin's one
-    MULTI/EXEC would hold every id in the client's pipeline buffer at once, so the ids are pushed first,
-    :data:`IDS_PUSH` chunks a write, each write renewing the list's TTL, and only then does one MULTI/EXEC,
-    begin's less the ids, write the lease, the progressive record and the staging-set entry. The contract holds:
-    every id is in Redis before the batch is listed in the staging set, so before any job is visible and before
-    a noticer can find it (docs/reliability.md "A submit that dies while staging"); a submit that dies while
-    pushing leaves an unlisted list that expires with ``ttl_s``.
-
-    It speaks Redis outside :mod:`lmdq.redis` (through the StagingLeases' client and keys) only because that
-    package was being reorganised when this was written; it belongs in ``StagingLeases.begin``."""
-    client, key = staging.client, staging.keys.request_ids(batch_id)
-    client.delete(key)
-    pending: list[str | bytes] = []
-
-    def push() -> None:
-        with client.pipeline(transaction=False) as p:
-            p.rpush(key, *pending)
-            p.expire(key, ttl_s)
-            p.execute()
-        pending.clear()
-
-    for chunk in id_chunks:
-        pending.append(chunk)
-        if len(pending) == IDS_PUSH:
-            push()
-    if pending:
-        push()
-    # begin's MULTI/EXEC less its ids (begin would delete the list pushed above and rewrite it in one go)
-    with client.pipeline(transaction=True) as p:
-        p.set(staging.keys.staging_lease(batch_id), token, px=max(1, int(lease_s * 1000)))
-        p.hset(staging.keys.batch(batch_id), mapping={F.visible_jobs.value: 0, F.visible_requests.value: 0})
-        p.expire(key, ttl_s)
-        p.sadd(staging.keys.staging(), batch_id)
-        p.execute()
 
 
 class _Renewer:
@@ -376,7 +333,7 @@ class BatchLedger:
 
     def known_models(self, extra: Iterable[str] = ()) -> set[str]:
         """Model names ``submit`` accepts: registered by an operator or served by some worker
-        (:class:`lmdq.redis.registry.ModelRegistry`), plus ``extra`` (the producer's LMDQ_KNOWN_MODELS)."""
+        (:class:`lmdq.registry.store.ModelRegistry`), plus ``extra`` (the producer's LMDQ_KNOWN_MODELS)."""
         return ModelRegistry(self.client, keys=self.keys).known() | set(extra)
 
     # ---- idempotency ------------------------------------------------------------------------
@@ -530,7 +487,7 @@ class BatchLedger:
         rest is staged; ``after_first_commit`` is called once, right after the first jobs became visible.
         ``id_chunks``: the batch's custom_ids in input order, JSON arrays of :data:`IDS_CHUNK` (progressive
         staging writes them before anything is visible: what answers requests no job ever held), read once,
-        in order, and written to Redis :data:`IDS_PUSH` chunks at a time (:func:`_begin_staging`).
+        in order, and written to Redis a bounded number of chunks at a time (:meth:`StagingLeases.begin`).
         ``resume``: ``batch`` is a part-staged batch whose staging lease lapsed, and ``requests`` the same
         submit's (same file, same options): take the lease over and stage what is not visible yet.
         """
@@ -579,7 +536,7 @@ class BatchLedger:
             else:
                 self.create(batch, fingerprint=fingerprint)
                 with self._refusals():
-                    _begin_staging(self.staging, batch.id, token, lease_s=self.staging_lease_s,
+                    self.staging.begin(batch.id, token, lease_s=self.staging_lease_s,
                                    id_chunks=id_chunks, ttl_s=staging_ttl(self.ttl_s))
             renewer = _Renewer(self.staging, batch.id, token, self.staging_lease_s)
             with self._refusals(), self.batch_jobs.writes() as writes:

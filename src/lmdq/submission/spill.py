@@ -209,7 +209,7 @@ _IDS_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 class IdChunks:
     """Custom_ids in input order as JSON arrays of ``per_chunk`` (the staging lease's ``request_ids`` list,
-    :mod:`lmdq.redis.staging`), one a line of a temporary file; :meth:`chunks` reads them back in order,
+    :mod:`lmdq.batches.staging`), one a line of a temporary file; :meth:`chunks` reads them back in order,
     a line at a time, for the ledger to push to Redis in bounded batches."""
 
     def __init__(self, per_chunk: int, directory: str | None = None) -> None:
