@@ -31,7 +31,6 @@ from lmdq.api.backend import Backend
 from lmdq.api.batches import ApiBatches
 from lmdq.api.errors import ApiError, error_body, unauthorized
 from lmdq.api.files import FileStore, check_purpose, expires_after
-from lmdq.api.server import AcceptErrors
 from lmdq.api.settings import ApiSettings
 from lmdq.api.uploads import FormStream, boundary_of
 from lmdq.contract import ErrorCode
@@ -174,7 +173,10 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         assert worker is not None
-        # accept failures (EMFILE) as one line per episode, not a traceback per connection (lmdq.api.server)
+        # accept failures (EMFILE) as one line per episode, not a traceback per connection (lmdq.api.server;
+        # imported here: it imports uvicorn, which imports click, and the app itself runs without a CLI library)
+        from lmdq.api.server import AcceptErrors
+
         asyncio.get_running_loop().set_exception_handler(AcceptErrors())
         worker.start()
         log.info("lmdq-api ready", tenants=len(keyring.tenants), files_dir=str(settings.api_files_dir))

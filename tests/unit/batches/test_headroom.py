@@ -23,8 +23,11 @@ def test_estimate_with_and_without_a_sink() -> None:
 
 
 @pytest.fixture()
-def capped(client: redis.Redis) -> Iterator[tuple[redis.Redis, int]]:
-    """The shared server with a maxmemory a little above what it uses now (restored after)."""
+def capped(own_redis: str) -> Iterator[tuple[redis.Redis, int]]:
+    """This module's own server with a maxmemory a little above what it uses now (restored after). Not the
+    shared one: what earlier tests left there (hundreds of MB under a 4-runner suite) put "used" above the
+    90 % that submit stops at, so a batch of any size was refused."""
+    client = redis.Redis.from_url(own_redis)
     old = client.config_get("maxmemory")["maxmemory"]
     used = int(client.info("memory")["used_memory"])
     client.config_set("maxmemory", used + 10_000_000)
