@@ -17,9 +17,7 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 # pip and setuptools themselves come from the lock first (the editable build below uses them)
 grep -i -E '^(pip|setuptools|wheel)==' constraints/dev.txt > "$VENV/.lmdq-bootstrap.txt"
 pip install --no-deps -r "$VENV/.lmdq-bootstrap.txt"
-# --no-compile: byte-compiling every file of torch & co. cost a fresh clone about a minute of CPU; Python
-# compiles (and caches) only the modules something imports
-pip install --no-deps --no-compile -r constraints/dev.txt
+pip install --no-deps -r constraints/dev.txt
 # lmdq itself and the lab (lmdq-bench, bench/), editable, built with the locked setuptools (no isolated
 # build env that would float)
 pip install --no-deps --no-build-isolation -e .
