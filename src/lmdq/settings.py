@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["CommonSettings", "DEFAULT_MAX_JOB_BYTES", "DEFAULT_REDIS_URL", "DEFAULT_RESULT_TTL_S", "default_of"]
+__all__ = ["CommonSettings", "DEFAULT_MAX_JOB_BYTES", "DEFAULT_REDIS_URL", "DEFAULT_RESULT_TTL_S", "default_of",
+           "load_or_refuse"]
+
+_S = TypeVar("_S", bound=BaseSettings)
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: cap on one job's data (``LMDQ_MAX_JOB_BYTES``); :mod:`lmdq.jobs.data` enforces it
@@ -94,3 +97,19 @@ class CommonSettings(BaseSettings):
         le=3600,
         description="how long a command waits at start for an unreachable or (re)starting Redis before exit 3",
     )
+
+
+def load_or_refuse(cls: type[_S], **given: Any) -> _S:
+    """``cls`` from its ``LMDQ_*`` env vars under the flags ``given``; a bad value is one line naming each
+    variable (never its value: it may be a secret), a BadSetting, exit 2. One home for the commands that
+    load their settings this way (lmdq-api, the exporter)."""
+    from pydantic import ValidationError
+
+    from lmdq.errors import BadSetting
+
+    try:
+        return cls(**given)
+    except ValidationError as e:
+        problems = "; ".join(f"LMDQ_{str(err['loc'][0]).upper() if err['loc'] else '?'}: {err['msg']}"
+                             for err in e.errors(include_input=False, include_url=False))
+        raise BadSetting(f"invalid setting {problems}") from None

@@ -8,24 +8,12 @@ import typer
 
 from lmdq.cli.options import model_options
 from lmdq.cli.run import run_cli
-from lmdq.errors import EXIT_CODES_HELP, BadSetting
+from lmdq.errors import EXIT_CODES_HELP
 from lmdq.flags import FlagSpec, settings_flags
+from lmdq.settings import load_or_refuse
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None, epilog=EXIT_CODES_HELP,
                   help="Serve lmdq's OpenAI-compatible Files + Batches API.")
-
-
-def _load_settings(**given: Any) -> object:
-    from pydantic import ValidationError
-
-    from lmdq.api.settings import ApiSettings
-
-    try:
-        return ApiSettings(**given)
-    except ValidationError as e:
-        names = "; ".join(f"LMDQ_{str(err['loc'][0]).upper() if err['loc'] else '?'}: {err['msg']}"
-                          for err in e.errors(include_input=False, include_url=False))
-        raise BadSetting(f"invalid setting {names}") from None
 
 
 def _flags() -> list[FlagSpec]:
@@ -47,8 +35,7 @@ def serve(given: dict[str, Any]) -> None:
     from lmdq.api.settings import ApiSettings
     from lmdq.logs.config import configure_logging
 
-    s = _load_settings(**given)
-    assert isinstance(s, ApiSettings)
+    s = load_or_refuse(ApiSettings, **given)
     configure_logging(s.log_format, s.log_level)
     keyring = load_keyring(s.api_keys.get_secret_value() if s.api_keys else None, s.api_keys_file)
     app_ = create_app(s, keyring, Backend(s))

@@ -54,7 +54,7 @@ from lmdq.flags import own_fields, settings_flags
 from lmdq.metrics.queue_stats import Snapshot, read_snapshot
 from lmdq.redis.connection import connect, redact_url
 from lmdq.redis.keys import Keys
-from lmdq.settings import CommonSettings
+from lmdq.settings import CommonSettings, load_or_refuse
 
 __all__ = ["EXPORTER_FLAGS", "ExporterSettings", "QueueCollector", "SnapshotCollector", "View", "load_settings",
            "run", "serve", "start_metrics_server"]
@@ -271,16 +271,7 @@ EXPORTER_FLAGS = settings_flags(ExporterSettings, own_fields(ExporterSettings, C
 
 def load_settings(**given: Any) -> ExporterSettings:
     """``LMDQ_*`` env vars under the flags given; a bad value is one line naming it, exit 2."""
-    from pydantic import ValidationError
-
-    from lmdq.errors import BadSetting
-
-    try:
-        return ExporterSettings(**given)
-    except ValidationError as e:
-        problems = "; ".join(f"LMDQ_{str(err['loc'][0]).upper() if err['loc'] else '?'}: {err['msg']}"
-                             for err in e.errors(include_input=False, include_url=False))
-        raise BadSetting(f"invalid setting {problems}") from None
+    return load_or_refuse(ExporterSettings, **given)
 
 
 def run(s: ExporterSettings) -> None:
