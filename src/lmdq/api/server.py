@@ -191,8 +191,6 @@ def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     """The API's socket, bound here rather than inside uvicorn so a port in use is one line and exit 2
     naming the port and the flag to change it (issue 45: lmdq-api logged "ready", then uvicorn's
     ``[Errno 98]``, exit 3, the code the README keeps for Redis)."""
-    import errno
-
     from lmdq.errors import BadSetting
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
