@@ -15,9 +15,13 @@ from tests.conftest import run_cli
 
 def test_freezing_moves_the_live_heap_out_of_the_collectors_sight() -> None:
     try:
-        kept = [object() for _ in range(1000)]
+        kept = [[] for _ in range(1000)]  # lists: tracked by the collector (a bare object() is not)
         n = freeze_heap()
-        assert n >= len(kept) and gc.get_freeze_count() == n
+        assert n >= len(kept)
+        # Not an equality with gc.get_freeze_count(): other threads of this process (pytest-xdist's) may free
+        # frozen objects meanwhile, which lowers the count. What must hold: none of ours is in a generation.
+        in_sight = {id(o) for g in (0, 1, 2) for o in gc.get_objects(generation=g)}
+        assert not in_sight & {id(k) for k in kept}
     finally:
         gc.unfreeze()  # this test process goes on making and dropping objects
 
