@@ -46,6 +46,7 @@ STORE_MODULES: dict[str, set[str]] = {
                        "src/lmdq/jobs/leases.py", "src/lmdq/jobs/reads.py", "src/lmdq/jobs/rq_records.py",
                        "src/lmdq/jobs/wakeup.py"},
     "src/lmdq/metrics/": {"src/lmdq/metrics/queue_stats.py"},
+    "src/lmdq/plan/": {"src/lmdq/plan/store.py"},
     "src/lmdq/registry/": {"src/lmdq/registry/store.py"},
     "src/lmdq/results/": {"src/lmdq/results/sink.py", "src/lmdq/results/store.py"},
     "src/lmdq/reuse/": {"src/lmdq/reuse/store.py"},

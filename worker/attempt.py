@@ -28,6 +28,7 @@ from lmdq.worker.admission import EngineGate
 from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent
 from lmdq.worker.engines.engine_health import EngineHealth
 from lmdq.worker.outcomes import MAX_RUNS, SUSPECT_AFTER_CRASHES, AbortReason, AttemptEnd, Outcome
+from lmdq.worker.plan_recorder import PlanRecorder
 from lmdq.worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
 from lmdq.worker.reuse import ReuseHook
 from lmdq.worker.samples import SampleSet, fan_out
@@ -127,6 +128,8 @@ class JobAttempt:
         #: result reuse (issue 47): answers a ``--reuse`` batch's requests from the index before the engine
         self.reuse = reuse
         self._tensors = TensorStore()
+        #: output lengths and tok/s for later batches' plans (issue 46)
+        self.plan = PlanRecorder.for_attempt(self)
 
     def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
             output_refusal: str | None = None) -> AttemptEnd:
@@ -272,9 +275,11 @@ class JobAttempt:
 
     def _stream(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
                 jlog: Any) -> AttemptEnd:
+        self.plan.enter(payload)
         try:
             return self._stream_once(held, payload, todo, results, jlog)
         finally:  # every result handed to the writer is in Redis before the job can be released
+            self.plan.leave()
             self.writer.wait(held.writes)
 
     def _stream_once(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
@@ -404,6 +409,8 @@ class JobAttempt:
 
     def _account(self, lv: LiveRequest, results: ResultBuilder, status: ResultStatus, generated: int,
                  prefilled: int | None, now: float) -> None:
+        self.plan.request(results.payload, lv.req, generated=generated, completed=status is ResultStatus.completed,
+                          prefilled=lv.input_len if prefilled is None else prefilled)
         if self.health:
             self.health.request_finished(
                 status=status.value,

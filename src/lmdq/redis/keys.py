@@ -335,6 +335,17 @@ class Keys:
         (:mod:`lmdq.jobs.idle_roster`)."""
         return f"{self.prefix}:idle:{model_slug(model)}"
 
+    def plan_lengths(self, model: str) -> str:
+        """Hash output length (``"L"``, or ``"L+"`` for one cut at its max_new_tokens) -> requests of
+        ``model`` that generated it: the length history a plan's expected output rests on
+        (:mod:`lmdq.plan.store`)."""
+        return f"{self.prefix}:plan:lengths:{model_slug(model)}"
+
+    def plan_rates(self, model: str) -> str:
+        """Hash worker name -> JSON of its measured busy seconds and prefill/decode tokens (totals and
+        recent windows): the throughput a plan's GPU-seconds rest on (:mod:`lmdq.plan.store`)."""
+        return f"{self.prefix}:plan:rates:{model_slug(model)}"
+
     def worker(self, name: str) -> str:
         """Worker heartbeat hash with a TTL."""
         return f"{self.prefix}:worker:{name}"
