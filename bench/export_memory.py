@@ -5,7 +5,8 @@ Issue 49 measured the Parquet export growing with the batch (sim results of ~3.7
 RSS, 100,000 -> 450 MB) while JSONL stayed at 80 MB; the goal is 1,000,000 x 4 KB under 300 MB. Holding
 1,000,000 x 4 KB (4 GB) in one shared test box's Redis is not an option, so the results are laid down the
 way a batch with a results URL keeps them once its jobs are sealed (:mod:`lmdq.results.shards`): one JSONL
-shard per job in a local folder and one index entry per job in Redis. ``--in-redis`` puts them in the
+shard per job in a local folder and one index entry per job in Redis (each job written to Redis as a
+worker writes it, then sealed as a worker's sink seals it). ``--in-redis`` puts them in the
 batch's results hash instead (the path issue 49 measured; keep N small). The export itself is the real CLI
 in a child process, its peak RSS read from ``wait4``; the file is then checked row by row (count, order,
 ids) in another child, so this process never imports pyarrow.
@@ -27,7 +28,7 @@ from typing import Any
 from lmdq.contract import Batch, BatchStatus, FinishReason, RequestCounts, Result, ResultStatus, Timings
 from lmdq.redis.connection import connect
 from lmdq.redis.keys import Keys
-from lmdq.results.shards import ShardEntry, shard_key
+from lmdq.results.sink import flush_shard
 from lmdq.results.store import ResultStore
 from lmdq_bench.keyspace import delete, scan
 
@@ -56,16 +57,17 @@ def _text(pool: str, i: int, record_bytes: int) -> str:
     return pool[start : start + want]
 
 
-def _record(batch_id: str, i: int, text: str, now: float) -> bytes:
+def _result(batch_id: str, i: int, text: str, now: float) -> Result:
     return Result(batch_id=batch_id, custom_id=f"r-{i:08d}", index=i, status=ResultStatus.completed, text=text,
                   finish_reason=FinishReason.stop, input_token_len=64, generate_token_len=900, model="bench",
                   backend="sim", worker="bench-worker", attempt=1,
-                  timings=Timings(enqueued_at=now, started_at=now, first_token_at=now, finished_at=now)
-                  ).model_dump_json(exclude_none=True).encode()
+                  timings=Timings(enqueued_at=now, started_at=now, first_token_at=now, finished_at=now))
 
 
 def _lay_down(client: Any, keys: Keys, n: int, per_job: int, record_bytes: int, sink: Path | None) -> Batch:
-    """A terminal batch of ``n`` completed results: shards + index under ``sink``, else in Redis."""
+    """A batch of ``n`` completed results written as workers write them (:meth:`ResultStore.write_results`);
+    with a ``sink``, each job of ``per_job`` is then sealed into its shard as a worker's sink seals it
+    (:func:`lmdq.results.sink.flush_shard`), so Redis holds one job's records at a time."""
     store = ResultStore(client, keys=keys)
     bid = f"batch_bench{time.time_ns():019x}"[:30]
     b = Batch(id=bid, model="bench", status=BatchStatus.in_progress, batch_size=per_job,
@@ -76,15 +78,9 @@ def _lay_down(client: Any, keys: Keys, n: int, per_job: int, record_bytes: int, 
     now = time.time()
     for job, lo in enumerate(range(0, n, per_job)):
         hi = min(n, lo + per_job)
-        recs = [_record(bid, i, _text(pool, i, record_bytes), now) for i in range(lo, hi)]
-        if sink is not None:
-            path = sink / shard_key(bid, job)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(b"\n".join(recs) + b"\n")
-            entry = ShardEntry.of(path.name, range(lo, hi), [ResultStatus.completed] * (hi - lo))
-            client.hset(keys.shards(bid), str(job), entry.encode())
-        else:
-            client.hset(keys.results(bid), mapping={str(i): r for i, r in zip(range(lo, hi), recs)})
+        store.write_results(_result(bid, i, _text(pool, i, record_bytes), now) for i in range(lo, hi))
+        if sink is not None and flush_shard(client, keys, bid, job, str(sink), list(range(lo, hi))) is None:
+            raise RuntimeError(f"job {job} of {bid} was not sealed")
     return b
 
 
@@ -128,8 +124,8 @@ def run_export_bench(*, n: int, record_bytes: int, per_job: int, in_redis: bool,
     try:
         t0 = time.perf_counter()
         b = _lay_down(client, keys, n, per_job, record_bytes, None if in_redis else work / "sink")
-        raw_bytes = (sum(p.stat().st_size for p in (work / "sink").rglob("*.jsonl")) if not in_redis
-                     else int(client.memory_usage(keys.results(b.id)) or 0))
+        raw_bytes = len(_result(b.id, n - 1, _text(_pool(), n - 1, record_bytes), time.time()).model_dump_json(
+            exclude_none=True)) * n
         log(f"laid down {n:,} results ({raw_bytes / n:,.0f} B each, {'Redis' if in_redis else 'shards'}) "
             f"in {time.perf_counter() - t0:.0f} s")
         out = work / "out.parquet"
