@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
     from lmdq.client.stream import StreamChunk
     from lmdq.client.submit_kwargs import SubmitKwargs
+    from lmdq.plan.rules import Plan
     from lmdq.redis.keys import Keys
     from lmdq.registry.store import ModelInfo, RemovedModel
     from lmdq.results.store import ResultStore
@@ -235,6 +236,29 @@ class Client:
                     e.problems = tuple(_spooled(p, str(path), src.name) for p in e.problems)
                 raise
         return Batch(self, info.id, created=created, info=info)
+
+    def plan(
+        self,
+        source: Source,
+        *,
+        model: str | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
+        gpu_hour_price: float | None = None,
+        format: str | None = None,  # noqa: A002 - submit's word
+        spell: Spell = _python_name,
+        **options: Unpack[SubmitKwargs],
+    ) -> Plan:
+        """What submitting ``source`` for ``model`` would take, making no change in Redis (issue 46):
+        requests, input tokens (the model's tokenizer and chat template: ``tokenizer`` a folder holding
+        ``tokenizer.json``, else the model's own folder or Hugging Face cache entry, else an estimate),
+        expected output tokens (this model's recorded lengths under each request's max_new_tokens),
+        shared-prefix savings, GPU-seconds and ETA at the throughput its workers measured, cost at
+        ``gpu_hour_price``. Each figure says what it rests on (``plan.*_basis``); ``plan.lines()`` prints
+        it, ``plan.as_dict()`` is its JSON. ``options``: submit's (``max_new_tokens=`` ...)."""
+        from lmdq.client.planning import plan_source
+
+        return plan_source(self.redis, self.keys, self.settings, source, model=model, tokenizer=tokenizer,
+                           gpu_hour_price=gpu_hour_price, fmt=format, spell=spell, options=dict(options))
 
     def batch(self, batch_id: str) -> Batch:
         """The batch ``batch_id`` (BatchNotFound if there is none, or it expired). A batch whose submit died

@@ -35,6 +35,13 @@ from lmdq.redis.keys import MODEL_COUNT_PREFIX, BatchField, Keys
 from lmdq.redis.scripts import BATCH_ENDED, Fragment, LuaScript
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
+_QUIET = {"reused_from"}
+"""Left out of a fresh result's record: only a reused one (issue 47) says where its answer came from."""
+
+
+def _record_json(result: Result) -> str:
+    return result.model_dump_json(exclude=_QUIET if result.reused_from is None else None)
+
 __all__ = ["ResultRecords", "ResultStore", "ResultWrite"]
 
 ResultWrite = tuple[str, int, str, str, float, int, int, str]
@@ -69,7 +76,7 @@ class ResultStore:
     # ---- results -------------------------------------------------------------------------
     def _final(self, result: Result) -> ResultWrite:
         """What the results script takes for ``result`` (its status picks the counter it bumps)."""
-        return (result.batch_id, result.index, result.model_dump_json(), _STATUS_COUNTER[result.status].value,
+        return (result.batch_id, result.index, _record_json(result), _STATUS_COUNTER[result.status].value,
                 time.time(), self.ttl_s, max(0, result.generate_token_len), result.model or "")
 
     def write_result(self, result: Result, pipe: Any | None = None) -> bool:
@@ -96,7 +103,7 @@ class ResultStore:
 
     def write_partial(self, result: Result) -> bool:
         """Store in-progress text for a request that has no final result yet."""
-        return self.records.write_partial(result.batch_id, result.index, result.model_dump_json(), self.ttl_s)
+        return self.records.write_partial(result.batch_id, result.index, _record_json(result), self.ttl_s)
 
     def iter_results(
         self, batch_id: str, total: int | None = None, *, partial: bool = True
