@@ -149,6 +149,11 @@ class ResultStore:
     def partial_count(self, batch_id: str) -> int:
         return self.records.partial_count(batch_id)
 
+    def read_partials(self, batch_id: str) -> Iterator[tuple[int, bytes]]:
+        """(index, in-progress record) of every request running now (a streaming reader's poll:
+        :meth:`lmdq.client.client.Batch.stream`); a final result removes its request's partial."""
+        return self.records.partials(batch_id)
+
 
 # ==== The store: result records in Redis =================================================================
 
@@ -225,6 +230,17 @@ class ResultRecords:
     def partial_count(self, batch_id: str) -> int:
         """In-progress records held for the batch."""
         return int(self.client.hlen(self.keys.partials(batch_id)))
+
+    def partials(self, batch_id: str) -> Iterator[tuple[int, bytes]]:
+        """The batch's in-progress records as (index, record), in HSCAN steps of 100 (a field that is not
+        an index, or a value that is not bytes, is skipped: untrusted)."""
+        for k, v in self.client.hscan_iter(self.keys.partials(batch_id), count=100):
+            try:
+                i = int(k)
+            except (TypeError, ValueError):
+                continue
+            if isinstance(v, bytes):
+                yield i, v
 
 
 # ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
