@@ -80,6 +80,52 @@ def _gen_tabular(parquet: Path | str, jsonl: Path | str, rows: int, chunk: int =
                          for c, q, m in zip(ids, qs, mx))
 
 
+def floors(path: str, kind: str) -> None:
+    """Print (JSON) the floors of a submit of ``path``, in rows per CPU-second of this process: ``json``, a loop
+    that only reads each row into Python (JSONL: the stdlib's ``json.loads`` of each line; Parquet: the row
+    dicts of each record batch), and ``pydantic``, one that also builds each row's request model
+    (:class:`lmdq.contract.Request`, params included). Issue 49's yardstick: lmdq's submit within 0.4 of the
+    pydantic floor. Run in a child (:func:`_in_child`), so the bench process never imports pyarrow."""
+    import time as _time
+
+    from lmdq.contract import Request
+
+    def rows() -> Any:
+        if kind == "jsonl":
+            with open(path, "rb") as f:
+                for line in f:
+                    yield json.loads(line)
+        else:
+            import pyarrow.parquet as pq
+
+            for rb in pq.ParquetFile(path).iter_batches(batch_size=4096):
+                for r in rb.to_pylist():
+                    yield {"custom_id": r["qid"], "prompt": r["question"],
+                           "params": {"max_new_tokens": r["max_new_tokens"]}}
+
+    out: dict[str, float] = {}
+    for name in ("json", "pydantic"):
+        t0 = _time.process_time()
+        n = 0
+        if name == "json":
+            for _ in rows():
+                n += 1
+        else:
+            for i, obj in enumerate(rows()):
+                Request(index=i, **obj)
+                n += 1
+        out[name] = n / (_time.process_time() - t0)
+    print(json.dumps(out))
+
+
+def _floors(path: Path | str, kind: str) -> dict[str, float]:
+    code = "import sys; from lmdq_bench.producer_bench import floors; floors(sys.argv[1], sys.argv[2])"
+    p = subprocess.run([sys.executable, "-c", code, str(path), kind], check=True, cwd=CHILD_CWD, capture_output=True,
+                       text=True)
+    got: dict[str, float] = json.loads(p.stdout.strip().splitlines()[-1])
+    return got
+
+
 def _in_child(fn: str, *args: Any) -> None:
     """Run one of this module's functions in a child process: the bench process stays small, so the
     CLI children it forks start small (a forked child's peak RSS counts the parent's pages it had
@@ -131,6 +177,10 @@ def run_tabular_bench(*, rows: int, batch_size: int, redis_url: str, log: Callab
         j_s, p_s = min(x[0] for x in runs["jsonl"]), min(x[0] for x in runs["parquet"])
         j_cpu, p_cpu = min(x[3] for x in runs["jsonl"]), min(x[3] for x in runs["parquet"])
         j_rss, p_rss = max(x[1] for x in runs["jsonl"]), max(x[1] for x in runs["parquet"])
+        fl = {"jsonl": _floors(jsonl, "jsonl"), "parquet": _floors(parquet, "parquet")}
+        for kind, cpu in (("jsonl", j_cpu), ("parquet", p_cpu)):
+            log(f"floors {kind:<7}: lmdq {rows / cpu:,.0f} rows/CPU-s | json floor {fl[kind]['json']:,.0f} | "
+                f"pydantic floor {fl[kind]['pydantic']:,.0f} | lmdq/pydantic {rows / cpu / fl[kind]['pydantic']:.2f}")
         log(f"submit JSONL   : {rows / j_s:,.0f} rows/s, {rows / j_cpu:,.0f} rows/CPU-s, peak RSS "
             f"{j_rss / 2**20:.0f} MiB")
         log(f"submit Parquet : {rows / p_s:,.0f} rows/s, {rows / p_cpu:,.0f} rows/CPU-s, peak RSS "
@@ -156,6 +206,9 @@ def run_tabular_bench(*, rows: int, batch_size: int, redis_url: str, log: Callab
         "parquet_rate_vs_jsonl": round(j_s / p_s, 3), "rounds": rounds,
         "submit_jsonl_rows_per_cpu_s": round(rows / j_cpu), "submit_parquet_rows_per_cpu_s": round(rows / p_cpu),
         "parquet_cpu_rate_vs_jsonl": round(j_cpu / p_cpu, 3),
+        "floors_rows_per_cpu_s": {k: {f: round(v) for f, v in d.items()} for k, d in fl.items()},
+        "jsonl_vs_pydantic_floor": round(rows / j_cpu / fl["jsonl"]["pydantic"], 3),
+        "parquet_vs_pydantic_floor": round(rows / p_cpu / fl["parquet"]["pydantic"], 3),
         "submit_jsonl_peak_rss_mib": round(j_rss / 2**20), "submit_parquet_peak_rss_mib": round(p_rss / 2**20),
         "results_parquet_per_s": round(rows / e_s), "results_parquet_peak_rss_mib": round(e_rss / 2**20),
         "results_parquet_order_and_ids_checked": True,
@@ -171,11 +224,15 @@ def run_producer_bench(*, lines: int, batch_size: int, redis_url: str, log: Call
         size = _gen_file(f, lines)
         log(f"generated {lines:,} lines ({size / 1e6:.1f} MB)")
         mem0 = int(info(client, "memory")["used_memory"])
-        secs, rss, out = _run(["submit", str(f), "--model", "bench", "--allow-unknown-model", "--json",
-                               "--batch-size", str(batch_size)], env)
+        secs, rss, out, cpu = _run_cpu(["submit", str(f), "--model", "bench", "--allow-unknown-model", "--json",
+                                        "--batch-size", str(batch_size)], env)
         batch = json.loads(out)
         mem_jobs = int(info(client, "memory")["used_memory"]) - mem0
+        fl = _floors(f, "jsonl")
         log(f"submit: {secs:.2f} s = {lines / secs:,.0f} req/s, peak RSS {rss / 2**20:.0f} MiB")
+        log(f"submit rows per CPU-s: lmdq {lines / cpu:,.0f} | json floor {fl['json']:,.0f} | pydantic floor "
+            f"{fl['pydantic']:,.0f} | lmdq/pydantic {lines / cpu / fl['pydantic']:.2f} (the submit CLI's CPU, "
+            "start-up included)")
         store = ResultStore(client, keys=Keys(prefix))
         now = time.time()
         mem1 = int(info(client, "memory")["used_memory"])
@@ -196,6 +253,9 @@ def run_producer_bench(*, lines: int, batch_size: int, redis_url: str, log: Call
     return {
         "lines": lines, "batch_size": batch_size, "file_mb": round(size / 1e6, 1),
         "submit_s": round(secs, 2), "submit_req_s": round(lines / secs), "submit_peak_rss_mib": round(rss / 2**20),
+        "submit_rows_per_cpu_s": round(lines / cpu), "json_floor_rows_per_cpu_s": round(fl["json"]),
+        "pydantic_floor_rows_per_cpu_s": round(fl["pydantic"]),
+        "vs_pydantic_floor": round(lines / cpu / fl["pydantic"], 3),
         "results_s": round(esecs, 2), "results_per_s": round(exported / esecs),
         "results_openai_per_s": round(exported / esecs_oa), "results_peak_rss_mib": round(ersss / 2**20),
         "redis_bytes_per_queued_request": round(mem_jobs / lines), "redis_bytes_per_result": round(mem_results / lines),

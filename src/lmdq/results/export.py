@@ -103,10 +103,7 @@ def _logprob_rows(lps: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
          "top": [{"token_id": i, "logprob": v} for i, v in x.get("top", [])]} for x in lps]
 
 
-try:
-    from orjson import loads as _loads
-except ImportError:  # pragma: no cover
-    _loads = json.loads
+from orjson import loads as _loads  # noqa: E402 - a base dependency (issue 49)
 
 
 def _columns(raws: list[bytes]) -> dict[str, list[Any]]:

@@ -1,23 +1,25 @@
 """Submit a prompt file as one batch: validate the WHOLE file, then stage and commit its jobs.
 
-Two streaming passes keep memory flat however large the file is: pass 1 validates every line and keeps per
-request only two 8-byte hashes (its custom_id's, duplicates being confirmed by a targeted re-scan, and its whole
-content's), its offset and line number (prefix groups), its model's number (several models) and its custom_id
-(the staging lease), all on disk in temporary files (:mod:`lmdq.submission.spill`, issue 44: deleted when the
-submit returns or fails); pass 2 re-reads the file and the batch ledger (:mod:`lmdq.submission.ledger`) stages
-its jobs. Nothing is visible before the WHOLE file validated, so a bad line enqueues nothing. Then the first
-``first_jobs`` jobs become visible as soon as they are staged and workers start on them while submit stages the
-rest (issue 27: on the H200 the GPU sat idle for the 1.6-2.4 s a submit of 1,024 lines took): a failure before
-that deletes what was staged; a failure after it (the file changed, Redis refused a write) ends the batch
-cancelled, with the reason (:meth:`lmdq.submission.ledger.BatchLedger.abandon`).
+Two streaming passes keep memory flat however large the file is: pass 1 parses and validates every line ONCE
+and writes each accepted request, as the JSON its job will hold, to a temporary file
+(:class:`lmdq.submission.spill.RequestSpill`); per request it keeps its custom_id's 8-byte hash (duplicates being
+confirmed by a targeted re-scan), a CRC-32 of its line's bytes, its offset and line number (prefix groups), its
+model's number (several models) and its custom_id (the staging lease), all on disk in temporary files
+(:mod:`lmdq.submission.spill`, issue 44: deleted when the submit returns or fails); pass 2 stages the spilled
+requests through the batch ledger (:mod:`lmdq.submission.ledger`), never parsing the input again (issue 49: the
+second parse and its per-request hashes were ~40 % of a submit's CPU). Nothing is visible before the WHOLE file
+validated, so a bad line enqueues nothing. Then the first ``first_jobs`` jobs become visible as soon as they are
+staged and workers start on them while submit stages the rest (issue 27: on the H200 the GPU sat idle for the
+1.6-2.4 s a submit of 1,024 lines took): a failure before that deletes what was staged; a failure after it (the
+file changed, Redis refused a write) ends the batch cancelled, with the reason
+(:meth:`lmdq.submission.ledger.BatchLedger.abandon`).
 
-Reading the file twice is only safe if it is the same file both times: pass 1 fingerprints it
-(size, mtime_ns, and a running hash of every request it accepted, line numbers included) and
-pass 2 must see exactly that again: every request is compared with its pass-1 hash BEFORE it is staged
-(the first jobs are visible before pass 2 ends), and the size, mtime and running hash at the end. Lines
-appended, cut or edited in between make the submit fail with exit 2, instead of enqueueing requests
-that were never validated (or a batch that can never complete because some of its counted requests
-never arrive).
+What is staged is always what pass 1 validated (it comes from the spill, not from the file), so an edit during
+the submit can never put an unvalidated request into a job. It is still refused, so a batch is the file as it
+was: the file's size, mtime and the CRC-32 of every request line are checked against pass 1's when pass 2
+starts (an edit before any job is visible: exit 2, nothing enqueued) and again after the last job is staged,
+before the last commit (an edit during staging: the batch ends cancelled, naming the first line that
+differs). Each check reads the file's bytes once, without parsing them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from zlib import crc32
 
+import orjson
 import redis
 from pydantic import ValidationError
 
@@ -52,14 +56,14 @@ from lmdq.submission.formats import (
     ParsedLine,
     detect_format,
     iter_lines,
-    iter_records,
-    read_request_at,
+    iter_records_data,
+    request_lines,
 )
 from lmdq.submission.formats.records import Sampling
 from lmdq.submission.ledger import BatchLedger, StagingLeaseLost, job_payloads, new_batch_id
 from lmdq.submission.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 from lmdq.submission.settings import ProducerSettings
-from lmdq.submission.spill import IdChunks, IdHashes, SpillArray
+from lmdq.submission.spill import IdChunks, IdHashes, RequestSpill, SpillArray
 
 __all__ = [
     "SubmitOptions",
@@ -121,18 +125,16 @@ class SubmitOptions:
 
 @dataclass(frozen=True)
 class _Fingerprint:
-    """What pass 1 saw: pass 2 must see the same, or the submit is refused."""
+    """What pass 1 saw and kept: pass 2 stages its requests and must see the same file, or the submit is refused."""
 
     size: int
     mtime_ns: int
     requests: int
-    digest: bytes
-    #: the digest is order-free (:class:`_SumDigest`): pass 2 may read the requests in group order
-    order_free: bool = False
-    #: an 8-byte hash of every accepted request, by index: pass 2 checks each request BEFORE it is staged,
-    #: since with progressive staging the first jobs are visible before pass 2 has read the whole file
-    #: (on disk: :class:`lmdq.submission.spill.SpillArray`)
-    per_request: SpillArray = field(default_factory=lambda: SpillArray("Q"), compare=False)
+    #: a CRC-32 of every accepted request's line, by index (on disk): what the check that the file did not
+    #: change compares (:func:`_check_unchanged`), naming the first line that differs
+    line_crcs: SpillArray = field(default_factory=lambda: SpillArray("I"), compare=False)
+    #: every accepted request as the JSON its job holds, by index: what pass 2 stages (on disk)
+    spilled: RequestSpill = field(default_factory=RequestSpill, compare=False)
     #: every accepted request's custom_id, in input order, as JSON arrays of IDS_CHUNK: progressive staging
     #: writes them before any job is visible, so a batch whose submit dies part-way still answers each request
     #: (issue 44). On disk (:class:`lmdq.submission.spill.IdChunks`), pushed to Redis in bounded batches
@@ -143,44 +145,55 @@ def _h64(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
 
 
-def _new_hash(order_free: bool = False) -> Any:
-    return _SumDigest() if order_free else hashlib.blake2b(digest_size=16)
+_PARAMS_JSON: dict[int, tuple[GenerationParams, bytes]] = {}
+"""id(params) -> (params, its JSON): lines with the same params share one validated object
+(:mod:`lmdq.submission.formats.jsonl`), dumped once; the object is kept here so its id is never reused."""
 
 
-class _SumDigest:
-    """An order-free digest of the requests fed: the sum of their 128-bit hashes (line numbers are
-    fed too, so no two lines feed the same bytes). Prefix grouping reads pass 2 in group order, and
-    it must still prove it read exactly the requests pass 1 validated."""
-
-    def __init__(self) -> None:
-        self._sum = 0
-
-    def update(self, data: bytes) -> None:
-        self._sum += int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
-
-    def digest(self) -> bytes:
-        return (self._sum & ((1 << 128) - 1)).to_bytes(16, "little")
+def _params_json(params: GenerationParams) -> bytes:
+    got = _PARAMS_JSON.get(id(params))
+    if got is not None and got[0] is params:
+        return got[1]
+    data = orjson.dumps(params.model_dump(exclude_none=True))
+    if len(_PARAMS_JSON) >= 1024:
+        _PARAMS_JSON.clear()
+    _PARAMS_JSON[id(params)] = (params, data)
+    return data
 
 
-_MESSAGES_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
-
-
-def _feed(h: Any, item: ParsedLine) -> int:
-    """Add one accepted request to the running hash and return its own 8-byte hash: everything that goes
-    into its job (prompt or messages, params, endpoint, custom_id, model) and its line number. Free-text fields are
-    length-prefixed so no two different requests feed the same bytes; one encode and one update
-    a line keep it near a quarter of the parse cost (``repr(item)`` cost about as much as parsing)."""
-    text = item.prompt if item.prompt is not None else _MESSAGES_JSON.encode(item.messages)
-    params = item.params.model_dump_json() if item.params is not None else ""
-    model = "\x00" if item.model is None else item.model  # a name is never a NUL: None stays distinct
-    cid = item.custom_id
-    line = (f"{item.line_no}|{item.endpoint.value}|{len(cid)}:{cid}|{len(model)}:{model}|{len(text)}:{text}|"
-            f"{params}\n")
+def _request_json(index: int, item: ParsedLine, *, with_model: bool) -> bytes:
+    """The request as its job holds it (index, custom_id, endpoint, prompt or messages, params, continuations), as
+    JSON; ``with_model``: with the line's model (pass 2 drops it unless the batch runs on several models)."""
+    d: dict[str, Any] = {"index": index, "custom_id": item.custom_id, "endpoint": item.endpoint.value}
+    if with_model and item.model is not None:
+        d["model"] = item.model
+    if item.messages is not None:
+        d["messages"] = item.messages
+    else:
+        d["prompt"] = item.prompt
+    if item.params is not None:
+        p = _params_json(item.params)
+        if p != b"{}":
+            d["params"] = orjson.Fragment(p)
     if item.continuations is not None:
-        line += _MESSAGES_JSON.encode(item.continuations) + "\n"
-    data = line.encode("utf-8", "surrogatepass")  # json.loads can yield lone surrogates
-    h.update(data)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+        d["continuations"] = list(item.continuations)
+    try:
+        return orjson.dumps(d)
+    except orjson.JSONEncodeError:  # a lone surrogate or an int over 64 bits (the stdlib parser's, on a doubt)
+        if "params" in d:
+            d["params"] = orjson.loads(_params_json(item.params))  # type: ignore[arg-type]
+        return json.dumps(d, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _spilled_request(raw: bytes, *, with_model: bool) -> dict[str, Any]:
+    """A spilled request back as the dict its job holds (:func:`_request_json`)."""
+    try:
+        d: dict[str, Any] = orjson.loads(raw)
+    except orjson.JSONDecodeError:  # the ASCII-escaped form above
+        d = json.loads(raw)
+    if not with_model:
+        d.pop("model", None)
+    return d
 
 
 def _stat(path: Path) -> tuple[int, int]:
@@ -244,7 +257,6 @@ def _validate(
     temporary files in ``spill_dir`` (None: TMPDIR), closed by ``spills``."""
     errors: list[str] = []
     hashes = spills.enter_context(IdHashes(spill_dir))
-    per_request = spills.enter_context(SpillArray("Q", spill_dir))
     id_chunks = spills.enter_context(IdChunks(IDS_CHUNK, spill_dir))
     n = 0
     # --model wins for every line (an OpenAI file written for gpt-4o-mini runs on the served model);
@@ -258,11 +270,13 @@ def _validate(
                 if opts.prefix_groups or lines is not None else None)
     if prefixes is not None:
         spills.callback(prefixes.close)
-    running = _new_hash(order_free=prefixes is not None)
+    line_crcs = spills.enter_context(SpillArray("I", spill_dir))
+    spilled = spills.enter_context(RequestSpill(spill_dir))
+    named = lines is not None
     sampling = _SamplingTally()
     try:
         size, mtime_ns = _stat(path)
-        for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits):
+        for offset, data, item in iter_records_data(path, fmt=opts.fmt, limits=opts.limits):
             if isinstance(item, InputError):
                 errors.append(str(item))
                 if len(errors) >= opts.max_errors:
@@ -278,7 +292,8 @@ def _validate(
                         break
                     continue
             hashes.add(_h64(item.custom_id))
-            per_request.append(_feed(running, item))
+            line_crcs.append(crc32(data))  # type: ignore[arg-type]  # an accepted line has its bytes
+            spilled.add(_request_json(n, item, with_model=named))
             if prefixes is not None:
                 prefixes.add(offset, item, model=item.model if lines is not None else None)
             sampling.add(item)
@@ -313,8 +328,8 @@ def _validate(
             opts.on_warning(w)
     if model is None:  # unreachable: a missing model is one of the errors above
         raise SubmitRejected(f"{path}: no model given: pass --model NAME")
-    seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
-                        order_free=prefixes is not None, per_request=per_request, id_chunks=id_chunks)
+    seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, line_crcs=line_crcs, spilled=spilled,
+                        id_chunks=id_chunks)
     return seen, model, prefixes, model_line, several
 
 
@@ -371,88 +386,61 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
     return out
 
 
-def _request_dict(index: int, item: ParsedLine, *, with_model: bool = False) -> dict[str, Any]:
-    """The request as its job holds it; ``with_model``: with the line's model too (a batch over several
-    models: :func:`lmdq.ledger.job_payloads` takes it off, as the job's own ``model``)."""
-    d: dict[str, Any] = {"index": index, "custom_id": item.custom_id, "endpoint": item.endpoint.value}
-    if with_model:
-        d["model"] = item.model
-    if item.messages is not None:
-        d["messages"] = item.messages
-    else:
-        d["prompt"] = item.prompt
-    if item.params is not None:
-        p = item.params.model_dump(exclude_none=True)
-        if p:
-            d["params"] = p
-    if item.continuations is not None:
-        d["continuations"] = list(item.continuations)
-    return d
-
-
-def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Generator[dict[str, Any], None, None]:
-    """Pass 2: the file's request dicts, in input order, exactly as pass 1 validated them.
-
-    Raises SubmitRejected (the caller rolls back) as soon as the file differs from ``seen``: more
-    requests than validated stop the pass at once; fewer, different content, or a size/mtime
-    change are caught when the pass ends, before anything is committed.
-    """
+def _check_unchanged(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> None:
+    """Raise SubmitRejected unless ``path`` is the file pass 1 validated: the same number of request lines,
+    each with the CRC-32 pass 1 kept (an edit that keeps the size and the mtime is found too, and the first
+    line that differs is named), and the same size and mtime. Reads the file's bytes once, parses nothing."""
     try:
-        if _stat(path) != (seen.size, seen.mtime_ns):
-            raise _changed(path, "its size or modification time is not what was validated")
-        running = _new_hash(seen.order_free)
+        before = _stat(path)
+        crcs = iter(seen.line_crcs)
         n = 0
-        for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
-            if isinstance(item, InputError):
-                raise _changed(path, f"now {item}")
-            if index >= seen.requests:
+        for line_no, data in request_lines(path, limits=opts.limits):
+            if n >= seen.requests:
                 raise _changed(path, f"it now has more than the {seen.requests} requests validated")
-            if _feed(running, item) != seen.per_request[index]:
-                raise _changed(path, f"line {item.line_no} is not what was validated")
+            if data is None or crc32(data) != next(crcs):
+                raise _changed(path, f"line {line_no} is not what was validated")
             n += 1
-            yield _request_dict(index, item)
         if n != seen.requests:
             raise _changed(path, f"it now has {n} requests, {seen.requests} were validated")
-        _check_read_whole(path, seen, running)
+        # the lines first, so an edit is named by its line; then what an edit of no request line changes
+        if before != (seen.size, seen.mtime_ns):
+            raise _changed(path, "its size or modification time is not what was validated")
+        if _stat(path) != before:
+            raise _changed(path, "its size or modification time changed while it was read")
     except OSError as e:
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
 
 
-def _check_read_whole(path: Path, seen: _Fingerprint, running: Any) -> None:
-    """After pass 2: the requests read are the ones validated (digest) and the file did not change."""
-    if running.digest() != seen.digest:
-        raise _changed(path, "its requests are not the ones validated")
-    if _stat(path) != (seen.size, seen.mtime_ns):
-        raise _changed(path, "its size or modification time changed while it was read")
+def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Generator[dict[str, Any], None, None]:
+    """Pass 2: the request dicts pass 1 validated and spilled, in input order.
+
+    The file is checked (:func:`_check_unchanged`) before the first request and after the last: an edit
+    before any job is visible refuses the submit with nothing enqueued; one during staging is found before
+    the last commit, and the caller ends the part-visible batch cancelled. What is staged is the validated
+    spill either way, never the edited bytes."""
+    _check_unchanged(path, opts, seen)
+    try:
+        for raw in seen.spilled:
+            yield _spilled_request(raw, with_model=False)
+    except OSError as e:
+        raise SubmitRejected(f"{path}: cannot read the submit's temporary files: {e.strerror or e}") from e
+    _check_unchanged(path, opts, seen)
 
 
 def _planned_requests(
     path: Path, opts: SubmitOptions, seen: _Fingerprint, prefixes: PrefixKeys, plan: JobPlan, *,
     with_model: bool = False,
 ) -> Generator[dict[str, Any], None, None]:
-    """Pass 2 with prefix groups: the requests in ``plan``'s job order, each read at the offset pass 1
-    recorded, keeping its input index. The same checks as :func:`_file_requests`: the file's size
-    and mtime before and after, and the order-free digest of every request read."""
-    assert opts.fmt is not None and seen.order_free
-    name = str(path)
+    """Pass 2 with prefix groups: the spilled requests in ``plan``'s job order, each keeping its input index,
+    with the same checks of the file as :func:`_file_requests`."""
+    _check_unchanged(path, opts, seen)
     try:
-        if _stat(path) != (seen.size, seen.mtime_ns):
-            raise _changed(path, "its size or modification time is not what was validated")
-        running = _new_hash(order_free=True)
-        for spilled in (prefixes.offsets, prefixes.line_nos, seen.per_request):
-            spilled.map()  # read in the plan's order: jumps between groups all the time
-        with open(path, "rb") as f:
-            for index in plan.order:
-                item = read_request_at(f, name, prefixes.offsets[index], prefixes.line_nos[index], fmt=opts.fmt,
-                                       limits=opts.limits)
-                if isinstance(item, InputError):
-                    raise _changed(path, f"now {item}")
-                if _feed(running, item) != seen.per_request[index]:
-                    raise _changed(path, f"line {item.line_no} is not what was validated")
-                yield _request_dict(index, item, with_model=with_model)
-        _check_read_whole(path, seen, running)
+        seen.spilled.map()  # read in the plan's order: jumps between groups all the time
+        for index in plan.order:
+            yield _spilled_request(seen.spilled[index], with_model=with_model)
     except OSError as e:
-        raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
+        raise SubmitRejected(f"{path}: cannot read the submit's temporary files: {e.strerror or e}") from e
+    _check_unchanged(path, opts, seen)
 
 
 def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmdq.contract import Endpoint
-from lmdq.submission.formats.records import ParsedLine, _got, _join, _LineError
+from lmdq.contract import Endpoint, GenerationParams
+from lmdq.submission.formats.records import ParsedLine, Sampling, _got, _join, _LineError
 from lmdq.submission.formats.validation import (
     _check_continuations,
     _check_messages,
@@ -103,10 +103,45 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
     if raw_params is not None:
         if not isinstance(raw_params, dict):
             raise _LineError("params", f"expected an object of generation parameters, got {_got(raw_params)}")
+        pkey = _params_key(raw_params)
+        known = _VALID_PARAMS.get(pkey) if pkey is not None else None
+        if known is not None:
+            return ParsedLine(line_no, custom_id, prompt, messages, endpoint, known[0], model, known[1])
         data, src, wrapped = _params(raw_params)
         sampling = imply_sampling(data)
         if sampling is not None:
             src.setdefault("do_sample", src.get("temperature", "params"))
         params = _validate_params(data, src, "params", wrapped)
+        if pkey is not None:
+            if len(_VALID_PARAMS) >= _VALID_PARAMS_MAX:
+                _VALID_PARAMS.clear()
+            _VALID_PARAMS[pkey] = (params, sampling)
         return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, model, sampling)
     return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, model)
+
+
+_VALID_PARAMS: dict[tuple[Any, ...], tuple[GenerationParams | None, Sampling | None]] = {}
+"""A line's ``params`` object (:func:`_params_key`) -> what validating it gave. Why: a file's lines mostly
+share a few params objects, and validating one (aliases, implied sampling, the contract model) cost ~20 % of
+a submit's CPU per line (issue 49). Only valid params are kept, so a bad line is still refused with its own
+line number; the result is immutable as used (the model is never changed after validation)."""
+
+_VALID_PARAMS_MAX = 4096
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _params_key(raw: dict[str, Any]) -> tuple[Any, ...] | None:
+    """A hashable key of a params object whose values are scalars or lists of scalars (None otherwise: not
+    cached). Each value's type is part of the key: ``1``, ``1.0`` and ``true`` are equal in Python but not
+    the same parameter to the strict validation."""
+    key: list[Any] = []
+    for k, v in raw.items():
+        t = type(v)
+        if t in _SCALARS:
+            key.append((k, t, v))
+        elif t is list and all(type(x) is str for x in v):
+            key.append((k, list, tuple(v)))
+        else:
+            return None
+    return tuple(key)
