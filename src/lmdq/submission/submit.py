@@ -130,6 +130,9 @@ class _Fingerprint:
     size: int
     mtime_ns: int
     requests: int
+    #: a CRC-32 of the whole file's bytes, read at C speed after pass 1 (an edit while pass 1 ran changes the
+    #: mtime pass 1 started with): the checks' fast path (:func:`_check_unchanged`)
+    file_crc: int
     #: a CRC-32 of every accepted request's line, by index (on disk): what the check that the file did not
     #: change compares (:func:`_check_unchanged`), naming the first line that differs
     line_crcs: SpillArray = field(default_factory=lambda: SpillArray("I"), compare=False)
@@ -328,8 +331,12 @@ def _validate(
             opts.on_warning(w)
     if model is None:  # unreachable: a missing model is one of the errors above
         raise SubmitRejected(f"{path}: no model given: pass --model NAME")
-    seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, line_crcs=line_crcs, spilled=spilled,
-                        id_chunks=id_chunks)
+    try:
+        whole = _file_crc(path)
+    except OSError as e:
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
+    seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, file_crc=whole, line_crcs=line_crcs,
+                        spilled=spilled, id_chunks=id_chunks)
     return seen, model, prefixes, model_line, several
 
 
@@ -386,12 +393,24 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
     return out
 
 
+def _file_crc(path: Path) -> int:
+    """A CRC-32 of the file's bytes, 1 MiB at a time (C speed: ~1 GB/s)."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(1 << 20):
+            crc = crc32(chunk, crc)
+    return crc
+
+
 def _check_unchanged(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> None:
-    """Raise SubmitRejected unless ``path`` is the file pass 1 validated: the same number of request lines,
-    each with the CRC-32 pass 1 kept (an edit that keeps the size and the mtime is found too, and the first
-    line that differs is named), and the same size and mtime. Reads the file's bytes once, parses nothing."""
+    """Raise SubmitRejected unless ``path`` is the file pass 1 validated: the same size, mtime and CRC-32 of
+    its bytes (an edit that keeps the size and the mtime is found too). On a difference the file is read again
+    line by line against the CRC-32 pass 1 kept of each request line, to name the first line that differs.
+    Parses nothing."""
     try:
         before = _stat(path)
+        if before == (seen.size, seen.mtime_ns) and _file_crc(path) == seen.file_crc and _stat(path) == before:
+            return  # the fast path: the same bytes, read in large blocks, nothing split into lines
         crcs = iter(seen.line_crcs)
         n = 0
         for line_no, data in request_lines(path, limits=opts.limits):
@@ -407,6 +426,7 @@ def _check_unchanged(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Non
             raise _changed(path, "its size or modification time is not what was validated")
         if _stat(path) != before:
             raise _changed(path, "its size or modification time changed while it was read")
+        raise _changed(path, "its bytes are not the ones validated")  # the same requests, other blank lines
     except OSError as e:
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
 
