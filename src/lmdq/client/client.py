@@ -541,8 +541,8 @@ class Batch:
         return self.to_arrow().to_pandas()
 
     def to_parquet(self, path: str | Path) -> int:
-        """Write the final results to a Parquet file, streamed (one row group per 10,000 results);
-        returns the rows written."""
+        """Write the final results to a Parquet file, streamed (one row group per 10,000 results or 8 MiB of
+        records, whichever comes first); returns the rows written."""
         from lmdq.results.export import write_parquet
 
         return write_parquet(Path(path), self._raw_records(), batch_json=self.info().model_dump_json())
