@@ -4,7 +4,7 @@ No download: the tokenizer is borrowed from a local model folder (the embedded S
 with an ``<image>`` token added; the vision tower is a 2-layer CLIP over 28x28 pixels in 14x14 patches
 (4 image tokens), the language model a 2-layer Llama. Text is gibberish; what tests and benchmarks need
 is that images go through the whole path: submit, the job, the worker's read, the processor's pixels, the
-vision tower, the answer. ``hidden`` / ``layers`` / ``image_size`` make a bigger one for the GPU bench
+vision tower, the answer. ``width`` / ``depth`` / ``image_size`` make a bigger one for the GPU bench
 (LMDeploy's PyTorch engine serves ``LlavaForConditionalGeneration``).
 
 ``python -m lmdq_bench.tiny_vlm OUT [--tokenizer-from DIR]`` builds one from the command line.
@@ -30,8 +30,8 @@ CHAT_TEMPLATE = (
 """ChatML (SmolLM2's) with each image part as ``<image>``: the processor expands it to the image's tokens."""
 
 
-def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, hidden: int = 64, layers: int = 2,
-                   image_size: int = 28, patch: int = 14, dtype: str = "float32", seed: int = 0) -> Path:
+def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, width: int = 64, depth: int = 2,
+                   image_size: int = 28, patch: int = 14, weights: str = "float32", seed: int = 0) -> Path:
     """Build the model folder at ``dst`` (kept if it is already complete) and return it."""
     import torch
     from transformers import (
@@ -56,20 +56,20 @@ def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, hidden: int
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     image_token_id = tok.convert_tokens_to_ids("<image>")
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
-                       num_hidden_layers=layers, num_attention_heads=max(1, hidden // 32),
-                       num_key_value_heads=max(1, hidden // 32), max_position_embeddings=2048,
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=width, intermediate_size=width * 2,
+                       num_hidden_layers=depth, num_attention_heads=max(1, width // 32),
+                       num_key_value_heads=max(1, width // 32), max_position_embeddings=2048,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                        tie_word_embeddings=False)
-    vision = CLIPVisionConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                              num_attention_heads=max(1, hidden // 32), image_size=image_size, patch_size=patch,
-                              projection_dim=hidden)
+    vision = CLIPVisionConfig(hidden_size=width, intermediate_size=width * 2, num_hidden_layers=depth,
+                              num_attention_heads=max(1, width // 32), image_size=image_size, patch_size=patch,
+                              projection_dim=width)
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                       vision_feature_layer=-1, vision_feature_select_strategy="full",
                       projector_hidden_act="gelu")
     cfg.pad_token_id = tok.pad_token_id
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(cfg).to(getattr(torch, dtype))
+    model = LlavaForConditionalGeneration(cfg).to(getattr(torch, weights))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     tmp = dst.with_name(dst.name + ".tmp")
@@ -84,7 +84,7 @@ def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, hidden: int
                                num_additional_image_tokens=1)
     processor.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "lmdq-tiny-vlm.json").write_text(json.dumps({"hidden": hidden, "layers": layers, "image_size": image_size,
+    (tmp / "lmdq-tiny-vlm.json").write_text(json.dumps({"width": width, "depth": depth, "image_size": image_size,
                                                          "patch": patch, "seed": seed}))
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--tokenizer-from", type=Path, default=None)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--image-size", type=int, default=28)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weights", default="float32", help="the weights dtype (float32, bfloat16)")
     a = ap.parse_args(argv)
-    print(build_tiny_vlm(a.out, a.tokenizer_from, hidden=a.hidden, layers=a.layers, image_size=a.image_size,
-                         dtype=a.dtype))
+    print(build_tiny_vlm(a.out, a.tokenizer_from, width=a.width, depth=a.depth, image_size=a.image_size,
+                         weights=a.weights))
 
 
 if __name__ == "__main__":
