@@ -15,7 +15,7 @@ record and its TTL rules are :mod:`lmdq.batches.records`', which :attr:`ResultSt
 The results' store is here too (:class:`ResultRecords`, tests/test_redis_boundary.py): per-request final
 and partial records (``Keys.results`` / ``Keys.partials``), the batch's shard index as a reader sees it
 (``Keys.shards``), the counters the results script keeps on the batch record, and the results scripts'
-Lua (``WRITE_RESULTS``, ``WRITE_PARTIAL``, the ``BATCH_TTL`` and ``OOM_GUARD`` fragments the sink's scripts
+Lua (``WRITE_RESULTS``, ``WRITE_PARTIALS``, the ``BATCH_TTL`` and ``OOM_GUARD`` fragments the sink's scripts
 use too). Result writes are on the GPU's critical path: a job's results are one script call, many jobs' one
 pipeline. Replies are handed back raw (untrusted: the callers decode and check them).
 """
@@ -96,7 +96,13 @@ class ResultStore:
 
     def write_partial(self, result: Result) -> bool:
         """Store in-progress text for a request that has no final result yet."""
-        return self.records.write_partial(result.batch_id, result.index, result.model_dump_json(), self.ttl_s)
+        return self.write_partials([result])[0]
+
+    def write_partials(self, results: Sequence[Result]) -> list[bool]:
+        """In-progress texts in one pipelined round trip, one script call per batch; per result, whether
+        it was kept (False: the request has its final result, or its batch is gone)."""
+        return self.records.write_partials(
+            [(r.batch_id, r.index, r.model_dump_json(), self.ttl_s) for r in results])
 
     def iter_results(
         self, batch_id: str, total: int | None = None, *, partial: bool = True
@@ -153,7 +159,7 @@ class ResultRecords:
         self.client = client
         self.keys = keys
         self._write_results = WRITE_RESULTS.bind(client)
-        self._write_partial = WRITE_PARTIAL.bind(client)
+        self._write_partials = WRITE_PARTIALS.bind(client)
 
     # ---- write --------------------------------------------------------------------------------
     def write_final(self, w: ResultWrite, pipe: Any | None = None) -> bool:
@@ -197,13 +203,32 @@ class ResultRecords:
                 new[i] = ok
         return new
 
-    def write_partial(self, batch_id: str, index: int, data: str, ttl_s: int) -> bool:
-        """In-progress text for a request without a final result (one script call); whether it was kept."""
+    def write_partials(self, writes: Sequence[tuple[str, int, str, int]]) -> list[bool]:
+        """In-progress texts, (batch id, index, JSON, fallback TTL) each, in ONE pipelined round trip and
+        one script call per batch among them; per write, whether it was kept. Why grouped: a worker's
+        partials fall due together (every request of an engine step passes its interval at once), and
+        one call each cost a script dispatch and a round trip per request (the fleet bench's largest
+        per-request cost after the finals' own)."""
+        if not writes:
+            return []
+        groups: dict[str, list[int]] = {}
+        for i, w in enumerate(writes):
+            groups.setdefault(w[0], []).append(i)
         k = self.keys
-        return bool(self._write_partial(
-            keys=[k.results(batch_id), k.partials(batch_id), k.sealed(batch_id), k.batch(batch_id)],
-            args=[index, data, ttl_s],
-        ))
+        with self.client.pipeline(transaction=False) as p:
+            for batch_id, members in groups.items():
+                args: list[Any] = [writes[members[0]][3]]
+                for i in members:
+                    args += [writes[i][1], writes[i][2]]
+                self._write_partials(
+                    keys=[k.results(batch_id), k.partials(batch_id), k.sealed(batch_id), k.batch(batch_id)],
+                    args=args, client=p)
+            replies = p.execute()
+        kept = [False] * len(writes)
+        for members, reply in zip(groups.values(), replies, strict=True):
+            for i, ok in zip(members, _answers(reply, len(members)), strict=True):
+                kept[i] = ok
+        return kept
 
     # ---- read ---------------------------------------------------------------------------------
     def read(self, batch_id: str, indices: Sequence[int], *, partial: bool
@@ -287,9 +312,11 @@ if redis.call('EXISTS', KEYS[2]) == 0 then
   return answers
 end
 local add, fresh = {{}}, {{}}
+local sealed = redis.call('EXISTS', KEYS[4]) == 1  -- no bitmap (no sink, or no job sealed yet): no GETBITs
 for i = 3, #ARGV, 5 do
   local idx = ARGV[i]
-  if redis.call('GETBIT', KEYS[4], idx) == 0 and redis.call('HSETNX', KEYS[1], idx, ARGV[i + 1]) == 1 then
+  if not (sealed and redis.call('GETBIT', KEYS[4], idx) == 1)
+      and redis.call('HSETNX', KEYS[1], idx, ARGV[i + 1]) == 1 then
     answers[#answers + 1] = 1
     fresh[#fresh + 1] = idx
     local c = ARGV[i + 2]
@@ -327,12 +354,26 @@ end
 return answers
 """, uses=(BATCH_TTL, BATCH_ENDED,))
 
-# KEYS: results, partials, sealed, batch. ARGV: index, json, ttl
-WRITE_PARTIAL = LuaScript("write_partial", """
-if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end
-if redis.call('GETBIT', KEYS[3], ARGV[1]) == 1 then return 0 end
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], batch_ttl(KEYS[4], ARGV[3])) end
-return 1
+# KEYS: results, partials, sealed, batch (one batch). ARGV: fallback ttl, then two per record: index, json.
+# Returns one 0/1 per record: 0 for a request that has its final result (in the hash, or sealed into a
+# shard) or every record of a batch without a record.
+WRITE_PARTIALS = LuaScript("write_partials", """
+local answers = {}
+if redis.call('EXISTS', KEYS[4]) == 0 then
+  for i = 2, #ARGV, 2 do answers[#answers + 1] = 0 end
+  return answers
+end
+local sealed = redis.call('EXISTS', KEYS[3]) == 1
+local kept = 0
+for i = 2, #ARGV, 2 do
+  if (sealed and redis.call('GETBIT', KEYS[3], ARGV[i]) == 1) or redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
+    answers[#answers + 1] = 0
+  else
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+    answers[#answers + 1] = 1
+    kept = kept + 1
+  end
+end
+if kept > 0 and redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], batch_ttl(KEYS[4], ARGV[1])) end
+return answers
 """, uses=(BATCH_TTL,))

@@ -66,7 +66,7 @@ def test_a_write_for_a_batch_without_a_record_is_refused(client: redis.Redis, pr
 
 def test_partials_are_read_beside_finals_and_dropped_by_the_final(client: redis.Redis, prefix: str) -> None:
     r = _records(client, prefix)
-    assert r.write_partial("b1", 0, "p0", 60) and r.write_partial("b1", 1, "p1", 60)
+    assert r.write_partials([("b1", 0, "p0", 60), ("b1", 1, "p1", 60), ("gone", 0, "x", 60)]) == [True, True, False]
     assert r.partial_count("b1") == 2
     assert r.read("b1", [0, 1], partial=True) == ([None, None], [b"p0", b"p1"])
     with client.pipeline(transaction=False) as p:
