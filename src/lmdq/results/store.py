@@ -35,6 +35,13 @@ from lmdq.redis.keys import MODEL_COUNT_PREFIX, BatchField, Keys
 from lmdq.redis.scripts import BATCH_ENDED, Fragment, LuaScript
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
+_QUIET = {"reused_from"}
+"""Left out of a fresh result's record: only a reused one (issue 47) says where its answer came from."""
+
+
+def _record_json(result: Result) -> str:
+    return result.model_dump_json(exclude=_QUIET if result.reused_from is None else None)
+
 __all__ = ["ResultRecords", "ResultStore", "ResultWrite"]
 
 ResultWrite = tuple[str, int, str, str, float, int, int, str]
@@ -69,7 +76,7 @@ class ResultStore:
     # ---- results -------------------------------------------------------------------------
     def _final(self, result: Result) -> ResultWrite:
         """What the results script takes for ``result`` (its status picks the counter it bumps)."""
-        return (result.batch_id, result.index, result.model_dump_json(), _STATUS_COUNTER[result.status].value,
+        return (result.batch_id, result.index, _record_json(result), _STATUS_COUNTER[result.status].value,
                 time.time(), self.ttl_s, max(0, result.generate_token_len), result.model or "")
 
     def write_result(self, result: Result, pipe: Any | None = None) -> bool:
@@ -102,7 +109,7 @@ class ResultStore:
         """In-progress texts in one pipelined round trip, one script call per batch; per result, whether
         it was kept (False: the request has its final result, or its batch is gone)."""
         return self.records.write_partials(
-            [(r.batch_id, r.index, r.model_dump_json(), self.ttl_s) for r in results])
+            [(r.batch_id, r.index, _record_json(r), self.ttl_s) for r in results])
 
     def iter_results(
         self, batch_id: str, total: int | None = None, *, partial: bool = True
@@ -147,6 +154,11 @@ class ResultStore:
 
     def partial_count(self, batch_id: str) -> int:
         return self.records.partial_count(batch_id)
+
+    def read_partials(self, batch_id: str) -> Iterator[tuple[int, bytes]]:
+        """(index, in-progress record) of every request running now (a streaming reader's poll:
+        :meth:`lmdq.client.client.Batch.stream`); a final result removes its request's partial."""
+        return self.records.partials(batch_id)
 
 
 # ==== The store: result records in Redis =================================================================
@@ -261,6 +273,17 @@ class ResultRecords:
     def partial_count(self, batch_id: str) -> int:
         """In-progress records held for the batch."""
         return int(self.client.hlen(self.keys.partials(batch_id)))
+
+    def partials(self, batch_id: str) -> Iterator[tuple[int, bytes]]:
+        """The batch's in-progress records as (index, record), in HSCAN steps of 100 (a field that is not
+        an index, or a value that is not bytes, is skipped: untrusted)."""
+        for k, v in self.client.hscan_iter(self.keys.partials(batch_id), count=100):
+            try:
+                i = int(k)
+            except (TypeError, ValueError):
+                continue
+            if isinstance(v, bytes):
+                yield i, v
 
 
 def _results_args(writes: Sequence[ResultWrite]) -> list[Any]:
