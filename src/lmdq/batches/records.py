@@ -82,7 +82,7 @@ class BatchRecords:
         quiet = set() if batch.prefix_groups else {"prefix_groups"}
         if batch.model_counts is None:  # one model: the record a single-model lmdq wrote
             quiet.add("model_counts")
-        live = {"status", "request_counts", *(f.value for f in BATCH_TIME_FIELDS)}
+        live = {"status", "request_counts", "deadline", *(f.value for f in BATCH_TIME_FIELDS)}
         meta = batch.model_dump_json(exclude=live | quiet)
         fields: dict[Any, str | int | float] = {
             F.meta.value: meta, F.status.value: batch.status.value, F.total.value: batch.request_counts.total
@@ -91,6 +91,8 @@ class BatchRecords:
             fields[f.value] = 0
         if batch.expires_at is not None:
             fields[F.expires_at.value] = batch.expires_at
+        if batch.deadline is not None:
+            fields[F.deadline.value] = batch.deadline
         fields[F.ttl.value] = int(self.ttl_s)
         if batch.idempotency_key:
             fields[F.idempotency.value] = self.keys.idempotency(batch.idempotency_key)
@@ -125,6 +127,9 @@ class BatchRecords:
             v = raw.get(f.value.encode())
             if v is not None:
                 data[f.value] = float(v)
+        deadline = raw.get(F.deadline.value.encode())
+        if deadline is not None:
+            data["deadline"] = float(deadline)
         return Batch.model_validate(data)
 
     def newest(self, limit: int = 20) -> list[Batch]:
