@@ -196,11 +196,16 @@ def submit(
         t1 = prog.add_task("validating lines", total=None)
         t2 = prog.add_task("staging jobs", total=None, visible=False)
 
+        validated = [0]
+
         def vprog(n: int) -> None:
+            validated[0] = n
             if n % 5000 == 0:
                 prog.update(t1, completed=n)
 
         def eprog(n: int) -> None:
+            # validation is over once staging starts: its count is the file's, not the last multiple of 5,000
+            prog.update(t1, completed=validated[0])
             prog.update(t2, completed=n, visible=True)
 
         with ExitStack() as stack:

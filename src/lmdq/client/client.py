@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import redis
     from typing_extensions import Unpack
 
+    from lmdq.client.stream import StreamChunk
     from lmdq.client.submit_kwargs import SubmitKwargs
     from lmdq.plan.deadlines import Outlook
     from lmdq.plan.rules import Plan
@@ -514,6 +515,18 @@ class Batch:
                 interval = poll_interval
             info = self.info(patient=True)
 
+    def stream(self, *, timeout: float | None = None, poll_interval: float = 0.25,
+               max_interval: float = 1.0) -> Iterator[StreamChunk]:
+        """Yield each request's text as workers write it: per request whose text grew, a
+        :class:`~lmdq.client.stream.StreamChunk` with the text it added (LMDeploy's ``stream_infer``
+        counterpart), then one last chunk carrying its final ``Result``; until every request has ended.
+        Text arrives at the worker's partial interval (``LMDQ_PARTIAL_INTERVAL_S``, 2 s by default), not
+        per token. WaitTimeout after ``timeout`` seconds."""
+        from lmdq.client.stream import stream_batch
+
+        return stream_batch(self.client._store(), self.info(), lambda: self.info(patient=True), timeout=timeout,
+                            poll_interval=poll_interval, max_interval=max_interval)
+
     # ---- Arrow / pandas / Parquet ---------------------------------------------------------------
     def to_arrow(self) -> pa.Table:
         """The final results as a pyarrow Table (schema: :data:`lmdq.results.export.RESULT_COLUMNS`)."""
@@ -529,8 +542,8 @@ class Batch:
         return self.to_arrow().to_pandas()
 
     def to_parquet(self, path: str | Path) -> int:
-        """Write the final results to a Parquet file, streamed (one row group per 10,000 results);
-        returns the rows written."""
+        """Write the final results to a Parquet file, streamed (one row group per 10,000 results or 8 MiB of
+        records, whichever comes first); returns the rows written."""
         from lmdq.results.export import write_parquet
 
         return write_parquet(Path(path), self._raw_records(), batch_json=self.info().model_dump_json())
