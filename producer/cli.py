@@ -167,6 +167,11 @@ def submit(
                                                                  "parameter, per row (repeatable)")] = None,
     template: Annotated[str | None, typer.Option(help="Parquet/CSV: the prompt as a str.format template of "
                                                       "columns, e.g. 'Q: {question}'")] = None,
+    image_column: Annotated[str | None, typer.Option(help="Parquet/CSV: the column holding each row's image (a path "
+                                                          "or URL, or its bytes)")] = None,
+    image_dir: Annotated[Path | None, typer.Option(help="the folder relative image paths resolve against (image_url "
+                                                        "parts, --image-column); workers must see it at the same "
+                                                        "path")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
     plan: Annotated[bool, typer.Option("--plan", help="print the batch's plan (lmdq-producer plan) on stderr "
                                                       "before enqueueing it")] = False,
@@ -214,7 +219,7 @@ def submit(
                 path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
                 prompt_column=prompt_column, messages_column=messages_column,
                 id_column=id_column, model_column=model_column, params_columns=params_column or None,
-                template=template, spell=cli_spell,
+                template=template, image_column=image_column, image_dir=image_dir, spell=cli_spell,
                 validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
                 **generation, **grouping, **batch_options,
             )

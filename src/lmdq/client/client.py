@@ -154,6 +154,8 @@ class Client:
         template: str | None = None,
         endpoint: Endpoint | Literal["chat", "completion", "score", "reward"] | None = None,
         model_column: str | None = None,
+        image_column: str | None = None,
+        image_dir: str | os.PathLike[str] | None = None,
         on_warning: Callable[[str], None] | None = None,
         validate_progress: Progress | None = None,
         enqueue_progress: Progress | None = None,
@@ -182,6 +184,10 @@ class Client:
         above; fields left at LMDeploy's defaults are not passed (lmdq's defaults apply), a field lmdq
         does not support is an InvalidArgument naming it.
 
+        ``image_column``: the column holding each row's image (a path or URL, or the image's bytes); ``image_dir``:
+        the folder relative image paths resolve against, in a file's ``image_url`` parts and an image column
+        alike (issue 48: references are checked at submit, jobs carry them, workers read the bytes).
+
         ``input_name``: what the batch record calls a file ``source`` (``-`` when it is a copy of stdin).
 
         Raises SubmitRejected (bad input: the first bad rows named by row and column, as text and as
@@ -198,11 +204,14 @@ class Client:
         opts, ttl_s = resolve(given, self.settings, model=model, spell=spell,
                               on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
         opts.staging_lease_s = self.settings.staging_lease_s
+        opts.max_image_bytes = self.settings.max_image_bytes
+        if image_dir is not None:
+            opts.image_dir = os.fspath(Path(image_dir).expanduser().absolute())
         try:
             cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
                              params_columns=params_columns, template=template,
                              endpoint=Endpoint(endpoint) if endpoint is not None else None,
-                             model_column=model_column)
+                             model_column=model_column, image_column=image_column)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         src = classify(source, fmt=format, cmap=cmap)
@@ -224,7 +233,8 @@ class Client:
         with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:
-                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress)
+                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress,
+                      images=opts.image_checker())
             opts.fmt = InputFormat.jsonl
             opts.input_name = src.name
             if opts.on_warning is not None:  # the spool is an implementation detail: name the source's rows
