@@ -82,8 +82,9 @@ class ReuseHook:
                              model=str(source))
             return
         cfg = getattr(self.engine, "config", None)
-        config = (cfg.model_dump(mode="json") if isinstance(cfg, BaseModel)
-                  else self.settings.engine_config.model_dump(mode="json"))
+        if not isinstance(cfg, BaseModel):
+            cfg = self.settings.engine_config
+        config = cfg.model_dump(mode="json", exclude=set(getattr(cfg, "reuse_ignores", ())))
         name = str(getattr(self.engine, "name", self.settings.engine_name))
         adapters = self.settings.adapters
         for served in self.served:
