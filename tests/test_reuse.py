@@ -217,3 +217,43 @@ def test_the_embedded_cpu_model_reuses_a_greedy_rerun_but_not_a_one_character_ch
     finally:
         w.stop()
         th.join(60)
+
+
+def test_the_cli_submits_with_reuse_and_shows_and_purges_the_index(
+        client: redis.Redis, redis_url: str, prefix: str, env: dict[str, str], tmp_path: Path) -> None:
+    import json
+
+    import lmdq
+    from lmdq.submission.settings import ProducerSettings
+    from tests.conftest import run_cli
+    from tests.faultkit import submit
+    from tests.helpers import write_jsonl
+
+    f = write_jsonl(tmp_path / "p.jsonl", [{"custom_id": f"c{i}", "prompt": f"p {i}"} for i in range(200)])
+    w = SimWorker(redis_url, prefix)
+    try:
+        ids = []
+        for _ in range(2):
+            b = submit(f, env, "--reuse", "--reuse-ttl", "2d", "--max-new-tokens", "4")
+            assert b["reuse_ttl_s"] == 2 * 86400
+            assert wait_batch(client, prefix, b["id"]).status is BatchStatus.completed
+            ids.append(b["id"])
+        off = submit(f, env, "--max-new-tokens", "4")  # reuse is off by default
+        assert "reuse_ttl_s" not in off or off["reuse_ttl_s"] is None
+        wait_batch(client, prefix, off["id"])
+    finally:
+        w.stop()
+    store = ResultStore(client, keys=Keys(prefix))
+    second = [Result.model_validate_json(raw)
+              for _, raw in ResultReader.of(store, store.batches.get(ids[1])).records(partial=False) if raw]
+    assert {r.reused_from.batch for r in second if r.reused_from} == {ids[0]} and _reused(second) == 200
+    p = run_cli("producer", "reuse", "stats", "--json", env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    st = json.loads(p.stdout)
+    assert (st["model"], st["entries"], st["lookups"], st["hits"]) == ("sim", 200, 400, 200)
+    assert st["hit_rate"] == 0.5 and st["bytes"] > 0
+    py = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix))
+    assert [s.entries for s in py.reuse_stats()] == [200]
+    p = run_cli("producer", "reuse", "purge", "--model", "sim", env=env)
+    assert p.returncode == 0 and b"200 entries" in p.stdout
+    assert py.reuse_stats("sim")[0].entries == 0

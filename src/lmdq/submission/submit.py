@@ -117,6 +117,8 @@ class SubmitOptions:
     input_name: str | None = None
     #: LMDQ_STAGING_LEASE_S: the staging lease this submit renews while it stages (lmdq.settings.CommonSettings)
     staging_lease_s: float = default_of(ProducerSettings, "staging_lease_s")
+    #: ``--reuse`` (issue 47): how long the batch's answers stay reusable; None: the batch does not reuse
+    reuse_ttl_s: int | None = None
 
 
 @dataclass(frozen=True)
@@ -475,6 +477,8 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
         "blob_url": opts.blob_url, "prefix_groups": opts.prefix_groups,
         "prefix_group_bytes": opts.prefix_group_bytes if opts.prefix_groups else None,
     }
+    if opts.reuse_ttl_s is not None:  # only when set: a key bound before issue 47 still matches its re-run
+        options["reuse_ttl_s"] = opts.reuse_ttl_s
     h.update(b"\x00" + json.dumps(options, sort_keys=True).encode())
     return f"file:{h.hexdigest()}"
 
@@ -583,6 +587,7 @@ def submit_file(
                 completion_window_s=opts.completion_window_s,
                 results_url=opts.results_url,
                 blob_url=opts.blob_url,
+                reuse_ttl_s=opts.reuse_ttl_s,
                 created_at=now,
                 expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
             )
