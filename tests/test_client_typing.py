@@ -30,7 +30,7 @@ def test_the_typed_dict_is_generated_from_the_declarations_and_is_current() -> N
 def test_the_typed_dict_keys_are_exactly_the_options_submit_accepts_at_run_time() -> None:
     keys = set(get_type_hints(SubmitKwargs))
     assert keys == set(SubmitKwargs.__optional_keys__) == option_names()
-    assert len(keys) == 33 + 3  # 33 options (issue 47: reuse, reuse_ttl) and their OpenAI names (issue 45)
+    assert len(keys) == 34 + 3  # 34 options (issue 46: deadline; 47: reuse, reuse_ttl) and their OpenAI names
     settings = ProducerSettings()
     for name in keys:  # each one is accepted by the run-time check (None: unset)
         resolve({name: None}, settings, model="m")
@@ -59,6 +59,9 @@ info: lmdq.BatchInfo = batch.wait(timeout=60)
 by_model: dict[str, RequestCounts] = batch.counts_by_model()
 for r in batch.as_completed():
     text: str | None = r.text
+for chunk in batch.stream(timeout=60):
+    delta: str = chunk.text
+    done: lmdq.Result | None = chunk.result
 names = [m.name for m in client.models()[0]]
 gone: bool = client.remove_model("m").registered
 deleted = batch.purge()
@@ -76,6 +79,7 @@ reveal_type(batch.info())
 reveal_type(batch.retry())
 reveal_type(deleted)
 reveal_type(client.redis)
+reveal_type(next(batch.stream()))
 '''
 
 
@@ -127,6 +131,7 @@ def test_the_public_calls_return_their_documented_types(mypy_on_caller: tuple[in
         "lmdq.client.client.Batch",
         "lmdq.submission.ledger.Purged",
         "redis.client.Redis",
+        "lmdq.client.stream.StreamChunk",
     ], out
     assert not [r for r in revealed if "Any" in r]
 
