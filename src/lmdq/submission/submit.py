@@ -119,6 +119,8 @@ class SubmitOptions:
     input_name: str | None = None
     #: LMDQ_STAGING_LEASE_S: the staging lease this submit renews while it stages (lmdq.settings.CommonSettings)
     staging_lease_s: float = default_of(ProducerSettings, "staging_lease_s")
+    #: Unix time the batch should be done by (issue 46: earliest-deadline-first claims); None: none
+    deadline: float | None = None
     #: image inputs (issue 48, lmdq.images.refs): the folder relative image paths resolve against
     #: (``--image-dir``); each reference is checked in pass 1, and a relative path reaches the job absolute
     image_dir: str | None = None
@@ -645,6 +647,7 @@ def submit_file(
                 metadata=opts.metadata,
                 idempotency_key=opts.idempotency_key,
                 completion_window_s=opts.completion_window_s,
+                deadline=opts.deadline,
                 results_url=opts.results_url,
                 blob_url=opts.blob_url,
                 created_at=now,
