@@ -215,7 +215,7 @@ class Client:
                              model_column=model_column, image_column=image_column)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        src = classify(source, fmt=format, cmap=cmap)
+        src = classify(source, fmt=format, cmap=cmap, spell=spell)
         kw: dict[str, Any] = {"client": self.redis, "keys": self.keys, "ttl_s": ttl_s,
                               "validate_progress": validate_progress, "enqueue_progress": enqueue_progress,
                               "max_job_bytes": self.settings.max_job_bytes}

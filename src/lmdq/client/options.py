@@ -351,6 +351,9 @@ def resolve(
             given.pop(alias, None)
     unknown = set(given) - option_names()
     if unknown:
+        if unknown <= set(_lmdeploy_defaults()):  # submit(**asdict(gen_config)): say what takes it (issue 45)
+            raise TypeError(f"submit() got LMDeploy GenerationConfig fields as keywords {sorted(unknown)}; pass the "
+                            "config itself: gen_config=GenerationConfig(...) or gen_config=dataclasses.asdict(...)")
         raise TypeError(f"submit() got unexpected option(s) {sorted(unknown)}; expected some of "
                         f"{sorted(option_names())}")
     values = {k: v for k, v in given.items() if v is not None}
@@ -432,8 +435,14 @@ def resolve(
     return opts, ttl_s
 
 
+#: keywords whose CLI flag is not ``--`` + the keyword with dashes
+_CLI_FLAGS = {"params_columns": "--params-column"}
+
+
 def cli_spell(name: str) -> str:
     """An option as the CLI names it (a bool flag with its negative spelling: ``--do-sample/--greedy``)."""
+    if name in _CLI_FLAGS:
+        return _CLI_FLAGS[name]
     negative = [a.strip(" /") for a in _GENERATION_ALIASES.get(name, ()) if a.startswith(" /")]
     return option_name(name) + (f"/{negative[0]}" if negative else "")
 
@@ -441,6 +450,18 @@ def cli_spell(name: str) -> str:
 if __name__ == "__main__":  # rewrite submit_kwargs.py after an option's declaration changed
     SUBMIT_KWARGS_PATH.write_text(render_submit_kwargs())
     print(f"wrote {SUBMIT_KWARGS_PATH}")
+
+
+def _lmdeploy_defaults() -> dict[str, Any]:
+    """LMDeploy's ``GenerationConfig()`` field values, or nothing where LMDeploy is not installed."""
+    import dataclasses
+
+    try:
+        from lmdeploy import GenerationConfig
+    except Exception:  # not installed (a CPU-only client), or broken: every field counts as given
+        return {}
+    fresh = GenerationConfig()
+    return {f.name: getattr(fresh, f.name) for f in dataclasses.fields(fresh)}
 
 
 def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -453,7 +474,9 @@ def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]
     from lmdq.errors import InvalidArgument
 
     if isinstance(gen_config, Mapping):
-        items, defaults = dict(gen_config), {}
+        # a dict of the fields (``dataclasses.asdict(gen_config)``, issue 45): those at LMDeploy's defaults are
+        # not passed either, where LMDeploy is installed to say what its defaults are
+        items, defaults = dict(gen_config), _lmdeploy_defaults()
     elif dataclasses.is_dataclass(gen_config) and not isinstance(gen_config, type):
         items = {f.name: getattr(gen_config, f.name) for f in dataclasses.fields(gen_config)}
         try:
