@@ -602,6 +602,11 @@ class Batch(_Strict):
     blob_url: str | None = None
     #: ``--reuse``: how long its completed results stay in the reuse index (None: the batch does not reuse)
     reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
+    #: ``--webhook`` (issue 48, lmdq.webhooks): the URL told of the batch's end (and pauses), checked against
+    #: the allow list at submit; read by the batch-end Lua from the record's meta JSON
+    webhook: str | None = None
+    #: whose secret signs the batch's events (the HTTP API's tenant; None: ``default``)
+    webhook_tenant: str | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None
