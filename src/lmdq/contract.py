@@ -276,6 +276,17 @@ def _engine_default(info: FieldInfo) -> Any:
     return extra.get("engine_default") if isinstance(extra, dict) else None
 
 
+_DEFAULTS: dict[str, Any] = {}
+
+
+def _engine_defaults() -> dict[str, Any]:
+    """Every generation parameter's engine default, read from the declarations once (the fields are fixed
+    at import): ``resolved`` runs per request where reuse computes identities (issue 47)."""
+    if not _DEFAULTS:
+        _DEFAULTS.update({name: _engine_default(info) for name, info in GenerationParams.model_fields.items()})
+    return _DEFAULTS
+
+
 class GenerationParams(_Strict):
     """Sampling/stopping parameters, mirroring LMDeploy's ``GenerationConfig`` field for field.
 
@@ -328,7 +339,7 @@ class GenerationParams(_Strict):
     def resolved(self) -> dict[str, Any]:
         """Effective values with LMDeploy's defaults filled in (what every engine must honour); each field
         declares its default beside it (``engine_default``)."""
-        out = {name: _engine_default(info) for name, info in GenerationParams.model_fields.items()}
+        out = dict(_engine_defaults())
         out.update(self.model_dump(exclude_none=True))
         return out
 

@@ -72,15 +72,13 @@ class ReuseIndex:
         ``reused_from`` set, still carrying the source's batch id, index and custom_id)."""
         if not identities:
             return {}
-        pairs, now = self.store.lookup(model, identities)
+        values, now = self.store.lookup(model, identities)
         decoded: dict[int, tuple[bytes, int, bytes]] = {}
-        for pos, (ptr, copy) in enumerate(pairs):
-            for raw, kind in ((ptr, _POINTER), (copy, _COPY)):
-                if isinstance(raw, bytes) and raw[:1] == kind:
-                    got = decode_varints(raw[1:], 1)
-                    if got is not None:
-                        decoded[pos] = (kind, got[0][0], raw[1 + got[1]:])
-                        break
+        for pos, raw in enumerate(values):
+            if raw is not None and raw[:1] in (_POINTER, _COPY):
+                got = decode_varints(raw[1:], 1)
+                if got is not None:
+                    decoded[pos] = (raw[:1], got[0][0], raw[1 + got[1]:])
         sources = self.store.sources(model, (src for _, src, _ in decoded.values()))
         shards: dict[tuple[int, int], dict[int, bytes] | None] = {}
         out: dict[int, Result] = {}
