@@ -613,6 +613,8 @@ class Batch(_Strict):
     blob_url: str | None = None
     #: ``--reuse``: how long its completed results stay in the reuse index (None: the batch does not reuse)
     reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
+    #: ``--reuse``: its requests the reuse index could answer when it was submitted (None: not counted)
+    reusable: int | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None

@@ -72,6 +72,8 @@ RESULT_COLUMNS: list[tuple[str, str, str]] = [
     ("scores", "list<struct<logprob: float64, num_tokens: int64, is_greedy: bool>>",
      "endpoint score: per continuation, sum logprob, tokens, all-argmax (null where unknown)"),
     ("reward", "float64", "endpoint reward: the reward model's score"),
+    ("reused_from", "string", "answered from the reuse index (issue 47): JSON {batch, custom_id} of the request "
+                              "that computed it; null when this request was computed"),
 ]
 
 
@@ -144,6 +146,8 @@ def _columns(raws: list[bytes]) -> dict[str, list[Any]]:
         cols["scores"].append(None if scores is None else [
             {"logprob": x["logprob"], "num_tokens": x["num_tokens"], "is_greedy": x.get("is_greedy")} for x in scores])
         cols["reward"].append(r.get("reward"))
+        reused = r.get("reused_from")
+        cols["reused_from"].append(None if reused is None else json.dumps(reused, sort_keys=True))
     return cols
 
 
