@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPayload, Request, ResultStatus
+from lmdq.gates.keeper import GateKeeper
 from lmdq.jobs.queue import Claim, JobQueue
 from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
@@ -119,6 +120,8 @@ class JobAttempt:
         #: and none of those jobs is charged an attempt; the same rule the engines keep for requests
         self.watch = EngineHealth(min_units=2)
         self._tensors = TensorStore()
+        #: a gated job's results judged as it ends (canary, rolling window: lmdq.gates)
+        self.gates = GateKeeper(store)
 
     def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
             output_refusal: str | None = None) -> AttemptEnd:
@@ -131,6 +134,7 @@ class JobAttempt:
         (:meth:`ResultWriter.seal`); ``held.forget`` then says whether its job hash can go too."""
         end = self._run(held, payload, job, jlog, output_refusal=output_refusal)
         if end.outcome in (Outcome.done, Outcome.failed) and held.abort_reason is not AbortReason.lost:
+            self.writer.call(lambda: self.gates.job_ended(payload, jlog), "judge quality gates")
             entry = self.writer.seal(payload, jlog)
             held.forget = entry is not None and entry.all_completed()
         return end

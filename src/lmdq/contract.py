@@ -206,6 +206,10 @@ class BatchStatus(_Value):
     cancelling = "cancelling"
     cancelled = "cancelled"
     expired = "expired"
+    #: lmdq's own: a quality gate failed (``submit --canary`` / ``--gate-window``, lmdq.gates); nothing more of
+    #: the batch runs until ``resume`` (the rest runs) or ``cancel`` (the rest ends ``cancelled``). Not terminal.
+    #: OpenAI has no such state: the HTTP API shows it as ``in_progress`` with ``lmdq_status: "paused"``.
+    paused = "paused"
 
     @property
     def terminal(self) -> bool:
@@ -398,6 +402,9 @@ class JobPayload(_Strict):
     results_url: str | None = None
     #: the batch's blob store for tensors (logits, hidden states); the worker's LMDQ_BLOB_URL otherwise
     blob_url: str | None = None
+    #: its results feed the batch's quality gates (a canary job, or any job under ``--gate-window``): the
+    #: worker judges them when the job ends (lmdq.gates); False costs nothing
+    gated: bool = False
 
     @model_validator(mode="after")
     def _unique_indices(self) -> JobPayload:

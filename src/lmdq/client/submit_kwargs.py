@@ -39,6 +39,14 @@ class SubmitKwargs(TypedDict, total=False):
     result_ttl: str | float | None
     #: folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)
     blob_url: str | None
+    #: run a sample spread over the file first, e.g. 2% or 50 (requests); the rest runs only if it passes the
+    #: quality gates, else the batch is paused (docs/plan-deadline-canary.md)
+    canary: str | float | None
+    #: a quality gate KEY=VALUE, repeatable: failed=0.1 empty=0.1 length=0.5 json=0 (shares of results allowed
+    #: to fail), match=REGEX, not-match=REGEX, regex=0, tokens=MIN..MAX (mean)
+    gate: list[str] | None
+    #: judge the gates on every N newest results while the batch runs: a batch that goes bad part-way is paused
+    gate_window: int | None
     #: max tokens to generate
     max_new_tokens: int | None
     #: generate at least this many tokens (stop words and eos wait)
