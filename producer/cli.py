@@ -163,10 +163,26 @@ def submit(
                                                                  "parameter, per row (repeatable)")] = None,
     template: Annotated[str | None, typer.Option(help="Parquet/CSV: the prompt as a str.format template of "
                                                       "columns, e.g. 'Q: {question}'")] = None,
+    image_column: Annotated[str | None, typer.Option(help="Parquet/CSV: the column holding each row's image (a path "
+                                                          "or URL, or its bytes)")] = None,
+    image_dir: Annotated[Path | None, typer.Option(help="the folder relative image paths resolve against (image_url "
+                                                        "parts, --image-column); workers must see it at the same "
+                                                        "path")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
+    plan: Annotated[bool, typer.Option("--plan", help="print the batch's plan (lmdq-producer plan) on stderr "
+                                                      "before enqueueing it")] = False,
+    tokenizer: Annotated[str | None, typer.Option(help="with --plan: the model's tokenizer folder")] = None,
 ) -> None:
     """Validate FILE completely, then enqueue it as one batch; prints the batch id."""
     from lmdq.submission.stdin_input import is_stdin, spooled_stdin
+
+    if plan and not is_stdin(file):
+        p = _lmdq().plan(file, model=model, tokenizer=tokenizer, format=fmt, spell=cli_spell, **generation,
+                         **grouping, **batch_options)
+        for line in p.lines():
+            err.print(line, markup=False, highlight=False, soft_wrap=True)
+    elif plan:
+        err.print("--plan: not for stdin (it is read once); plan a file with lmdq-producer plan", markup=False)
 
     show = sys.stderr.isatty() and not as_json
     with Progress(
@@ -181,11 +197,16 @@ def submit(
         t1 = prog.add_task("validating lines", total=None)
         t2 = prog.add_task("staging jobs", total=None, visible=False)
 
+        validated = [0]
+
         def vprog(n: int) -> None:
+            validated[0] = n
             if n % 5000 == 0:
                 prog.update(t1, completed=n)
 
         def eprog(n: int) -> None:
+            # validation is over once staging starts: its count is the file's, not the last multiple of 5,000
+            prog.update(t1, completed=validated[0])
             prog.update(t2, completed=n, visible=True)
 
         with ExitStack() as stack:
@@ -194,11 +215,39 @@ def submit(
                 path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
                 prompt_column=prompt_column, messages_column=messages_column,
                 id_column=id_column, model_column=model_column, params_columns=params_column or None,
-                template=template, spell=cli_spell,
+                template=template, image_column=image_column, image_dir=image_dir, spell=cli_spell,
                 validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
                 **generation, **grouping, **batch_options,
             )
     _print_submitted(batch.last_info, batch.created, as_json)
+
+
+@app.command("plan")
+@model_options(GENERATION_FLAGS, into="generation")
+@model_options(GROUPING_FLAGS, into="grouping")
+def plan_cmd(
+    generation: dict[str, Any],
+    grouping: dict[str, Any],
+    file: Annotated[Path, typer.Argument(help="the file submit would take (.txt, JSONL, OpenAI Batch JSONL, "
+                                              ".parquet, .csv)")],
+    model: Annotated[str | None, typer.Option(envvar="LMDQ_MODEL", help="served model name to plan for")] = None,
+    fmt: Annotated[str | None, typer.Option("--format", help="as for submit")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="folder holding the model's tokenizer.json (and its "
+                                                       "tokenizer_config.json chat template); default: the "
+                                                       "model's own folder or Hugging Face cache entry")] = None,
+    gpu_hour_price: Annotated[float | None, typer.Option(min=0, help="price of one GPU-hour: the plan's cost")
+                              ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as a JSON object")] = False,
+) -> None:
+    """What submitting FILE would take: requests, input and output tokens, shared prefixes, GPU-seconds,
+    ETA and cost, each with what it rests on. Changes nothing in Redis."""
+    p = _lmdq().plan(file, model=model, tokenizer=tokenizer, gpu_hour_price=gpu_hour_price, format=fmt,
+                     spell=cli_spell, **generation, **grouping)
+    if as_json:
+        typer.echo(json.dumps(p.as_dict()))
+        return
+    for line in p.lines():
+        typer.echo(line)
 
 
 @app.command()

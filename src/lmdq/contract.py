@@ -37,8 +37,10 @@ __all__ = [
     "Request",
     "RequestCounts",
     "MAX_SAMPLES",
+    "MAX_REUSE_TTL_S",
     "Result",
     "ResultStatus",
+    "ReusedFrom",
     "Sample",
     "Timings",
 ]
@@ -136,6 +138,8 @@ class ErrorCode(_Value):
     internal_error = "internal_error"
     #: LMDeploy: the engine is not there to take the request
     engine_unavailable = "engine_unavailable"
+    #: an image the request names could not be read by the worker (gone, unreadable, too large, not an image)
+    invalid_image = "invalid_image"
     #: the engine cannot serve what the request asks for with its configuration (e.g. prefix caching + all logits)
     unsupported_feature = "unsupported_feature"
     #: the engine failed the job on its last attempt
@@ -334,21 +338,48 @@ class GenerationParams(_Strict):
 
 
 class ChatMessage(BaseModel):
-    """One OpenAI chat message; content may be a string or a list of text parts."""
+    """One OpenAI chat message; content may be a string or a list of parts: text parts, and image parts
+    ``{"type": "image_url", "image_url": {"url": ...}}`` (issue 48; the url is a reference a worker reads:
+    :mod:`lmdq.images`)."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    def check_parts(self) -> None:
+        """Raise ValueError unless every content part is a text part or a well-formed image part."""
+        if not isinstance(self.content, list):
+            return
+        for part in self.content:
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            if kind == "image_url":
+                img = part.get("image_url")
+                if isinstance(img, dict) and isinstance(img.get("url"), str) and img["url"]:
+                    continue
+                raise ValueError("an image_url part needs {'image_url': {'url': '...'}}")
+            raise ValueError("content parts must be text or image_url parts")
+
+    def image_urls(self) -> list[str]:
+        """The urls of this message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p["image_url"]["url"] for p in self.content
+                if p.get("type") == "image_url" and isinstance(p.get("image_url"), dict)]
+
     def text(self) -> str:
-        """Flatten content parts to text: lmdq serves text-only models."""
+        """Flatten content parts to text, for a text-only model: a message with an image part raises
+        ValueError (a text model must not answer as if it had seen the image)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
+            if part.get("type") == "image_url":
+                raise ValueError("this message has an image part: it needs a vision-language model")
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
             parts.append(part["text"])
@@ -374,7 +405,7 @@ class Request(_Strict):
             raise ValueError("exactly one of 'prompt' or 'messages' is required")
         if self.messages is not None:
             for m in self.messages:
-                m.text()  # raises on non-text parts
+                m.check_parts()  # text and image_url parts only
         if self.endpoint is Endpoint.completion and self.prompt is None:
             raise ValueError("completion requests need 'prompt'")
         if self.endpoint is Endpoint.reward and self.messages is None:
@@ -402,6 +433,9 @@ class JobPayload(_Strict):
     results_url: str | None = None
     #: the batch's blob store for tensors (logits, hidden states); the worker's LMDQ_BLOB_URL otherwise
     blob_url: str | None = None
+    #: the batch takes part in result reuse (issue 47, ``--reuse``): its requests are answered from the reuse
+    #: index where they can be, and its completed results are recorded there for this many seconds
+    reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
     #: its results feed the batch's quality gates (a canary job, or any job under ``--gate-window``): the
     #: worker judges them when the job ends (lmdq.gates); False costs nothing
     gated: bool = False
@@ -479,6 +513,17 @@ class Sample(_Strict):
     error: ErrorInfo | None = None
 
 
+MAX_REUSE_TTL_S = 10 * 365 * 86400
+"""Longest ``--reuse-ttl``: ten years (the index's entries are bytes; what bounds them is the sink)."""
+
+
+class ReusedFrom(_Strict):
+    """Where a reused result's answer was computed (issue 47): that batch and that request's custom_id."""
+
+    batch: str
+    custom_id: str
+
+
 class Result(_Strict):
     """One request's outcome; exactly one final Result per accepted request.
 
@@ -514,6 +559,8 @@ class Result(_Strict):
     scores: list[ContinuationScore] | None = None
     #: endpoint ``reward``: the reward model's score of the chat
     reward: float | None = None
+    #: answered from the reuse index (issue 47), not by the engine: the request whose stored answer this is
+    reused_from: ReusedFrom | None = None
 
     @property
     def final(self) -> bool:
@@ -557,6 +604,8 @@ class Batch(_Strict):
     completion_window_s: float | None = None
     results_url: str | None = None
     blob_url: str | None = None
+    #: ``--reuse``: how long its completed results stay in the reuse index (None: the batch does not reuse)
+    reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None

@@ -74,6 +74,10 @@ class Backend:
             # an HTTP caller has no flag to pass: the model is LMDQ_API_MODEL or each line's body.model
             model_option="LMDQ_API_MODEL",
             allow_unknown_hint=None,
+            # image_url parts (issue 48): local paths only inside LMDQ_API_IMAGE_ROOT, none without one
+            image_root=str(s.api_image_root) if s.api_image_root is not None else None,
+            allow_local_images=s.api_image_root is not None,
+            max_image_bytes=s.max_image_bytes,
         )
         batch: Batch
         batch, _created = submit_file(path, opts, client=self.client, keys=self.keys, ttl_s=s.result_ttl_s,

@@ -175,6 +175,8 @@ def _error_code(field: str | None, message: str) -> ErrorCode:
         return ErrorCode.invalid_url
     if field in ("model", "body.model"):
         return ErrorCode.mismatched_model
+    if field is not None and field.endswith(".image_url.url"):
+        return ErrorCode.invalid_image
     if "JSON" in message:
         return ErrorCode.invalid_json_line
     return ErrorCode.invalid_request

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     import redis
     from typing_extensions import Unpack
 
+    from lmdq.client.stream import StreamChunk
     from lmdq.client.submit_kwargs import SubmitKwargs
+    from lmdq.plan.rules import Plan
     from lmdq.redis.keys import Keys
     from lmdq.registry.store import ModelInfo, RemovedModel
     from lmdq.results.store import ResultStore
@@ -151,6 +153,8 @@ class Client:
         template: str | None = None,
         endpoint: Endpoint | Literal["chat", "completion", "score", "reward"] | None = None,
         model_column: str | None = None,
+        image_column: str | None = None,
+        image_dir: str | os.PathLike[str] | None = None,
         on_warning: Callable[[str], None] | None = None,
         validate_progress: Progress | None = None,
         enqueue_progress: Progress | None = None,
@@ -179,6 +183,10 @@ class Client:
         above; fields left at LMDeploy's defaults are not passed (lmdq's defaults apply), a field lmdq
         does not support is an InvalidArgument naming it.
 
+        ``image_column``: the column holding each row's image (a path or URL, or the image's bytes); ``image_dir``:
+        the folder relative image paths resolve against, in a file's ``image_url`` parts and an image column
+        alike (issue 48: references are checked at submit, jobs carry them, workers read the bytes).
+
         ``input_name``: what the batch record calls a file ``source`` (``-`` when it is a copy of stdin).
 
         Raises SubmitRejected (bad input: the first bad rows named by row and column, as text and as
@@ -195,11 +203,14 @@ class Client:
         opts, ttl_s = resolve(given, self.settings, model=model, spell=spell,
                               on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
         opts.staging_lease_s = self.settings.staging_lease_s
+        opts.max_image_bytes = self.settings.max_image_bytes
+        if image_dir is not None:
+            opts.image_dir = os.fspath(Path(image_dir).expanduser().absolute())
         try:
             cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
                              params_columns=params_columns, template=template,
                              endpoint=Endpoint(endpoint) if endpoint is not None else None,
-                             model_column=model_column)
+                             model_column=model_column, image_column=image_column)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         src = classify(source, fmt=format, cmap=cmap)
@@ -221,7 +232,8 @@ class Client:
         with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:
-                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress)
+                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress,
+                      images=opts.image_checker())
             opts.fmt = InputFormat.jsonl
             opts.input_name = src.name
             if opts.on_warning is not None:  # the spool is an implementation detail: name the source's rows
@@ -234,6 +246,29 @@ class Client:
                     e.problems = tuple(_spooled(p, str(path), src.name) for p in e.problems)
                 raise
         return Batch(self, info.id, created=created, info=info)
+
+    def plan(
+        self,
+        source: Source,
+        *,
+        model: str | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
+        gpu_hour_price: float | None = None,
+        format: str | None = None,  # noqa: A002 - submit's word
+        spell: Spell = _python_name,
+        **options: Unpack[SubmitKwargs],
+    ) -> Plan:
+        """What submitting ``source`` for ``model`` would take, making no change in Redis (issue 46):
+        requests, input tokens (the model's tokenizer and chat template: ``tokenizer`` a folder holding
+        ``tokenizer.json``, else the model's own folder or Hugging Face cache entry, else an estimate),
+        expected output tokens (this model's recorded lengths under each request's max_new_tokens),
+        shared-prefix savings, GPU-seconds and ETA at the throughput its workers measured, cost at
+        ``gpu_hour_price``. Each figure says what it rests on (``plan.*_basis``); ``plan.lines()`` prints
+        it, ``plan.as_dict()`` is its JSON. ``options``: submit's (``max_new_tokens=`` ...)."""
+        from lmdq.client.planning import plan_source
+
+        return plan_source(self.redis, self.keys, self.settings, source, model=model, tokenizer=tokenizer,
+                           gpu_hour_price=gpu_hour_price, fmt=format, spell=spell, options=dict(options))
 
     def batch(self, batch_id: str) -> Batch:
         """The batch ``batch_id`` (BatchNotFound if there is none, or it expired). A batch whose submit died
@@ -491,6 +526,18 @@ class Batch:
                 interval = poll_interval
             info = self.info(patient=True)
 
+    def stream(self, *, timeout: float | None = None, poll_interval: float = 0.25,
+               max_interval: float = 1.0) -> Iterator[StreamChunk]:
+        """Yield each request's text as workers write it: per request whose text grew, a
+        :class:`~lmdq.client.stream.StreamChunk` with the text it added (LMDeploy's ``stream_infer``
+        counterpart), then one last chunk carrying its final ``Result``; until every request has ended.
+        Text arrives at the worker's partial interval (``LMDQ_PARTIAL_INTERVAL_S``, 2 s by default), not
+        per token. WaitTimeout after ``timeout`` seconds."""
+        from lmdq.client.stream import stream_batch
+
+        return stream_batch(self.client._store(), self.info(), lambda: self.info(patient=True), timeout=timeout,
+                            poll_interval=poll_interval, max_interval=max_interval)
+
     # ---- Arrow / pandas / Parquet ---------------------------------------------------------------
     def to_arrow(self) -> pa.Table:
         """The final results as a pyarrow Table (schema: :data:`lmdq.results.export.RESULT_COLUMNS`)."""
@@ -506,8 +553,8 @@ class Batch:
         return self.to_arrow().to_pandas()
 
     def to_parquet(self, path: str | Path) -> int:
-        """Write the final results to a Parquet file, streamed (one row group per 10,000 results);
-        returns the rows written."""
+        """Write the final results to a Parquet file, streamed (one row group per 10,000 results or 8 MiB of
+        records, whichever comes first); returns the rows written."""
         from lmdq.results.export import write_parquet
 
         return write_parquet(Path(path), self._raw_records(), batch_json=self.info().model_dump_json())

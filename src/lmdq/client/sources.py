@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmdq.errors import InputProblem, InvalidArgument, SubmitRejected
+from lmdq.images.refs import ImageChecker
 from lmdq.submission.formats import InputFormat, InputLimits
 from lmdq.submission.formats.tabular import ColumnMap, RowError, RowMapper, chunked
 from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
@@ -78,7 +79,7 @@ def _columns_for(names: Sequence[str], cmap: ColumnMap, name: str) -> list[str]:
     wanted = set(cmap.columns())
     if not (cmap.prompt_column or cmap.messages_column or cmap.template):
         defaults = [c for c in ("prompt", "messages") if c in names]
-        if not defaults:
+        if not defaults and not cmap.image_column:  # an image column alone is a request: the image, no text
             raise SubmitRejected(f"{name}: no 'prompt' or 'messages' column; pass prompt_column=, "
                                  f"messages_column= or template= (the source has: {', '.join(names[:20])})")
         wanted |= {c for c in ("prompt", "messages", "params", "endpoint") if c in names}
@@ -167,7 +168,7 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
         # the columns a prompt, an id or a model come from are text as written, even where they look like
         # numbers ("001", "42": issue 45 refused a numeric-looking prompt column)
         text = {c: pa.string() for c in (cmap.prompt_column or "prompt", cmap.messages_column or "messages",
-                                         cmap.id_column or "custom_id", cmap.model_column) if c}
+                                         cmap.id_column or "custom_id", cmap.model_column, cmap.image_column) if c}
         reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False),
                                convert_options=pcsv.ConvertOptions(column_types=text))
         return RowSource(name, _reader_chunks(reader, cmap, name))
@@ -233,6 +234,7 @@ class _FastPath:
         names = {PARAM_ALIASES.get(p, p) for p in self.params.values()}
         self.ok = (
             cmap.model_column is None  # the fast line has no model: each row's model goes through the row parser
+            and cmap.image_column is None  # nor images: each row's image is checked by the row parser
             and self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
             and self.prompt is not None and self.prompt in schema.names
             and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
@@ -292,7 +294,7 @@ def _row_problem(err: RowError, row: Any) -> InputProblem:
 
 def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20,
           max_requests: int = InputLimits().max_requests,
-          progress: Callable[[int], None] | None = None) -> int:
+          progress: Callable[[int], None] | None = None, images: ImageChecker | None = None) -> int:
     """Validate every row of ``src`` into ``out`` (lmdq JSONL, one line per row: line n is row n-1).
 
     Returns the rows written; raises SubmitRejected naming the first bad rows (up to ``max_errors``)
@@ -300,15 +302,16 @@ def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 
     Memory is flat in the rows: the ids' hashes wait on disk beside ``out`` (:class:`IdHashes`)."""
     directory = os.path.dirname(out.name) if isinstance(getattr(out, "name", None), str) else None
     with IdHashes(directory or None) as hashes:
-        return _spool(src, cmap, out, hashes, max_errors=max_errors, max_requests=max_requests, progress=progress)
+        return _spool(src, cmap, out, hashes, max_errors=max_errors, max_requests=max_requests, progress=progress,
+                      images=images)
 
 
 def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *, max_errors: int,
-           max_requests: int, progress: Callable[[int], None] | None) -> int:
+           max_requests: int, progress: Callable[[int], None] | None, images: ImageChecker | None = None) -> int:
     from lmdq.submission.submit import _h64
 
     problems: list[InputProblem] = []
-    mapper = RowMapper(src.name, cmap)
+    mapper = RowMapper(src.name, cmap, images)
     fast: _FastPath | None = None
     n = 0
     for chunk in src.chunks:
@@ -361,7 +364,8 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
 def _columns_need_columns(cmap: ColumnMap) -> None:
     """Rows that are plain strings have no columns: an option naming one would be silently ignored
     (issue 45: ``prompt_column=`` on a list of strings), so it is an error naming the option."""
-    named = [name for name in ("prompt_column", "messages_column", "id_column", "model_column", "params_columns")
+    named = [name for name in ("prompt_column", "messages_column", "id_column", "model_column", "params_columns",
+                               "image_column")
              if getattr(cmap, name)]
     if named:
         raise InvalidArgument(f"{named[0]}: the rows are strings (each one a prompt), which have no columns; "

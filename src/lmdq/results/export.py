@@ -5,8 +5,9 @@ with ONE schema (:data:`RESULT_COLUMNS`) for ``to_arrow``, ``to_pandas``, ``to_p
 
 One row per request that has a final result, in input order (``row`` is the request's 0-based input
 position, the index a DataFrame source had). Records are converted a chunk at a time
-(:data:`CHUNK_ROWS`) and a Parquet file is written one row group per chunk, so exporting 1 M results
-holds one chunk, not the batch. The batch's own record (id, model, params, metadata) goes into the
+(:data:`CHUNK_ROWS` results or :data:`CHUNK_BYTES` of records, whichever comes first) and a Parquet file
+is written one row group per chunk, so exporting 1 M results of any size holds one chunk, not the batch.
+The batch's own record (id, model, params, metadata) goes into the
 file's key-value metadata under ``lmdq.batch``, not into a column repeated on every row.
 """
 
@@ -22,7 +23,8 @@ from lmdq.errors import LmdqError
 from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
-__all__ = ["CHUNK_ROWS", "RESULT_COLUMNS", "iter_lmdq_lines", "record_batches", "result_schema", "write_parquet"]
+__all__ = ["CHUNK_BYTES", "CHUNK_ROWS", "RESULT_COLUMNS", "iter_lmdq_lines", "record_batches", "result_schema",
+           "write_parquet"]
 
 
 def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -> Iterator[bytes]:
@@ -34,7 +36,11 @@ def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -
 
 
 CHUNK_ROWS = 10_000
-"""Results per record batch / Parquet row group."""
+"""Results per record batch / Parquet row group at most."""
+
+CHUNK_BYTES = 8 << 20
+"""Bytes of result records per record batch / Parquet row group at most (2,000 results of 4 KB): what
+keeps an export's memory flat whatever the texts' length (:func:`record_batches`)."""
 
 #: (column, Arrow type, what it holds). ``logprobs`` is nested; ``tensors`` is the JSON of the refs.
 RESULT_COLUMNS: list[tuple[str, str, str]] = [
@@ -141,18 +147,33 @@ def _columns(raws: list[bytes]) -> dict[str, list[Any]]:
     return cols
 
 
-def record_batches(records: Iterable[bytes], chunk: int = CHUNK_ROWS) -> Iterator[Any]:
-    """Final result records (raw JSON, input order) -> record batches of :func:`result_schema`."""
-    pa = _pa()
+def record_batches(records: Iterable[bytes], chunk: int = CHUNK_ROWS,
+                   chunk_bytes: int | None = None) -> Iterator[Any]:
+    """Final result records (raw JSON, input order) -> record batches of :func:`result_schema`, each cut
+    at ``chunk`` rows or ``chunk_bytes`` (default :data:`CHUNK_BYTES`) of records, whichever comes first.
+
+    Why by bytes too: a chunk is held three ways at once while it is converted (the raw records, their
+    parsed columns, the Arrow arrays), so 10,000 results of 4 KB held ~300 MB (issue 49: 450 MB peak RSS
+    at 100,000 results). Each form is dropped as soon as the next one is built, so at most two are held."""
     schema = result_schema()
+    limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     buf: list[bytes] = []
+    size = 0
     for raw in records:
         buf.append(raw)
-        if len(buf) >= chunk:
-            yield pa.RecordBatch.from_pydict(_columns(buf), schema=schema)
-            buf = []
+        size += len(raw)
+        if len(buf) >= chunk or size >= limit:
+            yield _to_batch(buf, schema)  # not bound here: the caller's reference is the only one
+            size = 0
     if buf:
-        yield pa.RecordBatch.from_pydict(_columns(buf), schema=schema)
+        yield _to_batch(buf, schema)
+
+
+def _to_batch(buf: list[bytes], schema: Any) -> Any:
+    """One record batch of the records in ``buf``, which is emptied before the Arrow arrays are built."""
+    cols = _columns(buf)
+    buf.clear()
+    return _pa().RecordBatch.from_pydict(cols, schema=schema)  # the parsed columns go on return
 
 
 def schema_with_batch(batch_json: str) -> Any:
@@ -175,6 +196,7 @@ def write_parquet(path: Path, records: Iterable[bytes], *, batch_json: str) -> i
             for rb in record_batches(records):
                 w.write_batch(rb)
                 n += rb.num_rows
+                del rb  # written: not held while the next chunk is converted
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
