@@ -89,6 +89,10 @@ def _print_batch(b: Batch, as_json: bool) -> None:
         f"{b.id}  {b.status.value}  {_model_field(b)}  total={c.total} completed={c.completed} "
         f"failed={c.failed} cancelled={c.cancelled} expired={c.expired}"
     )
+    if b.deadline is not None:  # issue 46
+        import datetime as dt
+
+        _echo_fit(f"  deadline={dt.datetime.fromtimestamp(b.deadline, dt.timezone.utc).isoformat(timespec='seconds')}")
     for m, mc in (b.model_counts or {}).items():  # a batch over several models: a line per model
         _echo_fit(f"  model={m}  total={mc.total} completed={mc.completed} failed={mc.failed} "
                   f"cancelled={mc.cancelled} expired={mc.expired}")
@@ -270,10 +274,11 @@ def status(
     gates = handle.gates()
     if as_json and gates is not None:  # the batch record with its gates beside it (lmdq's own key)
         typer.echo(json.dumps({**json.loads(_redacted(b).model_dump_json()), "gates": gates}))
-        return
-    _print_batch(b, as_json)
-    if gates is not None:
-        _print_gates(b, gates)
+    else:
+        _print_batch(b, as_json)
+        if gates is not None:
+            _print_gates(b, gates)
+    _warn_deadline(handle)
 
 
 def _print_gates(b: Batch, gates: dict[str, Any]) -> None:
@@ -292,6 +297,28 @@ def _print_gates(b: Batch, gates: dict[str, Any]) -> None:
             why = f"  ({ex['why']})" if ex.get("why") else ""
             typer.echo(f"    line {int(ex.get('i', 0)) + 1} {ex.get('id', '')}: {ex.get('x', '')!r}{why}")
     typer.echo(f"  resume: lmdq-producer resume {b.id}    cancel: lmdq-producer cancel {b.id}")
+
+
+def _warn_deadline(handle: ClientBatch) -> None:
+    """A batch projected to finish after its deadline says so on stderr (issue 46), before it misses it."""
+    o = handle.outlook()
+    line = o.warning() if o is not None else None
+    if line:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def deadline(
+    batch_id: Annotated[str, typer.Argument()],
+    when: Annotated[str, typer.Argument(help="ISO 8601 with its zone (2026-12-06T07:00Z) or Unix time")],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Move an open batch's deadline: its waiting jobs take their new place (earliest deadline first)."""
+    handle = _lmdq().batch(batch_id)
+    value: str | float = float(when) if when.replace(".", "", 1).isdigit() else when
+    _print_batch(handle.set_deadline(value, spell=lambda n: f"{cli_spell(n) if n != 'deadline' else 'WHEN'}"),
+                 as_json)
+    _warn_deadline(handle)
 
 
 def _progress(handle: ClientBatch, interval: float, *, show: bool = True) -> BatchProgress:

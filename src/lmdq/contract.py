@@ -602,6 +602,9 @@ class Batch(_Strict):
     metadata: dict[str, str] = Field(default_factory=dict)
     idempotency_key: str | None = None
     completion_window_s: float | None = None
+    #: Unix time the batch should be done by (``submit --deadline``, issue 46): its jobs are claimed
+    #: earliest-deadline-first within their priority class, and the fleet is sized for it
+    deadline: float | None = None
     results_url: str | None = None
     blob_url: str | None = None
     #: ``--reuse``: how long its completed results stay in the reuse index (None: the batch does not reuse)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
     from lmdq.client.stream import StreamChunk
     from lmdq.client.submit_kwargs import SubmitKwargs
+    from lmdq.plan.deadlines import Outlook
     from lmdq.plan.rules import Plan
     from lmdq.redis.keys import Keys
     from lmdq.registry.store import ModelInfo, RemovedModel
@@ -584,6 +585,23 @@ class Batch:
         c._ledger().notice_interrupted([self.id])
         self._info = cancel_batch(c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s)
         return self._info
+
+    def set_deadline(self, when: str | float, *, spell: Spell = _python_name) -> BatchInfo:
+        """Move the batch's deadline (ISO 8601 with its zone, or Unix time; issue 46): its waiting jobs take
+        their new place in the queue (earliest deadline first) at once. Returns the record."""
+        from lmdq.client.planning import set_deadline
+
+        c = self.client
+        set_deadline(c.redis, c.keys, self.info(), when, spell=spell)
+        return self.info()
+
+    def outlook(self) -> Outlook | None:
+        """When the batch is projected to finish against its deadline (``outlook.misses``,
+        ``outlook.warning()``), from its measured rate and what remains; None without a deadline or ended."""
+        from lmdq.client.planning import outlook_of
+
+        c = self.client
+        return outlook_of(c.redis, c.keys, self.info())
 
     def retry(self, *, include_cancelled: bool = False, include_expired: bool = False,
               priority: Priority | str | None = None, idempotency_key: str | None = None) -> Batch:

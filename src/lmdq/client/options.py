@@ -45,6 +45,7 @@ __all__ = [
     "Spell",
     "option_fields",
     "option_names",
+    "parse_deadline",
     "parse_duration",
     "parse_window",
     "render_submit_kwargs",
@@ -85,6 +86,9 @@ class BatchOptions(BaseModel):
     idempotency_key: str | None = Field(default=None, description="same key → same batch, never enqueued twice")
     completion_window: str | float | None = Field(
         default=None, description="with its unit, e.g. 24h, 90m, 2d: requests not started by then expire")
+    deadline: str | float | None = Field(
+        default=None, description="when the batch should be done, ISO 8601 with its zone (2026-12-06T07:00Z) or "
+        "Unix time: claimed earliest-deadline-first, the fleet sized for it, a warning once it is projected to miss")
     allow_unknown_model: bool = Field(
         default=False, description="queue even if MODEL is neither registered (`models add`) nor served by a worker")
     results_url: str | None = Field(
@@ -130,6 +134,7 @@ _CLI_TYPES: dict[str, tuple[Any, Callable[[Any], Any] | None]] = {
     "metadata": (list[str], _parse_metadata),
     "json_schema": (Path, _read_schema),
     "completion_window": (str, None),
+    "deadline": (str, None),
     "result_ttl": (str, None),
     "canary": (str, None),
     "gate": (list[str], None),
@@ -268,6 +273,17 @@ def parse_duration(value: str | float | None, name: str) -> float | None:
     return v
 
 
+def parse_deadline(value: str | float | None, name: str, *, now: float | None = None) -> float | None:
+    """``--deadline`` / ``deadline=`` as Unix time (:func:`lmdq.plan.deadlines.parse_deadline`); a bad one
+    is SubmitRejected naming the option."""
+    from lmdq.plan.deadlines import parse_deadline as parse
+
+    try:
+        return parse(value, now=now)
+    except ValueError as e:
+        raise _rejected(name, str(e), value) from None
+
+
 def parse_window(value: str | float | None, name: str) -> float | None:
     """``completion_window`` as text takes a unit (``24h``, as OpenAI's ``completion_window``): a bare
     ``2`` could mean 2 hours as easily as 2 seconds, and a window that is silently 2 s expires everything.
@@ -382,6 +398,7 @@ def resolve(
             grouping[name] = getattr(settings, name)
     gates = _gates(b, spell)
     window_s = parse_window(b.completion_window, spell("completion_window"))
+    deadline = parse_deadline(b.deadline, spell("deadline"))
     ttl = parse_duration(b.result_ttl, spell("result_ttl"))
     ttl_s = settings.result_ttl_s if ttl is None else int(ttl)
     # every key of the batch expires this long after the batch ENDS (lmdq.results.store): any TTL covers the run,
@@ -408,6 +425,7 @@ def resolve(
         on_warning=on_warning,
         gates=gates,
     )
+    opts.deadline = deadline
     if gates is not None and gates.canary is not None:
         opts.first_jobs = None  # the canary is spread over the whole file: it is staged before anything runs
     return opts, ttl_s

@@ -208,13 +208,13 @@ table.insert(out, 1, 'window')
 return out
 """)
 
-# ``lmdq_push_held(held, qkey, queues)``: every job id on the list ``held`` onto its queue (PUSH_JOBS' rules),
-# the list deleted; returns how many.
+# ``lmdq_push_held(held, qkey, queues, bkey)``: every job id on the list ``held`` onto its queue (PUSH_JOBS'
+# rules: in the batch ``bkey``'s deadline order), the list deleted; returns how many.
 PUSH_HELD = Fragment("push_held", """
-local function lmdq_push_held(held, qkey, queues)
+local function lmdq_push_held(held, qkey, queues, bkey)
   local n = redis.call('LLEN', held)
   for s = 0, n - 1, 4000 do
-    lmdq_push(qkey, redis.call('LRANGE', held, s, s + 3999), queues)
+    lmdq_push(qkey, redis.call('LRANGE', held, s, s + 3999), queues, bkey)
   end
   redis.call('DEL', held)
   return n
@@ -226,7 +226,7 @@ RELEASE = LuaScript("gates_release", f"""
 if redis.call('HSETNX', KEYS[1], 'verdict', 'passed') == 0 then return -1 end
 local st = redis.call('HGET', KEYS[3], '{F.status}')
 if not ({_RUNNING}) then return -2 end
-local n = lmdq_push_held(KEYS[2], ARGV[1], KEYS[5])
+local n = lmdq_push_held(KEYS[2], ARGV[1], KEYS[5], KEYS[3])
 redis.call('DEL', KEYS[4])
 if n > 0 then for i = 6, #KEYS do lmdq_wake(KEYS[i]) end end
 return n
@@ -265,7 +265,7 @@ return 1
 # KEYS: gates hash, held list, batch hash, seen list, rq queues set, wake lists... ARGV: queue key, now.
 RESUME = LuaScript("gates_resume", f"""
 if redis.call('HGET', KEYS[3], '{F.status}') ~= '{BatchStatus.paused.value}' then return -1 end
-local n = lmdq_push_held(KEYS[2], ARGV[1], KEYS[5])
+local n = lmdq_push_held(KEYS[2], ARGV[1], KEYS[5], KEYS[3])
 redis.call('DEL', KEYS[4])
 local to = '{BatchStatus.queued.value}'
 if redis.call('HEXISTS', KEYS[3], '{F.in_progress_at}') == 1 then to = '{BatchStatus.in_progress.value}' end

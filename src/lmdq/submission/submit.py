@@ -40,9 +40,9 @@ from lmdq.batches.headroom import check_batch_fits
 from lmdq.batches.staging import IDS_CHUNK
 from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.gates.config import GateConfig
 from lmdq.images.parts import image_urls
 from lmdq.images.refs import ImageChecker, ImageRefError
-from lmdq.gates.config import GateConfig
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
 from lmdq.results.output_urls import check_submit_urls
@@ -120,6 +120,8 @@ class SubmitOptions:
     input_name: str | None = None
     #: LMDQ_STAGING_LEASE_S: the staging lease this submit renews while it stages (lmdq.settings.CommonSettings)
     staging_lease_s: float = default_of(ProducerSettings, "staging_lease_s")
+    #: Unix time the batch should be done by (issue 46: earliest-deadline-first claims); None: none
+    deadline: float | None = None
     #: image inputs (issue 48, lmdq.images.refs): the folder relative image paths resolve against
     #: (``--image-dir``); each reference is checked in pass 1, and a relative path reaches the job absolute
     image_dir: str | None = None
@@ -649,6 +651,7 @@ def submit_file(
                 metadata=opts.metadata,
                 idempotency_key=opts.idempotency_key,
                 completion_window_s=opts.completion_window_s,
+                deadline=opts.deadline,
                 results_url=opts.results_url,
                 blob_url=opts.blob_url,
                 created_at=now,
