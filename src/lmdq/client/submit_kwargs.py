@@ -50,6 +50,13 @@ class SubmitKwargs(TypedDict, total=False):
     gate: list[str] | None
     #: judge the gates on every N newest results while the batch runs: a batch that goes bad part-way is paused
     gate_window: int | None
+    #: never pay twice: a greedy (or seeded, where the engine repeats seeds) request identical to one already
+    #: completed on the same weights and engine settings is answered from its stored result (reused_from says
+    #: which), and this batch's answers are kept for later batches (default LMDQ_REUSE, off)
+    reuse: bool | None
+    #: with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h (default LMDQ_REUSE_TTL_S, 30
+    #: days)
+    reuse_ttl: str | float | None
     #: max tokens to generate
     max_new_tokens: int | None
     #: generate at least this many tokens (stop words and eos wait)
