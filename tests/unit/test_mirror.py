@@ -35,7 +35,6 @@ NO_UNIT_TEST_YET = {
     "src/lmdq/redis/scripts.py",
     "src/lmdq/registry/store.py",
     "src/lmdq/results/blobs.py",
-    "src/lmdq/results/export.py",
     "src/lmdq/results/reader.py",
     "src/lmdq/results/worker_sink.py",
     "src/lmdq/results/writer.py",

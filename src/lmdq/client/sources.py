@@ -184,7 +184,7 @@ def classify(source: Any, *, fmt: str | None, cmap: ColumnMap) -> FileSource | R
         kind = fmt or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
         if kind in TABULAR_FORMATS:
             return _tabular_file(path, kind, cmap)
-        if cmap != ColumnMap():
+        if cmap != ColumnMap(endpoint=cmap.endpoint):  # endpoint= applies to files too (every line's endpoint)
             raise SubmitRejected(f"{path}: column options (prompt_column=, id_column=, template= ...) apply to "
                                  "Parquet, CSV, Arrow and Python rows, not to a prompt file")
         return FileSource(path, FILE_FORMATS[kind] if kind else None)
@@ -233,7 +233,8 @@ class _FastPath:
         names = {PARAM_ALIASES.get(p, p) for p in self.params.values()}
         self.ok = (
             cmap.model_column is None  # the fast line has no model: each row's model goes through the row parser
-            and self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
+            # score rows carry continuations: the row parser
+            and self.endpoint in (None, "chat", "completion", "embedding")
             and self.prompt is not None and self.prompt in schema.names
             and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
             and (self.id is None or (self.id in schema.names and (
