@@ -404,6 +404,28 @@ def producer(
 
 
 @app.command()
+def export(
+    n: Annotated[int, typer.Option(help="results in the batch")] = 100_000,
+    record_bytes: Annotated[int, typer.Option(help="bytes of each result record (about)")] = 4096,
+    per_job: Annotated[int, typer.Option(help="results per shard (job)")] = 1000,
+    in_redis: Annotated[bool, typer.Option(help="results in the batch's Redis hash instead of sealed shards "
+                                                "(n x record bytes of Redis memory: keep n small)")] = False,
+    jsonl: Annotated[bool, typer.Option(help="also time results -o out.jsonl")] = True,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o")] = None,
+) -> None:
+    """Peak RSS of ``lmdq-producer results -o out.parquet`` for N results of ~4 KB (issue 49: under 300 MB at
+    1,000,000); the LAST line is JSON."""
+    from lmdq_bench.export_memory import run_export_bench
+    from lmdq_bench.local_redis import local_redis
+
+    with local_redis(redis_url) as url:
+        res = run_export_bench(n=n, record_bytes=record_bytes, per_job=per_job, in_redis=in_redis, jsonl=jsonl,
+                               redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
+    _emit(res, output)
+
+
+@app.command()
 def fleet(
     workers: Annotated[int, typer.Option(help="sim worker processes in the fleet run")] = 2,
     capacity: Annotated[int, typer.Option(help="engine slots per worker (--sim-max-batch)")] = 2048,

@@ -167,9 +167,20 @@ def submit(
                                                      "embedding (default: each line's own, else chat); a .txt's "
                                                      "lines take chat, completion or embedding")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
+    plan: Annotated[bool, typer.Option("--plan", help="print the batch's plan (lmdq-producer plan) on stderr "
+                                                      "before enqueueing it")] = False,
+    tokenizer: Annotated[str | None, typer.Option(help="with --plan: the model's tokenizer folder")] = None,
 ) -> None:
     """Validate FILE completely, then enqueue it as one batch; prints the batch id."""
     from lmdq.submission.stdin_input import is_stdin, spooled_stdin
+
+    if plan and not is_stdin(file):
+        p = _lmdq().plan(file, model=model, tokenizer=tokenizer, format=fmt, spell=cli_spell, **generation,
+                         **grouping, **batch_options)
+        for line in p.lines():
+            err.print(line, markup=False, highlight=False, soft_wrap=True)
+    elif plan:
+        err.print("--plan: not for stdin (it is read once); plan a file with lmdq-producer plan", markup=False)
 
     show = sys.stderr.isatty() and not as_json
     with Progress(
@@ -184,11 +195,16 @@ def submit(
         t1 = prog.add_task("validating lines", total=None)
         t2 = prog.add_task("staging jobs", total=None, visible=False)
 
+        validated = [0]
+
         def vprog(n: int) -> None:
+            validated[0] = n
             if n % 5000 == 0:
                 prog.update(t1, completed=n)
 
         def eprog(n: int) -> None:
+            # validation is over once staging starts: its count is the file's, not the last multiple of 5,000
+            prog.update(t1, completed=validated[0])
             prog.update(t2, completed=n, visible=True)
 
         with ExitStack() as stack:
@@ -213,6 +229,34 @@ def _endpoint(value: str | None) -> Endpoint | None:
     except ValueError:
         raise SubmitRejected(f"--endpoint: expected one of {' | '.join(e.value for e in Endpoint)}, "
                              f"got {value!r}") from None
+
+
+@app.command("plan")
+@model_options(GENERATION_FLAGS, into="generation")
+@model_options(GROUPING_FLAGS, into="grouping")
+def plan_cmd(
+    generation: dict[str, Any],
+    grouping: dict[str, Any],
+    file: Annotated[Path, typer.Argument(help="the file submit would take (.txt, JSONL, OpenAI Batch JSONL, "
+                                              ".parquet, .csv)")],
+    model: Annotated[str | None, typer.Option(envvar="LMDQ_MODEL", help="served model name to plan for")] = None,
+    fmt: Annotated[str | None, typer.Option("--format", help="as for submit")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="folder holding the model's tokenizer.json (and its "
+                                                       "tokenizer_config.json chat template); default: the "
+                                                       "model's own folder or Hugging Face cache entry")] = None,
+    gpu_hour_price: Annotated[float | None, typer.Option(min=0, help="price of one GPU-hour: the plan's cost")
+                              ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as a JSON object")] = False,
+) -> None:
+    """What submitting FILE would take: requests, input and output tokens, shared prefixes, GPU-seconds,
+    ETA and cost, each with what it rests on. Changes nothing in Redis."""
+    p = _lmdq().plan(file, model=model, tokenizer=tokenizer, gpu_hour_price=gpu_hour_price, format=fmt,
+                     spell=cli_spell, **generation, **grouping)
+    if as_json:
+        typer.echo(json.dumps(p.as_dict()))
+        return
+    for line in p.lines():
+        typer.echo(line)
 
 
 @app.command()

@@ -214,8 +214,8 @@ def test_bad_file_fails_with_line_numbered_errors(api: ApiProcess) -> None:
     for e in errs:  # messages name the uploaded file, never the server's path to it
         assert e.message and str(api.files_dir) not in e.message
     assert b.output_file_id is None and b.request_counts is not None and b.request_counts.total == 0
-    # nothing was enqueued: a failed batch is not in lmdq at all
-    assert b.model is None
+    # nothing was enqueued: a failed batch is not in lmdq at all; its model is the file's, from creation (issue 45)
+    assert b.model == "sim"
 
 
 def test_cancel_a_queued_batch(api: ApiProcess) -> None:

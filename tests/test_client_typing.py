@@ -59,6 +59,9 @@ info: lmdq.BatchInfo = batch.wait(timeout=60)
 by_model: dict[str, RequestCounts] = batch.counts_by_model()
 for r in batch.as_completed():
     text: str | None = r.text
+for chunk in batch.stream(timeout=60):
+    delta: str = chunk.text
+    done: lmdq.Result | None = chunk.result
 names = [m.name for m in client.models()[0]]
 gone: bool = client.remove_model("m").registered
 deleted = batch.purge()
@@ -76,6 +79,7 @@ reveal_type(batch.info())
 reveal_type(batch.retry())
 reveal_type(deleted)
 reveal_type(client.redis)
+reveal_type(next(batch.stream()))
 '''
 
 
@@ -127,6 +131,7 @@ def test_the_public_calls_return_their_documented_types(mypy_on_caller: tuple[in
         "lmdq.client.client.Batch",
         "lmdq.submission.ledger.Purged",
         "redis.client.Redis",
+        "lmdq.client.stream.StreamChunk",
     ], out
     assert not [r for r in revealed if "Any" in r]
 

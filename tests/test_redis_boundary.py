@@ -46,8 +46,10 @@ STORE_MODULES: dict[str, set[str]] = {
                        "src/lmdq/jobs/leases.py", "src/lmdq/jobs/reads.py", "src/lmdq/jobs/rq_records.py",
                        "src/lmdq/jobs/wakeup.py"},
     "src/lmdq/metrics/": {"src/lmdq/metrics/queue_stats.py"},
+    "src/lmdq/plan/": {"src/lmdq/plan/store.py"},
     "src/lmdq/registry/": {"src/lmdq/registry/store.py"},
     "src/lmdq/results/": {"src/lmdq/results/sink.py", "src/lmdq/results/store.py"},
+    "src/lmdq/reuse/": {"src/lmdq/reuse/store.py"},
     "bench/": {"bench/keyspace.py"},  # the lab's key scans (only the benches and their tests use them)
 }
 STORES: set[str] = set().union(*STORE_MODULES.values())

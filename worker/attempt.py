@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPayload, Request, ResultStatus
+from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPayload, Request, Result, ResultStatus
 from lmdq.jobs.queue import Claim, JobQueue
 from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
@@ -28,7 +28,9 @@ from lmdq.worker.admission import EngineGate
 from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent
 from lmdq.worker.engines.engine_health import EngineHealth
 from lmdq.worker.outcomes import MAX_RUNS, SUSPECT_AFTER_CRASHES, AbortReason, AttemptEnd, Outcome
+from lmdq.worker.plan_recorder import PlanRecorder
 from lmdq.worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
+from lmdq.worker.reuse import ReuseHook
 from lmdq.worker.samples import SampleSet, fan_out
 from lmdq.worker.settings import WorkerSettings
 from lmdq.worker.tensor_store import TensorStore
@@ -70,6 +72,10 @@ class Held:
     forget: bool = False
     #: final results queued for the writer (ResultWriter.final_async), waited for before the attempt ends
     writes: list[PendingWrite] = field(default_factory=list)
+    #: issue 47, a batch with ``--reuse``: its requests' identities (index -> identity, the qualifying ones)
+    #: and the completed results this attempt computed, recorded in the reuse index when the job ends
+    reuse_ids: dict[int, bytes] = field(default_factory=dict)
+    fresh: list[Result] = field(default_factory=list)
 
     def stop(self, reason: AbortReason) -> bool:
         """Abort the job's in-flight requests for ``reason`` (the first reason wins). True if new."""
@@ -100,6 +106,7 @@ class JobAttempt:
         health: Any | None = None,
         clock: Callable[[], float] = time.time,
         request_done: Callable[[Held], None] | None = None,
+        reuse: ReuseHook | None = None,
     ) -> None:
         self.engine = engine
         self.jobs = jobs
@@ -118,7 +125,11 @@ class JobAttempt:
         #: EngineError at once (at least two, no request finishing in between) is the engine's death,
         #: and none of those jobs is charged an attempt; the same rule the engines keep for requests
         self.watch = EngineHealth(min_units=2)
+        #: result reuse (issue 47): answers a ``--reuse`` batch's requests from the index before the engine
+        self.reuse = reuse
         self._tensors = TensorStore()
+        #: output lengths and tok/s for later batches' plans (issue 46)
+        self.plan = PlanRecorder.for_attempt(self)
 
     def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
             output_refusal: str | None = None) -> AttemptEnd:
@@ -130,9 +141,13 @@ class JobAttempt:
         results: with a results URL its shard is written and its records leave Redis
         (:meth:`ResultWriter.seal`); ``held.forget`` then says whether its job hash can go too."""
         end = self._run(held, payload, job, jlog, output_refusal=output_refusal)
+        sealed = False
         if end.outcome in (Outcome.done, Outcome.failed) and held.abort_reason is not AbortReason.lost:
             entry = self.writer.seal(payload, jlog)
             held.forget = entry is not None and entry.all_completed()
+            sealed = entry is not None and payload.results_url is not None
+        if self.reuse is not None and held.fresh:
+            self.reuse.record(payload, held.fresh, held.reuse_ids, sealed=sealed)
         return end
 
     def _run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
@@ -203,12 +218,36 @@ class JobAttempt:
                 todo = [r for r in todo if r.index != claim.killer]
                 if not todo:
                     return AttemptEnd(Outcome.done)
+        if self.reuse is not None and payload.reuse_ttl_s is not None:
+            todo = self._reuse(held, payload, todo, enq, jlog)
+            if not todo:
+                return AttemptEnd(Outcome.done)
         if claim.crashes >= SUSPECT_AFTER_CRASHES:
             return self._run_alone(held, payload, todo, results, jlog)
         with self.gate.shared(held.abort) as entered:
             if not entered:
                 return self._stopped(held)
             return self._stream(held, payload, todo, results, jlog)
+
+    def _reuse(self, held: Held, payload: JobPayload, todo: list[Request], enq: float | None,
+               jlog: Any) -> list[Request]:
+        """Answer what the reuse index holds (issue 47); returns the requests left for the engine."""
+        assert self.reuse is not None
+        held.reuse_ids = self.reuse.identities(payload, todo)
+        if not held.reuse_ids:
+            return todo
+        hits = self.reuse.answers(payload, todo, held.reuse_ids, worker=self.worker,
+                                  attempt=min(held.claim.attempt, self.s.max_attempts), enqueued_at=enq,
+                                  now=self.clock())
+        if not hits:
+            return todo
+        for result in hits.values():
+            held.writes.append(self.writer.final_async(result))
+            if self.request_done is not None:
+                self.request_done(held)
+        self.writer.wait(held.writes)
+        jlog.info("answered from reuse", reused=len(hits), left=len(todo) - len(hits))
+        return [r for r in todo if r.index not in hits]
 
     def _run_alone(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
                    jlog: Any) -> AttemptEnd:
@@ -236,9 +275,11 @@ class JobAttempt:
 
     def _stream(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
                 jlog: Any) -> AttemptEnd:
+        self.plan.enter(payload)
         try:
             return self._stream_once(held, payload, todo, results, jlog)
         finally:  # every result handed to the writer is in Redis before the job can be released
+            self.plan.leave()
             self.writer.wait(held.writes)
 
     def _stream_once(self, held: Held, payload: JobPayload, todo: list[Request], results: ResultBuilder,
@@ -329,6 +370,8 @@ class JobAttempt:
         if ev.prefill_token_len is not None:
             result.prefill_token_len = ev.prefill_token_len
         held.writes.append(self.writer.final_async(result))
+        if status is ResultStatus.completed and lv.req.index in held.reuse_ids:
+            held.fresh.append(result)
         self._account(lv, results, status, lv.gen_len, ev.prefill_token_len, now)
 
     def _advance(self, ev: EngineEvent, lv: LiveRequest, results: ResultBuilder, held: Held, now: float, *,
@@ -366,6 +409,8 @@ class JobAttempt:
 
     def _account(self, lv: LiveRequest, results: ResultBuilder, status: ResultStatus, generated: int,
                  prefilled: int | None, now: float) -> None:
+        self.plan.request(results.payload, lv.req, generated=generated, completed=status is ResultStatus.completed,
+                          prefilled=lv.input_len if prefilled is None else prefilled)
         if self.health:
             self.health.request_finished(
                 status=status.value,
@@ -402,4 +447,6 @@ class JobAttempt:
         known = [s.prefill_token_len for s in got]
         result.prefill_token_len = None if None in known else sum(k for k in known if k is not None)
         held.writes.append(self.writer.final_async(result))
+        if status is ResultStatus.completed and lv.req.index in held.reuse_ids:
+            held.fresh.append(result)
         self._account(lv, results, status, samples.generated, result.prefill_token_len, now)

@@ -48,6 +48,7 @@ from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine, engine_capacity
 from lmdq.worker.idle import IdleWaiter
 from lmdq.worker.outcomes import EXIT_ENGINE_DEAD, AbortReason, AttemptEnd, Outcome
+from lmdq.worker.reuse import ReuseHook
 from lmdq.worker.samples import engine_rows
 from lmdq.worker.settings import WorkerSettings
 
@@ -132,9 +133,12 @@ class Worker:
                                 timeout_s=settings.sink_timeout_s, retry_max_s=settings.sink_retry_max_s,
                                 ttl_s=settings.result_ttl_s, stopping=self._stop, on_retry=self._redis_retry)
         self.writer = ResultWriter(self.store, log=self.log, give_up=self._give_up, sink=self.sink)
+        #: result reuse (issue 47): the worker keys are computed at start (run), before any claim
+        self.reuse = ReuseHook(client, keys=self.keys, engine=engine, settings=settings, served=self.served,
+                               log=self.log)
         self.attempt = JobAttempt(engine=engine, jobs=self.jobs, store=self.store, writer=self.writer,
                                   settings=settings, worker=self.name, gate=self.gate, health=health, clock=clock,
-                                  request_done=self._request_done)
+                                  request_done=self._request_done, reuse=self.reuse)
         #: jobs: attempts that ran; finished/failed_jobs: jobs released as done (RQ's job counts)
         self._counts = {"jobs": 0, "requeued": 0, "refused": 0, "finished": 0, "failed_jobs": 0}
         #: an idle worker's sleep in Redis (None: polls every poll_interval_s; set up by run())
@@ -174,6 +178,7 @@ class Worker:
         """Bootstrap → loop → teardown. Returns the process exit code: 0, or
         :data:`EXIT_ENGINE_DEAD` when the engine died."""
         self.registry.register(pid=os.getpid())
+        self.reuse.start()
         hb = threading.Thread(target=self._heartbeat_loop, name="lmdq-heartbeat", daemon=True)
         hb.start()
         # Shard writes that failed (here or on any worker) are retried until they land: lmdq.results.worker_sink

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lmdq.client.client import Batch, BatchInfo, Client
+    from lmdq.client.stream import StreamChunk
     from lmdq.contract import BatchStatus, Result, ResultStatus
     from lmdq.errors import (
         BatchNotFound,
@@ -26,13 +27,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Batch", "BatchInfo", "BatchNotFound", "BatchStatus", "Client", "InvalidArgument", "LmdqError", "RedisRefused",
-    "RedisUnavailable", "Result", "ResultStatus", "ResultsUnavailable", "RetryRejected", "SubmitRejected",
-    "UnknownModel", "WaitTimeout",
+    "RedisUnavailable", "Result", "ResultStatus", "ResultsUnavailable", "RetryRejected", "StreamChunk",
+    "SubmitRejected", "UnknownModel", "WaitTimeout",
 ]
 
 _HOMES = {
     "Batch": "lmdq.client.client", "BatchInfo": "lmdq.client.client", "Client": "lmdq.client.client",
     "BatchStatus": "lmdq.contract", "Result": "lmdq.contract", "ResultStatus": "lmdq.contract",
+    "StreamChunk": "lmdq.client.stream",
 }
 
 

@@ -43,8 +43,10 @@ __all__ = [
     "Request",
     "RequestCounts",
     "MAX_SAMPLES",
+    "MAX_REUSE_TTL_S",
     "Result",
     "ResultStatus",
+    "ReusedFrom",
     "Sample",
     "Timings",
 ]
@@ -408,6 +410,9 @@ class JobPayload(_Strict):
     results_url: str | None = None
     #: the batch's blob store for tensors (logits, hidden states); the worker's LMDQ_BLOB_URL otherwise
     blob_url: str | None = None
+    #: the batch takes part in result reuse (issue 47, ``--reuse``): its requests are answered from the reuse
+    #: index where they can be, and its completed results are recorded there for this many seconds
+    reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
 
     @model_validator(mode="after")
     def _unique_indices(self) -> JobPayload:
@@ -482,6 +487,17 @@ class Sample(_Strict):
     error: ErrorInfo | None = None
 
 
+MAX_REUSE_TTL_S = 10 * 365 * 86400
+"""Longest ``--reuse-ttl``: ten years (the index's entries are bytes; what bounds them is the sink)."""
+
+
+class ReusedFrom(_Strict):
+    """Where a reused result's answer was computed (issue 47): that batch and that request's custom_id."""
+
+    batch: str
+    custom_id: str
+
+
 class Result(_Strict):
     """One request's outcome; exactly one final Result per accepted request.
 
@@ -520,6 +536,8 @@ class Result(_Strict):
     #: endpoint ``embedding``: the vector, base64 of its little-endian float32 bytes (:func:`decode_embedding`);
     #: float32 is what the model computed, and its base64 is a third of the size of JSON decimals
     embedding: str | None = None
+    #: answered from the reuse index (issue 47), not by the engine: the request whose stored answer this is
+    reused_from: ReusedFrom | None = None
 
     @property
     def final(self) -> bool:
@@ -584,6 +602,8 @@ class Batch(_Strict):
     completion_window_s: float | None = None
     results_url: str | None = None
     blob_url: str | None = None
+    #: ``--reuse``: how long its completed results stay in the reuse index (None: the batch does not reuse)
+    reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None

@@ -23,6 +23,7 @@ NO_UNIT_TEST_YET = {
     "src/lmdq/cli/run.py",
     "src/lmdq/client/client.py",
     "src/lmdq/client/options.py",
+    "src/lmdq/client/planning.py",
     "src/lmdq/client/sources.py",
     "src/lmdq/client/submit_kwargs.py",
     "src/lmdq/jobs/queue.py",

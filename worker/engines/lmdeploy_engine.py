@@ -357,6 +357,10 @@ class LMDeployEngine:
     stand-in with the part of ``lmdeploy.Pipeline`` the engine uses (``stream_infer``, ``session``,
     ``backend_config``, ``close``), through this same constructor."""
 
+    #: result reuse (issue 47): LMDeploy's sampling is not checked to repeat a seeded draw across batch
+    #: compositions, so only its greedy requests are reused
+    repeats_seeds = False
+
     name: str = "lmdeploy"
     backend: str
     model_name: str

@@ -139,6 +139,9 @@ class SimEngine:
     capacity: int
     #: a request whose prompt contains this kills the engine when admitted (fault tests)
     poison_marker = "[[sim:poison]]"
+    #: result reuse (issue 47): the sim's output is a function of the prompt and params, so a seeded
+    #: sampled request gives the same answer every run
+    repeats_seeds = True
 
     def __init__(self, config: SimConfig | None = None, /, *, model_name: str = "sim", **overrides: Any) -> None:
         """``config`` (default: :class:`SimConfig`'s defaults) with ``overrides`` over it, by field or flag

@@ -104,6 +104,8 @@ class TransformersEngine:
     backend: str = "transformers"
     model_name: str
     capacity: int
+    #: result reuse (issue 47): each request samples with its own seeded generator, whatever runs beside it
+    repeats_seeds = True
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
 
 if TYPE_CHECKING:
+    from lmdq.results.openai import BatchUsage
     from lmdq.submission.ledger import BatchLedger
 
 __all__ = ["Backend"]
@@ -117,12 +118,12 @@ class Backend:
         batch: Batch = cancel_batch(self.client, self.keys, batch_id, ttl_s=self.settings.result_ttl_s)
         return batch
 
-    def openai_lines(self, batch: Batch) -> Iterator[tuple[bool, bytes]]:
+    def openai_lines(self, batch: Batch, usage: BatchUsage | None = None) -> Iterator[tuple[bool, bytes]]:
         """``lmdq-producer results --format openai``: one OpenAI Batch output line per request, in input
-        order, as ``(is_error, line)`` (errors go to the error file)."""
+        order, as ``(is_error, line)`` (errors go to the error file); ``usage`` sums their tokens."""
         from lmdq.results.openai import iter_openai
 
-        lines: Iterator[tuple[bool, bytes]] = iter_openai(self.store, batch)
+        lines: Iterator[tuple[bool, bytes]] = iter_openai(self.store, batch, usage=usage)
         return lines
 
     def ping(self) -> bool:

@@ -37,6 +37,7 @@ from lmdq.contract import Batch, BatchStatus, ErrorCode
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
 from lmdq.logs.config import get_logger
 from lmdq.redis.keys import Keys
+from lmdq.results.openai import BatchUsage
 
 __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
 
@@ -79,6 +80,24 @@ def check_metadata(metadata: Any) -> dict[str, str]:
     return dict(metadata)
 
 
+#: how much of an input file :func:`first_model` reads to find its first line (a line is rarely larger)
+_FIRST_LINE_BYTES = 1 << 20
+
+
+def first_model(path: Path) -> str | None:
+    """The ``body.model`` of the file's first line: the batch's ``model`` from its creation, as OpenAI
+    shows it (lmdq's batch takes its model from the same line: the first model a file names). None when
+    that line does not parse or names none; validation then says what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.readline(_FIRST_LINE_BYTES)
+        body = json.loads(head).get("body")
+        model = body.get("model") if isinstance(body, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) and model else None
+
+
 def _idempotency_key(api_batch_id: str) -> str:
     """The idempotency key an API batch's submissions use: a re-run (another replica, a restart) finds the
     lmdq batch the first made, and resumes it if that one died while staging it."""
@@ -108,6 +127,8 @@ class Record:
     finalized_at: int | None
     runs: int
     output_ttl_s: int | None
+    model: str | None = None
+    usage: dict[str, Any] | None = None
 
     @classmethod
     def decode(cls, batch_id: str, raw: dict[Any, Any]) -> Record | None:
@@ -125,7 +146,8 @@ class Record:
                        cancel_requested_at=opt_int("cancel_requested_at"),
                        output_file_id=d.get("output_file_id") or None, error_file_id=d.get("error_file_id") or None,
                        final_status=d.get("final_status") or None, finalized_at=opt_int("finalized_at"),
-                       runs=int(d.get("runs") or 0), output_ttl_s=int(d.get("output_ttl_s") or 0) or None)
+                       runs=int(d.get("runs") or 0), output_ttl_s=int(d.get("output_ttl_s") or 0) or None,
+                       model=d.get("model") or None, usage=json.loads(d["usage"]) if d.get("usage") else None)
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
 
@@ -242,8 +264,10 @@ class ApiBatches:
                               param="input_file_id")
         batch_id = "batch_" + secrets.token_hex(12)
         now = int(time.time())
+        # LMDQ_API_MODEL wins over body.model, as lmdq's submit has it
+        model = self.backend.settings.api_model or first_model(self.files.path(input_file_id))
         self.records.create(batch_id, tenant, {
-            "input_file_id": input_file_id, "endpoint": endpoint,
+            "input_file_id": input_file_id, "endpoint": endpoint, "model": model or "",
             "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
             "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0},
             ttl_s=self.ttl_s, created=time.time())  # sub-second: a list keeps creation order
@@ -294,6 +318,7 @@ class ApiBatches:
             "expires_at": rec.created_at + int(rec.window_s), "finalizing_at": None, "completed_at": None,
             "failed_at": rec.failed_at, "expired_at": None, "cancelling_at": rec.cancel_requested_at,
             "cancelled_at": None, "request_counts": counts, "metadata": rec.metadata or None,
+            "model": rec.model, "usage": rec.usage,
         }
         if rec.state == "failed":
             out["status"] = "failed"
@@ -313,7 +338,7 @@ class ApiBatches:
             return out
         c = b.request_counts
         counts.update(total=c.total, completed=c.completed, failed=c.failed + c.cancelled + c.expired)
-        out["model"] = b.model
+        out["model"] = b.model or rec.model
         if b.model_counts:  # lines naming several models: the batch's counts per model, as request_counts
             out["request_counts_by_model"] = {
                 m: {"total": mc.total, "completed": mc.completed, "failed": mc.failed + mc.cancelled + mc.expired}
@@ -448,9 +473,11 @@ class ApiBatches:
             if b is None or not b.status.terminal:
                 hold_s = 0
                 return
-            out_id, err_id = self._write_outputs(rec, b, token)
+            usage = BatchUsage()
+            out_id, err_id = self._write_outputs(rec, b, token, usage)
             now = int(time.time())
-            fields: dict[str, EncodableT] = {"final_status": b.status.value, "finalized_at": now}
+            fields: dict[str, EncodableT] = {"final_status": b.status.value, "finalized_at": now,
+                                             "usage": json.dumps(usage.to_openai())}
             if out_id:
                 fields["output_file_id"] = out_id
             if err_id:
@@ -463,15 +490,15 @@ class ApiBatches:
         finally:
             self._drop_lease(batch_id, token, hold_s=hold_s)
 
-    def _write_outputs(self, rec: Record, b: Batch, token: str) -> tuple[str | None, str | None]:
-        """Both files in one pass over the results, in input order; an empty one is not kept (its id
-        stays null, as OpenAI's does)."""
+    def _write_outputs(self, rec: Record, b: Batch, token: str, usage: BatchUsage) -> tuple[str | None, str | None]:
+        """Both files in one pass over the results, in input order, summing ``usage`` as they go; an empty
+        one is not kept (its id stays null, as OpenAI's does)."""
         fs = self.files
         out_id, out, out_tmp = fs.open_new()
         err_id, err, err_tmp = fs.open_new()
         counts = [0, 0]
         try:
-            for n, (is_error, line) in enumerate(self.backend.openai_lines(b), start=1):
+            for n, (is_error, line) in enumerate(self.backend.openai_lines(b, usage), start=1):
                 (err if is_error else out).write(line)
                 counts[is_error] += 1
                 if n % 10_000 == 0:

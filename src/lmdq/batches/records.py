@@ -82,6 +82,8 @@ class BatchRecords:
         quiet = set() if batch.prefix_groups else {"prefix_groups"}
         if batch.model_counts is None:  # one model: the record a single-model lmdq wrote
             quiet.add("model_counts")
+        if batch.reuse_ttl_s is None:  # a batch without reuse: the record an lmdq before issue 47 wrote
+            quiet.add("reuse_ttl_s")
         live = {"status", "request_counts", *(f.value for f in BATCH_TIME_FIELDS)}
         meta = batch.model_dump_json(exclude=live | quiet)
         fields: dict[Any, str | int | float] = {

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     import redis
     from typing_extensions import Unpack
 
+    from lmdq.client.stream import StreamChunk
     from lmdq.client.submit_kwargs import SubmitKwargs
+    from lmdq.plan.rules import Plan
     from lmdq.redis.keys import Keys
     from lmdq.registry.store import ModelInfo, RemovedModel
     from lmdq.results.store import ResultStore
@@ -235,6 +237,29 @@ class Client:
                     e.problems = tuple(_spooled(p, str(path), src.name) for p in e.problems)
                 raise
         return Batch(self, info.id, created=created, info=info)
+
+    def plan(
+        self,
+        source: Source,
+        *,
+        model: str | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
+        gpu_hour_price: float | None = None,
+        format: str | None = None,  # noqa: A002 - submit's word
+        spell: Spell = _python_name,
+        **options: Unpack[SubmitKwargs],
+    ) -> Plan:
+        """What submitting ``source`` for ``model`` would take, making no change in Redis (issue 46):
+        requests, input tokens (the model's tokenizer and chat template: ``tokenizer`` a folder holding
+        ``tokenizer.json``, else the model's own folder or Hugging Face cache entry, else an estimate),
+        expected output tokens (this model's recorded lengths under each request's max_new_tokens),
+        shared-prefix savings, GPU-seconds and ETA at the throughput its workers measured, cost at
+        ``gpu_hour_price``. Each figure says what it rests on (``plan.*_basis``); ``plan.lines()`` prints
+        it, ``plan.as_dict()`` is its JSON. ``options``: submit's (``max_new_tokens=`` ...)."""
+        from lmdq.client.planning import plan_source
+
+        return plan_source(self.redis, self.keys, self.settings, source, model=model, tokenizer=tokenizer,
+                           gpu_hour_price=gpu_hour_price, fmt=format, spell=spell, options=dict(options))
 
     def batch(self, batch_id: str) -> Batch:
         """The batch ``batch_id`` (BatchNotFound if there is none, or it expired). A batch whose submit died
@@ -490,6 +515,18 @@ class Batch:
                 interval = poll_interval
             info = self.info(patient=True)
 
+    def stream(self, *, timeout: float | None = None, poll_interval: float = 0.25,
+               max_interval: float = 1.0) -> Iterator[StreamChunk]:
+        """Yield each request's text as workers write it: per request whose text grew, a
+        :class:`~lmdq.client.stream.StreamChunk` with the text it added (LMDeploy's ``stream_infer``
+        counterpart), then one last chunk carrying its final ``Result``; until every request has ended.
+        Text arrives at the worker's partial interval (``LMDQ_PARTIAL_INTERVAL_S``, 2 s by default), not
+        per token. WaitTimeout after ``timeout`` seconds."""
+        from lmdq.client.stream import stream_batch
+
+        return stream_batch(self.client._store(), self.info(), lambda: self.info(patient=True), timeout=timeout,
+                            poll_interval=poll_interval, max_interval=max_interval)
+
     # ---- Arrow / pandas / Parquet ---------------------------------------------------------------
     def to_arrow(self) -> pa.Table:
         """The final results as a pyarrow Table (schema: :data:`lmdq.results.export.RESULT_COLUMNS`)."""
@@ -507,8 +544,8 @@ class Batch:
         return self.to_arrow().to_pandas()
 
     def to_parquet(self, path: str | Path) -> int:
-        """Write the final results to a Parquet file, streamed (one row group per 10,000 results);
-        returns the rows written."""
+        """Write the final results to a Parquet file, streamed (one row group per 10,000 results or 8 MiB of
+        records, whichever comes first); returns the rows written."""
         from lmdq.results.export import write_parquet
 
         return write_parquet(Path(path), self._raw_records(), batch_json=self.info().model_dump_json())

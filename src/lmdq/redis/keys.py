@@ -254,6 +254,28 @@ class Keys:
         """Set of batch ids being staged progressively (their leases are checked by whoever notices)."""
         return f"{self.prefix}:staging"
 
+    # reuse (lmdq.reuse.store): the content-addressed index of completed results (issue 47)
+    def reuse_workers(self) -> str:
+        """Hash: served model name -> the worker key (hex) its newest worker published (``status`` counts)."""
+        return f"{self.prefix}:reuse:fp"
+
+    def reuse_models(self) -> str:
+        """Set of the model names that have a reuse index (``reuse stats`` lists them)."""
+        return f"{self.prefix}:reuse:models"
+
+    def reuse_bucket(self, model: str, kind: str, bucket: int) -> str:
+        """Hash: identity tail (binary) -> a compact location (``kind`` ``p``) or copy (``c``) of a result;
+        one of the model's hash buckets (:data:`lmdq.reuse.store.BUCKETS`)."""
+        return f"{self.prefix}:reuse:{model_slug(model)}:{kind}:{bucket:04x}"
+
+    def reuse_sources(self, model: str) -> str:
+        """Hash: the batches the model's index entries point into: batch id -> number, ``#n`` -> where it is."""
+        return f"{self.prefix}:reuse:{model_slug(model)}:src"
+
+    def reuse_stats(self, model: str) -> str:
+        """Hash: the model's index counters (entries, lookups, hits)."""
+        return f"{self.prefix}:reuse:{model_slug(model)}:stats"
+
     def idempotency(self, key: str) -> str:
         """String: the batch id an idempotency key is bound to (with the results' TTL)."""
         return f"{self.prefix}:idem:{key}"
@@ -312,6 +334,17 @@ class Keys:
         nothing to do, so a worker claiming a small batch takes only its fair share
         (:mod:`lmdq.jobs.idle_roster`)."""
         return f"{self.prefix}:idle:{model_slug(model)}"
+
+    def plan_lengths(self, model: str) -> str:
+        """Hash output length (``"L"``, or ``"L+"`` for one cut at its max_new_tokens) -> requests of
+        ``model`` that generated it: the length history a plan's expected output rests on
+        (:mod:`lmdq.plan.store`)."""
+        return f"{self.prefix}:plan:lengths:{model_slug(model)}"
+
+    def plan_rates(self, model: str) -> str:
+        """Hash worker name -> JSON of its measured busy seconds and prefill/decode tokens (totals and
+        recent windows): the throughput a plan's GPU-seconds rest on (:mod:`lmdq.plan.store`)."""
+        return f"{self.prefix}:plan:rates:{model_slug(model)}"
 
     def worker(self, name: str) -> str:
         """Worker heartbeat hash with a TTL."""

@@ -5,8 +5,9 @@ with ONE schema (:data:`RESULT_COLUMNS`) for ``to_arrow``, ``to_pandas``, ``to_p
 
 One row per request that has a final result, in input order (``row`` is the request's 0-based input
 position, the index a DataFrame source had). Records are converted a chunk at a time
-(:data:`CHUNK_ROWS`) and a Parquet file is written one row group per chunk, so exporting 1 M results
-holds one chunk, not the batch. The batch's own record (id, model, params, metadata) goes into the
+(:data:`CHUNK_ROWS` results or :data:`CHUNK_BYTES` of records, whichever comes first) and a Parquet file
+is written one row group per chunk, so exporting 1 M results of any size holds one chunk, not the batch.
+The batch's own record (id, model, params, metadata) goes into the
 file's key-value metadata under ``lmdq.batch``, not into a column repeated on every row.
 
 ``embedding`` is a ``fixed_size_list<float32>[dim]`` column (what vector stores and numpy read without a
@@ -30,8 +31,8 @@ from lmdq.errors import LmdqError
 from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
-__all__ = ["CHUNK_ROWS", "RESULT_COLUMNS", "embedding_schema", "iter_lmdq_lines", "record_batches", "result_schema",
-           "write_parquet"]
+__all__ = ["CHUNK_BYTES", "CHUNK_ROWS", "RESULT_COLUMNS", "embedding_schema", "iter_lmdq_lines", "record_batches",
+           "result_schema", "write_parquet"]
 
 
 def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -> Iterator[bytes]:
@@ -43,7 +44,11 @@ def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -
 
 
 CHUNK_ROWS = 10_000
-"""Results per record batch / Parquet row group."""
+"""Results per record batch / Parquet row group at most."""
+
+CHUNK_BYTES = 8 << 20
+"""Bytes of result records per record batch / Parquet row group at most (2,000 results of 4 KB): what
+keeps an export's memory flat whatever the texts' length (:func:`record_batches`)."""
 
 #: (column, Arrow type, what it holds). ``logprobs`` is nested; ``tensors`` is the JSON of the refs.
 RESULT_COLUMNS: list[tuple[str, str, str]] = [
@@ -195,12 +200,14 @@ def _embedding_array(vectors: list[str | None], dim: int | None) -> Any:
 
 
 class _Chunks:
-    """Records in chunks of ``chunk``, and the batch's vector size: known from the first record holding a
-    vector, the chunks before it held back until then (see the module's docstring)."""
+    """Records in chunks of at most ``chunk`` rows or ``chunk_bytes`` of records, and the batch's vector size:
+    known from the first record holding a vector, the chunks before it held back until then (see the module's
+    docstring). Each chunk is a list the caller empties once converted (:func:`_to_batch`)."""
 
-    def __init__(self, records: Iterable[bytes], chunk: int) -> None:
+    def __init__(self, records: Iterable[bytes], chunk: int = CHUNK_ROWS, chunk_bytes: int | None = None) -> None:
         self._records = iter(records)
         self._chunk = chunk
+        self._limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self.held: list[list[bytes]] = []
         self.dim: int | None = None
         self.done = False
@@ -212,32 +219,46 @@ class _Chunks:
 
     def _next_chunk(self) -> list[bytes]:
         buf: list[bytes] = []
+        size = 0
         for raw in self._records:
             buf.append(raw)
-            if len(buf) >= self._chunk:
+            size += len(raw)
+            if len(buf) >= self._chunk or size >= self._limit:
                 return buf
         self.done = True
         return buf
 
     def __iter__(self) -> Iterator[list[bytes]]:
-        yield from self.held
-        self.held = []
+        while self.held:
+            yield self.held.pop(0)
         while not self.done:
             part = self._next_chunk()
             if part:
                 yield part
 
 
-def record_batches(records: Iterable[bytes] | _Chunks, chunk: int = CHUNK_ROWS, *, schema: Any = None
-                   ) -> Iterator[Any]:
+def record_batches(records: Iterable[bytes] | _Chunks, chunk: int = CHUNK_ROWS, chunk_bytes: int | None = None,
+                   *, schema: Any = None) -> Iterator[Any]:
     """Final result records (raw JSON, input order) -> record batches of :func:`result_schema` (with the
-    batch's vector size: :func:`embedding_schema` tells it first when the caller needs the schema up front)."""
-    pa = _pa()
-    chunks = records if isinstance(records, _Chunks) else _Chunks(records, chunk)
+    batch's vector size: :func:`embedding_schema` tells it first when the caller needs the schema up front),
+    each cut at ``chunk`` rows or ``chunk_bytes`` (default :data:`CHUNK_BYTES`) of records, whichever comes
+    first.
+
+    Why by bytes too: a chunk is held three ways at once while it is converted (the raw records, their
+    parsed columns, the Arrow arrays), so 10,000 results of 4 KB held ~300 MB (issue 49: 450 MB peak RSS
+    at 100,000 results). Each form is dropped as soon as the next one is built, so at most two are held."""
+    chunks = records if isinstance(records, _Chunks) else _Chunks(records, chunk, chunk_bytes)
     if schema is None:
         schema = result_schema(chunks.dim)
     for part in chunks:
-        yield pa.RecordBatch.from_pydict(_columns(part, chunks.dim), schema=schema)
+        yield _to_batch(part, schema, chunks.dim)  # not bound here: the caller's reference is the only one
+
+
+def _to_batch(buf: list[bytes], schema: Any, embedding_dim: int | None = None) -> Any:
+    """One record batch of the records in ``buf``, which is emptied before the Arrow arrays are built."""
+    cols = _columns(buf, embedding_dim)
+    buf.clear()
+    return _pa().RecordBatch.from_pydict(cols, schema=schema)  # the parsed columns go on return
 
 
 def embedding_schema(records: Iterable[bytes], chunk: int = CHUNK_ROWS) -> tuple[Any, Any]:
@@ -263,12 +284,13 @@ def write_parquet(path: Path, records: Iterable[bytes], *, batch_json: str) -> i
     tmp = path.with_name(path.name + ".tmp")
     n = 0
     try:
-        chunks = _Chunks(records, CHUNK_ROWS)
+        chunks = _Chunks(records)
         schema = schema_with_batch(batch_json, chunks.dim)
         with pq.ParquetWriter(tmp, schema, compression="zstd") as w:
             for rb in record_batches(chunks, schema=schema):
                 w.write_batch(rb)
                 n += rb.num_rows
+                del rb  # written: not held while the next chunk is converted
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)

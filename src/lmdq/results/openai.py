@@ -4,15 +4,26 @@ error files, ``Batch.lines("openai")``), in input order, read through the one re
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from lmdq.contract import Batch, Endpoint, ErrorCode, Result, ResultStatus, TokenLogprob, decode_embedding
+from lmdq.contract import (
+    Batch,
+    Endpoint,
+    ErrorCode,
+    FinishReason,
+    Result,
+    ResultStatus,
+    TokenLogprob,
+    decode_embedding,
+)
 from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
-__all__ = ["is_openai_error", "iter_openai", "openai_token", "to_openai"]
+__all__ = ["BatchUsage", "is_openai_error", "iter_openai", "openai_ids", "openai_token", "to_openai"]
 
 
 #: OpenAI's Batch API codes for requests that never ran; lmdq's ``failed`` results keep lmdq's own code
@@ -22,6 +33,46 @@ _OPENAI_CODES = {
     ResultStatus.expired: (ErrorCode.batch_expired,
                            "This request could not be executed before the completion window expired."),
 }
+
+
+#: a request the engine had started when the cancel came (its stream ended ``abort``) is worded as such
+_CANCELLED_RUNNING = "This request was cancelled while it was running ({n} tokens generated); its output was discarded."
+
+
+def openai_ids(batch_id: str, index: int) -> tuple[str, str]:
+    """A request's ``(id, request_id)`` as OpenAI spells them: ``batch_req_<hex>`` and ``req_<hex>``.
+
+    Derived from the lmdq batch and the request's index, so the same request has the same ids on every
+    export (the CLI's ``--format openai`` and the HTTP API's files agree); hashed, so no line names an
+    internal batch (OpenAI's ids are opaque: a client must not parse them, and lmdq's need not be)."""
+    h = hashlib.blake2b(f"{batch_id}\0{index}".encode(), digest_size=24).hexdigest()
+    return f"batch_req_{h[:32]}", f"req_{h[16:]}"
+
+
+@dataclass
+class BatchUsage:
+    """Token totals of a batch's answered requests: OpenAI's ``Batch.usage`` (``BatchUsage``).
+
+    Summed over the lines that go to the output file (completed requests; as OpenAI bills only
+    those); ``cached_tokens`` is the prompt tokens the engine did not compute (served from its prefix
+    cache or a shared prefill) where the engine said how many it computed."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, r: Result) -> None:
+        if is_openai_error(r):
+            return
+        self.input_tokens += r.input_token_len
+        self.output_tokens += r.generate_token_len
+        if r.prefill_token_len is not None:
+            self.cached_tokens += max(0, r.input_token_len - r.prefill_token_len)
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.input_tokens + self.output_tokens}
 
 
 def openai_token(token_id: int) -> str:
@@ -77,15 +128,18 @@ def to_openai(r: Result) -> dict[str, Any]:
         "completion_tokens": r.generate_token_len,
         "total_tokens": r.input_token_len + r.generate_token_len,
     }
-    rid = f"{r.batch_id}-{r.index}"
+    line_id, request_id = openai_ids(r.batch_id, r.index)
+    rid = line_id.removeprefix("batch_req_")
     finish = r.finish_reason.value if r.finish_reason else None
     if is_openai_error(r):
         if r.status in _OPENAI_CODES:
             code, default = _OPENAI_CODES[r.status]
+            if r.status is ResultStatus.cancelled and r.finish_reason is FinishReason.abort:
+                default = _CANCELLED_RUNNING.format(n=r.generate_token_len)
             err = {"code": code, "message": r.error.message if r.error else default}
         else:
             err = r.error.model_dump() if r.error else {"code": r.status.value, "message": f"request {r.status.value}"}
-        return {"id": rid, "custom_id": r.custom_id, "response": None, "error": err}
+        return {"id": line_id, "custom_id": r.custom_id, "response": None, "error": err}
     # params.n > 1: one choice per sample, choices[0..n-1] (usage: the prompt once, the samples' tokens summed)
     outs = ([(s.index, s.text, s.logprobs, s.finish_reason.value if s.finish_reason else None) for s in r.samples]
             if r.samples else [(0, r.text, r.logprobs, finish)])
@@ -121,9 +175,9 @@ def to_openai(r: Result) -> dict[str, Any]:
             "usage": usage,
         }
     return {
-        "id": rid,
+        "id": line_id,
         "custom_id": r.custom_id,
-        "response": {"status_code": 200, "request_id": rid, "body": body},
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
     }
 
@@ -162,10 +216,14 @@ def _embedding_body(r: Result) -> dict[str, Any]:
     }
 
 
-def iter_openai(store: ResultStore, batch: Batch) -> Iterator[tuple[bool, bytes]]:
+def iter_openai(store: ResultStore, batch: Batch, *, usage: BatchUsage | None = None) -> Iterator[tuple[bool, bytes]]:
     """OpenAI Batch output lines as ``(is_error, line)``: final results only (partials are not answers
-    yet), so a caller can send errors to their own file as OpenAI's Batch API does."""
+    yet), so a caller can send errors to their own file as OpenAI's Batch API does. With ``usage``,
+    each result's tokens are added to it as its line goes by (the HTTP API's ``Batch.usage``, in the
+    same pass that writes the files)."""
     for _, raw in ResultReader.of(store, batch).records(partial=False):
         if raw is not None:
             r = Result.model_validate_json(raw)
+            if usage is not None:
+                usage.add(r)
             yield is_openai_error(r), json.dumps(to_openai(r), ensure_ascii=False).encode() + b"\n"

@@ -166,6 +166,7 @@ def job_payloads(
     results_url: str | None = None,
     blob_url: str | None = None,
     job_sizes: Sequence[int] | None = None,
+    reuse_ttl_s: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Job payload dicts of ``batch_size`` requests each, in request order; with ``job_sizes``
     (prefix groups: src/lmdq/submission/prefix_groups.py), job k takes the next ``job_sizes[k]`` requests.
@@ -173,7 +174,9 @@ def job_payloads(
     A request dict holding ``model`` (a batch over several models) gives its job that model instead of
     ``model``; every request of a job must then name the same one (the submit plans it so)."""
     p = params.model_dump(exclude_none=True)
-    urls = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
+    urls: dict[str, Any] = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
+    if reuse_ttl_s is not None:  # issue 47: the job's worker answers from, and records into, the reuse index
+        urls["reuse_ttl_s"] = reuse_ttl_s
 
     def job(job_no: int, reqs: list[dict[str, Any]]) -> dict[str, Any]:
         names = {r.pop("model") for r in reqs if "model" in r}
@@ -404,7 +407,7 @@ class BatchLedger:
                 params=batch.params,
                 batch_size=batch.batch_size,
                 results_url=batch.results_url,
-                blob_url=batch.blob_url,
+                blob_url=batch.blob_url, reuse_ttl_s=batch.reuse_ttl_s,
                 job_sizes=job_sizes,
             ):
                 reqs += len(payload["requests"])
@@ -543,7 +546,8 @@ class BatchLedger:
                 next_commit = max(1, first_jobs) if visible == 0 else visible + max(1, chunk_jobs)
                 for payload in job_payloads(requests, batch_id=batch.id, model=batch.model, params=batch.params,
                                             batch_size=batch.batch_size, results_url=batch.results_url,
-                                            blob_url=batch.blob_url, job_sizes=job_sizes):
+                                            blob_url=batch.blob_url, reuse_ttl_s=batch.reuse_ttl_s,
+                                            job_sizes=job_sizes):
                     reqs += len(payload["requests"])
                     if jobs < visible:  # resumed: this job is visible already (same file, same options: same jobs)
                         jobs += 1

@@ -1,0 +1,80 @@
+"""``Client.plan`` and ``lmdq-producer plan``: a source's plan, read-only (issue 46).
+
+The source is read exactly as submit reads it (the same formats, the same per-line checks, the same
+options: ``max_new_tokens`` and the other generation parameters, prefix grouping), then planned by
+:func:`lmdq.plan.rules.make_plan` against the model's history (:class:`lmdq.plan.store.PlanStore`) and
+its live workers (:class:`lmdq.registry.store.ModelRegistry`). Redis is only read: no key is written, so
+planning a batch is free to repeat. A bad line is refused as submit would refuse it (one line naming
+file:line, the field, what was expected; exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lmdq.client.options import Spell, resolve
+from lmdq.errors import InvalidArgument, SubmitRejected
+from lmdq.plan.rules import Plan, make_plan
+from lmdq.plan.store import PlanStore
+from lmdq.plan.tokens import load_counter
+from lmdq.registry.store import ModelRegistry
+from lmdq.submission.formats import InputError, ParsedLine, iter_lines
+
+if TYPE_CHECKING:
+    import redis
+
+    from lmdq.redis.keys import Keys
+    from lmdq.submission.settings import ProducerSettings
+
+__all__ = ["plan_source"]
+
+
+def _python_name(name: str) -> str:
+    return name
+
+
+def _lines(path: Path, fmt: Any, limits: Any, name: str, spool: str | None) -> Iterator[ParsedLine]:
+    for item in iter_lines(path, fmt=fmt, limits=limits):
+        if isinstance(item, InputError):
+            text = str(item)
+            if spool is not None:
+                text = text.replace(spool, name)
+            raise SubmitRejected(text)
+        yield item
+
+
+def plan_source(
+    client: redis.Redis, keys: Keys, settings: ProducerSettings, source: Any, *, model: str | None,
+    tokenizer: str | os.PathLike[str] | None = None, gpu_hour_price: float | None = None,
+    fmt: str | None = None, cmap: Any = None, spell: Spell = _python_name, options: Mapping[str, Any] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+) -> Plan:
+    """The plan of ``source`` for ``model`` (see the module doc)."""
+    from lmdq.client.sources import FileSource, classify, spool
+    from lmdq.submission.formats import InputFormat
+    from lmdq.submission.formats.tabular import ColumnMap
+
+    if not model:
+        raise InvalidArgument(f"{spell('model')}: expected the served model name to plan for", field="model")
+    if gpu_hour_price is not None and not gpu_hour_price >= 0:
+        raise InvalidArgument(f"{spell('gpu_hour_price')}: expected a price of at least 0, got {gpu_hour_price}",
+                              field="gpu_hour_price")
+    opts, _ttl = resolve(dict(options or {}), settings, model=model, spell=spell,
+                         on_note=on_warning, on_warning=on_warning)
+    counter = load_counter(model, tokenizer)
+    history = PlanStore(client, keys=keys).history(model)
+    live = next((m.live_workers for m in ModelRegistry(client, keys=keys).models() if m.name == model), 0)
+    kw: dict[str, Any] = {"model": model, "params": opts.params, "counter": counter, "history": history,
+                          "live_workers": live, "gpu_hour_price": gpu_hour_price, "prefix_groups": opts.prefix_groups}
+    src = classify(source, fmt=fmt, cmap=cmap if cmap is not None else ColumnMap())
+    if isinstance(src, FileSource):
+        return make_plan(_lines(src.path, src.fmt, opts.limits, str(src.path), None), **kw)
+    with tempfile.TemporaryDirectory(prefix="lmdq-plan-") as d:
+        path = Path(d) / "rows.jsonl"
+        with path.open("wb") as f:
+            spool(src, cmap if cmap is not None else ColumnMap(), f, max_requests=opts.limits.max_requests)
+        return make_plan(_lines(path, InputFormat.jsonl, opts.limits, src.name, str(path)), **kw)

@@ -1,0 +1,130 @@
+"""The reuse index as its users see it: find the stored answers of identities, record completed results.
+
+The encoding of an entry is the store's (:mod:`lmdq.reuse.store`); this module turns entries into
+:class:`~lmdq.contract.Result` objects and back. Everything read back is untrusted and checked: a shard
+line must be a completed result of the source batch at the entry's index, a copy must be a completed
+result of its source batch; anything else (a shard deleted, a source expired, a line rewritten) is a
+miss, and the request simply runs.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from lmdq.contract import Result, ResultStatus, ReusedFrom
+from lmdq.errors import ResultsUnavailable
+from lmdq.results.shards import read_shard, shard_key
+from lmdq.reuse.store import ReuseStore, Source, decode_varints, encode_varints
+
+__all__ = ["Completed", "ReuseIndex"]
+
+_POINTER = b"S"
+_COPY = b"C"
+
+_COPY_EXCLUDE = {"timings", "worker", "attempt"}
+"""What a compact copy leaves out: what the reusing request sets itself, and what says when and where."""
+
+
+@dataclass(frozen=True)
+class Completed:
+    """One completed result to record: its identity, the result, and its job (the shard it goes to)."""
+
+    identity: bytes
+    result: Result
+    job_no: int
+
+
+class ReuseIndex:
+    """Find and record reusable results of one store (one Redis, one key prefix)."""
+
+    def __init__(self, store: ReuseStore) -> None:
+        self.store = store
+
+    def find(self, model: str, identities: Sequence[bytes]) -> dict[int, Result]:
+        """Position in ``identities`` -> the stored result it can be answered with (each with
+        ``reused_from`` set, still carrying the source's batch id, index and custom_id)."""
+        if not identities:
+            return {}
+        pairs, now = self.store.lookup(model, identities)
+        decoded: dict[int, tuple[bytes, int, bytes]] = {}
+        for pos, (ptr, copy) in enumerate(pairs):
+            for raw, kind in ((ptr, _POINTER), (copy, _COPY)):
+                if isinstance(raw, bytes) and raw[:1] == kind:
+                    got = decode_varints(raw[1:], 1)
+                    if got is not None:
+                        decoded[pos] = (kind, got[0][0], raw[1 + got[1]:])
+                        break
+        sources = self.store.sources(model, (src for _, src, _ in decoded.values()))
+        shards: dict[tuple[int, int], dict[int, bytes] | None] = {}
+        out: dict[int, Result] = {}
+        for pos, (kind, src_no, rest) in decoded.items():
+            src = sources.get(src_no)
+            if src is None or src.expires_at < now:
+                continue
+            res = (self._from_shard(src, src_no, rest, shards) if kind == _POINTER else self._from_copy(src, rest))
+            if res is not None:
+                out[pos] = res
+        self.store.count(model, len(identities), len(out))
+        return out
+
+    @staticmethod
+    def _from_shard(src: Source, src_no: int, rest: bytes, shards: dict[tuple[int, int], dict[int, bytes] | None]
+                    ) -> Result | None:
+        got = decode_varints(rest, 2)
+        if got is None or src.results_url is None:
+            return None
+        job_no, index = got[0]
+        if (src_no, job_no) not in shards:
+            uri = f"{src.results_url.rstrip('/')}/{shard_key(src.batch_id, job_no)}"
+            try:
+                shards[(src_no, job_no)] = read_shard(uri, [])
+            except ResultsUnavailable:
+                shards[(src_no, job_no)] = None
+        lines = shards[(src_no, job_no)]
+        line = lines.get(index) if lines else None
+        if line is None:
+            return None
+        try:
+            res = Result.model_validate_json(line)
+        except ValidationError:
+            return None
+        if res.batch_id != src.batch_id or res.index != index or res.status is not ResultStatus.completed:
+            return None
+        res.reused_from = res.reused_from or ReusedFrom(batch=res.batch_id, custom_id=res.custom_id)
+        return res
+
+    @staticmethod
+    def _from_copy(src: Source, rest: bytes) -> Result | None:
+        try:
+            data = zlib.decompress(rest)
+            res = Result.model_validate_json(data)
+        except (zlib.error, ValidationError):
+            return None
+        if res.batch_id != src.batch_id or res.status is not ResultStatus.completed or res.reused_from is None:
+            return None
+        return res
+
+    def record(self, model: str, *, batch_id: str, results_url: str | None, ttl_s: int,
+               done: Sequence[Completed], sealed: bool) -> int:
+        """Index ``done`` (completed results of ``batch_id``): pointers into their shards when the job was
+        ``sealed`` into ``results_url``, else compact copies. Returns how many entries were new."""
+        done = [c for c in done if c.result.status is ResultStatus.completed]
+        if not done:
+            return 0
+        src_no = self.store.source(model, batch_id, results_url, ttl_s)
+        entries: list[tuple[bytes, str, bytes]] = []
+        for c in done:
+            if sealed:
+                value = _POINTER + encode_varints(src_no, c.job_no, c.result.index)
+                entries.append((c.identity, "p", value))
+            else:
+                # the answer's origin travels inside the copy (its custom_id is nowhere else once the batch expires)
+                origin = c.result.reused_from or ReusedFrom(batch=batch_id, custom_id=c.result.custom_id)
+                body = c.result.model_copy(update={"reused_from": origin}).model_dump_json(
+                    exclude=_COPY_EXCLUDE)
+                entries.append((c.identity, "c", _COPY + encode_varints(src_no) + zlib.compress(body.encode(), 6)))
+        return self.store.record(model, entries, ttl_s)

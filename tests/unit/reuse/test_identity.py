@@ -1,0 +1,48 @@
+"""A request's identity: what changes it and what does not; which requests qualify."""
+
+from __future__ import annotations
+
+from lmdq.contract import GenerationParams, Request
+from lmdq.reuse.identity import effective_params, identity, qualifies, request_key, worker_key
+
+W = worker_key(engine="sim", config={"step_ms": 1}, weights="abc")
+
+
+def ident(req: Request, batch: GenerationParams | None = None, w: bytes = W) -> bytes:
+    return identity(w, request_key(effective_params(batch or GenerationParams(), req), req))
+
+
+def test_custom_id_and_index_are_not_part_of_it_but_the_prompt_is() -> None:
+    a = Request(index=0, custom_id="a", prompt="hello")
+    assert ident(a) == ident(Request(index=7, custom_id="b", prompt="hello"))
+    assert ident(a) != ident(Request(index=0, custom_id="a", prompt="hellp"))
+    assert ident(a) != ident(Request(index=0, custom_id="a", prompt="hello", endpoint="completion"))
+
+
+def test_params_layer_batch_under_request_and_defaults_count_as_set() -> None:
+    a = Request(index=0, custom_id="a", prompt="x", params=GenerationParams(max_new_tokens=8))
+    b = Request(index=0, custom_id="a", prompt="x")
+    assert ident(a) == ident(b, GenerationParams(max_new_tokens=8))
+    assert ident(b) == ident(b, GenerationParams(max_new_tokens=512))  # the engine default, spelled out
+    assert ident(b) != ident(b, GenerationParams(max_new_tokens=9))
+    s1 = GenerationParams(do_sample=True, random_seed=1)
+    assert ident(b, s1) != ident(b, GenerationParams(do_sample=True, random_seed=2))
+
+
+def test_the_worker_key_covers_weights_config_engine_and_adapter() -> None:
+    b = Request(index=0, custom_id="a", prompt="x")
+    others = [worker_key(engine="sim", config={"step_ms": 1}, weights="abd"),
+              worker_key(engine="sim", config={"step_ms": 2}, weights="abc"),
+              worker_key(engine="transformers", config={"step_ms": 1}, weights="abc"),
+              worker_key(engine="sim", config={"step_ms": 1}, weights="abc", adapter="lora1")]
+    assert len({ident(b, w=w) for w in [W, *others]}) == 5
+
+
+def test_only_deterministic_requests_qualify() -> None:
+    greedy = GenerationParams().resolved()
+    assert qualifies(greedy, repeats_seeds=False)
+    unseeded = GenerationParams(do_sample=True).resolved()
+    assert not qualifies(unseeded, repeats_seeds=True)
+    seeded = GenerationParams(do_sample=True, random_seed=3).resolved()
+    assert qualifies(seeded, repeats_seeds=True) and not qualifies(seeded, repeats_seeds=False)
+    assert not qualifies(GenerationParams(output_logits="generation").resolved(), repeats_seeds=True)

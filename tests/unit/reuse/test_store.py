@@ -1,0 +1,51 @@
+"""The reuse index's store on a real Redis: buckets, sources, expiry, counters, memory, purge."""
+
+from __future__ import annotations
+
+import hashlib
+
+import redis
+
+from lmdq.redis.keys import Keys
+from lmdq.reuse.store import BUCKETS, ReuseStore, decode_varints, encode_varints, split
+
+
+def ident(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+def test_varints_round_trip_and_refuse_truncation() -> None:
+    data = encode_varints(0, 127, 128, 300_000, 2**40)
+    assert decode_varints(data, 5) == ([0, 127, 128, 300_000, 2**40], len(data))
+    assert decode_varints(data[:-1], 5) is None
+    assert len(encode_varints(1, 300, 1_000_000)) == 1 + 2 + 3
+
+
+def test_record_lookup_sources_and_purge(client: redis.Redis, prefix: str) -> None:
+    s = ReuseStore(client, keys=Keys(prefix))
+    no = s.source("m", "batch_" + "a" * 24, "file:///x", 100)
+    assert s.source("m", "batch_" + "a" * 24, "file:///x", 100) == no  # numbered once
+    assert s.source("m", "batch_" + "b" * 24, None, 100) == no + 1
+    assert s.record("m", [(ident(i), "p", b"S" + encode_varints(no, 0, i)) for i in range(50)], 100) == 50
+    assert s.record("m", [(ident(0), "p", b"S" + encode_varints(no, 0, 0))], 100) == 0  # not new
+    pairs, now = s.lookup("m", [ident(3), ident(99)])
+    assert pairs[0] == (b"S" + encode_varints(no, 0, 3), None) and pairs[1] == (None, None) and now > 0
+    src = s.sources("m", [no, no + 1, 77])
+    assert src[no].batch_id == "batch_" + "a" * 24 and src[no].results_url == "file:///x"
+    assert src[no + 1].results_url is None and 77 not in src and src[no].expires_at >= now + 99
+    bucket, _ = split(ident(3))
+    assert 0 < client.ttl(Keys(prefix).reuse_bucket("m", "p", bucket)) <= 100
+    s.count("m", 2, 1)
+    assert s.counters("m") == {"entries": 50, "lookups": 2, "hits": 1}
+    assert s.models() == ["m"] and s.memory("m") > 0
+    assert s.purge("m") == 50
+    assert s.lookup("m", [ident(3)])[0] == [(None, None)] and s.models() == [] and s.memory("m") == 0
+
+
+def test_other_models_never_share_entries(client: redis.Redis, prefix: str) -> None:
+    s = ReuseStore(client, keys=Keys(prefix))
+    s.record("m", [(ident(1), "p", b"x")], 100)
+    assert s.lookup("n", [ident(1)])[0] == [(None, None)]
+    s.purge("n")
+    assert s.lookup("m", [ident(1)])[0] == [(b"x", None)]
+    assert BUCKETS == 65536
