@@ -89,6 +89,10 @@ def _print_batch(b: Batch, as_json: bool) -> None:
         f"{b.id}  {b.status.value}  {_model_field(b)}  total={c.total} completed={c.completed} "
         f"failed={c.failed} cancelled={c.cancelled} expired={c.expired}"
     )
+    if b.deadline is not None:  # issue 46
+        import datetime as dt
+
+        _echo_fit(f"  deadline={dt.datetime.fromtimestamp(b.deadline, dt.timezone.utc).isoformat(timespec='seconds')}")
     for m, mc in (b.model_counts or {}).items():  # a batch over several models: a line per model
         _echo_fit(f"  model={m}  total={mc.total} completed={mc.completed} failed={mc.failed} "
                   f"cancelled={mc.cancelled} expired={mc.expired}")
@@ -166,6 +170,11 @@ def submit(
     endpoint: Annotated[str | None, typer.Option(help="every line's endpoint: chat | completion | score | reward | "
                                                      "embedding (default: each line's own, else chat); a .txt's "
                                                      "lines take chat, completion or embedding")] = None,
+    image_column: Annotated[str | None, typer.Option(help="Parquet/CSV: the column holding each row's image (a path "
+                                                          "or URL, or its bytes)")] = None,
+    image_dir: Annotated[Path | None, typer.Option(help="the folder relative image paths resolve against (image_url "
+                                                        "parts, --image-column); workers must see it at the same "
+                                                        "path")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
     plan: Annotated[bool, typer.Option("--plan", help="print the batch's plan (lmdq-producer plan) on stderr "
                                                       "before enqueueing it")] = False,
@@ -213,7 +222,8 @@ def submit(
                 path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
                 prompt_column=prompt_column, messages_column=messages_column,
                 id_column=id_column, model_column=model_column, params_columns=params_column or None,
-                template=template, endpoint=_endpoint(endpoint), spell=cli_spell,
+                template=template, endpoint=_endpoint(endpoint), image_column=image_column, image_dir=image_dir,
+                spell=cli_spell,
                 validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
                 **generation, **grouping, **batch_options,
             )
@@ -277,6 +287,29 @@ def status(
         with _progress(handle, interval) as prog:
             b = watch_batch(lambda: _patiently(handle), prog, b, poll_s=min(POLL_S, interval))
     _print_batch(b, as_json)
+    _warn_deadline(handle)
+
+
+def _warn_deadline(handle: ClientBatch) -> None:
+    """A batch projected to finish after its deadline says so on stderr (issue 46), before it misses it."""
+    o = handle.outlook()
+    line = o.warning() if o is not None else None
+    if line:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def deadline(
+    batch_id: Annotated[str, typer.Argument()],
+    when: Annotated[str, typer.Argument(help="ISO 8601 with its zone (2026-12-06T07:00Z) or Unix time")],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Move an open batch's deadline: its waiting jobs take their new place (earliest deadline first)."""
+    handle = _lmdq().batch(batch_id)
+    value: str | float = float(when) if when.replace(".", "", 1).isdigit() else when
+    _print_batch(handle.set_deadline(value, spell=lambda n: f"{cli_spell(n) if n != 'deadline' else 'WHEN'}"),
+                 as_json)
+    _warn_deadline(handle)
 
 
 def _progress(handle: ClientBatch, interval: float, *, show: bool = True) -> BatchProgress:

@@ -218,7 +218,7 @@ BAD_CASES = [
     ("both_prompt_and_messages.jsonl", 2, "messages", "exactly one of 'prompt' or 'messages'"),
     ("empty_messages.jsonl", 2, "messages", "expected at least one message"),
     ("bad_role.jsonl", 2, "messages[1].role", "expected one of system|user|assistant"),
-    ("image_content_part.jsonl", 2, "messages[0].content[1].type", "expected 'text'"),
+    ("audio_content_part.jsonl", 2, "messages[0].content[1].type", "expected 'text' or 'image_url'"),
     ("unknown_top_level_key.jsonl", 2, "temperature",
      "expected only custom_id|prompt|messages|params|endpoint|model|continuations"),
     ("unknown_param.jsonl", 2, "params.max_length", "unknown parameter; expected one of max_new_tokens"),

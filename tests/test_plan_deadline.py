@@ -140,3 +140,138 @@ def test_the_embedded_models_tokenizer_counts_as_transformers_does(api: lmdq.Cli
                                     add_generation_prompt=True, tokenize=True)
         want += len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a dict
     assert p.input_exact and p.input_tokens == want
+
+
+# ---------------------------------------------------------------- deadlines
+
+def _future(seconds: float) -> str:
+    import datetime as dt
+
+    return (dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=seconds)).isoformat(timespec="seconds")
+
+
+def _simple(n: int, tag: str) -> list[dict[str, Any]]:
+    return [{"custom_id": f"{tag}{i}", "prompt": f"{tag} {i}"} for i in range(n)]
+
+
+def test_the_near_deadline_batch_runs_first_with_one_worker(
+        api: lmdq.Client, client: redis.Redis, redis_url: str, prefix: str, tmp_path: Path) -> None:
+    from lmdq.redis.keys import queue_name, rq_queue_key
+    from lmdq.worker.engines.sim import SimEngine
+    from lmdq.worker.runner import Worker
+    from lmdq.worker.settings import WorkerSettings
+
+    kw: dict[str, Any] = {"model": "sim", "allow_unknown_model": True, "max_new_tokens": 3, "batch_size": 2}
+    plain = api.submit(write_jsonl(tmp_path / "plain.jsonl", _simple(6, "plain")), **kw)
+    far = api.submit(write_jsonl(tmp_path / "far.jsonl", _simple(6, "far")), deadline=_future(7200), **kw)
+    near = api.submit(write_jsonl(tmp_path / "near.jsonl", _simple(6, "near")), deadline=_future(3600), **kw)
+    assert near.info().deadline is not None and plain.info().deadline is None
+    # the queue is in deadline order, a batch without one last (as FIFO among themselves)
+    queue = [j.decode() for j in client.lrange(rq_queue_key(queue_name("sim", "normal", prefix)), 0, -1)]
+    owners = [j.rsplit("-", 1)[0] for j in queue]
+    assert owners == [near.id] * 3 + [far.id] * 3 + [plain.id] * 3
+    # one worker, one request at a time: every near request is answered before any far one, far before plain
+    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, burst=True)
+    assert Worker(engine=SimEngine(model_name="sim", step_ms=0, max_batch=1), client=redis.Redis.from_url(redis_url),
+                  settings=s, capacity=1).run() == 0
+    done = {b.id: sorted(r.timings.finished_at or 0 for r in b.results()) for b in (near, far, plain)}
+    assert all(len(v) == 6 for v in done.values())
+    assert done[near.id][-1] <= done[far.id][0] and done[far.id][-1] <= done[plain.id][0]
+
+
+def test_a_deadline_moved_closer_reorders_the_queue(api: lmdq.Client, client: redis.Redis, prefix: str,
+                                                   tmp_path: Path) -> None:
+    from lmdq.redis.keys import queue_name, rq_queue_key
+
+    kw: dict[str, Any] = {"model": "sim", "allow_unknown_model": True, "batch_size": 2}
+    a = api.submit(write_jsonl(tmp_path / "a.jsonl", _simple(4, "a")), deadline=_future(3600), **kw)
+    b = api.submit(write_jsonl(tmp_path / "b.jsonl", _simple(4, "b")), deadline=_future(7200), **kw)
+    q = rq_queue_key(queue_name("sim", "normal", prefix))
+    assert [j.decode().rsplit("-", 1)[0] for j in client.lrange(q, 0, -1)] == [a.id] * 2 + [b.id] * 2
+    b.set_deadline(_future(600))
+    assert [j.decode().rsplit("-", 1)[0] for j in client.lrange(q, 0, -1)] == [b.id] * 2 + [a.id] * 2
+    with pytest.raises(lmdq.SubmitRejected, match="deadline: expected a time in the future"):
+        b.set_deadline("2020-01-01T00:00Z")
+
+
+def test_a_bad_deadline_is_refused_in_one_line_and_nothing_is_enqueued(
+        env: dict[str, str], tmp_path: Path, client: redis.Redis, prefix: str) -> None:
+    f = write_jsonl(tmp_path / "in.jsonl", _simple(2, "x"))
+    for bad, says in [("tomorrow", "expected an ISO 8601 time with its zone"),
+                      ("2030-01-01T07:00", "expected a time with its zone"),
+                      ("2020-01-01T07:00Z", "expected a time in the future")]:
+        out = run_cli("lmdq.producer", "submit", str(f), "--model", "sim", "--allow-unknown-model",
+                      "--deadline", bad, env=env)
+        assert out.returncode == 2, out.stderr
+        line = out.stderr.decode().strip()
+        assert "--deadline" in line and says in line and "\n" not in line
+    assert not list(client.scan_iter(match=f"{prefix}:batch:*"))
+
+
+def test_workers_needed_rises_as_a_deadline_tightens_and_status_warns_before_the_miss(
+        api: lmdq.Client, client: redis.Redis, prefix: str, tmp_path: Path, env: dict[str, str]) -> None:
+    from structlog.testing import capture_logs
+
+    from lmdq.metrics.exporter import SnapshotCollector
+    from lmdq.registry.store import WorkerRegistry
+
+    keys = Keys(prefix)
+    # history: 1 busy worker-second per request (what the sim fleet measured), one live worker
+    PlanStore(client, keys=keys).record("sim", "w0", lengths={(16, True): 100}, busy_s=100.0, prefill=1000,
+                                        decode=1600)
+    WorkerRegistry(client, keys=keys, name="w1", model="sim", ttl_s=600).register(pid=1)
+    batch = api.submit(write_jsonl(tmp_path / "in.jsonl", _simple(1000, "r")), model="sim", allow_unknown_model=True,
+                       deadline=_future(7200))
+    collector = SnapshotCollector(client, keys)
+    with capture_logs() as logs:
+        assert collector.collect_once()
+    snap = collector.view().snapshot
+    assert snap is not None and snap.workers_needed == {"sim": 1}  # 1,000 worker-s by a deadline 2 h away
+    assert not [e for e in logs if e["event"] == "batch projected to miss its deadline"]
+    loose = run_cli("lmdq.producer", "status", batch.id, env=env)
+    assert loose.returncode == 0 and "warning" not in loose.stderr.decode() and "deadline=" in loose.stdout.decode()
+
+    batch.set_deadline(_future(300))  # tightened: 1,000 worker-seconds in 5 minutes
+    with capture_logs() as logs:
+        assert collector.collect_once()
+    snap = collector.view().snapshot
+    assert snap is not None and snap.workers_needed == {"sim": 4}
+    (line,) = [e for e in logs if e["event"] == "batch projected to miss its deadline"]
+    assert line["batch_id"] == batch.id and line["projected_finish"] > line["deadline"]
+    tight = run_cli("lmdq.producer", "status", batch.id, env=env)
+    err = tight.stderr.decode()
+    assert tight.returncode == 0 and f"warning: batch {batch.id} is projected to finish" in err
+    assert "after its deadline" in err and "1 live worker(s)" in err
+    o = batch.outlook()
+    assert o is not None and o.misses and o.deadline > time_now(client)  # warned before the deadline, not after
+
+
+def time_now(client: redis.Redis) -> float:
+    sec, usec = client.time()
+    return float(sec + usec / 1e6)
+
+
+def test_the_deadline_scaling_component_scales_on_workers_needed(tmp_path: Path) -> None:
+    import jsonschema
+    import yaml
+
+    from tests.test_deploy import DEPLOY, config, copy_deploy, find, kustomize
+
+    deploy = copy_deploy(tmp_path)
+    overlay = deploy / "overlays" / "deadlines"
+    overlay.mkdir()
+    overlay.joinpath("kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "lmdq",
+        "resources": ["../../base"],
+        "components": ["../../components/deadline-scaling", "../../components/cuda-cu12"],
+    }))
+    docs = kustomize(overlay)
+    so = find(docs, "ScaledObject", "lmdq-worker")
+    model = config(docs)["LMDQ_SERVED_MODEL_NAME"]
+    (needed,) = [t for t in so["spec"]["triggers"] if t["name"] == "needed"]
+    assert needed["type"] == "prometheus"
+    assert needed["metadata"]["query"] == f'max(lmdq_workers_needed{{model="{model}"}}) or vector(0)'
+    assert so["spec"]["advanced"]["scalingModifiers"]["formula"] == "max(high + normal + low + inflight, needed * 8)"
+    assert {t["name"] for t in so["spec"]["triggers"]} == {"high", "normal", "low", "inflight", "needed"}
+    schema = json.loads((DEPLOY / "schemas" / "keda-scaledobject-v1alpha1.json").read_text())
+    jsonschema.validate(so, schema)

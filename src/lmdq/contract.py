@@ -146,6 +146,8 @@ class ErrorCode(_Value):
     internal_error = "internal_error"
     #: LMDeploy: the engine is not there to take the request
     engine_unavailable = "engine_unavailable"
+    #: an image the request names could not be read by the worker (gone, unreadable, too large, not an image)
+    invalid_image = "invalid_image"
     #: the engine cannot serve what the request asks for with its configuration (e.g. prefix caching + all logits)
     unsupported_feature = "unsupported_feature"
     #: the engine failed the job on its last attempt
@@ -340,21 +342,48 @@ class GenerationParams(_Strict):
 
 
 class ChatMessage(BaseModel):
-    """One OpenAI chat message; content may be a string or a list of text parts."""
+    """One OpenAI chat message; content may be a string or a list of parts: text parts, and image parts
+    ``{"type": "image_url", "image_url": {"url": ...}}`` (issue 48; the url is a reference a worker reads:
+    :mod:`lmdq.images`)."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    def check_parts(self) -> None:
+        """Raise ValueError unless every content part is a text part or a well-formed image part."""
+        if not isinstance(self.content, list):
+            return
+        for part in self.content:
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            if kind == "image_url":
+                img = part.get("image_url")
+                if isinstance(img, dict) and isinstance(img.get("url"), str) and img["url"]:
+                    continue
+                raise ValueError("an image_url part needs {'image_url': {'url': '...'}}")
+            raise ValueError("content parts must be text or image_url parts")
+
+    def image_urls(self) -> list[str]:
+        """The urls of this message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p["image_url"]["url"] for p in self.content
+                if p.get("type") == "image_url" and isinstance(p.get("image_url"), dict)]
+
     def text(self) -> str:
-        """Flatten content parts to text: lmdq serves text-only models."""
+        """Flatten content parts to text, for a text-only model: a message with an image part raises
+        ValueError (a text model must not answer as if it had seen the image)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
+            if part.get("type") == "image_url":
+                raise ValueError("this message has an image part: it needs a vision-language model")
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
             parts.append(part["text"])
@@ -380,7 +409,7 @@ class Request(_Strict):
             raise ValueError("exactly one of 'prompt' or 'messages' is required")
         if self.messages is not None:
             for m in self.messages:
-                m.text()  # raises on non-text parts
+                m.check_parts()  # text and image_url parts only
         if self.endpoint is Endpoint.completion and self.prompt is None:
             raise ValueError("completion requests need 'prompt'")
         if self.endpoint is Endpoint.reward and self.messages is None:
@@ -600,6 +629,9 @@ class Batch(_Strict):
     metadata: dict[str, str] = Field(default_factory=dict)
     idempotency_key: str | None = None
     completion_window_s: float | None = None
+    #: Unix time the batch should be done by (``submit --deadline``, issue 46): its jobs are claimed
+    #: earliest-deadline-first within their priority class, and the fleet is sized for it
+    deadline: float | None = None
     results_url: str | None = None
     blob_url: str | None = None
     #: ``--reuse``: how long its completed results stay in the reuse index (None: the batch does not reuse)

@@ -8,14 +8,16 @@ from typing import Any, TypeVar
 from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["CommonSettings", "DEFAULT_MAX_JOB_BYTES", "DEFAULT_REDIS_URL", "DEFAULT_RESULT_TTL_S", "default_of",
-           "load_or_refuse"]
+__all__ = ["CommonSettings", "DEFAULT_MAX_IMAGE_BYTES", "DEFAULT_MAX_JOB_BYTES", "DEFAULT_REDIS_URL",
+           "DEFAULT_RESULT_TTL_S", "default_of", "load_or_refuse"]
 
 _S = TypeVar("_S", bound=BaseSettings)
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: cap on one job's data (``LMDQ_MAX_JOB_BYTES``); :mod:`lmdq.jobs.data` enforces it
 DEFAULT_MAX_JOB_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+"""Largest image lmdq accepts (``LMDQ_MAX_IMAGE_BYTES``): OpenAI's per-image limit."""
 
 DEFAULT_RESULT_TTL_S = 7 * 24 * 3600
 """How long a batch and its results are kept once it ended: ``LMDQ_RESULT_TTL_S``'s default, declared
@@ -68,6 +70,10 @@ class CommonSettings(BaseSettings):
         "it lapses (the submit died) a re-run of the same submit resumes the batch, or whoever notices first "
         "(workers, status/results/cancel, the API) ends it with its unstaged requests failed as "
         "submit_interrupted (docs/reliability.md)"
+    )
+    max_image_bytes: int = Field(
+        default=DEFAULT_MAX_IMAGE_BYTES, ge=1024, description="largest image an image_url part may name or hold "
+        "(LMDQ_MAX_IMAGE_BYTES): submit refuses a larger one, a worker reads no more (lmdq.images)"
     )
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     log_level: str = "INFO"

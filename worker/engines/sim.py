@@ -102,10 +102,28 @@ _WORDS = [
 ]
 
 
+SIM_IMAGE_TOKENS = 64
+"""Simulated tokens per image part (issue 48): an image is a prompt block of this many tokens named by a
+hash of its bytes, so the same image twice hits the simulated prefix cache as a VLM's vision tokens would."""
+
+
+def _image_words(url: str) -> str:
+    h = hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
+    return " ".join(f"img{h}.{k}" for k in range(SIM_IMAGE_TOKENS))
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as the sim's prompt text: each image part as its block of image tokens."""
+    if not isinstance(content, list):
+        return str(content)
+    return " ".join(_image_words(p["image_url"]["url"]) if p.get("type") == "image_url" else str(p.get("text", ""))
+                    for p in content if isinstance(p, dict))
+
+
 def _prompt_text(req: EngineRequest) -> str:
     if req.prompt is not None:
         return req.prompt if req.raw else f"user: {req.prompt}\nassistant:"
-    parts = [f"{m.get('role')}: {m.get('content')}" for m in req.messages or []]
+    parts = [f"{m.get('role')}: {_content_text(m.get('content'))}" for m in req.messages or []]
     return "\n".join(parts) + "\nassistant:"
 
 

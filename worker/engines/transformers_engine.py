@@ -177,9 +177,18 @@ class TransformersEngine:
             if self.reward_model and getattr(hf_cfg, "num_labels", 1) != 1:
                 raise EngineError(f"{path} is a sequence classifier with {hf_cfg.num_labels} labels; a reward "
                                   "model has exactly one (num_labels=1)")
-            auto = AutoModelForSequenceClassification if self.reward_model else AutoModelForCausalLM
+            auto: Any = AutoModelForSequenceClassification if self.reward_model else AutoModelForCausalLM
+            #: a vision-language model (its config has a vision tower): image parts go through its processor
+            #: (issue 48); text-only requests decode as on any causal LM
+            self.vision: bool = getattr(hf_cfg, "vision_config", None) is not None
+            self._processor: Any = None
+            if self.vision:
+                from transformers import AutoModelForImageTextToText, AutoProcessor
+
+                self._processor = AutoProcessor.from_pretrained(source, **load_kw)
+                auto = AutoModelForImageTextToText
             if self.embedding is not None:
-                self.reward_model = False
+                self.reward_model = self.vision = False
                 auto = AutoModel  # the encoder alone: its last hidden state is what the pooling reads
             model = auto.from_pretrained(source, dtype=self.dtype, **load_kw)
             model.to(self.device)
@@ -352,6 +361,9 @@ class TransformersEngine:
             if self.reward_model or not req.endpoint.generates:
                 yield self._score(req)
                 continue
+            if _has_images(req):
+                yield from self._generate_with_images(req, abort)
+                continue
             prepared = self._prepare(req)
             if isinstance(prepared, EngineEvent):
                 yield prepared
@@ -377,6 +389,75 @@ class TransformersEngine:
     def _require_open(self) -> None:
         if self._closed:
             raise EngineError("the transformers engine is closed")
+
+    def _generate_with_images(self, req: EngineRequest, abort: threading.Event) -> Iterator[EngineEvent]:
+        """A request with image parts (the worker made each a data: URL: worker/images.py): the processor
+        turns the template's text and the images into input ids (each image's tokens expanded) and pixel
+        values, which go into the prefill step of the same decode loop text requests use. Runs alone (not
+        in a padded batch): pixel values do not pad."""
+        if not self.vision or self._processor is None:
+            yield error_event(req.index, ErrorCode.unsupported_feature,
+                              f"{self.model_name} is a text-only model: image parts need a vision-language model")
+            return
+        if req.adapter is not None and req.adapter not in self.adapters:
+            yield error_event(req.index, ErrorCode.bad_request, f"no adapter {req.adapter!r} on this worker")
+            return
+        try:
+            text, images = self._vision_prompt(req)
+            with self._tok_lock:
+                enc = self._processor(text=[text], images=images, return_tensors="pt")
+            input_ids = [int(t) for t in enc["input_ids"][0]]
+            sampling = self._sampling(req, len(input_ids))
+        except BadRequest as exc:
+            yield error_event(req.index, ErrorCode.bad_request, str(exc))
+            return
+        except Exception as exc:  # an image the processor cannot take: this request fails, the call goes on
+            log.exception("preparing image request %d failed", req.index)
+            yield error_event(req.index, ErrorCode.invalid_image, f"{type(exc).__name__}: {exc}")
+            return
+        if len(input_ids) >= self.session_len:
+            yield error_event(req.index, ErrorCode.context_length_exceeded,
+                              f"Input length ({len(input_ids)}) must be smaller than the model context length "
+                              f"({self.session_len}).", input_token_len=len(input_ids))
+            return
+        extra = {k: v.to(self.device, dtype=self.dtype) if k == "pixel_values" else v.to(self.device)
+                 for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        yield from self._generate(req.index, input_ids, sampling, abort, adapter=req.adapter, prefill_kwargs=extra)
+
+    def _vision_prompt(self, req: EngineRequest) -> tuple[str, list[Any]]:
+        """The templated text (each image part as the template's image placeholder) and the images, in order."""
+        import base64
+        import io
+
+        from PIL import Image
+
+        if not self._chat_template:
+            raise BadRequest("this model has no chat template: image requests need one (--chat-template)")
+        messages: list[dict[str, Any]] = []
+        images: list[Any] = []
+        for raw in req.messages or []:
+            try:
+                msg = ChatMessage.model_validate(raw)
+                msg.check_parts()
+            except ValueError as exc:
+                raise BadRequest(f"invalid message: {exc}") from exc
+            if not isinstance(msg.content, list):
+                messages.append({"role": msg.role, "content": msg.content or ""})
+                continue
+            parts: list[dict[str, Any]] = []
+            for part in msg.content:
+                if part.get("type") != "image_url":
+                    parts.append({"type": "text", "text": part["text"]})
+                    continue
+                url = part["image_url"]["url"]
+                head, _, payload = url.partition(",")
+                if not head.lower().startswith("data:") or ";base64" not in head.lower():
+                    raise BadRequest("image parts reach the engine as base64 data: URLs (the worker reads them)")
+                img = Image.open(io.BytesIO(base64.b64decode(payload)))
+                images.append(img.convert("RGB"))
+                parts.append({"type": "image"})
+            messages.append({"role": msg.role, "content": parts})
+        return self._apply_template(messages), images
 
     def _prepare(self, req: EngineRequest) -> tuple[list[int], Sampling] | EngineEvent:
         """Prompt ids and settings of one request, or its final error event; failures never escape."""
@@ -727,8 +808,9 @@ class TransformersEngine:
         )
 
     def _generate(self, index: int, input_ids: list[int], s: Sampling, abort: threading.Event,
-                  adapter: str | None = None) -> Iterator[EngineEvent]:
-        """The decode loop: one forward per token under the model lock, streaming stable text."""
+                  adapter: str | None = None, prefill_kwargs: dict[str, Any] | None = None) -> Iterator[EngineEvent]:
+        """The decode loop: one forward per token under the model lock, streaming stable text.
+        ``prefill_kwargs``: what the first forward takes besides the ids (a VLM's ``pixel_values``)."""
         torch = self._torch
         input_len = len(input_ids)
         min_ban = sorted(i for i in s.stop_ids if i < self._vocab_size)
@@ -756,6 +838,8 @@ class TransformersEngine:
                     if rich.want_hidden:
                         kwargs["output_hidden_states"] = True
                     kwargs.update(self._adapter_kwargs([adapter]))
+                    if prefill and prefill_kwargs:
+                        kwargs.update(prefill_kwargs)
                     with torch.inference_mode():
                         out = self._model(input_ids=step_input, **kwargs)
                         cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
@@ -834,6 +918,12 @@ class TransformersEngine:
             tensors=tensors or None,
             prefill_token_len=input_len,
         )
+
+
+def _has_images(req: EngineRequest) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+               for m in req.messages or [])
 
 
 def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -51,6 +51,8 @@ class CreateBatch(BaseModel):
     completion_window: str
     metadata: dict[str, Any] | None = None
     output_expires_after: dict[str, Any] | None = None
+    #: lmdq's extension (issue 46): when the batch should be done, ISO 8601 with its zone or Unix time
+    deadline: str | float | None = None
 
 
 class _Metrics:
@@ -344,7 +346,8 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
         exp = body.output_expires_after or {}
         ttl = expires_after(exp.get("anchor"), exp.get("seconds"), "output_expires_after") if exp else None
         out = batches.create(t, input_file_id=body.input_file_id, endpoint=body.endpoint,
-                             completion_window=body.completion_window, metadata=body.metadata, output_ttl_s=ttl)
+                             completion_window=body.completion_window, metadata=body.metadata, output_ttl_s=ttl,
+                             deadline=body.deadline)
         metrics.batches.inc()
         return out
 

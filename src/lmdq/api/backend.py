@@ -49,7 +49,7 @@ class Backend:
         self.store = ResultStore(self.client, keys=self.keys, ttl_s=settings.result_ttl_s)
 
     def submit(self, path: Path, *, window_s: float | None, metadata: dict[str, str], idempotency_key: str,
-               progress: Callable[[int], None] | None = None) -> Batch:
+               progress: Callable[[int], None] | None = None, deadline: float | None = None) -> Batch:
         """Validate the whole OpenAI Batch file and enqueue it (``lmdq-producer submit FILE``): all of it
         or, on :class:`~lmdq.errors.SubmitRejected` / :class:`~lmdq.errors.UnknownModel`, nothing.
         ``idempotency_key`` makes a re-run after a crash return the batch the first run made."""
@@ -74,7 +74,12 @@ class Backend:
             # an HTTP caller has no flag to pass: the model is LMDQ_API_MODEL or each line's body.model
             model_option="LMDQ_API_MODEL",
             allow_unknown_hint=None,
+            # image_url parts (issue 48): local paths only inside LMDQ_API_IMAGE_ROOT, none without one
+            image_root=str(s.api_image_root) if s.api_image_root is not None else None,
+            allow_local_images=s.api_image_root is not None,
+            max_image_bytes=s.max_image_bytes,
         )
+        opts.deadline = deadline  # lmdq's extension field (issue 46)
         batch: Batch
         batch, _created = submit_file(path, opts, client=self.client, keys=self.keys, ttl_s=s.result_ttl_s,
                                       validate_progress=progress, enqueue_progress=progress,

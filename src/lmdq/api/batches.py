@@ -36,6 +36,7 @@ from lmdq.api.paging import Page, page
 from lmdq.contract import Batch, BatchStatus, ErrorCode
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
 from lmdq.logs.config import get_logger
+from lmdq.plan.deadlines import parse_deadline
 from lmdq.redis.keys import Keys
 from lmdq.results.openai import BatchUsage
 
@@ -129,6 +130,8 @@ class Record:
     output_ttl_s: int | None
     model: str | None = None
     usage: dict[str, Any] | None = None
+    #: lmdq's extension (issue 46): Unix time the batch should be done by
+    deadline: float | None = None
 
     @classmethod
     def decode(cls, batch_id: str, raw: dict[Any, Any]) -> Record | None:
@@ -147,7 +150,8 @@ class Record:
                        output_file_id=d.get("output_file_id") or None, error_file_id=d.get("error_file_id") or None,
                        final_status=d.get("final_status") or None, finalized_at=opt_int("finalized_at"),
                        runs=int(d.get("runs") or 0), output_ttl_s=int(d.get("output_ttl_s") or 0) or None,
-                       model=d.get("model") or None, usage=json.loads(d["usage"]) if d.get("usage") else None)
+                       model=d.get("model") or None, usage=json.loads(d["usage"]) if d.get("usage") else None,
+                       deadline=float(d["deadline"]) if d.get("deadline") else None)
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
 
@@ -175,6 +179,8 @@ def _error_code(field: str | None, message: str) -> ErrorCode:
         return ErrorCode.invalid_url
     if field in ("model", "body.model"):
         return ErrorCode.mismatched_model
+    if field is not None and field.endswith(".image_url.url"):
+        return ErrorCode.invalid_image
     if "JSON" in message:
         return ErrorCode.invalid_json_line
     return ErrorCode.invalid_request
@@ -253,10 +259,14 @@ class ApiBatches:
 
     # ---- API operations -------------------------------------------------------------------------
     def create(self, tenant: str, *, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: Any, output_ttl_s: int | None = None) -> dict[str, Any]:
+               metadata: Any, output_ttl_s: int | None = None, deadline: str | float | None = None) -> dict[str, Any]:
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint: expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
         window_s = parse_window(completion_window)
+        try:
+            deadline_at = parse_deadline(deadline)
+        except ValueError as e:
+            raise bad_request(f"deadline: {e}", param="deadline") from None
         meta = check_metadata(metadata)
         f = self.files.get(tenant, input_file_id)
         if f.purpose != "batch":
@@ -269,7 +279,8 @@ class ApiBatches:
         self.records.create(batch_id, tenant, {
             "input_file_id": input_file_id, "endpoint": endpoint, "model": model or "",
             "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
-            "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0},
+            "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0,
+            "deadline": deadline_at or ""},
             ttl_s=self.ttl_s, created=time.time())  # sub-second: a list keeps creation order
         log.info("batch created", batch=batch_id, tenant=tenant, input_file=input_file_id, endpoint=endpoint)
         self.schedule(functools.partial(self.submit, batch_id), f"submit:{batch_id}")
@@ -320,6 +331,8 @@ class ApiBatches:
             "cancelled_at": None, "request_counts": counts, "metadata": rec.metadata or None,
             "model": rec.model, "usage": rec.usage,
         }
+        if rec.deadline is not None:  # lmdq's extension field (issue 46), only when the batch has one
+            out["deadline"] = rec.deadline
         if rec.state == "failed":
             out["status"] = "failed"
             out["errors"] = {"object": "list", "data": rec.errors or []}
@@ -447,7 +460,7 @@ class ApiBatches:
 
         meta = dict(rec.metadata)
         try:
-            batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta,
+            batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta, deadline=rec.deadline,
                                         idempotency_key=_idempotency_key(rec.id), progress=progress)
         except (SubmitRejected, UnknownModel) as e:  # about the file: the batch fails, with its lines
             self._fail(rec, errors_from(e, path, shown))

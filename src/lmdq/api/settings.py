@@ -35,6 +35,11 @@ class ApiSettings(ProducerSettings):
         default=None, description="served model every batch runs on, whatever its lines' body.model says "
         "(as `submit --model`); unset: the lines' body.model must be a known model"
     )
+    api_image_root: Path | None = Field(
+        default=None, description="the one folder a batch's image_url parts may name local paths in "
+        "(LMDQ_API_IMAGE_ROOT; relative paths resolve against it, symlinks may not lead out); unset: local image "
+        "paths are refused, only data: URLs, s3:// and http(s):// (a tenant must not read the server's files)"
+    )
     api_max_upload_bytes: int = Field(default=8 << 30, ge=1, description="largest file POST /v1/files accepts")
     api_file_ttl_s: int = Field(
         default=30 * 24 * 3600, ge=60, description="how long uploaded and output files are kept (OpenAI's "

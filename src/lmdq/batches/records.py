@@ -84,7 +84,7 @@ class BatchRecords:
             quiet.add("model_counts")
         if batch.reuse_ttl_s is None:  # a batch without reuse: the record an lmdq before issue 47 wrote
             quiet.add("reuse_ttl_s")
-        live = {"status", "request_counts", *(f.value for f in BATCH_TIME_FIELDS)}
+        live = {"status", "request_counts", "deadline", *(f.value for f in BATCH_TIME_FIELDS)}
         meta = batch.model_dump_json(exclude=live | quiet)
         fields: dict[Any, str | int | float] = {
             F.meta.value: meta, F.status.value: batch.status.value, F.total.value: batch.request_counts.total
@@ -93,6 +93,8 @@ class BatchRecords:
             fields[f.value] = 0
         if batch.expires_at is not None:
             fields[F.expires_at.value] = batch.expires_at
+        if batch.deadline is not None:
+            fields[F.deadline.value] = batch.deadline
         fields[F.ttl.value] = int(self.ttl_s)
         if batch.idempotency_key:
             fields[F.idempotency.value] = self.keys.idempotency(batch.idempotency_key)
@@ -127,6 +129,9 @@ class BatchRecords:
             v = raw.get(f.value.encode())
             if v is not None:
                 data[f.value] = float(v)
+        deadline = raw.get(F.deadline.value.encode())
+        if deadline is not None:
+            data["deadline"] = float(deadline)
         return Batch.model_validate(data)
 
     def newest(self, limit: int = 20) -> list[Batch]:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
     from lmdq.client.stream import StreamChunk
     from lmdq.client.submit_kwargs import SubmitKwargs
+    from lmdq.plan.deadlines import Outlook
     from lmdq.plan.rules import Plan
     from lmdq.redis.keys import Keys
     from lmdq.registry.store import ModelInfo, RemovedModel
@@ -153,6 +154,8 @@ class Client:
         template: str | None = None,
         endpoint: Endpoint | Literal["chat", "completion", "score", "reward", "embedding"] | None = None,
         model_column: str | None = None,
+        image_column: str | None = None,
+        image_dir: str | os.PathLike[str] | None = None,
         on_warning: Callable[[str], None] | None = None,
         validate_progress: Progress | None = None,
         enqueue_progress: Progress | None = None,
@@ -181,6 +184,10 @@ class Client:
         above; fields left at LMDeploy's defaults are not passed (lmdq's defaults apply), a field lmdq
         does not support is an InvalidArgument naming it.
 
+        ``image_column``: the column holding each row's image (a path or URL, or the image's bytes); ``image_dir``:
+        the folder relative image paths resolve against, in a file's ``image_url`` parts and an image column
+        alike (issue 48: references are checked at submit, jobs carry them, workers read the bytes).
+
         ``input_name``: what the batch record calls a file ``source`` (``-`` when it is a copy of stdin).
 
         Raises SubmitRejected (bad input: the first bad rows named by row and column, as text and as
@@ -197,14 +204,17 @@ class Client:
         opts, ttl_s = resolve(given, self.settings, model=model, spell=spell,
                               on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
         opts.staging_lease_s = self.settings.staging_lease_s
+        opts.max_image_bytes = self.settings.max_image_bytes
+        if image_dir is not None:
+            opts.image_dir = os.fspath(Path(image_dir).expanduser().absolute())
         try:
             cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
                              params_columns=params_columns, template=template,
                              endpoint=Endpoint(endpoint) if endpoint is not None else None,
-                             model_column=model_column)
+                             model_column=model_column, image_column=image_column)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        src = classify(source, fmt=format, cmap=cmap)
+        src = classify(source, fmt=format, cmap=cmap, spell=spell)
         kw: dict[str, Any] = {"client": self.redis, "keys": self.keys, "ttl_s": ttl_s,
                               "validate_progress": validate_progress, "enqueue_progress": enqueue_progress,
                               "max_job_bytes": self.settings.max_job_bytes}
@@ -224,7 +234,8 @@ class Client:
         with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:
-                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress)
+                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress,
+                      images=opts.image_checker())
             opts.fmt = InputFormat.jsonl
             opts.input_name = src.name
             if opts.on_warning is not None:  # the spool is an implementation detail: name the source's rows
@@ -560,6 +571,23 @@ class Batch:
         c._ledger().notice_interrupted([self.id])
         self._info = cancel_batch(c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s)
         return self._info
+
+    def set_deadline(self, when: str | float, *, spell: Spell = _python_name) -> BatchInfo:
+        """Move the batch's deadline (ISO 8601 with its zone, or Unix time; issue 46): its waiting jobs take
+        their new place in the queue (earliest deadline first) at once. Returns the record."""
+        from lmdq.client.planning import set_deadline
+
+        c = self.client
+        set_deadline(c.redis, c.keys, self.info(), when, spell=spell)
+        return self.info()
+
+    def outlook(self) -> Outlook | None:
+        """When the batch is projected to finish against its deadline (``outlook.misses``,
+        ``outlook.warning()``), from its measured rate and what remains; None without a deadline or ended."""
+        from lmdq.client.planning import outlook_of
+
+        c = self.client
+        return outlook_of(c.redis, c.keys, self.info())
 
     def retry(self, *, include_cancelled: bool = False, include_expired: bool = False,
               priority: Priority | str | None = None, idempotency_key: str | None = None) -> Batch:

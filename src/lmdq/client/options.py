@@ -45,6 +45,7 @@ __all__ = [
     "Spell",
     "option_fields",
     "option_names",
+    "parse_deadline",
     "parse_duration",
     "parse_window",
     "render_submit_kwargs",
@@ -85,6 +86,9 @@ class BatchOptions(BaseModel):
     idempotency_key: str | None = Field(default=None, description="same key → same batch, never enqueued twice")
     completion_window: str | float | None = Field(
         default=None, description="with its unit, e.g. 24h, 90m, 2d: requests not started by then expire")
+    deadline: str | float | None = Field(
+        default=None, description="when the batch should be done, ISO 8601 with its zone (2026-12-06T07:00Z) or "
+        "Unix time: claimed earliest-deadline-first, the fleet sized for it, a warning once it is projected to miss")
     allow_unknown_model: bool = Field(
         default=False, description="queue even if MODEL is neither registered (`models add`) nor served by a worker")
     results_url: str | None = Field(
@@ -121,6 +125,7 @@ _CLI_TYPES: dict[str, tuple[Any, Callable[[Any], Any] | None]] = {
     "metadata": (list[str], _parse_metadata),
     "json_schema": (Path, _read_schema),
     "completion_window": (str, None),
+    "deadline": (str, None),
     "result_ttl": (str, None),
 }
 
@@ -257,6 +262,17 @@ def parse_duration(value: str | float | None, name: str) -> float | None:
     return v
 
 
+def parse_deadline(value: str | float | None, name: str, *, now: float | None = None) -> float | None:
+    """``--deadline`` / ``deadline=`` as Unix time (:func:`lmdq.plan.deadlines.parse_deadline`); a bad one
+    is SubmitRejected naming the option."""
+    from lmdq.plan.deadlines import parse_deadline as parse
+
+    try:
+        return parse(value, now=now)
+    except ValueError as e:
+        raise _rejected(name, str(e), value) from None
+
+
 def parse_window(value: str | float | None, name: str) -> float | None:
     """``completion_window`` as text takes a unit (``24h``, as OpenAI's ``completion_window``): a bare
     ``2`` could mean 2 hours as easily as 2 seconds, and a window that is silently 2 s expires everything.
@@ -326,6 +342,9 @@ def resolve(
             given.pop(alias, None)
     unknown = set(given) - option_names()
     if unknown:
+        if unknown <= set(_lmdeploy_defaults()):  # submit(**asdict(gen_config)): say what takes it (issue 45)
+            raise TypeError(f"submit() got LMDeploy GenerationConfig fields as keywords {sorted(unknown)}; pass the "
+                            "config itself: gen_config=GenerationConfig(...) or gen_config=dataclasses.asdict(...)")
         raise TypeError(f"submit() got unexpected option(s) {sorted(unknown)}; expected some of "
                         f"{sorted(option_names())}")
     values = {k: v for k, v in given.items() if v is not None}
@@ -370,6 +389,7 @@ def resolve(
         else:
             grouping[name] = getattr(settings, name)
     window_s = parse_window(b.completion_window, spell("completion_window"))
+    deadline = parse_deadline(b.deadline, spell("deadline"))
     ttl = parse_duration(b.result_ttl, spell("result_ttl"))
     ttl_s = settings.result_ttl_s if ttl is None else int(ttl)
     # every key of the batch expires this long after the batch ENDS (lmdq.results.store): any TTL covers the run,
@@ -395,11 +415,18 @@ def resolve(
         memory_fraction=settings.memory_headroom_fraction,
         on_warning=on_warning,
     )
+    opts.deadline = deadline
     return opts, ttl_s
+
+
+#: keywords whose CLI flag is not ``--`` + the keyword with dashes
+_CLI_FLAGS = {"params_columns": "--params-column"}
 
 
 def cli_spell(name: str) -> str:
     """An option as the CLI names it (a bool flag with its negative spelling: ``--do-sample/--greedy``)."""
+    if name in _CLI_FLAGS:
+        return _CLI_FLAGS[name]
     negative = [a.strip(" /") for a in _GENERATION_ALIASES.get(name, ()) if a.startswith(" /")]
     return option_name(name) + (f"/{negative[0]}" if negative else "")
 
@@ -407,6 +434,18 @@ def cli_spell(name: str) -> str:
 if __name__ == "__main__":  # rewrite submit_kwargs.py after an option's declaration changed
     SUBMIT_KWARGS_PATH.write_text(render_submit_kwargs())
     print(f"wrote {SUBMIT_KWARGS_PATH}")
+
+
+def _lmdeploy_defaults() -> dict[str, Any]:
+    """LMDeploy's ``GenerationConfig()`` field values, or nothing where LMDeploy is not installed."""
+    import dataclasses
+
+    try:
+        from lmdeploy import GenerationConfig
+    except Exception:  # not installed (a CPU-only client), or broken: every field counts as given
+        return {}
+    fresh = GenerationConfig()
+    return {f.name: getattr(fresh, f.name) for f in dataclasses.fields(fresh)}
 
 
 def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -419,7 +458,9 @@ def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]
     from lmdq.errors import InvalidArgument
 
     if isinstance(gen_config, Mapping):
-        items, defaults = dict(gen_config), {}
+        # a dict of the fields (``dataclasses.asdict(gen_config)``, issue 45): those at LMDeploy's defaults are
+        # not passed either, where LMDeploy is installed to say what its defaults are
+        items, defaults = dict(gen_config), _lmdeploy_defaults()
     elif dataclasses.is_dataclass(gen_config) and not isinstance(gen_config, type):
         items = {f.name: getattr(gen_config, f.name) for f in dataclasses.fields(gen_config)}
         try:

@@ -29,6 +29,9 @@ class SubmitKwargs(TypedDict, total=False):
     idempotency_key: str | None
     #: with its unit, e.g. 24h, 90m, 2d: requests not started by then expire
     completion_window: str | float | None
+    #: when the batch should be done, ISO 8601 with its zone (2026-12-06T07:00Z) or Unix time: claimed earliest-
+    #: deadline-first, the fleet sized for it, a warning once it is projected to miss
+    deadline: str | float | None
     #: queue even if MODEL is neither registered (`models add`) nor served by a worker
     allow_unknown_model: bool | None
     #: folder or s3://bucket/prefix: full results go to JSONL shards there, Redis keeps counts and a small index

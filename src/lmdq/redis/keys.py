@@ -94,6 +94,9 @@ class BatchField(str, Enum):
     unstaged_answered = "unstaged_answered"
     #: generated tokens of the batch's final results so far (progress' tokens/s; absent before the first)
     output_tokens = "output_tokens"
+    #: Unix time the batch should be done by (issue 46; absent: none): a live field, so it can be moved
+    #: (``Batch.set_deadline``) and the commit script reads it to place the jobs earliest-deadline-first
+    deadline = "deadline"
 
     def __str__(self) -> str:
         return self.value

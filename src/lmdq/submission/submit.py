@@ -40,6 +40,8 @@ from lmdq.batches.headroom import check_batch_fits
 from lmdq.batches.staging import IDS_CHUNK
 from lmdq.contract import Batch, BatchStatus, Endpoint, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.images.parts import image_urls
+from lmdq.images.refs import ImageChecker, ImageRefError
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
 from lmdq.results.output_urls import check_submit_urls
@@ -124,6 +126,22 @@ class SubmitOptions:
     input_name: str | None = None
     #: LMDQ_STAGING_LEASE_S: the staging lease this submit renews while it stages (lmdq.settings.CommonSettings)
     staging_lease_s: float = default_of(ProducerSettings, "staging_lease_s")
+    #: Unix time the batch should be done by (issue 46: earliest-deadline-first claims); None: none
+    deadline: float | None = None
+    #: image inputs (issue 48, lmdq.images.refs): the folder relative image paths resolve against
+    #: (``--image-dir``); each reference is checked in pass 1, and a relative path reaches the job absolute
+    image_dir: str | None = None
+    #: LMDQ_MAX_IMAGE_BYTES: the largest image a reference may name (or a data: URL hold)
+    max_image_bytes: int = default_of(ProducerSettings, "max_image_bytes")
+    #: the HTTP API's LMDQ_API_IMAGE_ROOT: local image paths must lie inside it; ``allow_local_images`` False
+    #: refuses local paths outright (an API without a root)
+    image_root: str | None = None
+    allow_local_images: bool = True
+
+    def image_checker(self) -> ImageChecker:
+        """How this submit checks image references (lmdq.images.refs.ImageChecker)."""
+        return ImageChecker(max_bytes=self.max_image_bytes, image_dir=self.image_dir, root=self.image_root,
+                            allow_local=self.allow_local_images)
 
 
 @dataclass(frozen=True)
@@ -267,6 +285,8 @@ def _validate(
         spills.callback(prefixes.close)
     running = _new_hash(order_free=prefixes is not None)
     sampling = _SamplingTally()
+    images = opts.image_checker()
+    fields = "body.messages" if opts.fmt is InputFormat.openai else "messages"
     try:
         size, mtime_ns = _stat(path)
         for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
@@ -278,6 +298,11 @@ def _validate(
                 continue
             if progress:
                 progress(item.line_no)
+            if item.messages is not None and not _images_ok(path, item, images, fields, errors):
+                if len(errors) >= opts.max_errors:
+                    errors.append(f"{path}: stopping after {opts.max_errors} errors")
+                    break
+                continue
             if lines is not None:
                 if not lines.add(path, item, errors):
                     if len(errors) >= opts.max_errors:
@@ -323,6 +348,41 @@ def _validate(
     seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=n, digest=running.digest(),
                         order_free=prefixes is not None, per_request=per_request, id_chunks=id_chunks)
     return seen, model, prefixes, model_line, several
+
+
+def _images_ok(path: Path, item: ParsedLine, images: ImageChecker, fields: str, errors: list[str]) -> bool:
+    """Check every image reference of ``item`` (exists, readable, an image, within the size limit) WITHOUT
+    keeping its bytes; False, with one error naming the line and the part's field, for the first bad one."""
+    assert item.messages is not None
+    for i, j, url in image_urls(item.messages):
+        try:
+            images.check(url)
+        except ImageRefError as e:
+            errors.append(f"{path}:{item.line_no}: field '{fields}[{i}].content[{j}].image_url.url': {e}")
+            return False
+    return True
+
+
+def _with_image_refs(messages: list[dict[str, Any]], images: ImageChecker) -> list[dict[str, Any]]:
+    """``messages`` with each image reference as its job carries it (a relative path made absolute); the
+    same list when it has no image part (the common case: no copy)."""
+    if not any(True for _ in image_urls(messages)):
+        return messages
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if (isinstance(part, dict) and part.get("type") == "image_url"
+                        and isinstance(part.get("image_url"), dict)):
+                    img = dict(part["image_url"])
+                    img["url"] = images.normalize(img["url"])
+                    part = {**part, "image_url": img}
+                parts.append(part)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
 
 
 class _SamplingTally:
@@ -378,14 +438,16 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
     return out
 
 
-def _request_dict(index: int, item: ParsedLine, *, with_model: bool = False) -> dict[str, Any]:
+def _request_dict(index: int, item: ParsedLine, *, with_model: bool = False,
+                  images: ImageChecker | None = None) -> dict[str, Any]:
     """The request as its job holds it; ``with_model``: with the line's model too (a batch over several
-    models: :func:`lmdq.ledger.job_payloads` takes it off, as the job's own ``model``)."""
+    models: :func:`lmdq.ledger.job_payloads` takes it off, as the job's own ``model``); ``images``: image
+    references as the job carries them (:meth:`ImageChecker.normalize`)."""
     d: dict[str, Any] = {"index": index, "custom_id": item.custom_id, "endpoint": item.endpoint.value}
     if with_model:
         d["model"] = item.model
     if item.messages is not None:
-        d["messages"] = item.messages
+        d["messages"] = item.messages if images is None else _with_image_refs(item.messages, images)
     else:
         d["prompt"] = item.prompt
     if item.params is not None:
@@ -408,6 +470,7 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
         if _stat(path) != (seen.size, seen.mtime_ns):
             raise _changed(path, "its size or modification time is not what was validated")
         running = _new_hash(seen.order_free)
+        images = opts.image_checker()
         n = 0
         for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint)):
             if isinstance(item, InputError):
@@ -417,7 +480,7 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
             if _feed(running, item) != seen.per_request[index]:
                 raise _changed(path, f"line {item.line_no} is not what was validated")
             n += 1
-            yield _request_dict(index, item)
+            yield _request_dict(index, item, images=images)
         if n != seen.requests:
             raise _changed(path, f"it now has {n} requests, {seen.requests} were validated")
         _check_read_whole(path, seen, running)
@@ -446,6 +509,7 @@ def _planned_requests(
         if _stat(path) != (seen.size, seen.mtime_ns):
             raise _changed(path, "its size or modification time is not what was validated")
         running = _new_hash(order_free=True)
+        images = opts.image_checker()
         for spilled in (prefixes.offsets, prefixes.line_nos, seen.per_request):
             spilled.map()  # read in the plan's order: jumps between groups all the time
         with open(path, "rb") as f:
@@ -456,7 +520,7 @@ def _planned_requests(
                     raise _changed(path, f"now {item}")
                 if _feed(running, item) != seen.per_request[index]:
                     raise _changed(path, f"line {item.line_no} is not what was validated")
-                yield _request_dict(index, item, with_model=with_model)
+                yield _request_dict(index, item, with_model=with_model, images=images)
         _check_read_whole(path, seen, running)
     except OSError as e:
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
@@ -484,6 +548,8 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
     }
     if opts.endpoint is not None:  # only when given: the fingerprints of submits without it stay what they were
         options["endpoint"] = opts.endpoint.value
+    if opts.image_dir is not None:  # only when given: keys bound before image inputs keep their fingerprint
+        options["image_dir"] = opts.image_dir
     h.update(b"\x00" + json.dumps(options, sort_keys=True).encode())
     return f"file:{h.hexdigest()}"
 
@@ -594,6 +660,7 @@ def submit_file(
                 metadata=opts.metadata,
                 idempotency_key=opts.idempotency_key,
                 completion_window_s=opts.completion_window_s,
+                deadline=opts.deadline,
                 results_url=opts.results_url,
                 blob_url=opts.blob_url,
                 created_at=now,
