@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
+from lmdq.contract import MAX_JOB_REQUESTS, MAX_REUSE_TTL_S, GenerationParams, Priority
 from lmdq.errors import InputProblem, SubmitRejected
 from lmdq.flags import FlagSpec, option_name
 from lmdq.logs.redaction import redact_url
@@ -99,6 +99,14 @@ class BatchOptions(BaseModel):
         f"12h, 3600 (default LMDQ_RESULT_TTL_S, {_days(DEFAULT_RESULT_TTL_S)})")
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)")
+    reuse: bool | None = Field(
+        default=None, description="never pay twice: a greedy (or seeded, where the engine repeats seeds) request "
+        "identical to one already completed on the same weights and engine settings is answered from its stored "
+        "result (reused_from says which), and this batch's answers are kept for later batches (default LMDQ_REUSE, "
+        "off)")
+    reuse_ttl: str | float | None = Field(
+        default=None, description="with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h "
+        f"(default LMDQ_REUSE_TTL_S, {_days(default_of(ProducerSettings, 'reuse_ttl_s'))})")
 
 
 def _parse_metadata(items: list[str]) -> dict[str, str]:
@@ -127,6 +135,7 @@ _CLI_TYPES: dict[str, tuple[Any, Callable[[Any], Any] | None]] = {
     "completion_window": (str, None),
     "deadline": (str, None),
     "result_ttl": (str, None),
+    "reuse_ttl": (str, None),
 }
 
 #: Second spellings of some generation flags beside the derived ``--<field>``: the OpenAI API's names
@@ -397,6 +406,12 @@ def resolve(
     if ttl_s < 60:
         given_ttl = values.get("result_ttl", b.result_ttl)  # as the caller wrote it (5, not pydantic's 5.0)
         raise _rejected(spell("result_ttl"), f"expected at least 60 seconds, got {given_ttl!r}", given_ttl)
+    reuse = settings.reuse if b.reuse is None else b.reuse
+    reuse_ttl = parse_duration(b.reuse_ttl, spell("reuse_ttl"))
+    reuse_ttl_s = settings.reuse_ttl_s if reuse_ttl is None else int(reuse_ttl)
+    if not 60 <= reuse_ttl_s <= MAX_REUSE_TTL_S:
+        raise _rejected(spell("reuse_ttl"), f"expected 60 seconds to {MAX_REUSE_TTL_S // 86400} days, got "
+                        f"{values.get('reuse_ttl', reuse_ttl_s)!r}", values.get("reuse_ttl", reuse_ttl_s))
     opts = SubmitOptions(
         model=model,
         batch_size=b.batch_size or settings.batch_size,
@@ -414,6 +429,7 @@ def resolve(
         prefix_group_bytes=grouping["prefix_group_bytes"],
         memory_fraction=settings.memory_headroom_fraction,
         on_warning=on_warning,
+        reuse_ttl_s=reuse_ttl_s if reuse else None,
     )
     opts.deadline = deadline
     return opts, ttl_s
