@@ -278,7 +278,7 @@ def status(
                                             "between progress lines (a status change prints at once)")
                         ] = DEFAULT_INTERVAL_S,
 ) -> None:
-    """Show a batch's status and request counts."""
+    """Show a batch's status and request counts, and its quality gates (a paused batch: what failed)."""
     handle = _lmdq().batch(batch_id)
     b = handle.last_info
     if watch:
@@ -286,8 +286,32 @@ def status(
 
         with _progress(handle, interval) as prog:
             b = watch_batch(lambda: _patiently(handle), prog, b, poll_s=min(POLL_S, interval))
-    _print_batch(b, as_json)
+    gates = handle.gates()
+    if as_json and gates is not None:  # the batch record with its gates beside it (lmdq's own key)
+        typer.echo(json.dumps({**json.loads(_redacted(b).model_dump_json()), "gates": gates}))
+    else:
+        _print_batch(b, as_json)
+        if gates is not None:
+            _print_gates(b, gates)
     _warn_deadline(handle)
+
+
+def _print_gates(b: Batch, gates: dict[str, Any]) -> None:
+    """The gates' state in a few lines; a paused batch's report with its example lines."""
+    cfg = gates.get("config") or {}
+    verdict = gates.get("verdict") or ("canary running" if cfg.get("canary") is not None else "watching")
+    typer.echo(f"  gates: {verdict}  canary_jobs_left={gates.get('canary_jobs_left', 0)} "
+               f"held_jobs={gates.get('held_jobs', 0)}  " + " ".join(f"{k}={v}" for k, v in cfg.items()))
+    report = gates.get("report")
+    if not report or b.status is not BatchStatus.paused:
+        return
+    typer.echo(f"  paused after the {report.get('phase')}: {report.get('judged')} results judged")
+    for f in report.get("failures", []):
+        typer.echo(f"  FAILED {f.get('gate')}: {f.get('message')}")
+        for ex in f.get("examples", []):
+            why = f"  ({ex['why']})" if ex.get("why") else ""
+            typer.echo(f"    line {int(ex.get('i', 0)) + 1} {ex.get('id', '')}: {ex.get('x', '')!r}{why}")
+    typer.echo(f"  resume: lmdq-producer resume {b.id}    cancel: lmdq-producer cancel {b.id}")
 
 
 def _warn_deadline(handle: ClientBatch) -> None:
@@ -445,6 +469,12 @@ def _flush(*files: BinaryIO) -> None:
 
 def _timed_out(b: Batch, batch_id: str, timeout: float | None) -> None:
     """A wait that ended before the batch did: one line, exit 1."""
+    if b.status is BatchStatus.paused:
+        print(f"error: batch {batch_id} is paused: a quality gate failed ({b.request_counts.done}/"
+              f"{b.request_counts.total} done). `lmdq-producer status {batch_id}` shows the report; "
+              f"`lmdq-producer resume {batch_id}` runs the rest, `lmdq-producer cancel {batch_id}` ends it",
+              file=sys.stderr)
+        raise typer.Exit(1)
     if not b.status.terminal:
         print(f"error: batch {batch_id} still {b.status.value} after {timeout}s "
               f"({b.request_counts.done}/{b.request_counts.total} done)", file=sys.stderr)
@@ -530,6 +560,15 @@ def cancel(
 ) -> None:
     """Remove the batch's queued jobs and abort its in-flight requests."""
     _print_batch(_lmdq().batch(batch_id).cancel(), as_json)
+
+
+@app.command()
+def resume(
+    batch_id: Annotated[str, typer.Argument()],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Run the rest of a paused batch (a quality gate failed): its held jobs are queued again."""
+    _print_batch(_lmdq().batch(batch_id).resume(), as_json)
 
 
 @app.command()

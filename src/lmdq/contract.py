@@ -218,6 +218,10 @@ class BatchStatus(_Value):
     cancelling = "cancelling"
     cancelled = "cancelled"
     expired = "expired"
+    #: lmdq's own: a quality gate failed (``submit --canary`` / ``--gate-window``, lmdq.gates); nothing more of
+    #: the batch runs until ``resume`` (the rest runs) or ``cancel`` (the rest ends ``cancelled``). Not terminal.
+    #: OpenAI has no such state: the HTTP API shows it as ``in_progress`` with ``lmdq_status: "paused"``.
+    paused = "paused"
 
     @property
     def terminal(self) -> bool:
@@ -442,6 +446,9 @@ class JobPayload(_Strict):
     #: the batch takes part in result reuse (issue 47, ``--reuse``): its requests are answered from the reuse
     #: index where they can be, and its completed results are recorded there for this many seconds
     reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
+    #: its results feed the batch's quality gates (a canary job, or any job under ``--gate-window``): the
+    #: worker judges them when the job ends (lmdq.gates); False costs nothing
+    gated: bool = False
 
     @model_validator(mode="after")
     def _unique_indices(self) -> JobPayload:

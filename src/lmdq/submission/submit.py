@@ -40,6 +40,7 @@ from lmdq.batches.headroom import check_batch_fits
 from lmdq.batches.staging import IDS_CHUNK
 from lmdq.contract import Batch, BatchStatus, Endpoint, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.gates.config import GateConfig
 from lmdq.images.parts import image_urls
 from lmdq.images.refs import ImageChecker, ImageRefError
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
@@ -144,6 +145,9 @@ class SubmitOptions:
         """How this submit checks image references (lmdq.images.refs.ImageChecker)."""
         return ImageChecker(max_bytes=self.max_image_bytes, image_dir=self.image_dir, root=self.image_root,
                             allow_local=self.allow_local_images)
+    #: quality gates (``--canary``, ``--gate``, ``--gate-window``; lmdq.gates): a canary runs first and the rest
+    #: only if it passes; the whole file is staged before anything runs (``first_jobs`` does not apply)
+    gates: GateConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -690,7 +694,7 @@ def submit_file(
             batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
                                    job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
                                    first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit,
-                                   id_chunks=seen.id_chunks.chunks())
+                                   id_chunks=seen.id_chunks.chunks(), gates=opts.gates)
         except BaseException:
             if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
                 ledger.release_key(opts.idempotency_key, batch_id)
