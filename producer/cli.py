@@ -22,8 +22,8 @@ from lmdq.cli.run import run_cli
 from lmdq.client.client import MAX_NOTE, Client, load_settings
 from lmdq.client.client import Batch as ClientBatch
 from lmdq.client.options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
-from lmdq.contract import Batch, BatchStatus, Priority
-from lmdq.errors import EXIT_CODES_HELP, PurgeRefused
+from lmdq.contract import Batch, BatchStatus, Endpoint, Priority
+from lmdq.errors import EXIT_CODES_HELP, PurgeRefused, SubmitRejected
 from lmdq.flags import settings_flags
 from lmdq.logs.config import configure_logging
 from lmdq.metrics.exporter import EXPORTER_FLAGS
@@ -167,6 +167,9 @@ def submit(
                                                                  "parameter, per row (repeatable)")] = None,
     template: Annotated[str | None, typer.Option(help="Parquet/CSV: the prompt as a str.format template of "
                                                       "columns, e.g. 'Q: {question}'")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="every line's endpoint: chat | completion | score | reward | "
+                                                     "embedding (default: each line's own, else chat); a .txt's "
+                                                     "lines take chat, completion or embedding")] = None,
     image_column: Annotated[str | None, typer.Option(help="Parquet/CSV: the column holding each row's image (a path "
                                                           "or URL, or its bytes)")] = None,
     image_dir: Annotated[Path | None, typer.Option(help="the folder relative image paths resolve against (image_url "
@@ -219,11 +222,23 @@ def submit(
                 path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
                 prompt_column=prompt_column, messages_column=messages_column,
                 id_column=id_column, model_column=model_column, params_columns=params_column or None,
-                template=template, image_column=image_column, image_dir=image_dir, spell=cli_spell,
+                template=template, endpoint=_endpoint(endpoint), image_column=image_column, image_dir=image_dir,
+                spell=cli_spell,
                 validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
                 **generation, **grouping, **batch_options,
             )
     _print_submitted(batch.last_info, batch.created, as_json)
+
+
+def _endpoint(value: str | None) -> Endpoint | None:
+    """``--endpoint``'s value as the contract's Endpoint (one clear line and exit 2 for anything else)."""
+    if value is None:
+        return None
+    try:
+        return Endpoint(value)
+    except ValueError:
+        raise SubmitRejected(f"--endpoint: expected one of {' | '.join(e.value for e in Endpoint)}, "
+                             f"got {value!r}") from None
 
 
 @app.command("plan")

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from lmdq.batches.headroom import check_batch_fits
 from lmdq.batches.staging import IDS_CHUNK
-from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
+from lmdq.contract import Batch, BatchStatus, Endpoint, GenerationParams, Priority, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.gates.config import GateConfig
 from lmdq.images.parts import image_urls
@@ -74,6 +74,9 @@ __all__ = [
 
 Progress = Callable[[int], None]
 
+TEXT_ENDPOINTS = (Endpoint.chat, Endpoint.completion, Endpoint.embedding)
+"""What ``--endpoint`` may make of a text file's lines (each a plain prompt; score and reward need more)."""
+
 
 @dataclass
 class SubmitOptions:
@@ -89,6 +92,9 @@ class SubmitOptions:
     limits: InputLimits = field(default_factory=InputLimits)
     max_errors: int = 20
     fmt: InputFormat | None = None
+    #: submit's ``--endpoint`` / ``endpoint=``: every line's endpoint (a text file's lines, a JSONL line naming
+    #: none); a line naming another is refused. None: each line's own (chat by default)
+    endpoint: Endpoint | None = None
     results_url: str | None = None
     blob_url: str | None = None
     #: prefix-aware job formation (src/lmdq/submission/prefix_groups.py): requests sharing a prompt prefix of at
@@ -113,6 +119,7 @@ class SubmitOptions:
     #: error, three spellings): the CLI's flags by default, ``model=`` / ``allow_unknown_model=True`` from
     #: Python; None for the HTTP API, whose caller cannot pass one
     model_option: str = "--model"
+    endpoint_option: str = "--endpoint"
     allow_unknown_hint: str | None = "--allow-unknown-model"
     #: what the batch record names as its input when ``path`` is a copy of it: ``-`` for stdin (a
     #: temporary file, src/lmdq/submission/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
@@ -288,7 +295,7 @@ def _validate(
     fields = "body.messages" if opts.fmt is InputFormat.openai else "messages"
     try:
         size, mtime_ns = _stat(path)
-        for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits):
+        for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
             if isinstance(item, InputError):
                 errors.append(str(item))
                 if len(errors) >= opts.max_errors:
@@ -423,7 +430,7 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
         return []
     first: dict[str, int] = {}
     out: list[str] = []
-    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
         if isinstance(item, ParsedLine) and _h64(item.custom_id) in dup:
             if item.custom_id in first:
                 out.append(
@@ -471,7 +478,7 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
         running = _new_hash(seen.order_free)
         images = opts.image_checker()
         n = 0
-        for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
+        for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint)):
             if isinstance(item, InputError):
                 raise _changed(path, f"now {item}")
             if index >= seen.requests:
@@ -514,7 +521,7 @@ def _planned_requests(
         with open(path, "rb") as f:
             for index in plan.order:
                 item = read_request_at(f, name, prefixes.offsets[index], prefixes.line_nos[index], fmt=opts.fmt,
-                                       limits=opts.limits)
+                                       limits=opts.limits, endpoint=opts.endpoint)
                 if isinstance(item, InputError):
                     raise _changed(path, f"now {item}")
                 if _feed(running, item) != seen.per_request[index]:
@@ -545,6 +552,8 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
         "blob_url": opts.blob_url, "prefix_groups": opts.prefix_groups,
         "prefix_group_bytes": opts.prefix_group_bytes if opts.prefix_groups else None,
     }
+    if opts.endpoint is not None:  # only when given: the fingerprints of submits without it stay what they were
+        options["endpoint"] = opts.endpoint.value
     if opts.image_dir is not None:  # only when given: keys bound before image inputs keep their fingerprint
         options["image_dir"] = opts.image_dir
     if opts.reuse_ttl_s is not None:  # only when set: a key bound before issue 47 still matches its re-run
@@ -595,6 +604,10 @@ def submit_file(
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
+    if fmt is InputFormat.text and opts.endpoint is not None and opts.endpoint not in TEXT_ENDPOINTS:
+        raise SubmitRejected(f"{opts.endpoint_option}: a text file's lines are plain prompts: expected one of "
+                             f"{', '.join(e.value for e in TEXT_ENDPOINTS)}, got {opts.endpoint.value!r} (it needs "
+                             "JSONL lines)")
     # what pass 1 keeps per request waits in temporary files until the submit returns or fails: beside the
     # input when it is a copy of one (the client's spool, stdin's temporary file), else in TMPDIR
     spill_dir = str(path.parent) if opts.input_name is not None else None
