@@ -275,3 +275,17 @@ def test_the_deadline_scaling_component_scales_on_workers_needed(tmp_path: Path)
     assert {t["name"] for t in so["spec"]["triggers"]} == {"high", "normal", "low", "inflight", "needed"}
     schema = json.loads((DEPLOY / "schemas" / "keda-scaledobject-v1alpha1.json").read_text())
     jsonschema.validate(so, schema)
+
+
+def test_the_plan_bench_prints_the_prediction_beside_the_measured_run(redis_url: str) -> None:
+    """The bench's mechanics at a small size (its 10,000-line run is evidence/plan/): the workers' count of
+    input tokens is the plan's, and both GPU-second figures are there (their agreement is reported, not
+    asserted: it is a timing)."""
+    from lmdq_bench.plan_bench import PlanBenchConfig, run_plan_bench, table
+
+    res = run_plan_bench(PlanBenchConfig(requests=200, history=100, workers=1, capacity=32, step_ms=1.0),
+                         redis_url=redis_url, log=lambda _m: None)
+    assert res["input_tokens_equal"] and res["measured"]["requests"] == 200
+    assert res["plan"]["output_tokens"] == res["measured"]["output_tokens"]  # lengths from history, exact here
+    assert res["plan"]["gpu_seconds"] > 0 and res["measured"]["busy_gpu_seconds"] > 0
+    assert "predicted (plan)" in table(res) and "GPU-seconds error" in table(res)
