@@ -57,12 +57,12 @@ def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, width: int 
         tok.pad_token = tok.eos_token
     image_token_id = tok.convert_tokens_to_ids("<image>")
     text = LlamaConfig(vocab_size=len(tok), hidden_size=width, intermediate_size=width * 2,
-                       num_hidden_layers=depth, num_attention_heads=max(1, width // 32),
-                       num_key_value_heads=max(1, width // 32), max_position_embeddings=2048,
+                       num_hidden_layers=depth, num_attention_heads=max(1, width // 64),
+                       num_key_value_heads=max(1, width // 64), max_position_embeddings=2048,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                        tie_word_embeddings=False)
     vision = CLIPVisionConfig(hidden_size=width, intermediate_size=width * 2, num_hidden_layers=depth,
-                              num_attention_heads=max(1, width // 32), image_size=image_size, patch_size=patch,
+                              num_attention_heads=max(1, width // 64), image_size=image_size, patch_size=patch,
                               projection_dim=width)
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                       vision_feature_layer=-1, vision_feature_select_strategy="full",

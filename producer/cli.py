@@ -614,6 +614,47 @@ def models_remove(
                   "records it as served again; stop them to retire it", markup=False, highlight=False)
 
 
+reuse_app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 120},
+    help="The reuse index (issue 47, submit --reuse): what it holds per model, and forgetting it.\n\nA --reuse "
+    "batch's greedy (or seeded) requests identical to completed ones on the same weights and engine settings are "
+    "answered from their stored results; the index maps each to where its answer lives.",
+)
+app.add_typer(reuse_app, name="reuse")
+
+
+@reuse_app.command("stats")
+def reuse_stats(
+    model: Annotated[str | None, typer.Option(help="one model (default: every model with an index)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per model")] = False,
+) -> None:
+    """Entries, Redis bytes (and per entry), lookups, hits and hit rate of each model's reuse index."""
+    stats = _lmdq().reuse_stats(model)
+    if as_json:
+        for st in stats:
+            typer.echo(json.dumps(st.as_dict()))
+        return
+    if not stats:
+        err.print("no reuse index: submit a batch with --reuse")
+        return
+    for st in stats:
+        rate = "n/a" if st.hit_rate is None else f"{st.hit_rate:.1%}"
+        per = "n/a" if st.bytes_per_entry is None else f"{st.bytes_per_entry:.1f}"
+        _echo_fit(f"model={st.model}  entries={st.entries:,}  bytes={st.bytes:,}  bytes/entry={per}  "
+                  f"lookups={st.lookups:,}  hits={st.hits:,}  hit_rate={rate}")
+
+
+@reuse_app.command("purge")
+def reuse_purge(
+    model: Annotated[str, typer.Option(help="the served model name whose reusable answers to forget")],
+) -> None:
+    """Forget every reusable answer of a model (its batches and their results stay): later batches recompute."""
+    n = _lmdq().purge_reuse(model)
+    typer.echo(f"purged the reuse index of {model}: {n:,} entries")
+
+
 @app.command()
 @model_options(EXPORTER_FLAGS, into="flags")
 def exporter(flags: dict[str, Any]) -> None:

@@ -339,3 +339,112 @@ def _until(c: Any, batch_id: str, *statuses: str, polls: int = 3000) -> Any:
         time.sleep(0.1)
         b = c.batches.retrieve(batch_id)
     raise AssertionError(f"batch {batch_id} still {b.status}, want {statuses}")
+
+
+# ------------------------------------------------------------------ LMDeploy's VL path (a stand-in pipeline on CPU)
+
+
+class _VLPipe:
+    """The part of ``lmdeploy.Pipeline`` the engine uses, recording what ``stream_infer`` was given; with
+    ``vision`` its async engine has the image encoder LMDeploy's VLAsyncEngine has (``vl_encoder``)."""
+
+    def __init__(self, vision: bool) -> None:
+        from lmdeploy.messages import PytorchEngineConfig
+
+        self.backend_config = PytorchEngineConfig(max_batch_size=8)
+        self.async_engine = type("VLAsyncEngine" if vision else "AsyncEngine", (), {})()
+        if vision:
+            self.async_engine.vl_encoder = object()  # type: ignore[attr-defined]
+        self.prompts: list[Any] = []
+
+    def session(self) -> Any:
+        return type("S", (), {"abort": lambda self: None, "close": lambda self: None})()
+
+    def stream_infer(self, prompts: list[Any], **_: Any) -> Iterator[Any]:
+        from lmdeploy.messages import Response
+
+        self.prompts.extend(prompts)
+        for i, _p in enumerate(prompts):
+            yield Response(text="a cat", generate_token_len=2, input_token_len=9, finish_reason="stop", index=i)
+
+
+def test_lmdeploy_hands_image_messages_to_its_vl_path_and_a_text_pipeline_refuses_them() -> None:
+    pytest.importorskip("lmdeploy")
+    import threading
+
+    from lmdq.contract import Endpoint, GenerationParams
+    from lmdq.worker.engine_config import LMDeployConfig
+    from lmdq.worker.engines.base import EngineRequest
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
+
+    url = data_url(png((3, 4, 5)))
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is it?"}]}]
+    p = GenerationParams(max_new_tokens=4)
+    reqs = [EngineRequest(index=0, messages=msgs, params=p), EngineRequest(index=1, prompt="hi", params=p),
+            EngineRequest(index=2, messages=msgs, endpoint=Endpoint.score, continuations=("a cat",), params=p)]
+    vl = _VLPipe(vision=True)
+    eng = LMDeployEngine(vl, LMDeployConfig(backend="pytorch"), model_name="vl", emit_interval_s=0.0)
+    assert eng.vision
+    finals = {e.index: e for e in eng.stream(reqs, threading.Event()) if e.finish_reason is not None}
+    assert finals[0].finish_reason.value == "stop" and finals[0].text == "a cat"
+    assert vl.prompts[0] == msgs  # the OpenAI messages with the image's data: URL, as LMDeploy's VL path takes them
+    assert finals[2].error_code == "unsupported_feature" and "scores text only" in (finals[2].error_message or "")
+    text = _VLPipe(vision=False)
+    eng = LMDeployEngine(text, LMDeployConfig(backend="pytorch"), model_name="llm", emit_interval_s=0.0)
+    finals = {e.index: e for e in eng.stream(reqs[:2], threading.Event()) if e.finish_reason is not None}
+    assert finals[0].error_code == "unsupported_feature" and "vision-language" in (finals[0].error_message or "")
+    assert finals[1].finish_reason.value == "stop" and all(p != msgs for p in text.prompts)
+
+
+def test_prefix_groups_keep_the_requests_over_one_image_together(redis_url: str, prefix: str, image_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """3 images x 4 questions, shuffled: with prefix grouping each job of 4 holds one image's 4 questions (the
+    image counts as a long prefix, lmdq.submission.prefix_groups.IMAGE_PREFIX_BYTES); different images with the
+    same question never group."""
+    import random
+
+    from lmdq.jobs.data import read_job
+
+    urls = [data_url(png(COLORS[0])), "img1.png", (image_dir / "img2.png").as_uri()]
+    lines = [image_line(f"{i}-{q}", url, question) for i, url in enumerate(urls)
+             for q, question in enumerate(["What is it?", "What colour is it?", "Describe it.", "Count things."])]
+    random.Random(7).shuffle(lines)
+    f = tmp_path / "grouped.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    b = lmdq_client(redis_url, prefix).submit(f, model=VLM, allow_unknown_model=True, image_dir=image_dir,
+                                             batch_size=4)
+    assert b.info().prefix_groups
+    r = redis.Redis.from_url(redis_url)
+    jobs = [read_job(r, k.decode().removeprefix("rq:job:")).args[0] for k in r.scan_iter(f"rq:job:{b.id}-*")]
+    assert len(jobs) == 3
+    for job in jobs:
+        assert len({req["custom_id"].split("-")[0] for req in job["requests"]}) == 1, job["requests"]
+
+
+def test_the_sim_engine_takes_images_and_an_image_gone_by_run_time_fails_alone(
+        redis_url: str, prefix: str, env: dict[str, str], tmp_path: Path) -> None:
+    """Load tests run on the sim engine: each image counts SIM_IMAGE_TOKENS prompt tokens. An image deleted
+    between submit and the worker's read fails its own request (invalid_image, naming it); the rest complete."""
+    from lmdq.worker.engines.sim import SIM_IMAGE_TOKENS
+
+    d = tmp_path / "imgs"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.png").write_bytes(png(COLORS[i]))
+    lines = [image_line(f"p{i}", f"{i}.png", "Q") for i in range(3)] + [image_line("d", data_url(png((7, 7, 7))), "Q")]
+    lines.append({"custom_id": "text", "messages": [{"role": "user", "content": "Q"}]})
+    f = tmp_path / "sim.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    b = lmdq_client(redis_url, prefix).submit(f, model="sim", allow_unknown_model=True, image_dir=d,
+                                             max_new_tokens=3, prefix_groups=False)
+    (d / "1.png").unlink()
+    assert start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--burst",
+                        env=env).wait(120) == 0
+    b.wait(timeout=60, progress=False)
+    got = {res.custom_id: res for res in b.results()}
+    assert got["p1"].status.value == "failed" and got["p1"].error is not None
+    assert got["p1"].error.code == "invalid_image" and "1.png" in got["p1"].error.message
+    for cid in ("p0", "p2", "d"):
+        assert got[cid].status.value == "completed"
+        assert got[cid].input_token_len == got["text"].input_token_len + SIM_IMAGE_TOKENS

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from lmdq.redis.keys import Keys
     from lmdq.registry.store import ModelInfo, RemovedModel
     from lmdq.results.store import ResultStore
+    from lmdq.reuse.index import ReuseStats
     from lmdq.submission.ledger import BatchLedger, Purged
     from lmdq.submission.progress import BatchProgress
 
@@ -214,7 +215,7 @@ class Client:
                              model_column=model_column, image_column=image_column)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        src = classify(source, fmt=format, cmap=cmap)
+        src = classify(source, fmt=format, cmap=cmap, spell=spell)
         kw: dict[str, Any] = {"client": self.redis, "keys": self.keys, "ttl_s": ttl_s,
                               "validate_progress": validate_progress, "enqueue_progress": enqueue_progress,
                               "max_job_bytes": self.settings.max_job_bytes}
@@ -311,6 +312,21 @@ class Client:
 
         registry = ModelRegistry(self.redis, keys=self.keys)
         return registry.models(), registry.now()
+
+    def reuse_stats(self, model: str | None = None) -> list[ReuseStats]:
+        """The reuse index (issue 47) per model: entries, Redis bytes, lookups, hits and hit rate
+        (:class:`lmdq.reuse.index.ReuseStats`); ``model`` None: every model that has an index."""
+        from lmdq.reuse.index import ReuseIndex
+        from lmdq.reuse.store import ReuseStore
+
+        return ReuseIndex(ReuseStore(self.redis, keys=self.keys)).stats(model)
+
+    def purge_reuse(self, model: str) -> int:
+        """Forget every reusable answer of ``model`` (its batches' own results stay); returns how many there were."""
+        from lmdq.reuse.index import ReuseIndex
+        from lmdq.reuse.store import ReuseStore
+
+        return ReuseIndex(ReuseStore(self.redis, keys=self.keys)).purge(model)
 
     def remove_model(self, name: str) -> RemovedModel:
         """Forget a model (:class:`lmdq.registry.store.RemovedModel`); LmdqError when it was unknown."""

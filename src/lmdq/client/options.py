@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
+from lmdq.contract import MAX_JOB_REQUESTS, MAX_REUSE_TTL_S, GenerationParams, Priority
 from lmdq.errors import InputProblem, SubmitRejected
 from lmdq.flags import FlagSpec, option_name
 from lmdq.logs.redaction import redact_url
@@ -99,6 +99,14 @@ class BatchOptions(BaseModel):
         f"12h, 3600 (default LMDQ_RESULT_TTL_S, {_days(DEFAULT_RESULT_TTL_S)})")
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)")
+    reuse: bool | None = Field(
+        default=None, description="never pay twice: a greedy (or seeded, where the engine repeats seeds) request "
+        "identical to one already completed on the same weights and engine settings is answered from its stored "
+        "result (reused_from says which), and this batch's answers are kept for later batches (default LMDQ_REUSE, "
+        "off)")
+    reuse_ttl: str | float | None = Field(
+        default=None, description="with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h "
+        f"(default LMDQ_REUSE_TTL_S, {_days(default_of(ProducerSettings, 'reuse_ttl_s'))})")
 
 
 def _parse_metadata(items: list[str]) -> dict[str, str]:
@@ -127,6 +135,7 @@ _CLI_TYPES: dict[str, tuple[Any, Callable[[Any], Any] | None]] = {
     "completion_window": (str, None),
     "deadline": (str, None),
     "result_ttl": (str, None),
+    "reuse_ttl": (str, None),
 }
 
 #: Second spellings of some generation flags beside the derived ``--<field>``: the OpenAI API's names
@@ -342,6 +351,9 @@ def resolve(
             given.pop(alias, None)
     unknown = set(given) - option_names()
     if unknown:
+        if unknown <= set(_lmdeploy_defaults()):  # submit(**asdict(gen_config)): say what takes it (issue 45)
+            raise TypeError(f"submit() got LMDeploy GenerationConfig fields as keywords {sorted(unknown)}; pass the "
+                            "config itself: gen_config=GenerationConfig(...) or gen_config=dataclasses.asdict(...)")
         raise TypeError(f"submit() got unexpected option(s) {sorted(unknown)}; expected some of "
                         f"{sorted(option_names())}")
     values = {k: v for k, v in given.items() if v is not None}
@@ -394,6 +406,12 @@ def resolve(
     if ttl_s < 60:
         given_ttl = values.get("result_ttl", b.result_ttl)  # as the caller wrote it (5, not pydantic's 5.0)
         raise _rejected(spell("result_ttl"), f"expected at least 60 seconds, got {given_ttl!r}", given_ttl)
+    reuse = settings.reuse if b.reuse is None else b.reuse
+    reuse_ttl = parse_duration(b.reuse_ttl, spell("reuse_ttl"))
+    reuse_ttl_s = settings.reuse_ttl_s if reuse_ttl is None else int(reuse_ttl)
+    if not 60 <= reuse_ttl_s <= MAX_REUSE_TTL_S:
+        raise _rejected(spell("reuse_ttl"), f"expected 60 seconds to {MAX_REUSE_TTL_S // 86400} days, got "
+                        f"{values.get('reuse_ttl', reuse_ttl_s)!r}", values.get("reuse_ttl", reuse_ttl_s))
     opts = SubmitOptions(
         model=model,
         batch_size=b.batch_size or settings.batch_size,
@@ -411,13 +429,20 @@ def resolve(
         prefix_group_bytes=grouping["prefix_group_bytes"],
         memory_fraction=settings.memory_headroom_fraction,
         on_warning=on_warning,
+        reuse_ttl_s=reuse_ttl_s if reuse else None,
     )
     opts.deadline = deadline
     return opts, ttl_s
 
 
+#: keywords whose CLI flag is not ``--`` + the keyword with dashes
+_CLI_FLAGS = {"params_columns": "--params-column"}
+
+
 def cli_spell(name: str) -> str:
     """An option as the CLI names it (a bool flag with its negative spelling: ``--do-sample/--greedy``)."""
+    if name in _CLI_FLAGS:
+        return _CLI_FLAGS[name]
     negative = [a.strip(" /") for a in _GENERATION_ALIASES.get(name, ()) if a.startswith(" /")]
     return option_name(name) + (f"/{negative[0]}" if negative else "")
 
@@ -425,6 +450,18 @@ def cli_spell(name: str) -> str:
 if __name__ == "__main__":  # rewrite submit_kwargs.py after an option's declaration changed
     SUBMIT_KWARGS_PATH.write_text(render_submit_kwargs())
     print(f"wrote {SUBMIT_KWARGS_PATH}")
+
+
+def _lmdeploy_defaults() -> dict[str, Any]:
+    """LMDeploy's ``GenerationConfig()`` field values, or nothing where LMDeploy is not installed."""
+    import dataclasses
+
+    try:
+        from lmdeploy import GenerationConfig
+    except Exception:  # not installed (a CPU-only client), or broken: every field counts as given
+        return {}
+    fresh = GenerationConfig()
+    return {f.name: getattr(fresh, f.name) for f in dataclasses.fields(fresh)}
 
 
 def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -437,7 +474,9 @@ def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]
     from lmdq.errors import InvalidArgument
 
     if isinstance(gen_config, Mapping):
-        items, defaults = dict(gen_config), {}
+        # a dict of the fields (``dataclasses.asdict(gen_config)``, issue 45): those at LMDeploy's defaults are
+        # not passed either, where LMDeploy is installed to say what its defaults are
+        items, defaults = dict(gen_config), _lmdeploy_defaults()
     elif dataclasses.is_dataclass(gen_config) and not isinstance(gen_config, type):
         items = {f.name: getattr(gen_config, f.name) for f in dataclasses.fields(gen_config)}
         try:

@@ -42,6 +42,13 @@ class SubmitKwargs(TypedDict, total=False):
     result_ttl: str | float | None
     #: folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)
     blob_url: str | None
+    #: never pay twice: a greedy (or seeded, where the engine repeats seeds) request identical to one already
+    #: completed on the same weights and engine settings is answered from its stored result (reused_from says
+    #: which), and this batch's answers are kept for later batches (default LMDQ_REUSE, off)
+    reuse: bool | None
+    #: with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h (default LMDQ_REUSE_TTL_S, 30
+    #: days)
+    reuse_ttl: str | float | None
     #: max tokens to generate
     max_new_tokens: int | None
     #: generate at least this many tokens (stop words and eos wait)

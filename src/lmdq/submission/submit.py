@@ -130,6 +130,8 @@ class SubmitOptions:
     #: refuses local paths outright (an API without a root)
     image_root: str | None = None
     allow_local_images: bool = True
+    #: ``--reuse`` (issue 47): how long the batch's answers stay reusable; None: the batch does not reuse
+    reuse_ttl_s: int | None = None
 
     def image_checker(self) -> ImageChecker:
         """How this submit checks image references (lmdq.images.refs.ImageChecker)."""
@@ -541,6 +543,8 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
     }
     if opts.image_dir is not None:  # only when given: keys bound before image inputs keep their fingerprint
         options["image_dir"] = opts.image_dir
+    if opts.reuse_ttl_s is not None:  # only when set: a key bound before issue 47 still matches its re-run
+        options["reuse_ttl_s"] = opts.reuse_ttl_s
     h.update(b"\x00" + json.dumps(options, sort_keys=True).encode())
     return f"file:{h.hexdigest()}"
 
@@ -650,6 +654,7 @@ def submit_file(
                 deadline=opts.deadline,
                 results_url=opts.results_url,
                 blob_url=opts.blob_url,
+                reuse_ttl_s=opts.reuse_ttl_s,
                 created_at=now,
                 expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
             )
