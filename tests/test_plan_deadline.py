@@ -170,13 +170,22 @@ def test_the_near_deadline_batch_runs_first_with_one_worker(
     queue = [j.decode() for j in client.lrange(rq_queue_key(queue_name("sim", "normal", prefix)), 0, -1)]
     owners = [j.rsplit("-", 1)[0] for j in queue]
     assert owners == [near.id] * 3 + [far.id] * 3 + [plain.id] * 3
-    # one worker, one request at a time: every near request is answered before any far one, far before plain
+    # one worker, one request at a time: every near request ends (in the engine's own steps) before any far
+    # one, every far one before any plain one
+    class Recording(SimEngine):
+        ended: list[tuple[int, str]] = []
+
+        def _finish(self, s: Any, reason: Any, code: Any = None, msg: Any = None) -> None:
+            self.ended.append((self.steps, str(s.req.prompt).split()[0]))
+            super()._finish(s, reason, code, msg)
+
+    engine = Recording(model_name="sim", step_ms=0, max_batch=1)
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, burst=True)
-    assert Worker(engine=SimEngine(model_name="sim", step_ms=0, max_batch=1), client=redis.Redis.from_url(redis_url),
-                  settings=s, capacity=1).run() == 0
-    done = {b.id: sorted(r.timings.finished_at or 0 for r in b.results()) for b in (near, far, plain)}
-    assert all(len(v) == 6 for v in done.values())
-    assert done[near.id][-1] <= done[far.id][0] and done[far.id][-1] <= done[plain.id][0]
+    assert Worker(engine=engine, client=redis.Redis.from_url(redis_url), settings=s, capacity=1).run() == 0
+    assert [tag for _step, tag in engine.ended] == ["near"] * 6 + ["far"] * 6 + ["plain"] * 6
+    steps = [step for step, _tag in engine.ended]
+    assert steps == sorted(steps)
+    assert all(len(list(b.results())) == 6 for b in (near, far, plain))
 
 
 def test_a_deadline_moved_closer_reorders_the_queue(api: lmdq.Client, client: redis.Redis, prefix: str,
