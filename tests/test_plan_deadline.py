@@ -298,3 +298,41 @@ def test_the_plan_bench_prints_the_prediction_beside_the_measured_run(redis_url:
     assert res["plan"]["output_tokens"] == res["measured"]["output_tokens"]  # lengths from history, exact here
     assert res["plan"]["gpu_seconds"] > 0 and res["measured"]["busy_gpu_seconds"] > 0
     assert "predicted (plan)" in table(res) and "GPU-seconds error" in table(res)
+
+
+def test_the_http_api_takes_a_deadline_as_an_extension_field(redis_url: str, prefix: str, client: redis.Redis,
+                                                              tmp_path: Path) -> None:
+    import time
+
+    import openai
+    from openai import OpenAI
+
+    from lmdq.results.store import ResultStore
+    from lmdq_bench.api_bench import ApiProcess
+
+    key = "alice-key-plan-deadline"
+    srv = ApiProcess(redis_url=redis_url, prefix=prefix, keys={"alice": key}, files_dir=tmp_path / "files",
+                     log=tmp_path / "api.log", env={"LMDQ_KNOWN_MODELS": '["sim"]'}).start()
+    try:
+        c = OpenAI(base_url=srv.url + "/v1", api_key=key)
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+        f = c.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             extra_body={"deadline": "2020-01-01T00:00Z"})
+        assert "deadline: expected a time in the future" in str(bad.value)
+        when = _future(3600)
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             extra_body={"deadline": when})
+        for _ in range(600):  # the submit runs in the background: until the lmdq batch exists
+            if b.status != "validating":
+                break
+            time.sleep(0.05)
+            b = c.batches.retrieve(b.id)
+        assert b.status not in ("validating", "failed"), b
+        assert (b.model_extra or {}).get("deadline") is not None
+        (info,) = ResultStore(client, keys=Keys(prefix)).batches.newest(1)
+        assert info.deadline == (b.model_extra or {})["deadline"]
+    finally:
+        srv.stop()
