@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from lmdq.contract import JobPayload, Request, Result, ResultStatus, Timings
 from lmdq.redis.keys import Keys
 from lmdq.reuse.fingerprint import folder_digest
-from lmdq.reuse.identity import effective_params, identity, qualifies, request_key, worker_key
+from lmdq.reuse.identity import effective_params, identity, inline_inputs, qualifies, request_key, worker_key
 from lmdq.reuse.index import Completed, ReuseIndex
 from lmdq.reuse.store import ReuseStore
 from lmdq.worker.settings import WorkerSettings
@@ -82,8 +82,9 @@ class ReuseHook:
                              model=str(source))
             return
         cfg = getattr(self.engine, "config", None)
-        config = (cfg.model_dump(mode="json") if isinstance(cfg, BaseModel)
-                  else self.settings.engine_config.model_dump(mode="json"))
+        if not isinstance(cfg, BaseModel):
+            cfg = self.settings.engine_config
+        config = cfg.model_dump(mode="json", exclude=set(getattr(cfg, "reuse_ignores", ())))
         name = str(getattr(self.engine, "name", self.settings.engine_name))
         adapters = self.settings.adapters
         for served in self.served:
@@ -100,7 +101,7 @@ class ReuseHook:
         out: dict[int, bytes] = {}
         for r in todo:
             p = effective_params(payload.params, r)
-            if qualifies(p, repeats_seeds=self.repeats_seeds):
+            if qualifies(p, repeats_seeds=self.repeats_seeds) and inline_inputs(r):
                 out[r.index] = identity(wkey, request_key(p, r))
         return out
 

@@ -44,7 +44,7 @@ __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
 
 log = get_logger("lmdq.api.batches")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/score", "/v1/reward")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/score", "/v1/reward", "/v1/embeddings")
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _MAX_WINDOW_S = 365 * 86400

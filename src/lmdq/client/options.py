@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
+from lmdq.contract import MAX_JOB_REQUESTS, MAX_REUSE_TTL_S, GenerationParams, Priority
 from lmdq.errors import InputProblem, SubmitRejected
 from lmdq.flags import FlagSpec, option_name
 from lmdq.logs.redaction import redact_url
@@ -99,6 +99,23 @@ class BatchOptions(BaseModel):
         f"12h, 3600 (default LMDQ_RESULT_TTL_S, {_days(DEFAULT_RESULT_TTL_S)})")
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)")
+    canary: str | float | None = Field(
+        default=None, description="run a sample spread over the file first, e.g. 2% or 50 (requests); the rest "
+        "runs only if it passes the quality gates, else the batch is paused (docs/plan-deadline-canary.md)")
+    gate: list[str] | None = Field(
+        default=None, description="a quality gate KEY=VALUE, repeatable: failed=0.1 empty=0.1 length=0.5 json=0 "
+        "(shares of results allowed to fail), match=REGEX, not-match=REGEX, regex=0, tokens=MIN..MAX (mean)")
+    gate_window: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        default=None, description="judge the gates on every N newest results while the batch runs: a batch "
+        "that goes bad part-way is paused")
+    reuse: bool | None = Field(
+        default=None, description="never pay twice: a greedy (or seeded, where the engine repeats seeds) request "
+        "identical to one already completed on the same weights and engine settings is answered from its stored "
+        "result (reused_from says which), and this batch's answers are kept for later batches (default LMDQ_REUSE, "
+        "off)")
+    reuse_ttl: str | float | None = Field(
+        default=None, description="with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h "
+        f"(default LMDQ_REUSE_TTL_S, {_days(default_of(ProducerSettings, 'reuse_ttl_s'))})")
 
 
 def _parse_metadata(items: list[str]) -> dict[str, str]:
@@ -127,6 +144,9 @@ _CLI_TYPES: dict[str, tuple[Any, Callable[[Any], Any] | None]] = {
     "completion_window": (str, None),
     "deadline": (str, None),
     "result_ttl": (str, None),
+    "canary": (str, None),
+    "gate": (list[str], None),
+    "reuse_ttl": (str, None),
 }
 
 #: Second spellings of some generation flags beside the derived ``--<field>``: the OpenAI API's names
@@ -388,6 +408,7 @@ def resolve(
                 raise _rejected(spell(name), e.errors()[0]["msg"], values[name]) from None
         else:
             grouping[name] = getattr(settings, name)
+    gates = _gates(b, spell)
     window_s = parse_window(b.completion_window, spell("completion_window"))
     deadline = parse_deadline(b.deadline, spell("deadline"))
     ttl = parse_duration(b.result_ttl, spell("result_ttl"))
@@ -397,6 +418,12 @@ def resolve(
     if ttl_s < 60:
         given_ttl = values.get("result_ttl", b.result_ttl)  # as the caller wrote it (5, not pydantic's 5.0)
         raise _rejected(spell("result_ttl"), f"expected at least 60 seconds, got {given_ttl!r}", given_ttl)
+    reuse = settings.reuse if b.reuse is None else b.reuse
+    reuse_ttl = parse_duration(b.reuse_ttl, spell("reuse_ttl"))
+    reuse_ttl_s = settings.reuse_ttl_s if reuse_ttl is None else int(reuse_ttl)
+    if not 60 <= reuse_ttl_s <= MAX_REUSE_TTL_S:
+        raise _rejected(spell("reuse_ttl"), f"expected 60 seconds to {MAX_REUSE_TTL_S // 86400} days, got "
+                        f"{values.get('reuse_ttl', reuse_ttl_s)!r}", values.get("reuse_ttl", reuse_ttl_s))
     opts = SubmitOptions(
         model=model,
         batch_size=b.batch_size or settings.batch_size,
@@ -414,9 +441,40 @@ def resolve(
         prefix_group_bytes=grouping["prefix_group_bytes"],
         memory_fraction=settings.memory_headroom_fraction,
         on_warning=on_warning,
+        gates=gates,
+        reuse_ttl_s=reuse_ttl_s if reuse else None,
     )
     opts.deadline = deadline
+    if gates is not None and gates.canary is not None:
+        opts.first_jobs = None  # the canary is spread over the whole file: it is staged before anything runs
     return opts, ttl_s
+
+
+def _gates(b: BatchOptions, spell: Spell) -> Any:
+    """The batch's GateConfig (lmdq.gates.config) from ``canary`` / ``gate`` / ``gate_window``; None without."""
+    from lmdq.gates.config import GateConfig, parse_canary, parse_gate
+
+    if b.canary is None and b.gate_window is None:
+        if b.gate:
+            raise _rejected(spell("gate"), f"gates judge a canary or a rolling window: pass {spell('canary')} or "
+                            f"{spell('gate_window')} too", b.gate)
+        return None
+    fields: dict[str, Any] = {"window": b.gate_window}
+    try:
+        if b.canary is not None:
+            fields["canary"] = (parse_canary(b.canary) if isinstance(b.canary, str)
+                                else parse_canary(f"{b.canary * 100:g}%") if 0 < b.canary < 1
+                                else parse_canary(f"{b.canary:g}"))
+        for spec in b.gate or []:
+            fields.update(parse_gate(spec))
+    except ValueError as e:
+        which = "gate" if b.gate and "--gate" in str(e) else "canary"
+        raise _rejected(spell(which), str(e).split(": ", 1)[-1], getattr(b, which)) from None
+    try:
+        return GateConfig.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        raise _rejected(spell("gate"), first["msg"].removeprefix("Value error, "), b.gate) from None
 
 
 #: keywords whose CLI flag is not ``--`` + the keyword with dashes

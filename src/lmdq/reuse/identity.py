@@ -25,7 +25,7 @@ from typing import Any
 
 from lmdq.contract import GenerationParams, Request
 
-__all__ = ["IDENTITY_BYTES", "identity", "qualifies", "request_key", "worker_key"]
+__all__ = ["IDENTITY_BYTES", "identity", "inline_inputs", "qualifies", "request_key", "worker_key"]
 
 IDENTITY_BYTES = 16
 """Bytes of an identity (blake2b): 128 bits, so two different requests never share one by chance."""
@@ -53,6 +53,13 @@ def qualifies(params: dict[str, Any], *, repeats_seeds: bool) -> bool:
     if not params.get("do_sample"):
         return True
     return repeats_seeds and params.get("random_seed") is not None
+
+
+def inline_inputs(req: Request) -> bool:
+    """Whether everything the request's answer reads is in the request itself: an image part naming a file
+    or a URL (issue 48) is read when the job runs, and the same name may hold another picture tomorrow, so
+    only ``data:`` images (their bytes inline) qualify."""
+    return all(url.startswith("data:") for m in req.messages or () for url in m.image_urls())
 
 
 def request_key(params: dict[str, Any], req: Request) -> bytes:

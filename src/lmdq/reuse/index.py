@@ -20,13 +20,36 @@ from lmdq.errors import ResultsUnavailable
 from lmdq.results.shards import read_shard, shard_key
 from lmdq.reuse.store import ReuseStore, Source, decode_varints, encode_varints
 
-__all__ = ["Completed", "ReuseIndex"]
+__all__ = ["Completed", "ReuseIndex", "ReuseStats"]
 
 _POINTER = b"S"
 _COPY = b"C"
 
 _COPY_EXCLUDE = {"timings", "worker", "attempt"}
 """What a compact copy leaves out: what the reusing request sets itself, and what says when and where."""
+
+
+@dataclass(frozen=True)
+class ReuseStats:
+    """One model's reuse index: entries, Redis bytes (exact), and how often a lookup found an answer."""
+
+    model: str
+    entries: int
+    bytes: int
+    lookups: int
+    hits: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+    @property
+    def bytes_per_entry(self) -> float | None:
+        return self.bytes / self.entries if self.entries else None
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model": self.model, "entries": self.entries, "bytes": self.bytes, "lookups": self.lookups,
+                "hits": self.hits, "hit_rate": self.hit_rate, "bytes_per_entry": self.bytes_per_entry}
 
 
 @dataclass(frozen=True)
@@ -107,6 +130,20 @@ class ReuseIndex:
         if res.batch_id != src.batch_id or res.status is not ResultStatus.completed or res.reused_from is None:
             return None
         return res
+
+    def stats(self, model: str | None = None) -> list[ReuseStats]:
+        """The index of ``model`` (every model that has one when None)."""
+        models = [model] if model is not None else self.store.models()
+        out = []
+        for m in models:
+            c = self.store.counters(m)
+            out.append(ReuseStats(model=m, entries=c["entries"], bytes=self.store.memory(m), lookups=c["lookups"],
+                                  hits=c["hits"]))
+        return out
+
+    def purge(self, model: str) -> int:
+        """Forget every answer of ``model``: later batches recompute them. Returns the entries there were."""
+        return self.store.purge(model)
 
     def record(self, model: str, *, batch_id: str, results_url: str | None, ttl_s: int,
                done: Sequence[Completed], sealed: bool) -> int:

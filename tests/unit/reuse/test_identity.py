@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmdq.contract import GenerationParams, Request
-from lmdq.reuse.identity import effective_params, identity, qualifies, request_key, worker_key
+from lmdq.reuse.identity import effective_params, identity, inline_inputs, qualifies, request_key, worker_key
 
 W = worker_key(engine="sim", config={"step_ms": 1}, weights="abc")
 
@@ -36,6 +36,16 @@ def test_the_worker_key_covers_weights_config_engine_and_adapter() -> None:
               worker_key(engine="transformers", config={"step_ms": 1}, weights="abc"),
               worker_key(engine="sim", config={"step_ms": 1}, weights="abc", adapter="lora1")]
     assert len({ident(b, w=w) for w in [W, *others]}) == 5
+
+
+def test_only_inline_images_are_part_of_an_identity() -> None:
+    def with_image(url: str) -> Request:
+        return Request(index=0, custom_id="a", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]}])
+
+    assert inline_inputs(Request(index=0, custom_id="a", prompt="x"))
+    assert inline_inputs(with_image("data:image/png;base64,AAAA"))
+    assert not inline_inputs(with_image("/data/cat.png")) and not inline_inputs(with_image("https://x/cat.png"))
 
 
 def test_only_deterministic_requests_qualify() -> None:
