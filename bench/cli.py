@@ -314,7 +314,8 @@ def e2e(
     model: Annotated[str | None, typer.Option(help="model folder")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
     tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
-    workload: Annotated[str, typer.Option(help="mixed (completion, ignore_eos) | chat (real chat, stops at EOS)")
+    workload: Annotated[str, typer.Option(help="mixed (completion, ignore_eos) | chat (real chat, stops at EOS) | "
+                                               "image (a question about one image each: a VLM)")
                         ] = "mixed",
     n: Annotated[int, typer.Option(help="prompts per batch")] = 1024,
     batches: Annotated[int, typer.Option(min=1, help="batches a side (the first reported apart)")] = 3,
