@@ -241,6 +241,27 @@ class Keys:
         """List of the batch's RQ job ids in job order."""
         return f"{self.prefix}:batch:{batch_id}:jobs"
 
+    def gates(self, batch_id: str) -> str:
+        """Hash: the batch's quality gates (lmdq.gates.store): config, where its held jobs go, the canary's
+        jobs left to judge, the verdict and the report of a pause."""
+        return f"{self.prefix}:batch:{batch_id}:gates"
+
+    def gates_canary(self, batch_id: str) -> str:
+        """Set: the job ids of the batch's canary (the commit queues only these; the rest are held)."""
+        return f"{self.prefix}:batch:{batch_id}:gates:canary"
+
+    def gates_held(self, batch_id: str) -> str:
+        """List: job ids held off the queue until the canary passes or the batch resumes."""
+        return f"{self.prefix}:batch:{batch_id}:gates:held"
+
+    def gates_seen(self, batch_id: str) -> str:
+        """List: one JSON entry per judged result (the canary's, then the rolling window's, newest first)."""
+        return f"{self.prefix}:batch:{batch_id}:gates:seen"
+
+    def gates_jobs(self, batch_id: str) -> str:
+        """Set: the job numbers whose results were judged already (a job judged twice counts once)."""
+        return f"{self.prefix}:batch:{batch_id}:gates:jobs"
+
     def batches(self) -> str:
         """Sorted set of batch ids by creation time (for ``list``)."""
         return f"{self.prefix}:batches"

@@ -38,8 +38,9 @@ from pydantic import ValidationError
 
 from lmdq.batches.headroom import check_batch_fits
 from lmdq.batches.staging import IDS_CHUNK
-from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, Request, RequestCounts
+from lmdq.contract import Batch, BatchStatus, Endpoint, GenerationParams, Priority, Request, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.gates.config import GateConfig
 from lmdq.images.parts import image_urls
 from lmdq.images.refs import ImageChecker, ImageRefError
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
@@ -73,6 +74,9 @@ __all__ = [
 
 Progress = Callable[[int], None]
 
+TEXT_ENDPOINTS = (Endpoint.chat, Endpoint.completion, Endpoint.embedding)
+"""What ``--endpoint`` may make of a text file's lines (each a plain prompt; score and reward need more)."""
+
 
 @dataclass
 class SubmitOptions:
@@ -88,6 +92,9 @@ class SubmitOptions:
     limits: InputLimits = field(default_factory=InputLimits)
     max_errors: int = 20
     fmt: InputFormat | None = None
+    #: submit's ``--endpoint`` / ``endpoint=``: every line's endpoint (a text file's lines, a JSONL line naming
+    #: none); a line naming another is refused. None: each line's own (chat by default)
+    endpoint: Endpoint | None = None
     results_url: str | None = None
     blob_url: str | None = None
     #: prefix-aware job formation (src/lmdq/submission/prefix_groups.py): requests sharing a prompt prefix of at
@@ -112,6 +119,7 @@ class SubmitOptions:
     #: error, three spellings): the CLI's flags by default, ``model=`` / ``allow_unknown_model=True`` from
     #: Python; None for the HTTP API, whose caller cannot pass one
     model_option: str = "--model"
+    endpoint_option: str = "--endpoint"
     allow_unknown_hint: str | None = "--allow-unknown-model"
     #: what the batch record names as its input when ``path`` is a copy of it: ``-`` for stdin (a
     #: temporary file, src/lmdq/submission/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
@@ -137,6 +145,9 @@ class SubmitOptions:
         """How this submit checks image references (lmdq.images.refs.ImageChecker)."""
         return ImageChecker(max_bytes=self.max_image_bytes, image_dir=self.image_dir, root=self.image_root,
                             allow_local=self.allow_local_images)
+    #: quality gates (``--canary``, ``--gate``, ``--gate-window``; lmdq.gates): a canary runs first and the rest
+    #: only if it passes; the whole file is staged before anything runs (``first_jobs`` does not apply)
+    gates: GateConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -284,7 +295,7 @@ def _validate(
     fields = "body.messages" if opts.fmt is InputFormat.openai else "messages"
     try:
         size, mtime_ns = _stat(path)
-        for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits):
+        for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
             if isinstance(item, InputError):
                 errors.append(str(item))
                 if len(errors) >= opts.max_errors:
@@ -419,7 +430,7 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
         return []
     first: dict[str, int] = {}
     out: list[str] = []
-    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
         if isinstance(item, ParsedLine) and _h64(item.custom_id) in dup:
             if item.custom_id in first:
                 out.append(
@@ -467,7 +478,7 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
         running = _new_hash(seen.order_free)
         images = opts.image_checker()
         n = 0
-        for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
+        for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint)):
             if isinstance(item, InputError):
                 raise _changed(path, f"now {item}")
             if index >= seen.requests:
@@ -510,7 +521,7 @@ def _planned_requests(
         with open(path, "rb") as f:
             for index in plan.order:
                 item = read_request_at(f, name, prefixes.offsets[index], prefixes.line_nos[index], fmt=opts.fmt,
-                                       limits=opts.limits)
+                                       limits=opts.limits, endpoint=opts.endpoint)
                 if isinstance(item, InputError):
                     raise _changed(path, f"now {item}")
                 if _feed(running, item) != seen.per_request[index]:
@@ -541,6 +552,8 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
         "blob_url": opts.blob_url, "prefix_groups": opts.prefix_groups,
         "prefix_group_bytes": opts.prefix_group_bytes if opts.prefix_groups else None,
     }
+    if opts.endpoint is not None:  # only when given: the fingerprints of submits without it stay what they were
+        options["endpoint"] = opts.endpoint.value
     if opts.image_dir is not None:  # only when given: keys bound before image inputs keep their fingerprint
         options["image_dir"] = opts.image_dir
     if opts.reuse_ttl_s is not None:  # only when set: a key bound before issue 47 still matches its re-run
@@ -591,6 +604,10 @@ def submit_file(
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
+    if fmt is InputFormat.text and opts.endpoint is not None and opts.endpoint not in TEXT_ENDPOINTS:
+        raise SubmitRejected(f"{opts.endpoint_option}: a text file's lines are plain prompts: expected one of "
+                             f"{', '.join(e.value for e in TEXT_ENDPOINTS)}, got {opts.endpoint.value!r} (it needs "
+                             "JSONL lines)")
     # what pass 1 keeps per request waits in temporary files until the submit returns or fails: beside the
     # input when it is a copy of one (the client's spool, stdin's temporary file), else in TMPDIR
     spill_dir = str(path.parent) if opts.input_name is not None else None
@@ -680,7 +697,7 @@ def submit_file(
                                    progress=enqueue_progress, chunk_jobs=chunk_jobs,
                                    job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
                                    first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit,
-                                   id_chunks=seen.id_chunks.chunks())
+                                   id_chunks=seen.id_chunks.chunks(), gates=opts.gates)
             if counter is not None and counter.found is not None:
                 ledger.records.note_reusable(batch.id, counter.found)
                 batch = batch.model_copy(update={"reusable": counter.found})
