@@ -314,7 +314,8 @@ def e2e(
     model: Annotated[str | None, typer.Option(help="model folder")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
     tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
-    workload: Annotated[str, typer.Option(help="mixed (completion, ignore_eos) | chat (real chat, stops at EOS)")
+    workload: Annotated[str, typer.Option(help="mixed (completion, ignore_eos) | chat (real chat, stops at EOS) | "
+                                               "image (a question about one image each: a VLM)")
                         ] = "mixed",
     n: Annotated[int, typer.Option(help="prompts per batch")] = 1024,
     batches: Annotated[int, typer.Option(min=1, help="batches a side (the first reported apart)")] = 3,
@@ -454,6 +455,33 @@ def fleet(
                       poll_workers=poll_workers, idle_window_s=idle_window)
     with local_redis(redis_url) as url:
         res = run_fleet(cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(table(res))
+    _emit(res, output)
+
+
+@app.command("plan")
+def plan_cmd(
+    requests: Annotated[int, typer.Option(help="lines of the planned file")] = 10_000,
+    history: Annotated[int, typer.Option(help="requests the fleet runs first (the model's history)")] = 2_000,
+    workers: Annotated[int, typer.Option(help="sim worker processes")] = 2,
+    capacity: Annotated[int, typer.Option(help="engine slots per worker (--sim-max-batch)")] = 128,
+    batch_size: Annotated[int, typer.Option(help="requests per job")] = 32,
+    step_ms: Annotated[float, typer.Option(help="the sim workers' --sim-step-ms")] = 4.0,
+    prefill_us: Annotated[float, typer.Option(help="the sim workers' --sim-prefill-us-per-token")] = 20.0,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
+) -> None:
+    """A plan's predicted GPU-seconds and input tokens against the measured sim run that follows (issue 46).
+    The LAST line printed is a JSON object."""
+    from lmdq.logs.config import configure_logging
+    from lmdq_bench.local_redis import local_redis
+    from lmdq_bench.plan_bench import PlanBenchConfig, run_plan_bench, table
+
+    configure_logging("json", "WARNING")
+    cfg = PlanBenchConfig(requests=requests, history=history, workers=workers, capacity=capacity,
+                          batch_size=batch_size, step_ms=step_ms, prefill_us=prefill_us)
+    with local_redis(redis_url) as url:
+        res = run_plan_bench(cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(table(res))
     _emit(res, output)
 

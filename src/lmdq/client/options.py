@@ -452,29 +452,15 @@ def resolve(
 
 def _gates(b: BatchOptions, spell: Spell) -> Any:
     """The batch's GateConfig (lmdq.gates.config) from ``canary`` / ``gate`` / ``gate_window``; None without."""
-    from lmdq.gates.config import GateConfig, parse_canary, parse_gate
+    from lmdq.gates.config import from_options
 
-    if b.canary is None and b.gate_window is None:
-        if b.gate:
-            raise _rejected(spell("gate"), f"gates judge a canary or a rolling window: pass {spell('canary')} or "
-                            f"{spell('gate_window')} too", b.gate)
-        return None
-    fields: dict[str, Any] = {"window": b.gate_window}
     try:
-        if b.canary is not None:
-            fields["canary"] = (parse_canary(b.canary) if isinstance(b.canary, str)
-                                else parse_canary(f"{b.canary * 100:g}%") if 0 < b.canary < 1
-                                else parse_canary(f"{b.canary:g}"))
-        for spec in b.gate or []:
-            fields.update(parse_gate(spec))
+        return from_options(b.canary, b.gate, b.gate_window)
     except ValueError as e:
-        which = "gate" if b.gate and "--gate" in str(e) else "canary"
-        raise _rejected(spell(which), str(e).split(": ", 1)[-1], getattr(b, which)) from None
-    try:
-        return GateConfig.model_validate(fields)
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        raise _rejected(spell("gate"), first["msg"].removeprefix("Value error, "), b.gate) from None
+        which = "canary" if str(e).startswith("--canary") else "gate"
+        msg = str(e).split(": ", 1)[-1].replace("--canary", spell("canary")).replace("--gate-window",
+                                                                                   spell("gate_window"))
+        raise _rejected(spell(which), msg, getattr(b, which)) from None
 
 
 #: keywords whose CLI flag is not ``--`` + the keyword with dashes

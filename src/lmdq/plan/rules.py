@@ -115,8 +115,12 @@ class Plan:
             f"  throughput       {rate}  ({self.rate_basis})",
             f"  GPU-seconds      {'unknown' if self.gpu_seconds is None else f'{self.gpu_seconds:,.1f}'}",
             f"  ETA              {secs(self.eta_s)}  ({self.eta_basis})",
-            f"  cost             {'unknown' if self.cost is None else f'{self.cost:,.2f}'}  ({self.cost_basis})",
+            f"  cost             {_money(self.cost)}  ({self.cost_basis})",
         ]
+
+
+def _money(v: float | None) -> str:
+    return "unknown" if v is None else f"{v:,.2f}" if v >= 1 else f"{v:.4f}"
 
 
 def expected_output(history: History, max_new: int) -> float:
