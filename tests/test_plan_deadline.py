@@ -170,13 +170,22 @@ def test_the_near_deadline_batch_runs_first_with_one_worker(
     queue = [j.decode() for j in client.lrange(rq_queue_key(queue_name("sim", "normal", prefix)), 0, -1)]
     owners = [j.rsplit("-", 1)[0] for j in queue]
     assert owners == [near.id] * 3 + [far.id] * 3 + [plain.id] * 3
-    # one worker, one request at a time: every near request is answered before any far one, far before plain
+    # one worker, one request at a time: every near request ends (in the engine's own steps) before any far
+    # one, every far one before any plain one
+    class Recording(SimEngine):
+        ended: list[tuple[int, str]] = []
+
+        def _finish(self, s: Any, reason: Any, code: Any = None, msg: Any = None) -> None:
+            self.ended.append((self.steps, str(s.req.prompt).split()[0]))
+            super()._finish(s, reason, code, msg)
+
+    engine = Recording(model_name="sim", step_ms=0, max_batch=1)
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, burst=True)
-    assert Worker(engine=SimEngine(model_name="sim", step_ms=0, max_batch=1), client=redis.Redis.from_url(redis_url),
-                  settings=s, capacity=1).run() == 0
-    done = {b.id: sorted(r.timings.finished_at or 0 for r in b.results()) for b in (near, far, plain)}
-    assert all(len(v) == 6 for v in done.values())
-    assert done[near.id][-1] <= done[far.id][0] and done[far.id][-1] <= done[plain.id][0]
+    assert Worker(engine=engine, client=redis.Redis.from_url(redis_url), settings=s, capacity=1).run() == 0
+    assert [tag for _step, tag in engine.ended] == ["near"] * 6 + ["far"] * 6 + ["plain"] * 6
+    steps = [step for step, _tag in engine.ended]
+    assert steps == sorted(steps)
+    assert all(len(list(b.results())) == 6 for b in (near, far, plain))
 
 
 def test_a_deadline_moved_closer_reorders_the_queue(api: lmdq.Client, client: redis.Redis, prefix: str,
@@ -275,3 +284,55 @@ def test_the_deadline_scaling_component_scales_on_workers_needed(tmp_path: Path)
     assert {t["name"] for t in so["spec"]["triggers"]} == {"high", "normal", "low", "inflight", "needed"}
     schema = json.loads((DEPLOY / "schemas" / "keda-scaledobject-v1alpha1.json").read_text())
     jsonschema.validate(so, schema)
+
+
+def test_the_plan_bench_prints_the_prediction_beside_the_measured_run(redis_url: str) -> None:
+    """The bench's mechanics at a small size (its 10,000-line run is evidence/plan/): the workers' count of
+    input tokens is the plan's, and both GPU-second figures are there (their agreement is reported, not
+    asserted: it is a timing)."""
+    from lmdq_bench.plan_bench import PlanBenchConfig, run_plan_bench, table
+
+    res = run_plan_bench(PlanBenchConfig(requests=200, history=100, workers=1, capacity=32, step_ms=1.0),
+                         redis_url=redis_url, log=lambda _m: None)
+    assert res["input_tokens_equal"] and res["measured"]["requests"] == 200
+    assert res["plan"]["output_tokens"] == res["measured"]["output_tokens"]  # lengths from history, exact here
+    assert res["plan"]["gpu_seconds"] > 0 and res["measured"]["busy_gpu_seconds"] > 0
+    assert "predicted (plan)" in table(res) and "GPU-seconds error" in table(res)
+
+
+def test_the_http_api_takes_a_deadline_as_an_extension_field(redis_url: str, prefix: str, client: redis.Redis,
+                                                              tmp_path: Path) -> None:
+    import time
+
+    import openai
+    from openai import OpenAI
+
+    from lmdq.results.store import ResultStore
+    from lmdq_bench.api_bench import ApiProcess
+
+    key = "alice-key-plan-deadline"
+    srv = ApiProcess(redis_url=redis_url, prefix=prefix, keys={"alice": key}, files_dir=tmp_path / "files",
+                     log=tmp_path / "api.log", env={"LMDQ_KNOWN_MODELS": '["sim"]'}).start()
+    try:
+        c = OpenAI(base_url=srv.url + "/v1", api_key=key)
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+        f = c.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             extra_body={"deadline": "2020-01-01T00:00Z"})
+        assert "deadline: expected a time in the future" in str(bad.value)
+        when = _future(3600)
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             extra_body={"deadline": when})
+        for _ in range(600):  # the submit runs in the background: until the lmdq batch exists
+            if b.status != "validating":
+                break
+            time.sleep(0.05)
+            b = c.batches.retrieve(b.id)
+        assert b.status not in ("validating", "failed"), b
+        assert (b.model_extra or {}).get("deadline") is not None
+        (info,) = ResultStore(client, keys=Keys(prefix)).batches.newest(1)
+        assert info.deadline == (b.model_extra or {})["deadline"]
+    finally:
+        srv.stop()

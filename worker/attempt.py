@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPayload, Request, Result, ResultStatus
+from lmdq.gates.keeper import GateKeeper
 from lmdq.jobs.queue import Claim, JobQueue
 from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
@@ -131,6 +132,8 @@ class JobAttempt:
         self._tensors = TensorStore()
         #: output lengths and tok/s for later batches' plans (issue 46)
         self.plan = PlanRecorder.for_attempt(self)
+        #: a gated job's results judged as it ends (canary, rolling window: lmdq.gates)
+        self.gates = GateKeeper(store)
 
     def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
             output_refusal: str | None = None) -> AttemptEnd:
@@ -144,6 +147,7 @@ class JobAttempt:
         end = self._run(held, payload, job, jlog, output_refusal=output_refusal)
         sealed = False
         if end.outcome in (Outcome.done, Outcome.failed) and held.abort_reason is not AbortReason.lost:
+            self.writer.call(lambda: self.gates.job_ended(payload, jlog), "judge quality gates")
             entry = self.writer.seal(payload, jlog)
             held.forget = entry is not None and entry.all_completed()
             sealed = entry is not None and payload.results_url is not None

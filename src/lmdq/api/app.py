@@ -53,6 +53,9 @@ class CreateBatch(BaseModel):
     output_expires_after: dict[str, Any] | None = None
     #: lmdq's extension (issue 46): when the batch should be done, ISO 8601 with its zone or Unix time
     deadline: str | float | None = None
+    #: lmdq's extension (issue 46): quality gates, as submit's options: {"canary": "2%" or 50, "gate":
+    #: ["json=0", ...], "gate_window": 200}; a failing gate pauses the batch (``lmdq_status: "paused"``)
+    gates: dict[str, Any] | None = None
 
 
 class _Metrics:
@@ -347,7 +350,7 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
         ttl = expires_after(exp.get("anchor"), exp.get("seconds"), "output_expires_after") if exp else None
         out = batches.create(t, input_file_id=body.input_file_id, endpoint=body.endpoint,
                              completion_window=body.completion_window, metadata=body.metadata, output_ttl_s=ttl,
-                             deadline=body.deadline)
+                             deadline=body.deadline, gates=body.gates)
         metrics.batches.inc()
         return out
 
@@ -367,6 +370,11 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str, t: Tenant) -> dict[str, Any]:
         return batches.cancel(t, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/resume")
+    def resume_batch(batch_id: str, t: Tenant) -> dict[str, Any]:
+        """lmdq's extension (issue 46): run the rest of a batch a quality gate paused."""
+        return batches.resume(t, batch_id)
 
     return app
 

@@ -35,6 +35,7 @@ from lmdq.api.files import FileStore
 from lmdq.api.paging import Page, page
 from lmdq.contract import Batch, BatchStatus, ErrorCode
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
+from lmdq.gates.config import GateConfig, from_options
 from lmdq.logs.config import get_logger
 from lmdq.plan.deadlines import parse_deadline
 from lmdq.redis.keys import Keys
@@ -44,7 +45,7 @@ __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
 
 log = get_logger("lmdq.api.batches")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/score", "/v1/reward")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/score", "/v1/reward", "/v1/embeddings")
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _MAX_WINDOW_S = 365 * 86400
@@ -132,6 +133,8 @@ class Record:
     usage: dict[str, Any] | None = None
     #: lmdq's extension (issue 46): Unix time the batch should be done by
     deadline: float | None = None
+    #: lmdq's extension (issue 46): the batch's quality gates (GateConfig JSON), as created
+    gates: str | None = None
 
     @classmethod
     def decode(cls, batch_id: str, raw: dict[Any, Any]) -> Record | None:
@@ -151,9 +154,31 @@ class Record:
                        final_status=d.get("final_status") or None, finalized_at=opt_int("finalized_at"),
                        runs=int(d.get("runs") or 0), output_ttl_s=int(d.get("output_ttl_s") or 0) or None,
                        model=d.get("model") or None, usage=json.loads(d["usage"]) if d.get("usage") else None,
-                       deadline=float(d["deadline"]) if d.get("deadline") else None)
+                       deadline=float(d["deadline"]) if d.get("deadline") else None,
+                       gates=d.get("gates") or None)
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
+
+
+def _gates(gates: dict[str, Any] | None) -> str:
+    """The ``gates`` extension field's GateConfig JSON ('' for none); one 400 line naming what is wrong."""
+    if gates is None:
+        return ""
+    if not isinstance(gates, dict) or set(gates) - {"canary", "gate", "gate_window"}:
+        raise bad_request("gates: expected an object with canary, gate (a list of KEY=VALUE), gate_window",
+                          param="gates")
+    canary, specs, window = gates.get("canary"), gates.get("gate"), gates.get("gate_window")
+    if (canary is not None and not isinstance(canary, (str, int, float))) or isinstance(canary, bool) \
+            or (specs is not None and not (isinstance(specs, list) and all(isinstance(x, str) for x in specs))) \
+            or (window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1)):
+        raise bad_request("gates: canary is '2%' or a count, gate a list of KEY=VALUE strings, gate_window a "
+                          "count >= 1", param="gates")
+    try:
+        config = from_options(canary, specs, window)
+    except ValueError as e:
+        raise bad_request(f"gates: {str(e).replace('--gate-window', 'gate_window').replace('--', '')}",
+                          param="gates") from None
+    return config.model_dump_json(exclude_none=True) if config is not None else ""
 
 
 def _text(v: object) -> str | None:
@@ -259,7 +284,8 @@ class ApiBatches:
 
     # ---- API operations -------------------------------------------------------------------------
     def create(self, tenant: str, *, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: Any, output_ttl_s: int | None = None, deadline: str | float | None = None) -> dict[str, Any]:
+               metadata: Any, output_ttl_s: int | None = None, deadline: str | float | None = None,
+               gates: dict[str, Any] | None = None) -> dict[str, Any]:
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint: expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
         window_s = parse_window(completion_window)
@@ -268,6 +294,7 @@ class ApiBatches:
         except ValueError as e:
             raise bad_request(f"deadline: {e}", param="deadline") from None
         meta = check_metadata(metadata)
+        gate_json = _gates(gates)
         f = self.files.get(tenant, input_file_id)
         if f.purpose != "batch":
             raise bad_request(f"input_file_id: file {input_file_id!r} has purpose {f.purpose!r}, expected 'batch'",
@@ -280,7 +307,7 @@ class ApiBatches:
             "input_file_id": input_file_id, "endpoint": endpoint, "model": model or "",
             "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
             "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0,
-            "deadline": deadline_at or ""},
+            "deadline": deadline_at or "", "gates": gate_json},
             ttl_s=self.ttl_s, created=time.time())  # sub-second: a list keeps creation order
         log.info("batch created", batch=batch_id, tenant=tenant, input_file=input_file_id, endpoint=endpoint)
         self.schedule(functools.partial(self.submit, batch_id), f"submit:{batch_id}")
@@ -300,6 +327,20 @@ class ApiBatches:
 
         return page(self.client, self.records.index(tenant), after=after, limit=limit, newest_first=True, load=load,
                     what="batch")
+
+    def resume(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        """lmdq's extension (issue 46): the rest of a batch a quality gate paused runs (409 otherwise)."""
+        rec = self.get_record(tenant, batch_id)
+        shown = self.view(rec)
+        if shown.get("lmdq_status") != "paused" or not rec.lmdq_id:
+            raise conflict(f"Cannot resume a batch with status {shown['status']!r}: only a paused one "
+                           "(lmdq_status 'paused').")
+        try:
+            self.backend.resume(rec.lmdq_id)
+        except SubmitRejected as e:  # resumed or ended meanwhile
+            raise conflict(str(e)) from None
+        log.info("batch resumed", batch=batch_id, tenant=tenant)
+        return self.view(self.get_record(tenant, batch_id))
 
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
         rec = self.get_record(tenant, batch_id)
@@ -333,6 +374,8 @@ class ApiBatches:
         }
         if rec.deadline is not None:  # lmdq's extension field (issue 46), only when the batch has one
             out["deadline"] = rec.deadline
+        if rec.gates is not None:  # lmdq's extension fields (issue 46), only when the batch has gates
+            out["lmdq_gates"] = self.backend.gates(rec.lmdq_id) if rec.lmdq_id else None
         if rec.state == "failed":
             out["status"] = "failed"
             out["errors"] = {"object": "list", "data": rec.errors or []}
@@ -371,6 +414,8 @@ class ApiBatches:
             out["status"] = "cancelling"
         else:
             out["status"] = "in_progress"
+            if b.status is BatchStatus.paused:  # OpenAI has no such status: in_progress, and lmdq's own word
+                out["lmdq_status"] = "paused"
         return out
 
     @staticmethod
@@ -461,6 +506,7 @@ class ApiBatches:
         meta = dict(rec.metadata)
         try:
             batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta, deadline=rec.deadline,
+                                        gates=GateConfig.model_validate_json(rec.gates) if rec.gates else None,
                                         idempotency_key=_idempotency_key(rec.id), progress=progress)
         except (SubmitRejected, UnknownModel) as e:  # about the file: the batch fails, with its lines
             self._fail(rec, errors_from(e, path, shown))

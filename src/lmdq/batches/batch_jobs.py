@@ -88,12 +88,18 @@ class BatchJobs:
         return [self.keys.batch_jobs(batch_id), queue_key or RQ_QUEUES, RQ_QUEUES, self.keys.batch(batch_id),
                 *wakes]
 
-    def commit(self, *, batch_id: str, queue_key: str, wakes: Sequence[str], now: float, ttl_s: int) -> int:
+    def commit(self, *, batch_id: str, queue_key: str, wakes: Sequence[str], now: float, ttl_s: int,
+               hold: tuple[str, str] | None = None) -> int:
         """Every staged job of the batch onto its queue (``queue_key``, or '' for each job's own model's
         queue), the record ``queued``, every key of the batch at ``ttl_s``, one token on each of ``wakes``:
-        one script, fenced on ``queued_at``. Returns the jobs made visible, -1 when it had run already."""
-        return int(self._commit(keys=self._commit_keys(batch_id, queue_key, wakes),
-                                args=[queue_key, _COMMIT_CHUNK, now, ttl_s]))
+        one script, fenced on ``queued_at``. Returns the jobs made visible, -1 when it had run already.
+
+        ``hold``: (a set of job ids, a list): a canary (lmdq.gates). Only the set's jobs are queued; every
+        other job goes onto the list, in job order, until the canary's verdict releases it. Both keys are
+        the caller's (the gates' store owns them); this script only reads the set and appends to the list."""
+        keys = self._commit_keys(batch_id, queue_key, wakes)
+        keys[4:4] = list(hold) if hold else [RQ_QUEUES, RQ_QUEUES]  # placeholders, never touched unheld
+        return int(self._commit(keys=keys, args=[queue_key, _COMMIT_CHUNK, now, ttl_s, "1" if hold else "0"]))
 
     def commit_upto(self, *, batch_id: str, queue_key: str, wakes: Sequence[str], jobs: int, requests: int,
                     now: float, ttl_s: int, last: bool, token: str = "") -> int:
@@ -253,18 +259,37 @@ local function lmdq_push(qkey, ids, queues, bkey)
 end
 """, uses=(PLACE_JOBS,))
 
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
-# ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), chunk, now, running ttl.
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, canary set, held list, the wake list of each
+# model of the batch. ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), chunk, now,
+# running ttl, '1' when the batch has a canary (only the canary set's jobs are queued, the rest go onto the
+# held list in job order; '0': KEYS[5] and KEYS[6] are placeholders, never touched).
 # Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
 # Every key of the batch takes the running TTL here (lmdq.results.store: TTLs count from the batch's end).
 COMMIT = LuaScript("commit", f"""
 if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
 local n = redis.call('LLEN', KEYS[1])
 local chunk = tonumber(ARGV[2])
+local gated = ARGV[5] == '1'
+local visible = 0
 for s = 0, n - 1, chunk do
   local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
-  lmdq_push(ARGV[1], ids, KEYS[3], KEYS[4])
+  if gated then
+    local now_ids, later = {{}}, {{}}
+    for _, id in ipairs(ids) do
+      if redis.call('SISMEMBER', KEYS[5], id) == 1 then table.insert(now_ids, id) else table.insert(later, id) end
+    end
+    lmdq_push(ARGV[1], now_ids, KEYS[3], KEYS[4])
+    for h = 1, #later, 4000 do redis.call('RPUSH', KEYS[6], unpack(later, h, math.min(h + 3999, #later))) end
+    visible = visible + #now_ids
+  else
+    lmdq_push(ARGV[1], ids, KEYS[3], KEYS[4])
+    visible = visible + #ids
+  end
   for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[4]) end
+end
+if gated then
+  redis.call('EXPIRE', KEYS[5], ARGV[4])
+  if redis.call('EXISTS', KEYS[6]) == 1 then redis.call('EXPIRE', KEYS[6], ARGV[4]) end
 end
 redis.call('EXPIRE', KEYS[4], ARGV[4])
 local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
@@ -275,8 +300,8 @@ if redis.call('HGET', KEYS[4], '{F.status}') == '{BatchStatus.validating.value}'
 end
 redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-if n > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
-return n
+if visible > 0 then for i = 7, #KEYS do lmdq_wake(KEYS[i]) end end
+return visible
 """, uses=(WAKE, PUSH_JOBS,))
 
 # Progressive staging: the batch's staged jobs from ``visible_jobs`` up to ARGV[2] become visible.

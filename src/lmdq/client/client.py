@@ -153,7 +153,7 @@ class Client:
         id_column: str | None = None,
         params_columns: Sequence[str] | Mapping[str, str] | None = None,
         template: str | None = None,
-        endpoint: Endpoint | Literal["chat", "completion", "score", "reward"] | None = None,
+        endpoint: Endpoint | Literal["chat", "completion", "score", "reward", "embedding"] | None = None,
         model_column: str | None = None,
         image_column: str | None = None,
         image_dir: str | os.PathLike[str] | None = None,
@@ -225,6 +225,7 @@ class Client:
         if isinstance(src, FileSource):
             opts.fmt = src.fmt
             opts.input_name = input_name
+            opts.endpoint, opts.endpoint_option = cmap.endpoint, spell("endpoint")
             # through the module, so a test's hook on submit_file (edits between the passes) applies
             info, created = submit_mod.submit_file(src.path, opts, **kw)
             return Batch(self, info.id, created=created, info=info)
@@ -466,8 +467,10 @@ class Batch:
         return dict(info.model_counts) if info.model_counts else {info.model: info.request_counts}
 
     def wait(self, timeout: float | None = None, progress: bool = True, *, poll_interval: float = 0.25) -> BatchInfo:
-        """Block until the batch ends; returns its final record. A progress bar on a terminal or in a
-        notebook when ``progress``, silent otherwise. WaitTimeout (exit 1) after ``timeout`` seconds."""
+        """Block until the batch ends, or is ``paused`` (a quality gate failed: :meth:`gates` says why,
+        :meth:`resume` runs the rest, :meth:`cancel` ends it); returns its record then. A progress bar on a
+        terminal or in a notebook when ``progress``, silent otherwise. WaitTimeout (exit 1) after ``timeout``
+        seconds."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -478,7 +481,7 @@ class Batch:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not show, transient=False) as prog:
             task = prog.add_task(b.status.value, total=b.request_counts.total, completed=b.request_counts.done)
-            while not b.status.terminal:
+            while not b.status.terminal and b.status is not BatchStatus.paused:
                 if deadline is not None and time.monotonic() > deadline:
                     raise WaitTimeout(f"batch {self.id} still {b.status.value} after {timeout}s "
                                       f"({b.request_counts.done}/{b.request_counts.total} done)")
@@ -571,10 +574,12 @@ class Batch:
         """The final results as a pyarrow Table (schema: :data:`lmdq.results.export.RESULT_COLUMNS`)."""
         import pyarrow as pa
 
-        from lmdq.results.export import record_batches, schema_with_batch
+        from lmdq.results.export import embedding_schema, record_batches
 
-        schema = schema_with_batch(self.info().model_dump_json())
-        return pa.Table.from_batches(list(record_batches(self._raw_records())), schema=schema)
+        schema, chunks = embedding_schema(self._raw_records())  # the vectors' size, read ahead
+        batches = list(record_batches(chunks, schema=schema))
+        batch_json = self.info().model_dump_json()
+        return pa.Table.from_batches(batches, schema=schema.with_metadata({"lmdq.batch": batch_json}))
 
     def to_pandas(self) -> pd.DataFrame:
         """:meth:`to_arrow` as a pandas DataFrame."""
@@ -586,6 +591,21 @@ class Batch:
         from lmdq.results.export import write_parquet
 
         return write_parquet(Path(path), self._raw_records(), batch_json=self.info().model_dump_json())
+
+    # ---- quality gates (canary) -------------------------------------------------------------------
+    def gates(self) -> dict[str, Any] | None:
+        """The batch's quality gates (``canary=`` / ``gate=`` / ``gate_window=``): ``config``, ``verdict``
+        (None while the canary runs; passed, failed, paused, resumed), ``canary_jobs_left``, ``held_jobs``
+        and, once a gate failed, ``report`` (the failed gates, what was seen, example lines). None without
+        gates."""
+        st = self.client._ledger().gates.state(self.id)
+        return None if st is None else st.as_dict()
+
+    def resume(self) -> BatchInfo:
+        """Run the rest of a ``paused`` batch (its held jobs are queued; a rolling window starts afresh).
+        SubmitRejected when the batch is not paused."""
+        self._info = self.client._ledger().resume(self.id)
+        return self._info
 
     # ---- cancel / retry / purge -------------------------------------------------------------------
     def cancel(self) -> BatchInfo:

@@ -100,6 +100,15 @@ class BatchOptions(BaseModel):
         f"12h, 3600 (default LMDQ_RESULT_TTL_S, {_days(DEFAULT_RESULT_TTL_S)})")
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)")
+    canary: str | float | None = Field(
+        default=None, description="run a sample spread over the file first, e.g. 2% or 50 (requests); the rest "
+        "runs only if it passes the quality gates, else the batch is paused (docs/plan-deadline-canary.md)")
+    gate: list[str] | None = Field(
+        default=None, description="a quality gate KEY=VALUE, repeatable: failed=0.1 empty=0.1 length=0.5 json=0 "
+        "(shares of results allowed to fail), match=REGEX, not-match=REGEX, regex=0, tokens=MIN..MAX (mean)")
+    gate_window: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        default=None, description="judge the gates on every N newest results while the batch runs: a batch "
+        "that goes bad part-way is paused")
     reuse: bool | None = Field(
         default=None, description="never pay twice: a greedy (or seeded, where the engine repeats seeds) request "
         "identical to one already completed on the same weights and engine settings is answered from its stored "
@@ -140,6 +149,8 @@ _CLI_TYPES: dict[str, tuple[Any, Callable[[Any], Any] | None]] = {
     "completion_window": (str, None),
     "deadline": (str, None),
     "result_ttl": (str, None),
+    "canary": (str, None),
+    "gate": (list[str], None),
     "reuse_ttl": (str, None),
 }
 
@@ -412,6 +423,7 @@ def resolve(
                 raise _rejected(spell(name), e.errors()[0]["msg"], values[name]) from None
         else:
             grouping[name] = getattr(settings, name)
+    gates = _gates(b, spell)
     window_s = parse_window(b.completion_window, spell("completion_window"))
     deadline = parse_deadline(b.deadline, spell("deadline"))
     ttl = parse_duration(b.result_ttl, spell("result_ttl"))
@@ -444,11 +456,27 @@ def resolve(
         prefix_group_bytes=grouping["prefix_group_bytes"],
         memory_fraction=settings.memory_headroom_fraction,
         on_warning=on_warning,
+        gates=gates,
         reuse_ttl_s=reuse_ttl_s if reuse else None,
         webhook=_webhook(b.webhook, settings.webhook_allow, spell),
     )
     opts.deadline = deadline
+    if gates is not None and gates.canary is not None:
+        opts.first_jobs = None  # the canary is spread over the whole file: it is staged before anything runs
     return opts, ttl_s
+
+
+def _gates(b: BatchOptions, spell: Spell) -> Any:
+    """The batch's GateConfig (lmdq.gates.config) from ``canary`` / ``gate`` / ``gate_window``; None without."""
+    from lmdq.gates.config import from_options
+
+    try:
+        return from_options(b.canary, b.gate, b.gate_window)
+    except ValueError as e:
+        which = "canary" if str(e).startswith("--canary") else "gate"
+        msg = str(e).split(": ", 1)[-1].replace("--canary", spell("canary")).replace("--gate-window",
+                                                                                   spell("gate_window"))
+        raise _rejected(spell(which), msg, getattr(b, which)) from None
 
 
 #: keywords whose CLI flag is not ``--`` + the keyword with dashes

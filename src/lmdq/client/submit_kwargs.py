@@ -42,6 +42,14 @@ class SubmitKwargs(TypedDict, total=False):
     result_ttl: str | float | None
     #: folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)
     blob_url: str | None
+    #: run a sample spread over the file first, e.g. 2% or 50 (requests); the rest runs only if it passes the
+    #: quality gates, else the batch is paused (docs/plan-deadline-canary.md)
+    canary: str | float | None
+    #: a quality gate KEY=VALUE, repeatable: failed=0.1 empty=0.1 length=0.5 json=0 (shares of results allowed
+    #: to fail), match=REGEX, not-match=REGEX, regex=0, tokens=MIN..MAX (mean)
+    gate: list[str] | None
+    #: judge the gates on every N newest results while the batch runs: a batch that goes bad part-way is paused
+    gate_window: int | None
     #: never pay twice: a greedy (or seeded, where the engine repeats seeds) request identical to one already
     #: completed on the same weights and engine settings is answered from its stored result (reused_from says
     #: which), and this batch's answers are kept for later batches (default LMDQ_REUSE, off)

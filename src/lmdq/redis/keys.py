@@ -92,6 +92,8 @@ class BatchField(str, Enum):
     #: the requests no job ever held were answered (``cancelled`` or ``failed``/``submit_interrupted``): set
     #: once, by whoever ended the part-staged batch (lmdq.submission.ledger.BatchLedger.answer_unstaged)
     unstaged_answered = "unstaged_answered"
+    #: ``--reuse`` (issue 47): requests the reuse index could answer when the batch was submitted
+    reusable = "reusable"
     #: generated tokens of the batch's final results so far (progress' tokens/s; absent before the first)
     output_tokens = "output_tokens"
     #: Unix time the batch should be done by (issue 46; absent: none): a live field, so it can be moved
@@ -238,6 +240,27 @@ class Keys:
     def batch_jobs(self, batch_id: str) -> str:
         """List of the batch's RQ job ids in job order."""
         return f"{self.prefix}:batch:{batch_id}:jobs"
+
+    def gates(self, batch_id: str) -> str:
+        """Hash: the batch's quality gates (lmdq.gates.store): config, where its held jobs go, the canary's
+        jobs left to judge, the verdict and the report of a pause."""
+        return f"{self.prefix}:batch:{batch_id}:gates"
+
+    def gates_canary(self, batch_id: str) -> str:
+        """Set: the job ids of the batch's canary (the commit queues only these; the rest are held)."""
+        return f"{self.prefix}:batch:{batch_id}:gates:canary"
+
+    def gates_held(self, batch_id: str) -> str:
+        """List: job ids held off the queue until the canary passes or the batch resumes."""
+        return f"{self.prefix}:batch:{batch_id}:gates:held"
+
+    def gates_seen(self, batch_id: str) -> str:
+        """List: one JSON entry per judged result (the canary's, then the rolling window's, newest first)."""
+        return f"{self.prefix}:batch:{batch_id}:gates:seen"
+
+    def gates_jobs(self, batch_id: str) -> str:
+        """Set: the job numbers whose results were judged already (a job judged twice counts once)."""
+        return f"{self.prefix}:batch:{batch_id}:gates:jobs"
 
     def batches(self) -> str:
         """Sorted set of batch ids by creation time (for ``list``)."""

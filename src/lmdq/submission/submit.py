@@ -27,7 +27,7 @@ import json
 import os
 import shlex
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +38,9 @@ from pydantic import ValidationError
 
 from lmdq.batches.headroom import check_batch_fits
 from lmdq.batches.staging import IDS_CHUNK
-from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
+from lmdq.contract import Batch, BatchStatus, Endpoint, GenerationParams, Priority, Request, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.gates.config import GateConfig
 from lmdq.images.parts import image_urls
 from lmdq.images.refs import ImageChecker, ImageRefError
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
@@ -75,6 +76,9 @@ __all__ = [
 
 Progress = Callable[[int], None]
 
+TEXT_ENDPOINTS = (Endpoint.chat, Endpoint.completion, Endpoint.embedding)
+"""What ``--endpoint`` may make of a text file's lines (each a plain prompt; score and reward need more)."""
+
 
 @dataclass
 class SubmitOptions:
@@ -90,6 +94,9 @@ class SubmitOptions:
     limits: InputLimits = field(default_factory=InputLimits)
     max_errors: int = 20
     fmt: InputFormat | None = None
+    #: submit's ``--endpoint`` / ``endpoint=``: every line's endpoint (a text file's lines, a JSONL line naming
+    #: none); a line naming another is refused. None: each line's own (chat by default)
+    endpoint: Endpoint | None = None
     results_url: str | None = None
     blob_url: str | None = None
     #: prefix-aware job formation (src/lmdq/submission/prefix_groups.py): requests sharing a prompt prefix of at
@@ -114,6 +121,7 @@ class SubmitOptions:
     #: error, three spellings): the CLI's flags by default, ``model=`` / ``allow_unknown_model=True`` from
     #: Python; None for the HTTP API, whose caller cannot pass one
     model_option: str = "--model"
+    endpoint_option: str = "--endpoint"
     allow_unknown_hint: str | None = "--allow-unknown-model"
     #: what the batch record names as its input when ``path`` is a copy of it: ``-`` for stdin (a
     #: temporary file, src/lmdq/submission/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
@@ -143,6 +151,9 @@ class SubmitOptions:
         """How this submit checks image references (lmdq.images.refs.ImageChecker)."""
         return ImageChecker(max_bytes=self.max_image_bytes, image_dir=self.image_dir, root=self.image_root,
                             allow_local=self.allow_local_images)
+    #: quality gates (``--canary``, ``--gate``, ``--gate-window``; lmdq.gates): a canary runs first and the rest
+    #: only if it passes; the whole file is staged before anything runs (``first_jobs`` does not apply)
+    gates: GateConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -290,7 +301,7 @@ def _validate(
     fields = "body.messages" if opts.fmt is InputFormat.openai else "messages"
     try:
         size, mtime_ns = _stat(path)
-        for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits):
+        for offset, item in iter_records(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
             if isinstance(item, InputError):
                 errors.append(str(item))
                 if len(errors) >= opts.max_errors:
@@ -425,7 +436,7 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
         return []
     first: dict[str, int] = {}
     out: list[str] = []
-    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
         if isinstance(item, ParsedLine) and _h64(item.custom_id) in dup:
             if item.custom_id in first:
                 out.append(
@@ -473,7 +484,7 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
         running = _new_hash(seen.order_free)
         images = opts.image_checker()
         n = 0
-        for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits)):
+        for index, item in enumerate(iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint)):
             if isinstance(item, InputError):
                 raise _changed(path, f"now {item}")
             if index >= seen.requests:
@@ -516,7 +527,7 @@ def _planned_requests(
         with open(path, "rb") as f:
             for index in plan.order:
                 item = read_request_at(f, name, prefixes.offsets[index], prefixes.line_nos[index], fmt=opts.fmt,
-                                       limits=opts.limits)
+                                       limits=opts.limits, endpoint=opts.endpoint)
                 if isinstance(item, InputError):
                     raise _changed(path, f"now {item}")
                 if _feed(running, item) != seen.per_request[index]:
@@ -547,6 +558,8 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
         "blob_url": opts.blob_url, "prefix_groups": opts.prefix_groups,
         "prefix_group_bytes": opts.prefix_group_bytes if opts.prefix_groups else None,
     }
+    if opts.endpoint is not None:  # only when given: the fingerprints of submits without it stay what they were
+        options["endpoint"] = opts.endpoint.value
     if opts.image_dir is not None:  # only when given: keys bound before image inputs keep their fingerprint
         options["image_dir"] = opts.image_dir
     if opts.reuse_ttl_s is not None:  # only when set: a key bound before issue 47 still matches its re-run
@@ -599,6 +612,10 @@ def submit_file(
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
+    if fmt is InputFormat.text and opts.endpoint is not None and opts.endpoint not in TEXT_ENDPOINTS:
+        raise SubmitRejected(f"{opts.endpoint_option}: a text file's lines are plain prompts: expected one of "
+                             f"{', '.join(e.value for e in TEXT_ENDPOINTS)}, got {opts.endpoint.value!r} (it needs "
+                             "JSONL lines)")
     # what pass 1 keeps per request waits in temporary files until the submit returns or fails: beside the
     # input when it is a copy of one (the client's spool, stdin's temporary file), else in TMPDIR
     spill_dir = str(path.parent) if opts.input_name is not None else None
@@ -681,13 +698,19 @@ def submit_file(
             requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None)
         else:
             requests = _file_requests(path, opts, seen)
+        counter = (_ReuseCount(client, keys, model, opts.params)
+                   if opts.reuse_ttl_s is not None and several is None else None)
         try:
             if opts.after_validation is not None:
                 opts.after_validation()
-            batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
+            batch = ledger.enqueue(batch, counter.counting(requests) if counter is not None else requests,
+                                   progress=enqueue_progress, chunk_jobs=chunk_jobs,
                                    job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
                                    first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit,
-                                   id_chunks=seen.id_chunks.chunks())
+                                   id_chunks=seen.id_chunks.chunks(), gates=opts.gates)
+            if counter is not None and counter.found is not None:
+                ledger.records.note_reusable(batch.id, counter.found)
+                batch = batch.model_copy(update={"reusable": counter.found})
         except BaseException:
             if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
                 ledger.release_key(opts.idempotency_key, batch_id)
@@ -695,6 +718,41 @@ def submit_file(
         finally:
             requests.close()
         return batch, True
+
+
+class _ReuseCount:
+    """Counts, as pass 2 streams the requests to the ledger, how many the reuse index answers now (issue 47:
+    ``status`` shows it before anything runs); a chunk of requests is looked up at a time."""
+
+    CHUNK = 1000
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, params: GenerationParams) -> None:
+        from lmdq.reuse.index import ReuseIndex
+        from lmdq.reuse.store import ReuseStore
+
+        self.index = ReuseIndex(ReuseStore(client, keys=keys))
+        self.model = model
+        self.params = params
+        self.found: int | None = 0 if self.index.store.published(model) is not None else None
+
+    def _add(self, chunk: list[Request]) -> None:
+        if self.found is not None and chunk:
+            self.found += self.index.known(self.model, chunk, self.params) or 0
+        chunk.clear()
+
+    def counting(self, requests: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        chunk: list[Request] = []
+        for d in requests:
+            yield d
+            if self.found is None:
+                continue
+            try:
+                chunk.append(Request.model_validate({k: v for k, v in d.items() if k != "model"}))
+            except ValidationError:
+                continue  # not one this build can key: counted as not reusable
+            if len(chunk) >= self.CHUNK:
+                self._add(chunk)
+        self._add(chunk)
 
 
 def _resume(
