@@ -200,6 +200,25 @@ def test_one_verified_event_per_terminal_state(tmp_path: Path, redis_url: str, c
     assert store.pending() == []
 
 
+def test_each_pause_sends_batch_paused(tmp_path: Path, client: redis.Redis, prefix: str, store: WebhookStore,
+                                       receiver: Receiver) -> None:
+    """Canary's quality gate pauses a batch (lmdq.gates.store.PAUSE): one batch.paused per pause, then its end."""
+    from lmdq.gates.store import GateStore
+
+    gates = GateStore(client, keys=Keys(prefix))
+    batch = submit(client, prefix, tmp_path, receiver.url, model="nobody-serves-it")
+    assert gates.pause(batch.id, {"why": "test"}, verdict="paused") == 1
+    assert gates.pause(batch.id, {"why": "again"}, verdict="paused") == 0  # paused already: no second event
+    assert gates.resume(batch.id) >= 0
+    assert gates.pause(batch.id, {"why": "test"}, verdict="paused") == 1
+    BatchLedger(client, keys=Keys(prefix), ttl_s=3600).cancel(batch.id)
+    deliver_until(Deliverer(store, fast(allow_for(receiver.url))), lambda: len(receiver.accepted) >= 3)
+    got = {i: e["type"] for i, e in receiver.accepted.items()}
+    assert got == {f"evt_{batch.id}_paused_1": "batch.paused", f"evt_{batch.id}_paused_2": "batch.paused",
+                   f"evt_{batch.id}_cancelled": "batch.cancelled"}
+    assert len(receiver.arrivals) == 3 and store.pending() == []
+
+
 @pytest.mark.parametrize("down", ["503", "refused"])
 def test_a_receiver_down_for_three_tries_gets_the_event_once(down: str, tmp_path: Path, client: redis.Redis,
                                                              prefix: str, store: WebhookStore) -> None:
