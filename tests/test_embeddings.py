@@ -425,3 +425,15 @@ def test_openai_sdk_embeddings_batch_through_lmdq_api(
         assert item["object"] == "embedding" and item["index"] == 0 and len(item["embedding"]) == 384
         assert _cos(item["embedding"], ref) > 0.9999
         assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+
+
+def test_the_vector_crosses_the_engine_process_wire_exactly() -> None:
+    """LMDQ_ENGINE_PROCESS=1: events travel as JSON frames; a float32 vector comes back bit for bit."""
+    from lmdq.worker.engines.base import EngineEvent
+    from lmdq.worker.engines.engine_process import _event_from_wire, _event_to_wire
+    from lmdq.worker.engines.sim import sim_embedding
+
+    vec = sim_embedding("wire", 32)
+    ev = EngineEvent(index=2, input_token_len=1, finish_reason="stop", embedding=vec, whole=True)
+    back = _event_from_wire(json.loads(json.dumps(_event_to_wire(ev))), None)
+    assert back.embedding == vec and encode_embedding(back.embedding) == encode_embedding(vec)

@@ -92,6 +92,8 @@ class BatchField(str, Enum):
     #: the requests no job ever held were answered (``cancelled`` or ``failed``/``submit_interrupted``): set
     #: once, by whoever ended the part-staged batch (lmdq.submission.ledger.BatchLedger.answer_unstaged)
     unstaged_answered = "unstaged_answered"
+    #: ``--reuse`` (issue 47): requests the reuse index could answer when the batch was submitted
+    reusable = "reusable"
     #: generated tokens of the batch's final results so far (progress' tokens/s; absent before the first)
     output_tokens = "output_tokens"
     #: Unix time the batch should be done by (issue 46; absent: none): a live field, so it can be moved
