@@ -336,3 +336,18 @@ def test_the_http_api_takes_a_deadline_as_an_extension_field(redis_url: str, pre
         assert info.deadline == (b.model_extra or {})["deadline"]
     finally:
         srv.stop()
+
+
+def test_a_batch_over_several_models_is_placed_by_its_deadline_on_each_models_queue(
+        api: lmdq.Client, client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    from lmdq.redis.keys import queue_name, rq_queue_key
+
+    def rows(tag: str) -> list[dict[str, Any]]:
+        return [{"custom_id": f"{tag}{i}", "prompt": f"{tag} {i}", "model": "ma" if i % 2 else "mb"} for i in range(4)]
+
+    kw: dict[str, Any] = {"allow_unknown_model": True, "batch_size": 1}
+    plain = api.submit(write_jsonl(tmp_path / "plain.jsonl", rows("plain")), **kw)
+    dl = api.submit(write_jsonl(tmp_path / "dl.jsonl", rows("dl")), deadline=_future(3600), **kw)
+    for m in ("ma", "mb"):
+        q = rq_queue_key(queue_name(m, "normal", prefix))
+        assert [j.decode().rsplit("-", 1)[0] for j in client.lrange(q, 0, -1)] == [dl.id] * 2 + [plain.id] * 2
