@@ -326,3 +326,72 @@ def test_free_port_is_refused_when_closed() -> None:
     port = free_port()
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass
+
+
+def test_the_http_api_per_batch_and_tenant_default(tmp_path: Path, redis_url: str, env: dict[str, str],
+                                                   client: redis.Redis, prefix: str, store: WebhookStore) -> None:
+    """OpenAI SDK against a real lmdq-api: alice's batches use her tenant default (LMDQ_API_WEBHOOKS), bob names
+    one per batch (``extra_body``); events carry the API's batch ids, each signed with its tenant's secret, the
+    end announced once the output file exists; a destination off the allow list is a 400 naming ``webhook``."""
+    import openai
+    from openai import OpenAI
+
+    from lmdq.webhooks.signing import new_secret
+    from lmdq_bench.api_bench import ApiProcess
+
+    # made first (an operator's `webhook-secret`): the API keeps a tenant's secret, never replaces it
+    alice_rx = Receiver(store.ensure_secret("alice", new_secret()))
+    bob_rx = Receiver(store.ensure_secret("bob", new_secret()))
+    keys = {"alice": "alice-key-" + "a" * 24, "bob": "bob-key-" + "b" * 24}
+    api = ApiProcess(redis_url=redis_url, prefix=prefix, keys=keys, files_dir=tmp_path / "files",
+                     log=tmp_path / "api.log",
+                     env={"LMDQ_KNOWN_MODELS": '["sim"]', "LMDQ_WEBHOOK_POLL_S": "0.1",
+                          "LMDQ_WEBHOOK_ALLOW": allow_for(alice_rx.url, bob_rx.url),
+                          "LMDQ_API_WEBHOOKS": f"alice={alice_rx.url}"}).start()
+    try:
+        def line(i: int) -> dict[str, Any]:
+            return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": "sim", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 4}}
+
+        def upload(c: OpenAI, data: bytes) -> str:
+            return c.files.create(file=("in.jsonl", data), purpose="batch").id
+
+        alice = OpenAI(base_url=api.url + "/v1", api_key=keys["alice"])
+        bob = OpenAI(base_url=api.url + "/v1", api_key=keys["bob"])
+        good = "".join(json.dumps(line(i)) + "\n" for i in range(5)).encode()
+        a = alice.batches.create(input_file_id=upload(alice, good), endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+        b = bob.batches.create(input_file_id=upload(bob, b'{"custom_id": "x"}\nnot json\n'),
+                               endpoint="/v1/chat/completions", completion_window="24h",
+                               extra_body={"webhook": bob_rx.url})
+        with pytest.raises(openai.BadRequestError) as refused:
+            bob.batches.create(input_file_id=upload(bob, good), endpoint="/v1/chat/completions",
+                               completion_window="24h", extra_body={"webhook": "http://10.1.2.3/hooks"})
+        assert "LMDQ_WEBHOOK_ALLOW" in str(refused.value) and refused.value.body["param"] == "webhook"  # type: ignore[index]
+        assert (store.secret("alice"), store.secret("bob")) == (alice_rx.secret, bob_rx.secret)
+        assert alice_rx.secret != bob_rx.secret
+        end = time.monotonic() + 120
+        while alice.batches.retrieve(a.id).status == "validating":
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        assert start_worker("--engine", "sim", "--served-model-name", MODEL, "--sim-step-ms", "1", "--burst",
+                            env={**env, "LMDQ_WEBHOOK_ALLOW": ""}).wait(120) == 0  # this worker may not call out
+        end = time.monotonic() + 120
+        while len(alice_rx.accepted) < 1 or len(bob_rx.accepted) < 1:
+            assert time.monotonic() < end, "the API never delivered"
+            time.sleep(0.05)
+        (ae,) = alice_rx.accepted.values()
+        (be,) = bob_rx.accepted.values()
+        assert (ae["type"], ae["data"]["id"]) == ("batch.completed", a.id)
+        assert (be["type"], be["data"]["id"]) == ("batch.failed", b.id)
+        done = alice.batches.retrieve(a.id)
+        assert done.status == "completed" and done.output_file_id  # told once its file existed
+        assert bob.batches.retrieve(b.id).status == "failed"
+        assert alice_rx.unverified == bob_rx.unverified == 0 and len(alice_rx.arrivals) == len(bob_rx.arrivals) == 1
+        assert store.pending() == []
+    finally:
+        api.stop()
+        alice_rx.close()
+        bob_rx.close()
+    text = (tmp_path / "api.log").read_text()
+    assert alice_rx.secret not in text and bob_rx.secret not in text

@@ -661,6 +661,8 @@ class Batch(_Strict):
     webhook: str | None = None
     #: whose secret signs the batch's events (the HTTP API's tenant; None: ``default``)
     webhook_tenant: str | None = None
+    #: the HTTP API batch this batch runs (its events name that id; the API announces its end itself)
+    webhook_as: str | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None

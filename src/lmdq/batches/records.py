@@ -86,7 +86,9 @@ class BatchRecords:
         if batch.reuse_ttl_s is None:  # a batch without reuse: the record an lmdq before issue 47 wrote
             quiet.add("reuse_ttl_s")
         if batch.webhook is None:  # a batch without a webhook: the record an lmdq before issue 48 wrote
-            quiet |= {"webhook", "webhook_tenant"}
+            quiet |= {"webhook", "webhook_tenant", "webhook_as"}
+        elif batch.webhook_as is None:
+            quiet.add("webhook_as")
         live = {"status", "request_counts", "deadline", "reusable", *(f.value for f in BATCH_TIME_FIELDS)}
         meta = batch.model_dump_json(exclude=live | quiet)
         fields: dict[Any, str | int | float] = {

@@ -135,6 +135,8 @@ class SubmitOptions:
     #: whose secret signs its events (None: ``default``); submit makes the tenant's secret if it has none
     webhook: str | None = None
     webhook_tenant: str | None = None
+    #: the HTTP API batch this submit runs: its events name that id (lmdq.webhooks.store.WEBHOOK_EVENT)
+    webhook_as: str | None = None
     #: image inputs (issue 48, lmdq.images.refs): the folder relative image paths resolve against
     #: (``--image-dir``); each reference is checked in pass 1, and a relative path reaches the job absolute
     image_dir: str | None = None
@@ -682,6 +684,7 @@ def submit_file(
                 reuse_ttl_s=opts.reuse_ttl_s,
                 webhook=opts.webhook,
                 webhook_tenant=opts.webhook_tenant if opts.webhook else None,
+                webhook_as=opts.webhook_as if opts.webhook else None,
                 created_at=now,
                 expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
             )

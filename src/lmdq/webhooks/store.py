@@ -37,13 +37,14 @@ from lmdq.redis.keys import BatchField, Keys
 from lmdq.redis.replies import reply_text
 from lmdq.redis.scripts import Fragment, LuaScript
 
-__all__ = ["CLAIM", "FINISH", "WEBHOOK_EVENT", "ADD_EVENT", "Claimed", "WebhookStore"]
+__all__ = ["ADD_EVENT", "CLAIM", "FINISH", "WEBHOOK_EVENT", "Claimed", "WebhookStore", "event_body", "queue_event"]
 
 F = BatchField
 
 # The event, built in Lua from the batch record: a batch whose meta JSON names a ``webhook`` (its URL) and
-# ``webhook_tenant`` (whose secret signs it; absent: 'default'). The body is fixed here, once (every retry
-# sends the same bytes); the timestamp is the try's (Standard Webhooks signs id.timestamp.body).
+# ``webhook_tenant`` (whose secret signs it; absent: 'default'); ``webhook_as``: the HTTP API batch it runs.
+# The body is fixed here, once (every retry sends the same bytes); the timestamp is the try's (Standard
+# Webhooks signs id.timestamp.body).
 WEBHOOK_EVENT = Fragment("webhook_event", f"""
 local function lmdq_webhook_event(batch, kind)
   local meta = redis.call('HGET', batch, '{F.meta}')
@@ -52,6 +53,12 @@ local function lmdq_webhook_event(batch, kind)
   if not ok or type(m) ~= 'table' or type(m['webhook']) ~= 'string' then return nil end
   local prefix, id = string.match(batch, '^(.*):batch:([^:]+)$')
   if not prefix then return nil end
+  if type(m['webhook_as']) == 'string' then
+    -- the HTTP API's batch: its events name the API's id, and its end is announced by the API once its
+    -- output files exist (lmdq.api.batches); only a pause is told from here
+    if kind ~= 'paused' then return nil end
+    id = m['webhook_as']
+  end
   local evt = 'evt_' .. id .. '_' .. kind
   if kind == 'paused' then
     evt = evt .. '_' .. redis.call('HINCRBY', batch, 'webhook_pauses', 1)
@@ -130,6 +137,22 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 return 1
 """)
+
+
+def event_body(event_id: str, kind: str, batch_id: str, created_at: int) -> str:
+    """An event's JSON, the shape :data:`WEBHOOK_EVENT` builds in Lua (OpenAI's webhook events)."""
+    return json.dumps({"id": event_id, "object": "event", "type": f"batch.{kind}", "created_at": int(created_at),
+                       "data": {"id": batch_id}}, separators=(",", ":"))
+
+
+def queue_event(pipe: Any, keys: Keys, *, batch_id: str, kind: str, url: str, tenant: str, now: float) -> str:
+    """Queue on ``pipe`` (a MULTI pipeline: the event lands with the state change it announces, or neither
+    does) the ``batch.<kind>`` event of a batch whose state lives outside the batch record (the HTTP API's
+    own batches). Its id is ``evt_<batch>_<kind>``: a second call makes nothing (HSETNX). Returns the id."""
+    event_id = f"evt_{batch_id}_{kind}"
+    ADD_EVENT(keys=[keys.webhook_events(), keys.webhook_due()],
+              args=[event_id, url, tenant, event_body(event_id, kind, batch_id, int(now))], client=pipe)
+    return event_id
 
 
 @dataclass(frozen=True)
