@@ -361,7 +361,8 @@ def test_the_recorder_counts_busy_time_with_any_job_in_the_engine(client: redis.
 
     t = [0.0]
     rec = PlanRecorder(PlanStore(client, keys=Keys(prefix)), worker="w", clock=lambda: t[0])
-    payload = JobPayload(batch_id="batch_" + "0" * 24, job_no=0, model="m", params=GenerationParams(max_new_tokens=8, n=2),
+    payload = JobPayload(batch_id="batch_" + "0" * 24, job_no=0, model="m",
+                         params=GenerationParams(max_new_tokens=8, n=2),
                          requests=[Request(index=0, custom_id="a", prompt="x")])
     own = Request(index=1, custom_id="b", prompt="y", params=GenerationParams(max_new_tokens=4))
     rec.enter(payload)            # t=0: one job in
