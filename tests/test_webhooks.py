@@ -395,3 +395,48 @@ def test_the_http_api_per_batch_and_tenant_default(tmp_path: Path, redis_url: st
         bob_rx.close()
     text = (tmp_path / "api.log").read_text()
     assert alice_rx.secret not in text and bob_rx.secret not in text
+
+
+def test_cli_webhook_flag_python_webhook_kwarg_and_secret_command(tmp_path: Path, redis_url: str, env: dict[str, str],
+                                                                 client: redis.Redis, prefix: str,
+                                                                 store: WebhookStore) -> None:
+    """``submit --webhook URL`` and ``Client.submit(..., webhook=URL)`` each get their batch.completed, signed
+    with the secret ``webhook-secret`` prints; ``--rotate`` replaces it."""
+    import lmdq
+    from lmdq.submission.settings import ProducerSettings
+
+    secret = run_cli("producer", "webhook-secret", env=env)
+    assert secret.returncode == 0, secret.stderr
+    rx = Receiver(secret.stdout.decode().strip())
+    try:
+        allow = allow_for(rx.url)
+        hook_env = {**env, "LMDQ_WEBHOOK_ALLOW": allow}
+        f = write_jsonl(tmp_path / "in.jsonl", rows(4))
+        p = run_cli("producer", "submit", str(f), "--model", MODEL, "--allow-unknown-model", "--json",
+                    "--webhook", rx.url + "/cli", env=hook_env)
+        assert p.returncode == 0, p.stderr
+        cli_id = json.loads(p.stdout)["id"]
+        c = lmdq.Client(redis_url, settings=ProducerSettings(key_prefix=prefix, webhook_allow=allow))
+        py_id = c.submit(rows(3), model=MODEL, allow_unknown_model=True, webhook=rx.url + "/py").id
+        sim_worker(client, redis_url, prefix, webhook_allow=allow)
+        deliver_until(Deliverer(store, fast(allow)), lambda: len(rx.accepted) >= 2)
+        assert {e["data"]["id"]: e["type"] for e in rx.accepted.values()} == {cli_id: "batch.completed",
+                                                                               py_id: "batch.completed"}
+        assert rx.unverified == 0 and len(rx.arrivals) == 2
+        rotated = run_cli("producer", "webhook-secret", "--rotate", env=env).stdout.decode().strip()
+        assert rotated.startswith("whsec_") and rotated != rx.secret == secret.stdout.decode().strip()
+        assert store.secret("default") == rotated
+    finally:
+        rx.close()
+
+
+def test_an_api_batch_tells_its_pause_under_the_api_id_and_leaves_its_end_to_the_api(
+        tmp_path: Path, client: redis.Redis, prefix: str, store: WebhookStore, receiver: Receiver) -> None:
+    from lmdq.gates.store import GateStore
+
+    batch = submit(client, prefix, tmp_path, receiver.url, model="nobody-serves-it", webhook_as="batch_api123")
+    assert GateStore(client, keys=Keys(prefix)).pause(batch.id, {"why": "test"}, verdict="paused") == 1
+    BatchLedger(client, keys=Keys(prefix), ttl_s=3600).cancel(batch.id)  # lmdq's end: the API tells of it
+    assert store.pending() == ["evt_batch_api123_paused_1"]
+    deliver_until(Deliverer(store, fast(allow_for(receiver.url))), lambda: store.pending() == [])
+    assert [(e["type"], e["data"]["id"]) for e in receiver.accepted.values()] == [("batch.paused", "batch_api123")]
