@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from lmdq.contract import GenerationParams, Request, Result, ResultStatus, ReusedFrom
 from lmdq.results.blobs import read_uri
 from lmdq.results.shards import shard_key
-from lmdq.reuse.identity import effective_params, identity, inline_inputs, qualifies, request_key
+from lmdq.reuse.identity import effective_params, identity, inline_inputs, params_key, qualifies, request_key
 from lmdq.reuse.store import ReuseStore, Source, decode_varints, encode_varints
 
 __all__ = ["Completed", "ReuseIndex", "ReuseStats"]
@@ -149,6 +149,7 @@ class ReuseIndex:
         if wkey is None:
             return None
         shared = params.resolved()
+        shared_key = params_key(shared)
         found = 0
         batch: list[bytes] = []
 
@@ -160,7 +161,7 @@ class ReuseIndex:
         for r in requests:
             p = shared if r.params is None else effective_params(params, r)
             if qualifies(p, repeats_seeds=True) and inline_inputs(r):  # unseeded never has an entry anyway
-                batch.append(identity(wkey, request_key(p, r)))
+                batch.append(identity(wkey, request_key(shared_key if r.params is None else p, r)))
                 if len(batch) >= chunk:
                     found += look()
         if batch:
