@@ -515,9 +515,12 @@ def sink(
 def reuse(
     n: Annotated[int, typer.Option(help="requests in the batch (run twice)")] = 1_000_000,
     batch_size: Annotated[int, typer.Option(help="requests per job")] = 1000,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer (sim engine decode steps)")] = 64,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer (sim engine decode steps)")] = 256,
     step_ms: Annotated[float, typer.Option(help="sim engine: ms per decode step")] = 5.0,
     max_batch: Annotated[int, typer.Option(help="sim engine: sequences decoded at once")] = 256,
+    index_n: Annotated[int, typer.Option(help="also: fill an index of this many entries through the worker's "
+                                              "record call and weigh it (bytes per entry at that size; 0: no)")
+                       ] = 1_000_000,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o")] = None,
 ) -> None:
@@ -528,13 +531,16 @@ def reuse(
 
     with local_redis(redis_url) as url:
         res = run_reuse_bench(n=n, batch_size=batch_size, tokens=max_new_tokens, redis_url=url,
-                              sim={"step_ms": step_ms, "max_batch": max_batch},
+                              sim={"step_ms": step_ms, "max_batch": max_batch}, index_n=index_n,
                               log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"first run {res['first']['run_s']:,.1f} s, second run {res['second']['run_s']:,.1f} s: "
           f"{res['speedup_run']}x faster ({res['second']['engine_steps']} engine steps, identical answers: "
           f"{res['identical_answers']}, reused_from on {res['reused_from_set']:,} of {res['n']:,})")
     print(f"reuse index: {res['index_entries']:,} entries, {res['index_bytes']:,} bytes, "
           f"{res['index_bytes_per_entry']} B/entry")
+    if res["index_fill"]:
+        f = res["index_fill"]
+        print(f"reuse index filled to {f['entries']:,} entries: {f['bytes']:,} bytes, {f['bytes_per_entry']} B/entry")
     _emit(res, output)
 
 

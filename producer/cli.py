@@ -88,6 +88,7 @@ def _print_batch(b: Batch, as_json: bool) -> None:
     _echo_fit(
         f"{b.id}  {b.status.value}  {_model_field(b)}  total={c.total} completed={c.completed} "
         f"failed={c.failed} cancelled={c.cancelled} expired={c.expired}"
+        + (f" reusable={b.reusable}" if b.reusable is not None else "")
     )
     if b.deadline is not None:  # issue 46
         import datetime as dt
@@ -256,12 +257,14 @@ def plan_cmd(
                                                        "model's own folder or Hugging Face cache entry")] = None,
     gpu_hour_price: Annotated[float | None, typer.Option(min=0, help="price of one GPU-hour: the plan's cost")
                               ] = None,
+    reuse: Annotated[bool | None, typer.Option("--reuse/--no-reuse", help="as for submit: count the requests the "
+                                               "reuse index answers now (default LMDQ_REUSE)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as a JSON object")] = False,
 ) -> None:
     """What submitting FILE would take: requests, input and output tokens, shared prefixes, GPU-seconds,
     ETA and cost, each with what it rests on. Changes nothing in Redis."""
     p = _lmdq().plan(file, model=model, tokenizer=tokenizer, gpu_hour_price=gpu_hour_price, format=fmt,
-                     spell=cli_spell, **generation, **grouping)
+                     spell=cli_spell, reuse=reuse, **generation, **grouping)
     if as_json:
         typer.echo(json.dumps(p.as_dict()))
         return
@@ -707,6 +710,17 @@ def reuse_purge(
     """Forget every reusable answer of a model (its batches and their results stay): later batches recompute."""
     n = _lmdq().purge_reuse(model)
     typer.echo(f"purged the reuse index of {model}: {n:,} entries")
+
+
+@app.command("webhook-secret")
+def webhook_secret(
+    tenant: Annotated[str, typer.Option(help="whose secret (the HTTP API's tenant; submits name 'default')")] =
+    "default",
+    rotate: Annotated[bool, typer.Option(help="make a new secret: events are signed with it from now on")] = False,
+) -> None:
+    """Print the secret (whsec_...) that signs this tenant's webhook events, making it if there is none
+    (docs/webhooks.md: verifying a request). The one place lmdq shows it: never logged."""
+    typer.echo(_lmdq().webhook_secret(tenant, rotate=rotate))
 
 
 @app.command()

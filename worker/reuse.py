@@ -99,8 +99,9 @@ class ReuseHook:
         if payload.reuse_ttl_s is None or wkey is None:
             return {}
         out: dict[int, bytes] = {}
+        shared = payload.params.resolved()  # most requests carry no params of their own: resolved once
         for r in todo:
-            p = effective_params(payload.params, r)
+            p = shared if r.params is None else effective_params(payload.params, r)
             if qualifies(p, repeats_seeds=self.repeats_seeds) and inline_inputs(r):
                 out[r.index] = identity(wkey, request_key(p, r))
         return out

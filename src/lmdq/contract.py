@@ -288,6 +288,17 @@ def _engine_default(info: FieldInfo) -> Any:
     return extra.get("engine_default") if isinstance(extra, dict) else None
 
 
+_DEFAULTS: dict[str, Any] = {}
+
+
+def _engine_defaults() -> dict[str, Any]:
+    """Every generation parameter's engine default, read from the declarations once (the fields are fixed
+    at import): ``resolved`` runs per request where reuse computes identities (issue 47)."""
+    if not _DEFAULTS:
+        _DEFAULTS.update({name: _engine_default(info) for name, info in GenerationParams.model_fields.items()})
+    return _DEFAULTS
+
+
 class GenerationParams(_Strict):
     """Sampling/stopping parameters, mirroring LMDeploy's ``GenerationConfig`` field for field.
 
@@ -340,7 +351,7 @@ class GenerationParams(_Strict):
     def resolved(self) -> dict[str, Any]:
         """Effective values with LMDeploy's defaults filled in (what every engine must honour); each field
         declares its default beside it (``engine_default``)."""
-        out = {name: _engine_default(info) for name, info in GenerationParams.model_fields.items()}
+        out = dict(_engine_defaults())
         out.update(self.model_dump(exclude_none=True))
         return out
 
@@ -643,6 +654,15 @@ class Batch(_Strict):
     blob_url: str | None = None
     #: ``--reuse``: how long its completed results stay in the reuse index (None: the batch does not reuse)
     reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
+    #: ``--reuse``: its requests the reuse index could answer when it was submitted (None: not counted)
+    reusable: int | None = None
+    #: ``--webhook`` (issue 48, lmdq.webhooks): the URL told of the batch's end (and pauses), checked against
+    #: the allow list at submit; read by the batch-end Lua from the record's meta JSON
+    webhook: str | None = None
+    #: whose secret signs the batch's events (the HTTP API's tenant; None: ``default``)
+    webhook_tenant: str | None = None
+    #: the HTTP API batch this batch runs (its events name that id; the API announces its end itself)
+    webhook_as: str | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None

@@ -91,6 +91,9 @@ class Plan:
     cost: float | None
     cost_basis: str
     workers: list[dict[str, Any]] = field(default_factory=list)
+    #: issue 47, with ``reuse``: requests the reuse index answers now (None: reuse off or no worker key yet)
+    reused_requests: int | None = None
+    reuse_basis: str = "reuse off (submit --reuse)"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,6 +119,8 @@ class Plan:
             f"  GPU-seconds      {'unknown' if self.gpu_seconds is None else f'{self.gpu_seconds:,.1f}'}",
             f"  ETA              {secs(self.eta_s)}  ({self.eta_basis})",
             f"  cost             {_money(self.cost)}  ({self.cost_basis})",
+            f"  reused           {'-' if self.reused_requests is None else f'{self.reused_requests:,}'}  "
+            f"({self.reuse_basis})",
         ]
 
 

@@ -80,6 +80,8 @@ RESULT_COLUMNS: list[tuple[str, str, str]] = [
     ("scores", "list<struct<logprob: float64, num_tokens: int64, is_greedy: bool>>",
      "endpoint score: per continuation, sum logprob, tokens, all-argmax (null where unknown)"),
     ("reward", "float64", "endpoint reward: the reward model's score"),
+    ("reused_from", "string", "answered from the reuse index (issue 47): JSON {batch, custom_id} of the request "
+                              "that computed it; null when this request was computed"),
     ("embedding", "fixed_size_list<float32>[dim]",
      "endpoint embedding: the vector, dim = the model's (a batch without vectors: list<float32>, all null)"),
 ]
@@ -156,6 +158,8 @@ def _columns(raws: list[bytes], embedding_dim: int | None = None) -> dict[str, A
         cols["scores"].append(None if scores is None else [
             {"logprob": x["logprob"], "num_tokens": x["num_tokens"], "is_greedy": x.get("is_greedy")} for x in scores])
         cols["reward"].append(r.get("reward"))
+        reused = r.get("reused_from")
+        cols["reused_from"].append(None if reused is None else json.dumps(reused, sort_keys=True))
         vectors.append(r.get("embedding"))
     cols["embedding"] = _embedding_array(vectors, embedding_dim)
     return cols

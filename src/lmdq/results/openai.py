@@ -174,12 +174,15 @@ def to_openai(r: Result) -> dict[str, Any]:
             ],
             "usage": usage,
         }
-    return {
+    line: dict[str, Any] = {
         "id": line_id,
         "custom_id": r.custom_id,
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
     }
+    if r.reused_from is not None:  # issue 47: only a reused answer says so; a computed line is OpenAI's own shape
+        line["reused_from"] = r.reused_from.model_dump()
+    return line
 
 
 def _score_body(r: Result, rid: str, created: int) -> dict[str, Any]:

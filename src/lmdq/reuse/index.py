@@ -10,14 +10,15 @@ miss, and the request simply runs.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from lmdq.contract import Result, ResultStatus, ReusedFrom
+from lmdq.contract import GenerationParams, Request, Result, ResultStatus, ReusedFrom
 from lmdq.errors import ResultsUnavailable
 from lmdq.results.shards import read_shard, shard_key
+from lmdq.reuse.identity import effective_params, identity, inline_inputs, qualifies, request_key
 from lmdq.reuse.store import ReuseStore, Source, decode_varints, encode_varints
 
 __all__ = ["Completed", "ReuseIndex", "ReuseStats"]
@@ -72,15 +73,13 @@ class ReuseIndex:
         ``reused_from`` set, still carrying the source's batch id, index and custom_id)."""
         if not identities:
             return {}
-        pairs, now = self.store.lookup(model, identities)
+        values, now = self.store.lookup(model, identities)
         decoded: dict[int, tuple[bytes, int, bytes]] = {}
-        for pos, (ptr, copy) in enumerate(pairs):
-            for raw, kind in ((ptr, _POINTER), (copy, _COPY)):
-                if isinstance(raw, bytes) and raw[:1] == kind:
-                    got = decode_varints(raw[1:], 1)
-                    if got is not None:
-                        decoded[pos] = (kind, got[0][0], raw[1 + got[1]:])
-                        break
+        for pos, raw in enumerate(values):
+            if raw is not None and raw[:1] in (_POINTER, _COPY):
+                got = decode_varints(raw[1:], 1)
+                if got is not None:
+                    decoded[pos] = (raw[:1], got[0][0], raw[1 + got[1]:])
         sources = self.store.sources(model, (src for _, src, _ in decoded.values()))
         shards: dict[tuple[int, int], dict[int, bytes] | None] = {}
         out: dict[int, Result] = {}
@@ -130,6 +129,34 @@ class ReuseIndex:
         if res.batch_id != src.batch_id or res.status is not ResultStatus.completed or res.reused_from is None:
             return None
         return res
+
+    def known(self, model: str, requests: Iterable[Request], params: GenerationParams, *,
+              chunk: int = 1000) -> int | None:
+        """How many of ``requests`` (under the batch's ``params``) the index answers now, as the model's
+        newest worker computes identities (its published worker key); None when no worker has published one.
+        What ``plan`` and ``status`` show before anything runs: an entry whose stored answer has gone since
+        is recomputed, so this is an upper bound that holds unless a shard was deleted."""
+        wkey = self.store.published(model)
+        if wkey is None:
+            return None
+        shared = params.resolved()
+        found = 0
+        batch: list[bytes] = []
+
+        def look() -> int:
+            values, _ = self.store.lookup(model, batch)
+            batch.clear()
+            return sum(v is not None for v in values)
+
+        for r in requests:
+            p = shared if r.params is None else effective_params(params, r)
+            if qualifies(p, repeats_seeds=True) and inline_inputs(r):  # unseeded never has an entry anyway
+                batch.append(identity(wkey, request_key(p, r)))
+                if len(batch) >= chunk:
+                    found += look()
+        if batch:
+            found += look()
+        return found
 
     def stats(self, model: str | None = None) -> list[ReuseStats]:
         """The index of ``model`` (every model that has one when None)."""
