@@ -712,6 +712,17 @@ def reuse_purge(
     typer.echo(f"purged the reuse index of {model}: {n:,} entries")
 
 
+@app.command("webhook-secret")
+def webhook_secret(
+    tenant: Annotated[str, typer.Option(help="whose secret (the HTTP API's tenant; submits name 'default')")] =
+    "default",
+    rotate: Annotated[bool, typer.Option(help="make a new secret: events are signed with it from now on")] = False,
+) -> None:
+    """Print the secret (whsec_...) that signs this tenant's webhook events, making it if there is none
+    (docs/webhooks.md: verifying a request). The one place lmdq shows it: never logged."""
+    typer.echo(_lmdq().webhook_secret(tenant, rotate=rotate))
+
+
 @app.command()
 @model_options(EXPORTER_FLAGS, into="flags")
 def exporter(flags: dict[str, Any]) -> None:

@@ -336,3 +336,48 @@ def test_the_http_api_takes_a_deadline_as_an_extension_field(redis_url: str, pre
         assert info.deadline == (b.model_extra or {})["deadline"]
     finally:
         srv.stop()
+
+
+def test_a_batch_over_several_models_is_placed_by_its_deadline_on_each_models_queue(
+        api: lmdq.Client, client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    from lmdq.redis.keys import queue_name, rq_queue_key
+
+    def rows(tag: str) -> list[dict[str, Any]]:
+        return [{"custom_id": f"{tag}{i}", "prompt": f"{tag} {i}", "model": "ma" if i % 2 else "mb"} for i in range(4)]
+
+    kw: dict[str, Any] = {"allow_unknown_model": True, "batch_size": 1}
+    plain = api.submit(write_jsonl(tmp_path / "plain.jsonl", rows("plain")), **kw)
+    dl = api.submit(write_jsonl(tmp_path / "dl.jsonl", rows("dl")), deadline=_future(3600), **kw)
+    for m in ("ma", "mb"):
+        q = rq_queue_key(queue_name(m, "normal", prefix))
+        assert [j.decode().rsplit("-", 1)[0] for j in client.lrange(q, 0, -1)] == [dl.id] * 2 + [plain.id] * 2
+
+
+def test_the_recorder_counts_busy_time_with_any_job_in_the_engine(client: redis.Redis, prefix: str) -> None:
+    """The worker's recorder on a hand-driven clock: busy time is the union of the jobs' time in the
+    engine (overlap counted once, idle gaps not at all), flushed when the engine empties."""
+    from lmdq.contract import GenerationParams, JobPayload, Request
+    from lmdq.worker.plan_recorder import PlanRecorder
+
+    t = [0.0]
+    rec = PlanRecorder(PlanStore(client, keys=Keys(prefix)), worker="w", clock=lambda: t[0])
+    payload = JobPayload(batch_id="batch_" + "0" * 24, job_no=0, model="m",
+                         params=GenerationParams(max_new_tokens=8, n=2),
+                         requests=[Request(index=0, custom_id="a", prompt="x")])
+    own = Request(index=1, custom_id="b", prompt="y", params=GenerationParams(max_new_tokens=4))
+    rec.enter(payload)            # t=0: one job in
+    t[0] = 1.0
+    rec.enter(payload)            # t=1: two
+    rec.request(payload, payload.requests[0], generated=16, prefilled=5, completed=True)  # 8 x n=2: cut
+    rec.request(payload, own, generated=3, prefilled=7, completed=True)                   # stopped (cap 4 x 2)
+    rec.request(payload, own, generated=1, prefilled=2, completed=False)                  # failed: no length
+    t[0] = 3.0
+    rec.leave()                   # one still in: nothing flushed yet
+    assert PlanStore(client, keys=Keys(prefix)).history("m").rates == []
+    t[0] = 4.0
+    rec.leave()                   # empty at t=4: busy 4 s
+    t[0] = 10.0                   # idle: not busy
+    h = PlanStore(client, keys=Keys(prefix)).history("m")
+    (r,) = h.rates
+    assert (r.busy_s, r.prefill, r.decode) == (4.0, 14, 20)
+    assert h.cut == {16: 1} and h.stopped == {3: 1}

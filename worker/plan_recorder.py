@@ -54,7 +54,7 @@ class PlanRecorder:
         self._decode = 0
         self._lengths: Counter[tuple[int, bool]] = Counter()
         self._model: str | None = None
-        self._max_new: dict[str, int] = {}  # batch id -> its max_new_tokens
+        self._max_new: dict[str, tuple[int, int]] = {}  # batch id -> its max_new_tokens, n
         self._warned = -_WARN_EVERY_S
 
     @classmethod
@@ -93,15 +93,19 @@ class PlanRecorder:
         """A request's final result: its output length (``completed`` ones only; cut when it reached its
         max_new_tokens) and the tokens its engine computed."""
         own = req.params.max_new_tokens if req.params is not None else None
+        own_n = req.params.n if req.params is not None else None
         with self._lock:
-            max_new = own if own is not None else self._max_new.get(payload.batch_id)
-            if max_new is None:  # the batch's own, resolved once per batch (no per-request validation)
-                max_new = int(payload.params.resolved()["max_new_tokens"])
+            batch = self._max_new.get(payload.batch_id)
+            if batch is None:  # the batch's own, resolved once per batch (no per-request validation)
+                r = payload.params.resolved()
+                batch = (int(r["max_new_tokens"]), int(r.get("n") or 1))
                 if len(self._max_new) > 1024:
                     self._max_new.clear()
-                self._max_new[payload.batch_id] = max_new
+                self._max_new[payload.batch_id] = batch
+            # n samples: ``generated`` is their sum, as a plan counts a request's output (max_new_tokens × n)
+            cap = (own if own is not None else batch[0]) * (own_n if own_n is not None else batch[1])
             if completed:
-                self._lengths[(generated, generated >= max_new)] += 1
+                self._lengths[(generated, generated >= cap)] += 1
             self._prefill += max(0, prefilled)
             self._decode += max(0, generated)
 

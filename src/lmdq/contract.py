@@ -656,6 +656,13 @@ class Batch(_Strict):
     reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
     #: ``--reuse``: its requests the reuse index could answer when it was submitted (None: not counted)
     reusable: int | None = None
+    #: ``--webhook`` (issue 48, lmdq.webhooks): the URL told of the batch's end (and pauses), checked against
+    #: the allow list at submit; read by the batch-end Lua from the record's meta JSON
+    webhook: str | None = None
+    #: whose secret signs the batch's events (the HTTP API's tenant; None: ``default``)
+    webhook_tenant: str | None = None
+    #: the HTTP API batch this batch runs (its events name that id; the API announces its end itself)
+    webhook_as: str | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None

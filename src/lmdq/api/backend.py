@@ -51,10 +51,11 @@ class Backend:
 
     def submit(self, path: Path, *, window_s: float | None, metadata: dict[str, str], idempotency_key: str,
                progress: Callable[[int], None] | None = None, deadline: float | None = None,
-               gates: GateConfig | None = None) -> Batch:
+               gates: GateConfig | None = None, webhook: tuple[str, str, str] | None = None) -> Batch:
         """Validate the whole OpenAI Batch file and enqueue it (``lmdq-producer submit FILE``): all of it
         or, on :class:`~lmdq.errors.SubmitRejected` / :class:`~lmdq.errors.UnknownModel`, nothing.
-        ``idempotency_key`` makes a re-run after a crash return the batch the first run made."""
+        ``idempotency_key`` makes a re-run after a crash return the batch the first run made. ``webhook``: the
+        API batch's (url, tenant, id), so a pause is told under the API's id (lmdq.webhooks)."""
         from lmdq.submission.formats import InputFormat, InputLimits
         from lmdq.submission.submit import SubmitOptions, submit_file
 
@@ -83,6 +84,8 @@ class Backend:
         )
         opts.deadline = deadline  # lmdq's extension field (issue 46)
         opts.gates = gates  # lmdq's extension field (issue 46): the canary spread over the whole file
+        if webhook is not None:  # issue 48: (url, tenant, API batch id); lmdq's batch tells only of its pauses
+            opts.webhook, opts.webhook_tenant, opts.webhook_as = webhook
         if gates is not None and gates.canary is not None:
             opts.first_jobs = None
         batch: Batch

@@ -40,6 +40,9 @@ from lmdq.logs.config import get_logger
 from lmdq.plan.deadlines import parse_deadline
 from lmdq.redis.keys import Keys
 from lmdq.results.openai import BatchUsage
+from lmdq.webhooks.allow import AllowList, WebhookRefused
+from lmdq.webhooks.signing import new_secret
+from lmdq.webhooks.store import WebhookStore
 
 __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
 
@@ -64,6 +67,16 @@ def parse_window(window: str) -> float:
         raise bad_request(f"completion_window: expected a duration such as '24h' (or 90m, 7d; at most 365d), "
                           f"got {shown!r}", param="completion_window")
     return seconds
+
+
+def _tenant_webhooks(spec: str) -> dict[str, str]:
+    """LMDQ_API_WEBHOOKS (``tenant=URL,...``) as a dict; an entry without ``=`` is skipped."""
+    out: dict[str, str] = {}
+    for entry in spec.split(","):
+        tenant, eq, url = entry.partition("=")
+        if eq and tenant.strip() and url.strip():
+            out[tenant.strip()] = url.strip()
+    return out
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
@@ -135,6 +148,8 @@ class Record:
     deadline: float | None = None
     #: lmdq's extension (issue 46): the batch's quality gates (GateConfig JSON), as created
     gates: str | None = None
+    #: lmdq's extension (issue 48): the URL told of the batch's end (its own, or its tenant's default)
+    webhook: str | None = None
 
     @classmethod
     def decode(cls, batch_id: str, raw: dict[Any, Any]) -> Record | None:
@@ -155,7 +170,7 @@ class Record:
                        runs=int(d.get("runs") or 0), output_ttl_s=int(d.get("output_ttl_s") or 0) or None,
                        model=d.get("model") or None, usage=json.loads(d["usage"]) if d.get("usage") else None,
                        deadline=float(d["deadline"]) if d.get("deadline") else None,
-                       gates=d.get("gates") or None)
+                       gates=d.get("gates") or None, webhook=d.get("webhook") or None)
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
 
@@ -285,7 +300,7 @@ class ApiBatches:
     # ---- API operations -------------------------------------------------------------------------
     def create(self, tenant: str, *, input_file_id: str, endpoint: str, completion_window: str,
                metadata: Any, output_ttl_s: int | None = None, deadline: str | float | None = None,
-               gates: dict[str, Any] | None = None) -> dict[str, Any]:
+               gates: dict[str, Any] | None = None, webhook: str | None = None) -> dict[str, Any]:
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint: expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
         window_s = parse_window(completion_window)
@@ -295,6 +310,7 @@ class ApiBatches:
             raise bad_request(f"deadline: {e}", param="deadline") from None
         meta = check_metadata(metadata)
         gate_json = _gates(gates)
+        hook = self._webhook(tenant, webhook)
         f = self.files.get(tenant, input_file_id)
         if f.purpose != "batch":
             raise bad_request(f"input_file_id: file {input_file_id!r} has purpose {f.purpose!r}, expected 'batch'",
@@ -307,11 +323,29 @@ class ApiBatches:
             "input_file_id": input_file_id, "endpoint": endpoint, "model": model or "",
             "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
             "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0,
-            "deadline": deadline_at or "", "gates": gate_json},
+            "deadline": deadline_at or "", "gates": gate_json, "webhook": hook or ""},
             ttl_s=self.ttl_s, created=time.time())  # sub-second: a list keeps creation order
         log.info("batch created", batch=batch_id, tenant=tenant, input_file=input_file_id, endpoint=endpoint)
         self.schedule(functools.partial(self.submit, batch_id), f"submit:{batch_id}")
         return self.view(self.get_record(tenant, batch_id))
+
+    def _webhook(self, tenant: str, given: str | None) -> str | None:
+        """The batch's webhook: its own, else its tenant's default (LMDQ_API_WEBHOOKS); a 400 unless
+        LMDQ_WEBHOOK_ALLOW admits it. The tenant's signing secret is made here if it has none."""
+        s = self.backend.settings
+        url = given or _tenant_webhooks(s.api_webhooks).get(tenant)
+        if not url:
+            return None
+        try:
+            url = AllowList(s.webhook_allow).check(url)
+        except WebhookRefused as e:
+            raise bad_request(f"webhook: {e}", param="webhook") from None
+        WebhookStore(self.client, keys=Keys(self.prefix)).ensure_secret(tenant, new_secret())
+        return url
+
+    def _end_event(self, rec: Record, kind: str) -> tuple[str, str, str, float] | None:
+        """What :meth:`ApiBatchRecords.finish` needs to announce ``rec``'s end (None: it has no webhook)."""
+        return (kind, rec.webhook, rec.tenant, time.time()) if rec.webhook else None
 
     def retrieve(self, tenant: str, batch_id: str) -> dict[str, Any]:
         return self.view(self.get_record(tenant, batch_id))
@@ -448,7 +482,8 @@ class ApiBatches:
 
     def _fail(self, rec: Record, errors: list[dict[str, Any]]) -> None:
         now = int(time.time())
-        self.records.finish(rec.id, {"state": "failed", "errors": json.dumps(errors), "failed_at": now})
+        self.records.finish(rec.id, {"state": "failed", "errors": json.dumps(errors), "failed_at": now},
+                            event=self._end_event(rec, "failed"))
         log.info("batch failed validation", batch=rec.id, tenant=rec.tenant, errors=len(errors))
 
     def submit(self, batch_id: str) -> None:
@@ -507,7 +542,8 @@ class ApiBatches:
         try:
             batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta, deadline=rec.deadline,
                                         gates=GateConfig.model_validate_json(rec.gates) if rec.gates else None,
-                                        idempotency_key=_idempotency_key(rec.id), progress=progress)
+                                        idempotency_key=_idempotency_key(rec.id), progress=progress,
+                                        webhook=(rec.webhook, rec.tenant, rec.id) if rec.webhook else None)
         except (SubmitRejected, UnknownModel) as e:  # about the file: the batch fails, with its lines
             self._fail(rec, errors_from(e, path, shown))
             return
@@ -541,7 +577,8 @@ class ApiBatches:
                 fields["output_file_id"] = out_id
             if err_id:
                 fields["error_file_id"] = err_id
-            self.records.finish(batch_id, fields)
+            # the API's batch ends here, once its files exist: its webhook tells of it now (not at lmdq's end)
+            self.records.finish(batch_id, fields, event=self._end_event(rec, b.status.value))
             c = b.request_counts
             log.info("batch finalized", batch=batch_id, tenant=rec.tenant, status=b.status.value, total=c.total,
                      completed=c.completed, output_file=out_id, error_file=err_id)

@@ -35,6 +35,7 @@ from lmdq.errors import BatchNotFound
 from lmdq.redis.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys, model_count_field
 from lmdq.redis.replies import reply_text
 from lmdq.redis.scripts import BATCH_ENDED, LuaScript
+from lmdq.webhooks.store import WEBHOOK_EVENT
 
 __all__ = ["RUNNING_TTL_S", "STAGING_TTL_S", "BatchHashes", "BatchRecords", "Deleted", "staging_ttl"]
 
@@ -84,6 +85,10 @@ class BatchRecords:
             quiet.add("model_counts")
         if batch.reuse_ttl_s is None:  # a batch without reuse: the record an lmdq before issue 47 wrote
             quiet.add("reuse_ttl_s")
+        if batch.webhook is None:  # a batch without a webhook: the record an lmdq before issue 48 wrote
+            quiet |= {"webhook", "webhook_tenant", "webhook_as"}
+        elif batch.webhook_as is None:
+            quiet.add("webhook_as")
         live = {"status", "request_counts", "deadline", "reusable", *(f.value for f in BATCH_TIME_FIELDS)}
         meta = batch.model_dump_json(exclude=live | quiet)
         fields: dict[Any, str | int | float] = {
@@ -287,9 +292,12 @@ for s in string.gmatch(ARGV[1], '[^,]+') do
   if s == st then
     redis.call('HSET', KEYS[1], '{F.status}', ARGV[2])
     if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
-    if ARGV[6] == '1' then lmdq_batch_ended(KEYS[1], ARGV[5]) end
+    if ARGV[6] == '1' then
+      lmdq_batch_ended(KEYS[1], ARGV[5])
+      lmdq_webhook_event(KEYS[1], ARGV[2])
+    end
     return ARGV[2]
   end
 end
 return st
-""", uses=(BATCH_ENDED,))
+""", uses=(BATCH_ENDED, WEBHOOK_EVENT))

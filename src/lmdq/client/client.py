@@ -314,6 +314,19 @@ class Client:
         registry = ModelRegistry(self.redis, keys=self.keys)
         return registry.models(), registry.now()
 
+    def webhook_secret(self, tenant: str = "default", *, rotate: bool = False) -> str:
+        """The tenant's webhook signing secret (``whsec_...``, issue 48: docs/webhooks.md), made when it has
+        none; ``rotate``: a new one, which signs every try from now on (the old one stops verifying)."""
+        from lmdq.webhooks.signing import new_secret
+        from lmdq.webhooks.store import WebhookStore
+
+        store = WebhookStore(self.redis, keys=self.keys)
+        if rotate:
+            fresh = new_secret()
+            store.set_secret(tenant, fresh)
+            return fresh
+        return store.ensure_secret(tenant, new_secret())
+
     def reuse_stats(self, model: str | None = None) -> list[ReuseStats]:
         """The reuse index (issue 47) per model: entries, Redis bytes, lookups, hits and hit rate
         (:class:`lmdq.reuse.index.ReuseStats`); ``model`` None: every model that has an index."""

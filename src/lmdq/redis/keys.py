@@ -280,6 +280,33 @@ class Keys:
         """Set of batch ids being staged progressively (their leases are checked by whoever notices)."""
         return f"{self.prefix}:staging"
 
+    # webhooks (lmdq.webhooks.store): the outbox of batch events and its delivery state. The batch-end Lua
+    # builds the first two from a batch key's prefix (``lmdq_webhook_event``), so they keep this spelling.
+    def webhook_events(self) -> str:
+        """Hash: event id -> the event's JSON (url, tenant, body), from its creation until it is delivered
+        or given up on."""
+        return f"{self.prefix}:webhooks:events"
+
+    def webhook_due(self) -> str:
+        """Sorted set: event id -> when it may be tried next (server ms); a claim moves it a lease ahead."""
+        return f"{self.prefix}:webhooks:due"
+
+    def webhook_leases(self) -> str:
+        """Hash: event id -> the token of the deliverer holding it (its result counts only with the token)."""
+        return f"{self.prefix}:webhooks:leases"
+
+    def webhook_tries(self) -> str:
+        """Hash: event id -> delivery attempts so far (counted at claim: a killed deliverer's try counts)."""
+        return f"{self.prefix}:webhooks:tries"
+
+    def webhook_dead(self) -> str:
+        """Hash: event id -> the event's JSON plus its last error, once its tries ran out (kept for an operator)."""
+        return f"{self.prefix}:webhooks:dead"
+
+    def webhook_secrets(self) -> str:
+        """Hash: tenant -> its signing secret (``whsec_...``). Never logged."""
+        return f"{self.prefix}:webhooks:secrets"
+
     # reuse (lmdq.reuse.store): the content-addressed index of completed results (issue 47)
     def reuse_workers(self) -> str:
         """Hash: served model name -> the worker key (hex) its newest worker published (``status`` counts)."""

@@ -63,6 +63,8 @@ from lmdq.submission.ledger import BatchLedger, StagingLeaseLost, job_payloads, 
 from lmdq.submission.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 from lmdq.submission.settings import ProducerSettings
 from lmdq.submission.spill import IdChunks, IdHashes, SpillArray
+from lmdq.webhooks.signing import new_secret
+from lmdq.webhooks.store import WebhookStore
 
 __all__ = [
     "SubmitOptions",
@@ -129,6 +131,12 @@ class SubmitOptions:
     staging_lease_s: float = default_of(ProducerSettings, "staging_lease_s")
     #: Unix time the batch should be done by (issue 46: earliest-deadline-first claims); None: none
     deadline: float | None = None
+    #: issue 48 (lmdq.webhooks): the URL told of the batch's end, already checked against the allow list, and
+    #: whose secret signs its events (None: ``default``); submit makes the tenant's secret if it has none
+    webhook: str | None = None
+    webhook_tenant: str | None = None
+    #: the HTTP API batch this submit runs: its events name that id (lmdq.webhooks.store.WEBHOOK_EVENT)
+    webhook_as: str | None = None
     #: image inputs (issue 48, lmdq.images.refs): the folder relative image paths resolve against
     #: (``--image-dir``); each reference is checked in pass 1, and a relative path reaches the job absolute
     image_dir: str | None = None
@@ -582,6 +590,8 @@ def submit_file(
     if opts.batch_size < 1:
         raise SubmitRejected(f"--batch-size: expected >= 1, got {opts.batch_size}")
     check_submit_urls(opts.results_url, opts.blob_url)
+    if opts.webhook:  # the secret exists before any event can: a deliverer never finds an event it cannot sign
+        WebhookStore(client, keys=keys).ensure_secret(opts.webhook_tenant or "default", new_secret())
     ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s, max_job_bytes=max_job_bytes,
                          staging_lease_s=opts.staging_lease_s)
     fingerprint = None
@@ -672,6 +682,9 @@ def submit_file(
                 results_url=opts.results_url,
                 blob_url=opts.blob_url,
                 reuse_ttl_s=opts.reuse_ttl_s,
+                webhook=opts.webhook,
+                webhook_tenant=opts.webhook_tenant if opts.webhook else None,
+                webhook_as=opts.webhook_as if opts.webhook else None,
                 created_at=now,
                 expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
             )
