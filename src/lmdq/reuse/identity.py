@@ -31,6 +31,11 @@ IDENTITY_BYTES = 16
 """Bytes of an identity (blake2b): 128 bits, so two different requests never share one by chance."""
 
 
+_NOT_INPUT = {"index", "custom_id", "params"}
+"""Request fields that are not its input: its place and name, and its params (hashed as the engine runs
+them, :func:`effective_params`)."""
+
+
 def _canon(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -72,10 +77,12 @@ def params_key(params: dict[str, Any]) -> bytes:
 def request_key(params: dict[str, Any] | bytes, req: Request) -> bytes:
     """The request's half: its input and effective ``params`` (or their :func:`params_key`); never its
     custom_id, index or metadata."""
-    messages = [m.model_dump(mode="json", exclude_none=True) for m in req.messages] if req.messages else None
+    # every field of the request but its place and name: a field added to Request later is part of the
+    # identity without anyone remembering to add it here (leaving one out would share answers across inputs)
+    body = req.model_dump(mode="json", exclude=_NOT_INPUT, exclude_none=True)
+    body.setdefault("endpoint", req.endpoint.value)
     p = params if isinstance(params, bytes) else params_key(params)
-    return _canon({"endpoint": req.endpoint.value, "prompt": req.prompt, "messages": messages,
-                   "continuations": req.continuations}) + b"\x00" + p
+    return _canon(body) + b"\x00" + p
 
 
 def identity(worker: bytes, request: bytes) -> bytes:
