@@ -213,6 +213,33 @@ def test_python_rows_mixed_with_chat_and_failures_export_nulls(
     assert ct.schema.field("embedding").type == pa.list_(pa.float32()) and ct.column("embedding").null_count == 1
 
 
+def test_an_arrow_table_takes_the_fast_spool_and_a_parquet_file_the_cli(
+        tmp_path: Path, redis_url: str, prefix: str, env: dict[str, str]) -> None:
+    """A pyarrow Table with a string column goes through the spool's fast path (no row parser) as embedding
+    requests; a Parquet file goes through ``lmdq-producer submit --prompt-column --endpoint``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmdq.worker.engines.sim import sim_embedding
+
+    c = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix))
+    table = pa.table({"doc": ["one text", "another text", "a third"], "id": [10, 11, 12]})
+    b = c.submit(table, model="sim", allow_unknown_model=True, prompt_column="doc", id_column="id",
+                 endpoint="embedding")
+    pq.write_table(table, tmp_path / "docs.parquet")
+    p = run_cli("producer", "submit", str(tmp_path / "docs.parquet"), "--model", "sim", "--allow-unknown-model",
+                "--prompt-column", "doc", "--endpoint", "embedding", env=env)
+    assert p.returncode == 0, p.stderr.decode()
+    w = start_worker("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--sim-hidden", "8",
+                     "--burst", env=env)
+    assert w.wait(60) == 0
+    for bid in (b.id, p.stdout.decode().strip()):
+        res = list(c.batch(bid).results()) if c.batch(bid).wait(timeout=60, progress=False) else []
+        assert [r.endpoint for r in res] == [Endpoint.embedding] * 3
+        assert [decode_embedding(r.embedding or "") for r in res] == [sim_embedding(t, 8) for t in
+                                                                     ["one text", "another text", "a third"]]
+
+
 # ----------------------------------------------------------------------------- the transformers engine (model)
 
 

@@ -69,7 +69,8 @@ def read_pooling(folder: str | Path) -> EmbeddingLayout | None:
     kinds = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", ""))) for m in modules]
     if not any(kind == "Pooling" for kind, _ in kinds):
         return None
-    encoder_dir, modes, normalize = folder, (), False
+    encoder_dir, normalize = folder, False
+    modes: tuple[str, ...] = ()
     for kind, sub in kinds:
         if kind == "Transformer":
             encoder_dir = folder / sub if sub else folder

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from lmdq.contract import GenerationParams, Request, Result, ResultStatus, ReusedFrom
-from lmdq.errors import ResultsUnavailable
-from lmdq.results.shards import read_shard, shard_key
-from lmdq.reuse.identity import effective_params, identity, inline_inputs, qualifies, request_key
+from lmdq.results.blobs import read_uri
+from lmdq.results.shards import shard_key
+from lmdq.reuse.identity import effective_params, identity, inline_inputs, params_key, qualifies, request_key
 from lmdq.reuse.store import ReuseStore, Source, decode_varints, encode_varints
 
 __all__ = ["Completed", "ReuseIndex", "ReuseStats"]
@@ -28,6 +28,19 @@ _COPY = b"C"
 
 _COPY_EXCLUDE = {"timings", "worker", "attempt"}
 """What a compact copy leaves out: what the reusing request sets itself, and what says when and where."""
+
+
+def _results_of(data: bytes) -> dict[int, Result]:
+    """A shard's lines as results by index, each parsed once (a line that is not a result is left out)."""
+    out: dict[int, Result] = {}
+    for line in data.splitlines():
+        if line.strip():
+            try:
+                r = Result.model_validate_json(line)
+            except ValidationError:
+                continue
+            out[r.index] = r
+    return out
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ class ReuseIndex:
                 if got is not None:
                     decoded[pos] = (raw[:1], got[0][0], raw[1 + got[1]:])
         sources = self.store.sources(model, (src for _, src, _ in decoded.values()))
-        shards: dict[tuple[int, int], dict[int, bytes] | None] = {}
+        shards: dict[tuple[int, int], dict[int, Result] | None] = {}
         out: dict[int, Result] = {}
         for pos, (kind, src_no, rest) in decoded.items():
             src = sources.get(src_no)
@@ -94,7 +107,7 @@ class ReuseIndex:
         return out
 
     @staticmethod
-    def _from_shard(src: Source, src_no: int, rest: bytes, shards: dict[tuple[int, int], dict[int, bytes] | None]
+    def _from_shard(src: Source, src_no: int, rest: bytes, shards: dict[tuple[int, int], dict[int, Result] | None]
                     ) -> Result | None:
         got = decode_varints(rest, 2)
         if got is None or src.results_url is None:
@@ -103,16 +116,12 @@ class ReuseIndex:
         if (src_no, job_no) not in shards:
             uri = f"{src.results_url.rstrip('/')}/{shard_key(src.batch_id, job_no)}"
             try:
-                shards[(src_no, job_no)] = read_shard(uri, [])
-            except ResultsUnavailable:
+                shards[(src_no, job_no)] = _results_of(read_uri(uri))
+            except Exception:  # noqa: BLE001 - a shard that cannot be read (gone, sink down) is a miss
                 shards[(src_no, job_no)] = None
         lines = shards[(src_no, job_no)]
-        line = lines.get(index) if lines else None
-        if line is None:
-            return None
-        try:
-            res = Result.model_validate_json(line)
-        except ValidationError:
+        res = lines.get(index) if lines else None
+        if res is None:
             return None
         if res.batch_id != src.batch_id or res.index != index or res.status is not ResultStatus.completed:
             return None
@@ -140,6 +149,7 @@ class ReuseIndex:
         if wkey is None:
             return None
         shared = params.resolved()
+        shared_key = params_key(shared)
         found = 0
         batch: list[bytes] = []
 
@@ -151,7 +161,7 @@ class ReuseIndex:
         for r in requests:
             p = shared if r.params is None else effective_params(params, r)
             if qualifies(p, repeats_seeds=True) and inline_inputs(r):  # unseeded never has an entry anyway
-                batch.append(identity(wkey, request_key(p, r)))
+                batch.append(identity(wkey, request_key(shared_key if r.params is None else p, r)))
                 if len(batch) >= chunk:
                     found += look()
         if batch:
