@@ -21,6 +21,7 @@ from typing import Any
 
 from lmdq.logs.config import get_logger
 from lmdq.logs.redaction import redact_url
+from lmdq.settings import CommonSettings, default_of
 from lmdq.webhooks.allow import AllowList, WebhookRefused
 from lmdq.webhooks.signing import headers
 from lmdq.webhooks.store import Claimed, WebhookStore
@@ -34,17 +35,17 @@ log = get_logger("lmdq.webhooks")
 class DeliveryPolicy:
     """How tries are spaced and bounded (the ``LMDQ_WEBHOOK_*`` settings)."""
 
-    allow: str = ""
-    backoff_s: float = 5.0
-    backoff_max_s: float = 3600.0
-    max_tries: int = 20
-    timeout_s: float = 10.0
-    lease_s: float = 60.0
-    poll_s: float = 1.0
+    allow: str = default_of(CommonSettings, "webhook_allow")
+    backoff_s: float = default_of(CommonSettings, "webhook_backoff_s")
+    backoff_max_s: float = default_of(CommonSettings, "webhook_backoff_max_s")
+    max_tries: int = default_of(CommonSettings, "webhook_max_tries")
+    timeout_s: float = default_of(CommonSettings, "webhook_timeout_s")
+    lease_s: float = default_of(CommonSettings, "webhook_lease_s")
+    poll_s: float = default_of(CommonSettings, "webhook_poll_s")
 
     @classmethod
-    def of(cls, settings: Any) -> DeliveryPolicy:
-        """From a settings object with the ``webhook_*`` fields (:class:`lmdq.settings.CommonSettings`)."""
+    def of(cls, settings: CommonSettings) -> DeliveryPolicy:
+        """From the ``LMDQ_WEBHOOK_*`` settings (every side's settings are :class:`CommonSettings`)."""
         return cls(allow=settings.webhook_allow, backoff_s=settings.webhook_backoff_s,
                    backoff_max_s=settings.webhook_backoff_max_s, max_tries=settings.webhook_max_tries,
                    timeout_s=settings.webhook_timeout_s, lease_s=settings.webhook_lease_s,
