@@ -22,8 +22,8 @@ from lmdq.cli.run import run_cli
 from lmdq.client.client import MAX_NOTE, Client, load_settings
 from lmdq.client.client import Batch as ClientBatch
 from lmdq.client.options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
-from lmdq.contract import Batch, BatchStatus, Priority
-from lmdq.errors import EXIT_CODES_HELP, PurgeRefused
+from lmdq.contract import Batch, BatchStatus, Endpoint, Priority
+from lmdq.errors import EXIT_CODES_HELP, PurgeRefused, SubmitRejected
 from lmdq.flags import settings_flags
 from lmdq.logs.config import configure_logging
 from lmdq.metrics.exporter import EXPORTER_FLAGS
@@ -88,7 +88,12 @@ def _print_batch(b: Batch, as_json: bool) -> None:
     _echo_fit(
         f"{b.id}  {b.status.value}  {_model_field(b)}  total={c.total} completed={c.completed} "
         f"failed={c.failed} cancelled={c.cancelled} expired={c.expired}"
+        + (f" reusable={b.reusable}" if b.reusable is not None else "")
     )
+    if b.deadline is not None:  # issue 46
+        import datetime as dt
+
+        _echo_fit(f"  deadline={dt.datetime.fromtimestamp(b.deadline, dt.timezone.utc).isoformat(timespec='seconds')}")
     for m, mc in (b.model_counts or {}).items():  # a batch over several models: a line per model
         _echo_fit(f"  model={m}  total={mc.total} completed={mc.completed} failed={mc.failed} "
                   f"cancelled={mc.cancelled} expired={mc.expired}")
@@ -163,6 +168,14 @@ def submit(
                                                                  "parameter, per row (repeatable)")] = None,
     template: Annotated[str | None, typer.Option(help="Parquet/CSV: the prompt as a str.format template of "
                                                       "columns, e.g. 'Q: {question}'")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="every line's endpoint: chat | completion | score | reward | "
+                                                     "embedding (default: each line's own, else chat); a .txt's "
+                                                     "lines take chat, completion or embedding")] = None,
+    image_column: Annotated[str | None, typer.Option(help="Parquet/CSV: the column holding each row's image (a path "
+                                                          "or URL, or its bytes)")] = None,
+    image_dir: Annotated[Path | None, typer.Option(help="the folder relative image paths resolve against (image_url "
+                                                        "parts, --image-column); workers must see it at the same "
+                                                        "path")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as a JSON object")] = False,
     plan: Annotated[bool, typer.Option("--plan", help="print the batch's plan (lmdq-producer plan) on stderr "
                                                       "before enqueueing it")] = False,
@@ -192,11 +205,16 @@ def submit(
         t1 = prog.add_task("validating lines", total=None)
         t2 = prog.add_task("staging jobs", total=None, visible=False)
 
+        validated = [0]
+
         def vprog(n: int) -> None:
+            validated[0] = n
             if n % 5000 == 0:
                 prog.update(t1, completed=n)
 
         def eprog(n: int) -> None:
+            # validation is over once staging starts: its count is the file's, not the last multiple of 5,000
+            prog.update(t1, completed=validated[0])
             prog.update(t2, completed=n, visible=True)
 
         with ExitStack() as stack:
@@ -205,11 +223,23 @@ def submit(
                 path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
                 prompt_column=prompt_column, messages_column=messages_column,
                 id_column=id_column, model_column=model_column, params_columns=params_column or None,
-                template=template, spell=cli_spell,
+                template=template, endpoint=_endpoint(endpoint), image_column=image_column, image_dir=image_dir,
+                spell=cli_spell,
                 validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
                 **generation, **grouping, **batch_options,
             )
     _print_submitted(batch.last_info, batch.created, as_json)
+
+
+def _endpoint(value: str | None) -> Endpoint | None:
+    """``--endpoint``'s value as the contract's Endpoint (one clear line and exit 2 for anything else)."""
+    if value is None:
+        return None
+    try:
+        return Endpoint(value)
+    except ValueError:
+        raise SubmitRejected(f"--endpoint: expected one of {' | '.join(e.value for e in Endpoint)}, "
+                             f"got {value!r}") from None
 
 
 @app.command("plan")
@@ -227,12 +257,14 @@ def plan_cmd(
                                                        "model's own folder or Hugging Face cache entry")] = None,
     gpu_hour_price: Annotated[float | None, typer.Option(min=0, help="price of one GPU-hour: the plan's cost")
                               ] = None,
+    reuse: Annotated[bool | None, typer.Option("--reuse/--no-reuse", help="as for submit: count the requests the "
+                                               "reuse index answers now (default LMDQ_REUSE)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as a JSON object")] = False,
 ) -> None:
     """What submitting FILE would take: requests, input and output tokens, shared prefixes, GPU-seconds,
     ETA and cost, each with what it rests on. Changes nothing in Redis."""
     p = _lmdq().plan(file, model=model, tokenizer=tokenizer, gpu_hour_price=gpu_hour_price, format=fmt,
-                     spell=cli_spell, **generation, **grouping)
+                     spell=cli_spell, reuse=reuse, **generation, **grouping)
     if as_json:
         typer.echo(json.dumps(p.as_dict()))
         return
@@ -249,7 +281,7 @@ def status(
                                             "between progress lines (a status change prints at once)")
                         ] = DEFAULT_INTERVAL_S,
 ) -> None:
-    """Show a batch's status and request counts."""
+    """Show a batch's status and request counts, and its quality gates (a paused batch: what failed)."""
     handle = _lmdq().batch(batch_id)
     b = handle.last_info
     if watch:
@@ -257,7 +289,54 @@ def status(
 
         with _progress(handle, interval) as prog:
             b = watch_batch(lambda: _patiently(handle), prog, b, poll_s=min(POLL_S, interval))
-    _print_batch(b, as_json)
+    gates = handle.gates()
+    if as_json and gates is not None:  # the batch record with its gates beside it (lmdq's own key)
+        typer.echo(json.dumps({**json.loads(_redacted(b).model_dump_json()), "gates": gates}))
+    else:
+        _print_batch(b, as_json)
+        if gates is not None:
+            _print_gates(b, gates)
+    _warn_deadline(handle)
+
+
+def _print_gates(b: Batch, gates: dict[str, Any]) -> None:
+    """The gates' state in a few lines; a paused batch's report with its example lines."""
+    cfg = gates.get("config") or {}
+    verdict = gates.get("verdict") or ("canary running" if cfg.get("canary") is not None else "watching")
+    typer.echo(f"  gates: {verdict}  canary_jobs_left={gates.get('canary_jobs_left', 0)} "
+               f"held_jobs={gates.get('held_jobs', 0)}  " + " ".join(f"{k}={v}" for k, v in cfg.items()))
+    report = gates.get("report")
+    if not report or b.status is not BatchStatus.paused:
+        return
+    typer.echo(f"  paused after the {report.get('phase')}: {report.get('judged')} results judged")
+    for f in report.get("failures", []):
+        typer.echo(f"  FAILED {f.get('gate')}: {f.get('message')}")
+        for ex in f.get("examples", []):
+            why = f"  ({ex['why']})" if ex.get("why") else ""
+            typer.echo(f"    line {int(ex.get('i', 0)) + 1} {ex.get('id', '')}: {ex.get('x', '')!r}{why}")
+    typer.echo(f"  resume: lmdq-producer resume {b.id}    cancel: lmdq-producer cancel {b.id}")
+
+
+def _warn_deadline(handle: ClientBatch) -> None:
+    """A batch projected to finish after its deadline says so on stderr (issue 46), before it misses it."""
+    o = handle.outlook()
+    line = o.warning() if o is not None else None
+    if line:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def deadline(
+    batch_id: Annotated[str, typer.Argument()],
+    when: Annotated[str, typer.Argument(help="ISO 8601 with its zone (2026-12-06T07:00Z) or Unix time")],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Move an open batch's deadline: its waiting jobs take their new place (earliest deadline first)."""
+    handle = _lmdq().batch(batch_id)
+    value: str | float = float(when) if when.replace(".", "", 1).isdigit() else when
+    _print_batch(handle.set_deadline(value, spell=lambda n: f"{cli_spell(n) if n != 'deadline' else 'WHEN'}"),
+                 as_json)
+    _warn_deadline(handle)
 
 
 def _progress(handle: ClientBatch, interval: float, *, show: bool = True) -> BatchProgress:
@@ -393,6 +472,12 @@ def _flush(*files: BinaryIO) -> None:
 
 def _timed_out(b: Batch, batch_id: str, timeout: float | None) -> None:
     """A wait that ended before the batch did: one line, exit 1."""
+    if b.status is BatchStatus.paused:
+        print(f"error: batch {batch_id} is paused: a quality gate failed ({b.request_counts.done}/"
+              f"{b.request_counts.total} done). `lmdq-producer status {batch_id}` shows the report; "
+              f"`lmdq-producer resume {batch_id}` runs the rest, `lmdq-producer cancel {batch_id}` ends it",
+              file=sys.stderr)
+        raise typer.Exit(1)
     if not b.status.terminal:
         print(f"error: batch {batch_id} still {b.status.value} after {timeout}s "
               f"({b.request_counts.done}/{b.request_counts.total} done)", file=sys.stderr)
@@ -478,6 +563,15 @@ def cancel(
 ) -> None:
     """Remove the batch's queued jobs and abort its in-flight requests."""
     _print_batch(_lmdq().batch(batch_id).cancel(), as_json)
+
+
+@app.command()
+def resume(
+    batch_id: Annotated[str, typer.Argument()],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Run the rest of a paused batch (a quality gate failed): its held jobs are queued again."""
+    _print_batch(_lmdq().batch(batch_id).resume(), as_json)
 
 
 @app.command()
@@ -575,6 +669,58 @@ def models_remove(
     if removed.live_workers:
         err.print(f"note: {removed.live_workers} live worker(s) serve {name!r}: their next heartbeat "
                   "records it as served again; stop them to retire it", markup=False, highlight=False)
+
+
+reuse_app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 120},
+    help="The reuse index (issue 47, submit --reuse): what it holds per model, and forgetting it.\n\nA --reuse "
+    "batch's greedy (or seeded) requests identical to completed ones on the same weights and engine settings are "
+    "answered from their stored results; the index maps each to where its answer lives.",
+)
+app.add_typer(reuse_app, name="reuse")
+
+
+@reuse_app.command("stats")
+def reuse_stats(
+    model: Annotated[str | None, typer.Option(help="one model (default: every model with an index)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per model")] = False,
+) -> None:
+    """Entries, Redis bytes (and per entry), lookups, hits and hit rate of each model's reuse index."""
+    stats = _lmdq().reuse_stats(model)
+    if as_json:
+        for st in stats:
+            typer.echo(json.dumps(st.as_dict()))
+        return
+    if not stats:
+        err.print("no reuse index: submit a batch with --reuse")
+        return
+    for st in stats:
+        rate = "n/a" if st.hit_rate is None else f"{st.hit_rate:.1%}"
+        per = "n/a" if st.bytes_per_entry is None else f"{st.bytes_per_entry:.1f}"
+        _echo_fit(f"model={st.model}  entries={st.entries:,}  bytes={st.bytes:,}  bytes/entry={per}  "
+                  f"lookups={st.lookups:,}  hits={st.hits:,}  hit_rate={rate}")
+
+
+@reuse_app.command("purge")
+def reuse_purge(
+    model: Annotated[str, typer.Option(help="the served model name whose reusable answers to forget")],
+) -> None:
+    """Forget every reusable answer of a model (its batches and their results stay): later batches recompute."""
+    n = _lmdq().purge_reuse(model)
+    typer.echo(f"purged the reuse index of {model}: {n:,} entries")
+
+
+@app.command("webhook-secret")
+def webhook_secret(
+    tenant: Annotated[str, typer.Option(help="whose secret (the HTTP API's tenant; submits name 'default')")] =
+    "default",
+    rotate: Annotated[bool, typer.Option(help="make a new secret: events are signed with it from now on")] = False,
+) -> None:
+    """Print the secret (whsec_...) that signs this tenant's webhook events, making it if there is none
+    (docs/webhooks.md: verifying a request). The one place lmdq shows it: never logged."""
+    typer.echo(_lmdq().webhook_secret(tenant, rotate=rotate))
 
 
 @app.command()

@@ -161,3 +161,17 @@ def test_readme_says_what_body_n_does() -> None:
     flat = " ".join(readme.split())
     assert "`n > 1` is refused" not in flat
     assert "`body.n` gives n choices" in flat
+
+
+def test_an_unknown_model_is_worded_for_an_http_caller(api: ApiProcess) -> None:
+    """5467e47: the batch's error ended "or pass --allow-unknown-model", a flag an HTTP caller has no way to
+    pass; it now names the line, the model and the server setting, and no CLI flag."""
+    c = sdk(api)
+    rows = [chat_line("ok", "fine"), chat_line("bad", "x", model="no-such-model")]
+    b = c.batches.create(input_file_id=upload(c, rows).id, endpoint="/v1/chat/completions", completion_window="24h")
+    b = until(c, b.id, *TERMINAL)
+    assert b.status == "failed" and b.errors is not None and b.errors.data, b
+    e = b.errors.data[0]
+    assert (e.code, e.line) == ("model_not_found", 2), e
+    assert e.message and "'no-such-model'" in e.message and "--" not in e.message, e.message
+    assert "allow-unknown" not in e.message and "allow_unknown" not in e.message, e.message

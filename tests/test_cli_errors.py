@@ -249,3 +249,25 @@ def test_a_file_level_error_names_no_line_0(tmp_path: Path, env: dict[str, str])
         assert p.returncode == 2, p.stderr.decode()
         err = p.stderr.decode().strip().splitlines()
         assert err == [f"error: {tmp_path / name}: no such file"], err
+
+
+def test_column_errors_name_the_cli_flags_not_python_keywords(tmp_path: Path, env: dict[str, str],
+                                                              client: redis.Redis, prefix: str) -> None:
+    """Issue 45: the CLI said ``pass prompt_column=, messages_column= or template=`` (Python's words) for a CSV
+    with no prompt column, and ``--params-column mnt`` repeated a 286-column error once per row."""
+    q = tmp_path / "q.csv"
+    q.write_text("question,mnt\nhi,3\nyo,4\nho,5\n")
+    line = _one_error(run_cli("lmdq.producer", "submit", str(q), "--model", "sim", "--allow-unknown-model",
+                              env=env), 2)
+    assert line == (f"error: {q}: no 'prompt' or 'messages' column; pass --prompt-column, --messages-column or "
+                    "--template (the source has: question, mnt)"), line
+    line = _one_error(run_cli("lmdq.producer", "submit", str(q), "--model", "sim", "--allow-unknown-model",
+                              "--prompt-column", "question", "--params-column", "mnt", env=env), 2)
+    assert line.startswith("error: --params-column: 'mnt' is not a generation parameter (max_new_tokens, "), line
+    assert len(line) <= 130 and "row" not in line, line
+    txt = tmp_path / "p.txt"
+    txt.write_text("hi\n")
+    line = _one_error(run_cli("lmdq.producer", "submit", str(txt), "--model", "sim", "--allow-unknown-model",
+                              "--prompt-column", "x", env=env), 2)
+    assert "(--prompt-column, --id-column, --template ...)" in line and "=" not in line.split(":", 2)[2], line
+    assert not client.keys(f"{prefix}:*batch*"), "nothing enqueued"

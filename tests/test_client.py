@@ -483,3 +483,42 @@ def test_an_unknown_model_is_worded_in_the_python_callers_terms(api: lmdq.Client
         assert text.startswith("model=: unknown model 'no-such-model'"), text
         assert text.endswith("or pass allow_unknown_model=True to queue anyway."), text
         assert "--" not in text, text
+
+
+def test_gen_config_as_a_dict_of_all_its_fields_and_asdict_as_keywords(api: lmdq.Client, redis_url: str,
+                                                                       client: redis.Redis, prefix: str) -> None:
+    """Issue 45: ``gen_config=dataclasses.asdict(GenerationConfig(...))`` (every field, most at LMDeploy's
+    defaults) was refused on its first unsupported default, and ``**asdict(gen_config)`` was a TypeError
+    listing lmdq's options; a dict's fields at LMDeploy's defaults are now skipped as the dataclass's are,
+    and the keywords' TypeError says to pass ``gen_config=``."""
+    import dataclasses
+
+    from lmdeploy import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=3, random_seed=5)
+    a = api.submit(["hi", "yo"], model="sim", allow_unknown_model=True, gen_config=dataclasses.asdict(gc))
+    assert a.info().params.max_new_tokens == 3 and a.info().params.random_seed == 5
+    with pytest.raises(lmdq.InvalidArgument, match="^gen_config.return_ppl: lmdq does not support"):
+        api.submit(["hi"], model="sim", allow_unknown_model=True,
+                   gen_config=dataclasses.asdict(GenerationConfig(return_ppl=True)))
+    with pytest.raises(TypeError, match=r"GenerationConfig fields as keywords .*gen_config=GenerationConfig"):
+        api.submit(["hi"], model="sim", allow_unknown_model=True, **dataclasses.asdict(gc))  # type: ignore[misc]
+    drain(redis_url, prefix)
+    assert [r.generate_token_len for r in a.results()] == [3, 3]
+
+
+def test_a_params_column_naming_no_parameter_is_one_error_before_any_row(api: lmdq.Client, client: redis.Redis,
+                                                                         prefix: str) -> None:
+    """Issue 45: ``params_columns=["mnt"]`` was refused once per row, each a 286-column line."""
+    df = pd.DataFrame({"question": ["a", "b", "c"], "mnt": [3, 4, 5]})
+    with pytest.raises(lmdq.InvalidArgument) as e:
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", params_columns=["mnt"])
+    assert str(e.value).startswith("params_columns=: 'mnt' is not a generation parameter (max_new_tokens, ")
+    assert "row" not in str(e.value) and e.value.field == "params_columns"
+    with pytest.raises(lmdq.InvalidArgument, match="^params_columns=: 'mnt' is not"):
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question",
+                   params_columns={"question": "mnt"})
+    _nothing_enqueued(client, prefix)
+    b = api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question",
+                   params_columns={"mnt": "max_tokens"})  # a mapping to a parameter (or its OpenAI name) is fine
+    assert b.counts().total == 3

@@ -40,6 +40,7 @@ SCRIPTS_MODULE = "src/lmdq/redis/scripts.py"
 #: or script objects, each inside its concept's package. Exact: see the module doc.
 STORE_MODULES: dict[str, set[str]] = {
     "src/lmdq/api/": {"src/lmdq/api/batch_records.py", "src/lmdq/api/files.py", "src/lmdq/api/paging.py"},
+    "src/lmdq/gates/": {"src/lmdq/gates/store.py"},
     "src/lmdq/batches/": {"src/lmdq/batches/batch_jobs.py", "src/lmdq/batches/idempotency.py",
                           "src/lmdq/batches/records.py", "src/lmdq/batches/staging.py"},
     "src/lmdq/jobs/": {"src/lmdq/jobs/data.py", "src/lmdq/jobs/decode.py", "src/lmdq/jobs/idle_roster.py",
@@ -50,6 +51,7 @@ STORE_MODULES: dict[str, set[str]] = {
     "src/lmdq/registry/": {"src/lmdq/registry/store.py"},
     "src/lmdq/results/": {"src/lmdq/results/sink.py", "src/lmdq/results/store.py"},
     "src/lmdq/reuse/": {"src/lmdq/reuse/store.py"},
+    "src/lmdq/webhooks/": {"src/lmdq/webhooks/store.py"},
     "bench/": {"bench/keyspace.py"},  # the lab's key scans (only the benches and their tests use them)
 }
 STORES: set[str] = set().union(*STORE_MODULES.values())

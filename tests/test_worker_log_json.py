@@ -166,3 +166,30 @@ def test_on_a_terminal_every_worker_line_fits_80_columns_and_internals_stay_at_d
     assert all(len(ln) <= 80 for ln in lines), [ln for ln in lines if len(ln) > 80]
     assert "heap frozen" not in text and "\x1b[" not in text, text
     assert "queues=" in text and "results=3" in text.replace("\n    ", " "), text  # wrapped, nothing cut
+
+
+@pytest.mark.model
+def test_the_transformers_worker_on_an_80_column_terminal_fits_it_tqdm_bars_included(env: dict[str, str],
+                                                                                    tmp_path: Path) -> None:
+    """Issue 45: the start-up lines of the real (transformers) worker ran to 369 columns on a terminal, a
+    tqdm record among them. The bars' records and the engine's config dict fit 80 columns too, wrapped."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"custom_id": "r0", "prompt": "Say 0."}) + "\n")
+    sub = run_cli("lmdq.producer", "submit", str(f), "--model", "smollm2-135m-instruct", "--allow-unknown-model",
+                  "--max-new-tokens", "2", env=env)
+    assert sub.returncode == 0, sub.stderr
+    wenv = {k: v for k, v in env.items() if k != "LMDQ_LOG_FORMAT"}
+    wenv.update({"COLUMNS": "80", "TERM": "xterm"})
+    leader, follower = pty.openpty()
+    w = subprocess.Popen([sys.executable, "-m", "lmdq.worker", "--engine", "transformers", "--burst"], env=wenv,
+                         cwd=ROOT, stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    try:
+        text = _read_pty(leader, w, 600).decode("utf-8", "replace")
+    finally:
+        os.close(leader)
+    assert w.wait(60) == 0, text[-3000:]
+    frames = [fr for ln in text.split("\n") for fr in ln.split("\r") if fr.strip()]
+    assert any("Loading weights" in fr for fr in frames) and any("engine loaded" in fr for fr in frames), text
+    assert all(len(fr) <= 80 for fr in frames), [fr for fr in frames if len(fr) > 80]
+    assert "heap frozen" not in text and "\x1b[" not in text and "results=1" in text, text

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPayload, Request, Result, ResultStatus
+from lmdq.gates.keeper import GateKeeper
 from lmdq.jobs.queue import Claim, JobQueue
 from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
@@ -27,6 +28,7 @@ from lmdq.results.writer import PendingWrite, ResultWriter
 from lmdq.worker.admission import EngineGate
 from lmdq.worker.engines.base import Engine, EngineDead, EngineError, EngineEvent
 from lmdq.worker.engines.engine_health import EngineHealth
+from lmdq.worker.images import resolve_images
 from lmdq.worker.outcomes import MAX_RUNS, SUSPECT_AFTER_CRASHES, AbortReason, AttemptEnd, Outcome
 from lmdq.worker.plan_recorder import PlanRecorder
 from lmdq.worker.result_builder import LiveRequest, ResultBuilder, final_status, token_logprobs
@@ -130,6 +132,8 @@ class JobAttempt:
         self._tensors = TensorStore()
         #: output lengths and tok/s for later batches' plans (issue 46)
         self.plan = PlanRecorder.for_attempt(self)
+        #: a gated job's results judged as it ends (canary, rolling window: lmdq.gates)
+        self.gates = GateKeeper(store)
 
     def run(self, held: Held, payload: JobPayload, job: Any, jlog: Any, *,
             output_refusal: str | None = None) -> AttemptEnd:
@@ -143,6 +147,7 @@ class JobAttempt:
         end = self._run(held, payload, job, jlog, output_refusal=output_refusal)
         sealed = False
         if end.outcome in (Outcome.done, Outcome.failed) and held.abort_reason is not AbortReason.lost:
+            self.writer.call(lambda: self.gates.job_ended(payload, jlog), "judge quality gates")
             entry = self.writer.seal(payload, jlog)
             held.forget = entry is not None and entry.all_completed()
             sealed = entry is not None and payload.results_url is not None
@@ -286,8 +291,24 @@ class JobAttempt:
                      jlog: Any) -> AttemptEnd:
         claim = held.claim
         live = [LiveRequest(req=r) for r in todo]
+        # image parts: read each referenced image now and hand the engine data: URLs (worker/images.py); a
+        # request whose image cannot be read fails alone (invalid_image), the others run
+        with_images, bad_images = resolve_images(todo, max_bytes=self.s.max_image_bytes,
+                                                 timeout_s=self.s.sink_timeout_s)
+        if bad_images:
+            keep = [pos for pos in range(len(todo)) if pos not in bad_images]
+            for pos, why in bad_images.items():
+                jlog.warning("image unreadable: request fails", index=todo[pos].index, error=why)
+                held.writes.append(self.writer.final_async(results.build(
+                    todo[pos], status=ResultStatus.failed, finish_reason=FinishReason.error,
+                    error=ErrorInfo(code=ErrorCode.invalid_image, message=why), finished_at=self.clock())))
+            with_images = {keep.index(pos): msgs for pos, msgs in with_images.items()}
+            todo = [todo[pos] for pos in keep]
+            live = [LiveRequest(req=r) for r in todo]
+            if not todo:
+                return AttemptEnd(Outcome.done)
         # n > 1: n engine requests per request, side by side, gathered into one result (worker/samples.py)
-        ereqs, slots, sample_sets, refused = fan_out(todo, payload.params)
+        ereqs, slots, sample_sets, refused = fan_out(todo, payload.params, with_images or None)
         adapter = payload.model if payload.model in getattr(self.engine, "adapters", {}) else None
         if adapter is not None:  # a job of one of this worker's LoRA adapters (--adapter): each request runs with it
             ereqs = [dataclasses.replace(e, adapter=adapter) for e in ereqs]

@@ -50,6 +50,10 @@ class EngineConfig(BaseModel):
 
     #: Prefix of the flat (flag/env) names of the fields a class declares itself ('' = the field name).
     flag_prefix: ClassVar[str] = ""
+    #: Fields that cannot change an answer, left out of result reuse's worker key (issue 47,
+    #: lmdq.reuse.identity). Empty for a real engine: batch shapes and cache settings can change the low
+    #: bits of a GPU's sums, so a worker configured differently never shares answers with another.
+    reuse_ignores: ClassVar[frozenset[str]] = frozenset()
 
     session_len: int | None = Field(
         default=None, ge=16, description="max tokens per sequence (prompt + output); none = the model's own"
@@ -168,6 +172,10 @@ class SimConfig(EngineConfig):
     """The simulated continuous-batching engine (queue, fault and load tests; no model)."""
 
     flag_prefix: ClassVar[str] = "sim_"
+    #: the sim's text is a function of the prompt and params alone: its pacing and cache settings never change it
+    reuse_ignores: ClassVar[frozenset[str]] = frozenset({
+        "step_ms", "max_batch", "emit_every", "step_cpu_ms", "prefix_cache_tokens", "prefix_block",
+        "prefill_us_per_token"})
 
     step_ms: float = Field(default=5.0, ge=0.0, description="ms per decode step")
     max_batch: int = Field(default=256, ge=1, description="sequences decoded at once")

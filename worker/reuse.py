@@ -27,7 +27,15 @@ from pydantic import BaseModel
 from lmdq.contract import JobPayload, Request, Result, ResultStatus, Timings
 from lmdq.redis.keys import Keys
 from lmdq.reuse.fingerprint import folder_digest
-from lmdq.reuse.identity import effective_params, identity, qualifies, request_key, worker_key
+from lmdq.reuse.identity import (
+    effective_params,
+    identity,
+    inline_inputs,
+    params_key,
+    qualifies,
+    request_key,
+    worker_key,
+)
 from lmdq.reuse.index import Completed, ReuseIndex
 from lmdq.reuse.store import ReuseStore
 from lmdq.worker.settings import WorkerSettings
@@ -82,8 +90,9 @@ class ReuseHook:
                              model=str(source))
             return
         cfg = getattr(self.engine, "config", None)
-        config = (cfg.model_dump(mode="json") if isinstance(cfg, BaseModel)
-                  else self.settings.engine_config.model_dump(mode="json"))
+        if not isinstance(cfg, BaseModel):
+            cfg = self.settings.engine_config
+        config = cfg.model_dump(mode="json", exclude=set(getattr(cfg, "reuse_ignores", ())))
         name = str(getattr(self.engine, "name", self.settings.engine_name))
         adapters = self.settings.adapters
         for served in self.served:
@@ -98,10 +107,12 @@ class ReuseHook:
         if payload.reuse_ttl_s is None or wkey is None:
             return {}
         out: dict[int, bytes] = {}
+        shared = payload.params.resolved()  # most requests carry no params of their own: resolved once
+        shared_key = params_key(shared)
         for r in todo:
-            p = effective_params(payload.params, r)
-            if qualifies(p, repeats_seeds=self.repeats_seeds):
-                out[r.index] = identity(wkey, request_key(p, r))
+            p = shared if r.params is None else effective_params(payload.params, r)
+            if qualifies(p, repeats_seeds=self.repeats_seeds) and inline_inputs(r):
+                out[r.index] = identity(wkey, request_key(shared_key if r.params is None else p, r))
         return out
 
     def answers(self, payload: JobPayload, todo: list[Request], ids: dict[int, bytes], *, worker: str,

@@ -27,6 +27,7 @@ The rules, decided once here:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmdq.contract import (
     ErrorInfo,
@@ -128,9 +129,10 @@ def engine_rows(payload: JobPayload) -> int:
     return rows
 
 
-def fan_out(todo: list[Request], base: GenerationParams
+def fan_out(todo: list[Request], base: GenerationParams, messages_of: dict[int, list[dict[str, Any]]] | None = None,
             ) -> tuple[list[EngineRequest], list[tuple[int, int]], dict[int, SampleSet], dict[int, str]]:
     """The engine requests of a job's ``todo`` requests, in order, the n samples of a request side by side.
+    ``messages_of``: the messages the engine gets instead of a position's own (its images read: worker/images.py).
 
     Returns (engine requests, ``slots`` = engine index → (position in ``todo``, sample number), the
     SampleSet of each position whose request has n > 1, and the refusal message of each position that
@@ -142,7 +144,10 @@ def fan_out(todo: list[Request], base: GenerationParams
     for pos, r in enumerate(todo):
         params = base.merged(r.params)
         n = params.n or 1
-        messages = [m.model_dump(exclude_none=True) for m in r.messages] if r.messages else None
+        if messages_of is not None and pos in messages_of:
+            messages: list[dict[str, Any]] | None = messages_of[pos]
+        else:
+            messages = [m.model_dump(exclude_none=True) for m in r.messages] if r.messages else None
         if n == 1 or not r.endpoint.generates:  # score / reward sample nothing: one engine request, never n
             ereqs.append(EngineRequest(index=len(ereqs), prompt=r.prompt, messages=messages,
                                        endpoint=r.endpoint, params=params,

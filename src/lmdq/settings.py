@@ -8,14 +8,16 @@ from typing import Any, TypeVar
 from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["CommonSettings", "DEFAULT_MAX_JOB_BYTES", "DEFAULT_REDIS_URL", "DEFAULT_RESULT_TTL_S", "default_of",
-           "load_or_refuse"]
+__all__ = ["CommonSettings", "DEFAULT_MAX_IMAGE_BYTES", "DEFAULT_MAX_JOB_BYTES", "DEFAULT_REDIS_URL",
+           "DEFAULT_RESULT_TTL_S", "default_of", "load_or_refuse"]
 
 _S = TypeVar("_S", bound=BaseSettings)
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: cap on one job's data (``LMDQ_MAX_JOB_BYTES``); :mod:`lmdq.jobs.data` enforces it
 DEFAULT_MAX_JOB_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+"""Largest image lmdq accepts (``LMDQ_MAX_IMAGE_BYTES``): OpenAI's per-image limit."""
 
 DEFAULT_RESULT_TTL_S = 7 * 24 * 3600
 """How long a batch and its results are kept once it ended: ``LMDQ_RESULT_TTL_S``'s default, declared
@@ -69,6 +71,31 @@ class CommonSettings(BaseSettings):
         "(workers, status/results/cancel, the API) ends it with its unstaged requests failed as "
         "submit_interrupted (docs/reliability.md)"
     )
+    max_image_bytes: int = Field(
+        default=DEFAULT_MAX_IMAGE_BYTES, ge=1024, description="largest image an image_url part may name or hold "
+        "(LMDQ_MAX_IMAGE_BYTES): submit refuses a larger one, a worker reads no more (lmdq.images)"
+    )
+    # completion webhooks (lmdq.webhooks; docs/webhooks.md): who may be called, and how tries are spaced
+    webhook_allow: str = Field(
+        default="", description="comma-separated URL prefixes a batch's webhook may name (LMDQ_WEBHOOK_ALLOW), "
+        "e.g. https://hooks.example.com/lmdq,http://127.0.0.1:9000; empty: webhooks are refused"
+    )
+    webhook_backoff_s: float = Field(
+        default=5.0, gt=0, le=3600, description="delay before the 2nd try of a webhook event; it doubles each try "
+        "(exponential backoff), up to LMDQ_WEBHOOK_BACKOFF_MAX_S"
+    )
+    webhook_backoff_max_s: float = Field(default=3600.0, gt=0, le=86400,
+                                         description="cap of the delay between two tries of a webhook event")
+    webhook_max_tries: int = Field(default=20, ge=1, le=1000, description="tries of a webhook event before it is "
+                                   "given up (kept in the dead set, logged)")
+    webhook_timeout_s: float = Field(default=10.0, gt=0, le=300,
+                                     description="longest wait for a webhook receiver's answer to one try")
+    webhook_lease_s: float = Field(
+        default=60.0, gt=0, le=3600, description="how long a deliverer holds an event it is trying; one killed "
+        "mid-try leaves it to another deliverer after this (keep it above LMDQ_WEBHOOK_TIMEOUT_S)"
+    )
+    webhook_poll_s: float = Field(default=1.0, gt=0, le=60,
+                                  description="how often a delivery thread looks for webhook events due")
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     log_level: str = "INFO"
     max_job_bytes: int = Field(

@@ -48,6 +48,7 @@ __all__ = [
     "build_backend_config",
     "build_gen_config",
     "build_pipeline",
+    "embedding_unsupported",
     "resolve_chat_template",
 ]
 
@@ -287,6 +288,18 @@ def build_pipeline(config: LMDeployConfig, model_path: str, log_level: str = "WA
     return pipe, frozenset(orphan_guard.tracked_groups() - groups_before)
 
 
+
+EMBEDDING_UNSUPPORTED = ("LMDeploy 0.18 computes no embeddings (its own server answers /v1/embeddings with "
+                         "'Unsupported by turbomind.', and its pipeline has no pooling call): serve the embedding "
+                         "model on a transformers worker (lmdq-worker --engine transformers --model DIR)")
+"""What an ``embedding`` request sent to an LMDeploy worker is told (docs/outputs.md, "Embeddings")."""
+
+
+def embedding_unsupported(index: int) -> EngineEvent:
+    """The final event of an ``embedding`` request on LMDeploy: ``unsupported_feature``, saying where it runs."""
+    return EngineEvent(index=index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
+                       error_message=EMBEDDING_UNSUPPORTED)
+
 class AbortWatch:
     """One thread that aborts the sessions of every stream call whose ``abort`` event is set.
 
@@ -377,6 +390,10 @@ class LMDeployEngine:
         self.backend = "pytorch" if type(bc).__name__.startswith("Pytorch") else "turbomind"
         self.capacity = int(getattr(bc, "max_batch_size", None) or 128)
         self.raw = config.raw
+        #: a vision-language pipeline (LMDeploy built a VLAsyncEngine: it has an image encoder): image_url parts
+        #: go to its VL prompt path as they are (the worker made each a data: URL: worker/images.py). LMDeploy
+        #: turns prefix caching off for these models itself (VLAsyncEngine, 0.18)
+        self.vision: bool = hasattr(getattr(pipe, "async_engine", None), "vl_encoder")
         #: TurboMind pays per streamed token in this process (see ``streams``); the PyTorch engine's loop runs in
         #: its own process and measured no gain from whole responses (0.886 in-process in session 2; 0.916 with
         #: the mp engine in session 5, against 0.948-1.001 streamed): it streams everything unless told otherwise
@@ -576,6 +593,18 @@ class LMDeployEngine:
             raise EngineDead(self._dead)
         if self._closed:
             raise EngineError("engine is closed")
+        for r in (r for r in requests if r.endpoint is Endpoint.embedding):
+            yield embedding_unsupported(r.index)
+        requests = [r for r in requests if r.endpoint is not Endpoint.embedding]
+        pictured = [r for r in requests if _has_images(r) and (not self.vision or not r.endpoint.generates)]
+        for r in pictured:  # what this engine cannot look at: each such request fails alone
+            why = ("image parts need a vision-language model" if not self.vision
+                   else f"endpoint {r.endpoint.value!r} with image parts: LMDeploy scores text only")
+            yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
+                              error_message=f"{self.model_name}: {why}")
+        if pictured:
+            refused = {id(r) for r in pictured}
+            requests = [r for r in requests if id(r) not in refused]
         scoring = [r for r in requests if not r.endpoint.generates]
         for r in (r for r in scoring if r.adapter is not None):  # no adapter_name for scoring
             yield EngineEvent(index=r.index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
@@ -991,6 +1020,11 @@ class LMDeployEngine:
                     self.pipe.close()
             finally:
                 orphan_guard.kill_groups(self._groups)
+
+
+def _has_images(r: EngineRequest) -> bool:
+    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                          for p in m["content"]) for m in r.messages or [])
 
 
 def _build(config: LMDeployConfig, target: EngineTarget) -> LMDeployEngine:

@@ -19,6 +19,8 @@ gives per generated token a deterministic fake chosen id in ``[0, sim_vocab)`` w
 ``response_format`` json_schema / json_object makes the whole output a minimal instance of the
 schema (:func:`minimal_instance`: every listed property, each with a small legal value), emitted as
 one "token" and finishing with 'stop'; regex is NOT simulated (the output stays the usual words).
+Endpoint ``embedding`` answers at once with a deterministic unit vector of ``sim_hidden`` float32s drawn
+from the text (:func:`sim_embedding`: the same text gives the same vector on every worker), for load tests.
 
 Prefix caching is SIMULATED as LMDeploy's block-granular cache (``--sim-prefix-cache-tokens``): a
 prompt's words are cut into blocks of ``--sim-prefix-block`` tokens, each keyed by a hash chained
@@ -43,6 +45,7 @@ import queue
 import random
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +58,7 @@ from lmdq.worker.engine_config import SimConfig
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget
 
-__all__ = ["SIM_CONTEXT_LEN", "SPEC", "SimEngine", "minimal_instance"]
+__all__ = ["SIM_CONTEXT_LEN", "SPEC", "SimEngine", "minimal_instance", "sim_embedding"]
 
 #: Steps whose occupancy :attr:`SimEngine.occupancy` keeps (a long-running sim worker must not grow).
 OCCUPANCY_STEPS = 100_000
@@ -99,10 +102,28 @@ _WORDS = [
 ]
 
 
+SIM_IMAGE_TOKENS = 64
+"""Simulated tokens per image part (issue 48): an image is a prompt block of this many tokens named by a
+hash of its bytes, so the same image twice hits the simulated prefix cache as a VLM's vision tokens would."""
+
+
+def _image_words(url: str) -> str:
+    h = hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
+    return " ".join(f"img{h}.{k}" for k in range(SIM_IMAGE_TOKENS))
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as the sim's prompt text: each image part as its block of image tokens."""
+    if not isinstance(content, list):
+        return str(content)
+    return " ".join(_image_words(p["image_url"]["url"]) if p.get("type") == "image_url" else str(p.get("text", ""))
+                    for p in content if isinstance(p, dict))
+
+
 def _prompt_text(req: EngineRequest) -> str:
     if req.prompt is not None:
         return req.prompt if req.raw else f"user: {req.prompt}\nassistant:"
-    parts = [f"{m.get('role')}: {m.get('content')}" for m in req.messages or []]
+    parts = [f"{m.get('role')}: {_content_text(m.get('content'))}" for m in req.messages or []]
     return "\n".join(parts) + "\nassistant:"
 
 
@@ -192,7 +213,7 @@ class SimEngine:
             if "[[sim:engine-error]]" in text:
                 raise EngineError("simulated engine failure")
             if not r.endpoint.generates:
-                scored.append(_sim_score(r, text, self.count_tokens))
+                scored.append(_sim_score(r, text, self.count_tokens, self.sim_hidden))
                 continue
             p = r.params.resolved()
             guided = _guided_text(p["response_format"])
@@ -461,7 +482,16 @@ def _prefix_units(text: str, words: list[str]) -> list[float]:
     return out
 
 
-def _sim_score(r: EngineRequest, text: str, count: Any) -> EngineEvent:
+def sim_embedding(text: str, dim: int) -> list[float]:
+    """A deterministic unit vector of ``dim`` float32 values drawn from ``text`` (SHAKE-256 as the noise):
+    the sim's stand-in for an embedding model, equal for equal texts, apart for different ones."""
+    raw = hashlib.shake_256(text.encode("utf-8", "surrogatepass")).digest(4 * dim)
+    xs = [int.from_bytes(raw[4 * i : 4 * i + 4], "little") / 2**31 - 1.0 for i in range(dim)]
+    norm = math.sqrt(sum(x * x for x in xs)) or 1.0
+    return array("f", [x / norm for x in xs]).tolist()  # each exactly a float32, as a model's output is
+
+
+def _sim_score(r: EngineRequest, text: str, count: Any, hidden: int = 64) -> EngineEvent:
     """SIMULATED scores, deterministic from the text: each continuation word (a sim token) costs a logprob
     in (-8, 0] drawn from (prompt, words so far); a continuation is "greedy" when every word costs less
     than 1 nat. A reward is in [-5, 5) from the whole chat. ``[[sim:error]]`` fails the request as usual."""
@@ -471,6 +501,9 @@ def _sim_score(r: EngineRequest, text: str, count: Any) -> EngineEvent:
     if r.endpoint is Endpoint.reward:
         return EngineEvent(index=r.index, input_token_len=count(text), finish_reason=FinishReason.stop,
                            reward=round(10 * _unit("reward", text) - 5, 6), whole=True)
+    if r.endpoint is Endpoint.embedding:
+        return EngineEvent(index=r.index, input_token_len=count(text), finish_reason=FinishReason.stop,
+                           embedding=sim_embedding(text, hidden), whole=True)
     scores: list[tuple[float, int, bool | None]] = []
     for cont in r.continuations or ():
         words = cont.split() or [cont]

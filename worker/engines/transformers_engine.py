@@ -56,6 +56,7 @@ from lmdq.contract import ChatMessage, Endpoint, ErrorCode, FinishReason
 from lmdq.worker.engine_config import TransformersConfig
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.decode_row import EVENT_EVERY_TOKENS, DecodeRow, batchable
+from lmdq.worker.engines.embedding import EmbeddingLayout, EmbeddingModelError, embed_batch, read_pooling
 from lmdq.worker.engines.guided_decoding import GrammarCache, GuidedMatcher
 from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget
 from lmdq.worker.engines.request_errors import BadRequest, error_event
@@ -130,7 +131,13 @@ class TransformersEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             import torch
-            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+            from transformers import (
+                AutoConfig,
+                AutoModel,
+                AutoModelForCausalLM,
+                AutoModelForSequenceClassification,
+                AutoTokenizer,
+            )
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise EngineError(f"the transformers engine needs `pip install 'lmdq[cpu]'`: {exc}") from exc
         self._torch = torch
@@ -151,6 +158,16 @@ class TransformersEngine:
         if path.is_file() and path.suffix == ".gguf":
             source, load_kw["gguf_file"] = str(path.parent), path.name
         try:
+            # A sentence-transformers folder (modules.json with a Pooling module) is an embedding model: it serves
+            # only endpoint 'embedding', pooled as its config says (docs/outputs.md, "Embeddings").
+            self.embedding: EmbeddingLayout | None = None if "gguf_file" in load_kw else read_pooling(path)
+        except EmbeddingModelError as exc:
+            raise EngineError(f"could not load embedding model from {path}: {exc}") from exc
+        if self.embedding is not None:
+            if adapters:
+                raise EngineError(f"{path} is an embedding model: LoRA adapters (--adapter) are not supported on it")
+            source = str(self.embedding.encoder_dir)
+        try:
             self._tokenizer: Any = AutoTokenizer.from_pretrained(source, **load_kw)
             # A checkpoint whose architecture is a sequence-classification head with ONE label is a reward
             # model: it serves only endpoint 'reward' (docs/outputs.md, "Scores"); anything else is a causal LM.
@@ -160,7 +177,19 @@ class TransformersEngine:
             if self.reward_model and getattr(hf_cfg, "num_labels", 1) != 1:
                 raise EngineError(f"{path} is a sequence classifier with {hf_cfg.num_labels} labels; a reward "
                                   "model has exactly one (num_labels=1)")
-            auto = AutoModelForSequenceClassification if self.reward_model else AutoModelForCausalLM
+            auto: Any = AutoModelForSequenceClassification if self.reward_model else AutoModelForCausalLM
+            #: a vision-language model (its config has a vision tower): image parts go through its processor
+            #: (issue 48); text-only requests decode as on any causal LM
+            self.vision: bool = getattr(hf_cfg, "vision_config", None) is not None
+            self._processor: Any = None
+            if self.vision:
+                from transformers import AutoModelForImageTextToText, AutoProcessor
+
+                self._processor = AutoProcessor.from_pretrained(source, **load_kw)
+                auto = AutoModelForImageTextToText
+            if self.embedding is not None:
+                self.reward_model = self.vision = False
+                auto = AutoModel  # the encoder alone: its last hidden state is what the pooling reads
             model = auto.from_pretrained(source, dtype=self.dtype, **load_kw)
             model.to(self.device)
             model.eval()
@@ -184,6 +213,8 @@ class TransformersEngine:
 
         max_pos = getattr(model.config, "max_position_embeddings", None)
         default_len = max_pos if isinstance(max_pos, int) and max_pos > 0 else 4096
+        if self.embedding is not None and self.embedding.max_seq_length is not None:
+            default_len = min(default_len, self.embedding.max_seq_length)  # what the model was trained to embed
         self.session_len: int = session_len if session_len is not None else default_len
         if self.session_len < 2:
             raise EngineError(f"session_len must be >= 2, got {self.session_len}")
@@ -285,6 +316,9 @@ class TransformersEngine:
         torch = self._torch
         try:
             with torch.inference_mode():
+                if self.embedding is not None:  # an encoder has no KV cache to switch off
+                    self._model(input_ids=torch.tensor([[0, 1]], device=self.device))
+                    return
                 self._model(input_ids=torch.tensor([[0, 1]], device=self.device), use_cache=False)
         except Exception as exc:
             raise EngineError(f"the model failed its warm-up forward pass: {exc}") from exc
@@ -316,6 +350,9 @@ class TransformersEngine:
         """Run ``requests`` in padded batches of up to ``max_batch`` (those that cannot batch run alone as they
         come), yielding deltas and exactly one final event per request."""
         self._require_open()
+        if self.embedding is not None or any(r.endpoint is Endpoint.embedding for r in requests):
+            yield from self._embed(requests, abort)
+            requests = [r for r in requests if r.endpoint is not Endpoint.embedding and self.embedding is None]
         batch: list[DecodeRow] = []
         for req in requests:
             if abort.is_set():
@@ -323,6 +360,9 @@ class TransformersEngine:
                 continue
             if self.reward_model or not req.endpoint.generates:
                 yield self._score(req)
+                continue
+            if _has_images(req):
+                yield from self._generate_with_images(req, abort)
                 continue
             prepared = self._prepare(req)
             if isinstance(prepared, EngineEvent):
@@ -349,6 +389,75 @@ class TransformersEngine:
     def _require_open(self) -> None:
         if self._closed:
             raise EngineError("the transformers engine is closed")
+
+    def _generate_with_images(self, req: EngineRequest, abort: threading.Event) -> Iterator[EngineEvent]:
+        """A request with image parts (the worker made each a data: URL: worker/images.py): the processor
+        turns the template's text and the images into input ids (each image's tokens expanded) and pixel
+        values, which go into the prefill step of the same decode loop text requests use. Runs alone (not
+        in a padded batch): pixel values do not pad."""
+        if not self.vision or self._processor is None:
+            yield error_event(req.index, ErrorCode.unsupported_feature,
+                              f"{self.model_name} is a text-only model: image parts need a vision-language model")
+            return
+        if req.adapter is not None and req.adapter not in self.adapters:
+            yield error_event(req.index, ErrorCode.bad_request, f"no adapter {req.adapter!r} on this worker")
+            return
+        try:
+            text, images = self._vision_prompt(req)
+            with self._tok_lock:
+                enc = self._processor(text=[text], images=images, return_tensors="pt")
+            input_ids = [int(t) for t in enc["input_ids"][0]]
+            sampling = self._sampling(req, len(input_ids))
+        except BadRequest as exc:
+            yield error_event(req.index, ErrorCode.bad_request, str(exc))
+            return
+        except Exception as exc:  # an image the processor cannot take: this request fails, the call goes on
+            log.exception("preparing image request %d failed", req.index)
+            yield error_event(req.index, ErrorCode.invalid_image, f"{type(exc).__name__}: {exc}")
+            return
+        if len(input_ids) >= self.session_len:
+            yield error_event(req.index, ErrorCode.context_length_exceeded,
+                              f"Input length ({len(input_ids)}) must be smaller than the model context length "
+                              f"({self.session_len}).", input_token_len=len(input_ids))
+            return
+        extra = {k: v.to(self.device, dtype=self.dtype) if k == "pixel_values" else v.to(self.device)
+                 for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        yield from self._generate(req.index, input_ids, sampling, abort, adapter=req.adapter, prefill_kwargs=extra)
+
+    def _vision_prompt(self, req: EngineRequest) -> tuple[str, list[Any]]:
+        """The templated text (each image part as the template's image placeholder) and the images, in order."""
+        import base64
+        import io
+
+        from PIL import Image
+
+        if not self._chat_template:
+            raise BadRequest("this model has no chat template: image requests need one (--chat-template)")
+        messages: list[dict[str, Any]] = []
+        images: list[Any] = []
+        for raw in req.messages or []:
+            try:
+                msg = ChatMessage.model_validate(raw)
+                msg.check_parts()
+            except ValueError as exc:
+                raise BadRequest(f"invalid message: {exc}") from exc
+            if not isinstance(msg.content, list):
+                messages.append({"role": msg.role, "content": msg.content or ""})
+                continue
+            parts: list[dict[str, Any]] = []
+            for part in msg.content:
+                if part.get("type") != "image_url":
+                    parts.append({"type": "text", "text": part["text"]})
+                    continue
+                url = part["image_url"]["url"]
+                head, _, payload = url.partition(",")
+                if not head.lower().startswith("data:") or ";base64" not in head.lower():
+                    raise BadRequest("image parts reach the engine as base64 data: URLs (the worker reads them)")
+                img = Image.open(io.BytesIO(base64.b64decode(payload)))
+                images.append(img.convert("RGB"))
+                parts.append({"type": "image"})
+            messages.append({"role": msg.role, "content": parts})
+        return self._apply_template(messages), images
 
     def _prepare(self, req: EngineRequest) -> tuple[list[int], Sampling] | EngineEvent:
         """Prompt ids and settings of one request, or its final error event; failures never escape."""
@@ -418,6 +527,65 @@ class TransformersEngine:
                                input_token_len=len(prompt_ids))
         return EngineEvent(index=req.index, input_token_len=len(prompt_ids), finish_reason=FinishReason.stop,
                            scores=[(lp, n, g) for lp, n, g in scores], whole=True)
+
+    def _embed(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
+        """Every ``embedding`` request of the call (an embedding model answers nothing else): tokenized as
+        sentence-transformers does (stripped, special tokens, ``do_lower_case``), sorted by length so a padded forward
+        of up to ``max_batch`` rows wastes little, pooled by :mod:`worker.engines.embedding`. A text over the
+        model's ``max_seq_length`` (or ``--session-len``) fails alone with ``context_length_exceeded``."""
+        layout = self.embedding
+        todo: list[tuple[EngineRequest, list[int]]] = []
+        for req in requests:
+            if layout is None:
+                if req.endpoint is Endpoint.embedding:
+                    yield error_event(req.index, ErrorCode.bad_request,
+                                      "endpoint 'embedding' needs an embedding model (a sentence-transformers folder: "
+                                      "modules.json with a Pooling module); this worker serves a causal LM")
+                continue
+            if req.endpoint is not Endpoint.embedding:
+                yield error_event(req.index, ErrorCode.bad_request, "this worker serves an embedding model: only "
+                                  f"endpoint 'embedding', not {req.endpoint.value!r}")
+                continue
+            if abort.is_set():
+                yield EngineEvent(index=req.index, finish_reason=FinishReason.abort)
+                continue
+            text = (req.prompt or "").strip()  # sentence-transformers strips each text before tokenizing
+            with self._tok_lock:
+                ids = list(self._tokenizer.encode(text.lower() if layout.lower_case else text, add_special_tokens=True))
+            if len(ids) > self.session_len:
+                yield error_event(req.index, ErrorCode.context_length_exceeded,
+                                  f"the text is {len(ids)} tokens, over the model's maximum of {self.session_len} "
+                                  "(max_seq_length)", input_token_len=len(ids))
+                continue
+            todo.append((req, ids))
+        if layout is None or not todo:
+            return
+        todo.sort(key=lambda t: len(t[1]))
+        torch = self._torch
+        for start in range(0, len(todo), self.max_batch):
+            chunk = todo[start : start + self.max_batch]
+            if abort.is_set():
+                for req, _ in chunk:
+                    yield EngineEvent(index=req.index, finish_reason=FinishReason.abort)
+                continue
+            try:
+                with self._model_lock:
+                    if self._model is None:
+                        raise EngineError("the transformers engine was closed during embedding")
+                    with torch.inference_mode():
+                        vectors = embed_batch(torch, self._model, [ids for _, ids in chunk], layout,
+                                              device=self.device, pad_id=self._pad_id)
+            except EngineError:
+                raise
+            except Exception as exc:  # this forward's rows fail; the call goes on
+                log.exception("embedding %d requests failed", len(chunk))
+                for req, ids in chunk:
+                    yield error_event(req.index, ErrorCode.internal_error, f"{type(exc).__name__}: {exc}",
+                                      input_token_len=len(ids))
+                continue
+            for (req, ids), vec in zip(chunk, vectors, strict=True):
+                yield EngineEvent(index=req.index, input_token_len=len(ids), finish_reason=FinishReason.stop,
+                                  embedding=vec, whole=True)
 
     def _reward(self, req: EngineRequest) -> EngineEvent:
         """A reward model's score of the chat: its one logit, pooled at the last token by the head."""
@@ -640,8 +808,9 @@ class TransformersEngine:
         )
 
     def _generate(self, index: int, input_ids: list[int], s: Sampling, abort: threading.Event,
-                  adapter: str | None = None) -> Iterator[EngineEvent]:
-        """The decode loop: one forward per token under the model lock, streaming stable text."""
+                  adapter: str | None = None, prefill_kwargs: dict[str, Any] | None = None) -> Iterator[EngineEvent]:
+        """The decode loop: one forward per token under the model lock, streaming stable text.
+        ``prefill_kwargs``: what the first forward takes besides the ids (a VLM's ``pixel_values``)."""
         torch = self._torch
         input_len = len(input_ids)
         min_ban = sorted(i for i in s.stop_ids if i < self._vocab_size)
@@ -669,6 +838,8 @@ class TransformersEngine:
                     if rich.want_hidden:
                         kwargs["output_hidden_states"] = True
                     kwargs.update(self._adapter_kwargs([adapter]))
+                    if prefill and prefill_kwargs:
+                        kwargs.update(prefill_kwargs)
                     with torch.inference_mode():
                         out = self._model(input_ids=step_input, **kwargs)
                         cache = out.get("cache") if self._cache_kwarg == "cache" else out.past_key_values
@@ -747,6 +918,12 @@ class TransformersEngine:
             tensors=tensors or None,
             prefill_token_len=input_len,
         )
+
+
+def _has_images(req: EngineRequest) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+               for m in req.messages or [])
 
 
 def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -35,6 +35,11 @@ class ApiSettings(ProducerSettings):
         default=None, description="served model every batch runs on, whatever its lines' body.model says "
         "(as `submit --model`); unset: the lines' body.model must be a known model"
     )
+    api_image_root: Path | None = Field(
+        default=None, description="the one folder a batch's image_url parts may name local paths in "
+        "(LMDQ_API_IMAGE_ROOT; relative paths resolve against it, symlinks may not lead out); unset: local image "
+        "paths are refused, only data: URLs, s3:// and http(s):// (a tenant must not read the server's files)"
+    )
     api_max_upload_bytes: int = Field(default=8 << 30, ge=1, description="largest file POST /v1/files accepts")
     api_file_ttl_s: int = Field(
         default=30 * 24 * 3600, ge=60, description="how long uploaded and output files are kept (OpenAI's "
@@ -69,6 +74,10 @@ class ApiSettings(ProducerSettings):
         default=1000, ge=1, le=1_000_000, description="client connections held open at once (kept under the "
         "process's open-file limit); over it, the oldest connection with no request in progress is closed, "
         "or else the new one"
+    )
+    api_webhooks: str = Field(
+        default="", description="each tenant's default webhook (issue 48, docs/webhooks.md): tenant=URL entries, "
+        "comma separated; a batch's own `webhook` wins; each URL must be in LMDQ_WEBHOOK_ALLOW"
     )
     api_backlog: int = Field(
         default=2048, ge=1, le=65535, description="connections the kernel queues for lmdq-api to accept (listen "

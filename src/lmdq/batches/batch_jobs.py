@@ -72,6 +72,7 @@ class BatchJobs:
         self._commit_upto = COMMIT_UPTO.bind(client)
         self._find_prefix = FIND_PREFIX.bind(client)
         self._remove_prefix = REMOVE_PREFIX.bind(client)
+        self._reschedule = RESCHEDULE.bind(client)
 
     # ---- staging and commit -------------------------------------------------------------------
     @contextmanager
@@ -87,12 +88,18 @@ class BatchJobs:
         return [self.keys.batch_jobs(batch_id), queue_key or RQ_QUEUES, RQ_QUEUES, self.keys.batch(batch_id),
                 *wakes]
 
-    def commit(self, *, batch_id: str, queue_key: str, wakes: Sequence[str], now: float, ttl_s: int) -> int:
+    def commit(self, *, batch_id: str, queue_key: str, wakes: Sequence[str], now: float, ttl_s: int,
+               hold: tuple[str, str] | None = None) -> int:
         """Every staged job of the batch onto its queue (``queue_key``, or '' for each job's own model's
         queue), the record ``queued``, every key of the batch at ``ttl_s``, one token on each of ``wakes``:
-        one script, fenced on ``queued_at``. Returns the jobs made visible, -1 when it had run already."""
-        return int(self._commit(keys=self._commit_keys(batch_id, queue_key, wakes),
-                                args=[queue_key, _COMMIT_CHUNK, now, ttl_s]))
+        one script, fenced on ``queued_at``. Returns the jobs made visible, -1 when it had run already.
+
+        ``hold``: (a set of job ids, a list): a canary (lmdq.gates). Only the set's jobs are queued; every
+        other job goes onto the list, in job order, until the canary's verdict releases it. Both keys are
+        the caller's (the gates' store owns them); this script only reads the set and appends to the list."""
+        keys = self._commit_keys(batch_id, queue_key, wakes)
+        keys[4:4] = list(hold) if hold else [RQ_QUEUES, RQ_QUEUES]  # placeholders, never touched unheld
+        return int(self._commit(keys=keys, args=[queue_key, _COMMIT_CHUNK, now, ttl_s, "1" if hold else "0"]))
 
     def commit_upto(self, *, batch_id: str, queue_key: str, wakes: Sequence[str], jobs: int, requests: int,
                     now: float, ttl_s: int, last: bool, token: str = "") -> int:
@@ -104,6 +111,11 @@ class BatchJobs:
         keys.insert(4, self.keys.staging_lease(batch_id))
         return int(self._commit_upto(keys=keys,
                                      args=[queue_key, jobs, requests, now, ttl_s, "1" if last else "0", token]))
+
+    def reschedule(self, batch_id: str, *, queue_keys: Sequence[str], deadline: float, job_prefix: str) -> int:
+        """Set the batch's deadline and move its waiting jobs on ``queue_keys`` to their new place
+        (earliest deadline first), one script call. Returns the jobs moved."""
+        return int(self._reschedule(keys=[self.keys.batch(batch_id), *queue_keys], args=[deadline, job_prefix]))
 
     # ---- the job list -------------------------------------------------------------------------
     def job_ids(self, batch_id: str, start: int = 0) -> list[str]:
@@ -178,42 +190,106 @@ F = BatchField
 
 # ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
 
-# ``lmdq_push(qkey, ids, queues)``: push job ids onto queue key ``qkey``, or, when it is '' (a batch over
-# several models), each onto its own model's queue, the one its job hash names as ``origin`` (the ledger's
-# stage wrote it); every queue used joins RQ's set of queues ``queues``.
-PUSH_JOBS = Fragment("push_jobs", f"""
-local function lmdq_push(qkey, ids, queues)
+# Earliest deadline first (issue 46). ``lmdq_place(k, ids, dl, bkey)``: push job ids onto queue list ``k``
+# so that the list stays in deadline order: ``dl`` (the batch's deadline, nil for none) places them before
+# the first job whose batch has a later deadline or none (each job's batch read once, from its record's
+# ``deadline`` field; ``bkey`` is this batch's record key, whose prefix names the others'); no deadline
+# appends, as a FIFO queue does. Jobs of one batch keep their order; a job re-queued to the front stays
+# there. The scan stops at the insertion point and reads the list 1,000 at a time; a batch without a
+# deadline costs nothing more than before.
+PLACE_JOBS = Fragment("place_jobs", f"""
+local function lmdq_rpush(k, ids)
+  for s = 1, #ids, 4000 do
+    redis.call('RPUSH', k, unpack(ids, s, math.min(s + 3999, #ids)))
+  end
+end
+local function lmdq_place(k, ids, dl, bkey)
   if #ids == 0 then return end
-  if qkey ~= '' then
-    for s = 1, #ids, 4000 do
-      redis.call('RPUSH', qkey, unpack(ids, s, math.min(s + 3999, #ids)))
+  if not dl then lmdq_rpush(k, ids); return end
+  local base = string.match(bkey, '^(.*:batch:)[^:]+$')
+  local n = redis.call('LLEN', k)
+  local pos, seen = n, {{}}
+  for start = 0, n - 1, 1000 do
+    local found = false
+    for i, id in ipairs(redis.call('LRANGE', k, start, start + 999)) do
+      local bid = string.match(id, '^(.+)%-%d+$') or id
+      local d = seen[bid]
+      if d == nil then
+        d = tonumber(redis.call('HGET', base .. bid, '{F.deadline}') or '') or false
+        seen[bid] = d
+      end
+      if (not d) or d > dl then pos = start + i - 1; found = true; break end
     end
+    if found then break end
+  end
+  if pos >= n then lmdq_rpush(k, ids); return end
+  local tail = redis.call('LRANGE', k, pos, -1)
+  if pos == 0 then redis.call('DEL', k) else redis.call('LTRIM', k, 0, pos - 1) end
+  lmdq_rpush(k, ids)
+  lmdq_rpush(k, tail)
+end
+""")
+
+# ``lmdq_push(qkey, ids, queues, bkey)``: push job ids onto queue key ``qkey``, or, when it is '' (a batch
+# over several models), each onto its own model's queue, the one its job hash names as ``origin`` (the
+# ledger's stage wrote it); every queue used joins RQ's set of queues ``queues``. In deadline order: ``bkey``
+# is the batch's record, whose ``deadline`` field places its jobs (``lmdq_place``).
+PUSH_JOBS = Fragment("push_jobs", f"""
+local function lmdq_push(qkey, ids, queues, bkey)
+  if #ids == 0 then return end
+  local dl = tonumber(redis.call('HGET', bkey, '{F.deadline}') or '')
+  if qkey ~= '' then
+    lmdq_place(qkey, ids, dl, bkey)
     redis.call('SADD', queues, qkey)
     return
   end
+  local per, order = {{}}, {{}}
   for _, id in ipairs(ids) do
     local q = redis.call('HGET', '{Job.redis_job_namespace_prefix}' .. id, 'origin')
     if q then
       local k = '{rq_queue_key("")}' .. q
-      redis.call('RPUSH', k, id)
-      redis.call('SADD', queues, k)
+      if not per[k] then per[k] = {{}}; table.insert(order, k) end
+      table.insert(per[k], id)
     end
   end
+  for _, k in ipairs(order) do
+    lmdq_place(k, per[k], dl, bkey)
+    redis.call('SADD', queues, k)
+  end
 end
-""")
+""", uses=(PLACE_JOBS,))
 
-# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, the wake list of each model of the batch.
-# ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), chunk, now, running ttl.
+# KEYS: batch jobs list, rq queue list, rq queues set, batch hash, canary set, held list, the wake list of each
+# model of the batch. ARGV: queue key ('': each job to its own model's queue, see PUSH_JOBS), chunk, now,
+# running ttl, '1' when the batch has a canary (only the canary set's jobs are queued, the rest go onto the
+# held list in job order; '0': KEYS[5] and KEYS[6] are placeholders, never touched).
 # Returns the number of jobs made visible, or -1 when the batch was committed already (fence).
 # Every key of the batch takes the running TTL here (lmdq.results.store: TTLs count from the batch's end).
 COMMIT = LuaScript("commit", f"""
 if redis.call('HEXISTS', KEYS[4], '{F.queued_at}') == 1 then return -1 end
 local n = redis.call('LLEN', KEYS[1])
 local chunk = tonumber(ARGV[2])
+local gated = ARGV[5] == '1'
+local visible = 0
 for s = 0, n - 1, chunk do
   local ids = redis.call('LRANGE', KEYS[1], s, s + chunk - 1)
-  lmdq_push(ARGV[1], ids, KEYS[3])
+  if gated then
+    local now_ids, later = {{}}, {{}}
+    for _, id in ipairs(ids) do
+      if redis.call('SISMEMBER', KEYS[5], id) == 1 then table.insert(now_ids, id) else table.insert(later, id) end
+    end
+    lmdq_push(ARGV[1], now_ids, KEYS[3], KEYS[4])
+    for h = 1, #later, 4000 do redis.call('RPUSH', KEYS[6], unpack(later, h, math.min(h + 3999, #later))) end
+    visible = visible + #now_ids
+  else
+    lmdq_push(ARGV[1], ids, KEYS[3], KEYS[4])
+    visible = visible + #ids
+  end
   for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[4]) end
+end
+if gated then
+  redis.call('EXPIRE', KEYS[5], ARGV[4])
+  if redis.call('EXISTS', KEYS[6]) == 1 then redis.call('EXPIRE', KEYS[6], ARGV[4]) end
 end
 redis.call('EXPIRE', KEYS[4], ARGV[4])
 local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
@@ -224,8 +300,8 @@ if redis.call('HGET', KEYS[4], '{F.status}') == '{BatchStatus.validating.value}'
 end
 redis.call('HSET', KEYS[4], '{F.queued_at}', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-if n > 0 then for i = 5, #KEYS do lmdq_wake(KEYS[i]) end end
-return n
+if visible > 0 then for i = 7, #KEYS do lmdq_wake(KEYS[i]) end end
+return visible
 """, uses=(WAKE, PUSH_JOBS,))
 
 # Progressive staging: the batch's staged jobs from ``visible_jobs`` up to ARGV[2] become visible.
@@ -245,7 +321,7 @@ local have = tonumber(redis.call('HGET', KEYS[4], '{F.visible_jobs}') or '0')
 local upto = tonumber(ARGV[2])
 if have >= upto then return -1 end
 local ids = redis.call('LRANGE', KEYS[1], have, upto - 1)
-lmdq_push(ARGV[1], ids, KEYS[3])
+lmdq_push(ARGV[1], ids, KEYS[3], KEYS[4])
 for _, id in ipairs(ids) do redis.call('EXPIRE', '{Job.redis_job_namespace_prefix}' .. id, ARGV[5]) end
 redis.call('EXPIRE', KEYS[4], ARGV[5])
 local idem = redis.call('HGET', KEYS[4], '{F.idempotency}')
@@ -292,3 +368,26 @@ for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
 end
 return out
 """)
+
+# KEYS: batch hash, then each queue list of the batch's models.  ARGV: new deadline (Unix time), job id prefix.
+# Moves a batch's deadline (issue 46): the field, then its jobs still waiting on each queue taken off it and
+# placed again (``lmdq_place``), so claims see the new order at once. Returns the jobs moved.
+RESCHEDULE = LuaScript("reschedule", f"""
+redis.call('HSET', KEYS[1], '{F.deadline}', ARGV[1])
+local dl = tonumber(ARGV[1])
+local p = ARGV[2]
+local moved = 0
+for i = 2, #KEYS do
+  local keep, mine = {{}}, {{}}
+  for _, id in ipairs(redis.call('LRANGE', KEYS[i], 0, -1)) do
+    if string.sub(id, 1, string.len(p)) == p then table.insert(mine, id) else table.insert(keep, id) end
+  end
+  if #mine > 0 then
+    redis.call('DEL', KEYS[i])
+    lmdq_rpush(KEYS[i], keep)
+    lmdq_place(KEYS[i], mine, dl, KEYS[1])
+    moved = moved + #mine
+  end
+end
+return moved
+""", uses=(PLACE_JOBS,))

@@ -44,10 +44,12 @@ if TYPE_CHECKING:
 
     from lmdq.client.stream import StreamChunk
     from lmdq.client.submit_kwargs import SubmitKwargs
+    from lmdq.plan.deadlines import Outlook
     from lmdq.plan.rules import Plan
     from lmdq.redis.keys import Keys
     from lmdq.registry.store import ModelInfo, RemovedModel
     from lmdq.results.store import ResultStore
+    from lmdq.reuse.index import ReuseStats
     from lmdq.submission.ledger import BatchLedger, Purged
     from lmdq.submission.progress import BatchProgress
 
@@ -151,8 +153,10 @@ class Client:
         id_column: str | None = None,
         params_columns: Sequence[str] | Mapping[str, str] | None = None,
         template: str | None = None,
-        endpoint: Endpoint | Literal["chat", "completion", "score", "reward"] | None = None,
+        endpoint: Endpoint | Literal["chat", "completion", "score", "reward", "embedding"] | None = None,
         model_column: str | None = None,
+        image_column: str | None = None,
+        image_dir: str | os.PathLike[str] | None = None,
         on_warning: Callable[[str], None] | None = None,
         validate_progress: Progress | None = None,
         enqueue_progress: Progress | None = None,
@@ -181,6 +185,10 @@ class Client:
         above; fields left at LMDeploy's defaults are not passed (lmdq's defaults apply), a field lmdq
         does not support is an InvalidArgument naming it.
 
+        ``image_column``: the column holding each row's image (a path or URL, or the image's bytes); ``image_dir``:
+        the folder relative image paths resolve against, in a file's ``image_url`` parts and an image column
+        alike (issue 48: references are checked at submit, jobs carry them, workers read the bytes).
+
         ``input_name``: what the batch record calls a file ``source`` (``-`` when it is a copy of stdin).
 
         Raises SubmitRejected (bad input: the first bad rows named by row and column, as text and as
@@ -197,14 +205,17 @@ class Client:
         opts, ttl_s = resolve(given, self.settings, model=model, spell=spell,
                               on_note=lambda m: notes(f"note: {m}"), on_warning=on_warning or _warn)
         opts.staging_lease_s = self.settings.staging_lease_s
+        opts.max_image_bytes = self.settings.max_image_bytes
+        if image_dir is not None:
+            opts.image_dir = os.fspath(Path(image_dir).expanduser().absolute())
         try:
             cmap = ColumnMap(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
                              params_columns=params_columns, template=template,
                              endpoint=Endpoint(endpoint) if endpoint is not None else None,
-                             model_column=model_column)
+                             model_column=model_column, image_column=image_column)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        src = classify(source, fmt=format, cmap=cmap)
+        src = classify(source, fmt=format, cmap=cmap, spell=spell)
         kw: dict[str, Any] = {"client": self.redis, "keys": self.keys, "ttl_s": ttl_s,
                               "validate_progress": validate_progress, "enqueue_progress": enqueue_progress,
                               "max_job_bytes": self.settings.max_job_bytes}
@@ -214,6 +225,7 @@ class Client:
         if isinstance(src, FileSource):
             opts.fmt = src.fmt
             opts.input_name = input_name
+            opts.endpoint, opts.endpoint_option = cmap.endpoint, spell("endpoint")
             # through the module, so a test's hook on submit_file (edits between the passes) applies
             info, created = submit_mod.submit_file(src.path, opts, **kw)
             return Batch(self, info.id, created=created, info=info)
@@ -223,7 +235,8 @@ class Client:
         with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:
-                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress)
+                spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress,
+                      images=opts.image_checker())
             opts.fmt = InputFormat.jsonl
             opts.input_name = src.name
             if opts.on_warning is not None:  # the spool is an implementation detail: name the source's rows
@@ -300,6 +313,34 @@ class Client:
 
         registry = ModelRegistry(self.redis, keys=self.keys)
         return registry.models(), registry.now()
+
+    def webhook_secret(self, tenant: str = "default", *, rotate: bool = False) -> str:
+        """The tenant's webhook signing secret (``whsec_...``, issue 48: docs/webhooks.md), made when it has
+        none; ``rotate``: a new one, which signs every try from now on (the old one stops verifying)."""
+        from lmdq.webhooks.signing import new_secret
+        from lmdq.webhooks.store import WebhookStore
+
+        store = WebhookStore(self.redis, keys=self.keys)
+        if rotate:
+            fresh = new_secret()
+            store.set_secret(tenant, fresh)
+            return fresh
+        return store.ensure_secret(tenant, new_secret())
+
+    def reuse_stats(self, model: str | None = None) -> list[ReuseStats]:
+        """The reuse index (issue 47) per model: entries, Redis bytes, lookups, hits and hit rate
+        (:class:`lmdq.reuse.index.ReuseStats`); ``model`` None: every model that has an index."""
+        from lmdq.reuse.index import ReuseIndex
+        from lmdq.reuse.store import ReuseStore
+
+        return ReuseIndex(ReuseStore(self.redis, keys=self.keys)).stats(model)
+
+    def purge_reuse(self, model: str) -> int:
+        """Forget every reusable answer of ``model`` (its batches' own results stay); returns how many there were."""
+        from lmdq.reuse.index import ReuseIndex
+        from lmdq.reuse.store import ReuseStore
+
+        return ReuseIndex(ReuseStore(self.redis, keys=self.keys)).purge(model)
 
     def remove_model(self, name: str) -> RemovedModel:
         """Forget a model (:class:`lmdq.registry.store.RemovedModel`); LmdqError when it was unknown."""
@@ -426,8 +467,10 @@ class Batch:
         return dict(info.model_counts) if info.model_counts else {info.model: info.request_counts}
 
     def wait(self, timeout: float | None = None, progress: bool = True, *, poll_interval: float = 0.25) -> BatchInfo:
-        """Block until the batch ends; returns its final record. A progress bar on a terminal or in a
-        notebook when ``progress``, silent otherwise. WaitTimeout (exit 1) after ``timeout`` seconds."""
+        """Block until the batch ends, or is ``paused`` (a quality gate failed: :meth:`gates` says why,
+        :meth:`resume` runs the rest, :meth:`cancel` ends it); returns its record then. A progress bar on a
+        terminal or in a notebook when ``progress``, silent otherwise. WaitTimeout (exit 1) after ``timeout``
+        seconds."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -438,7 +481,7 @@ class Batch:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=not show, transient=False) as prog:
             task = prog.add_task(b.status.value, total=b.request_counts.total, completed=b.request_counts.done)
-            while not b.status.terminal:
+            while not b.status.terminal and b.status is not BatchStatus.paused:
                 if deadline is not None and time.monotonic() > deadline:
                     raise WaitTimeout(f"batch {self.id} still {b.status.value} after {timeout}s "
                                       f"({b.request_counts.done}/{b.request_counts.total} done)")
@@ -531,10 +574,12 @@ class Batch:
         """The final results as a pyarrow Table (schema: :data:`lmdq.results.export.RESULT_COLUMNS`)."""
         import pyarrow as pa
 
-        from lmdq.results.export import record_batches, schema_with_batch
+        from lmdq.results.export import embedding_schema, record_batches
 
-        schema = schema_with_batch(self.info().model_dump_json())
-        return pa.Table.from_batches(list(record_batches(self._raw_records())), schema=schema)
+        schema, chunks = embedding_schema(self._raw_records())  # the vectors' size, read ahead
+        batches = list(record_batches(chunks, schema=schema))
+        batch_json = self.info().model_dump_json()
+        return pa.Table.from_batches(batches, schema=schema.with_metadata({"lmdq.batch": batch_json}))
 
     def to_pandas(self) -> pd.DataFrame:
         """:meth:`to_arrow` as a pandas DataFrame."""
@@ -547,6 +592,21 @@ class Batch:
 
         return write_parquet(Path(path), self._raw_records(), batch_json=self.info().model_dump_json())
 
+    # ---- quality gates (canary) -------------------------------------------------------------------
+    def gates(self) -> dict[str, Any] | None:
+        """The batch's quality gates (``canary=`` / ``gate=`` / ``gate_window=``): ``config``, ``verdict``
+        (None while the canary runs; passed, failed, paused, resumed), ``canary_jobs_left``, ``held_jobs``
+        and, once a gate failed, ``report`` (the failed gates, what was seen, example lines). None without
+        gates."""
+        st = self.client._ledger().gates.state(self.id)
+        return None if st is None else st.as_dict()
+
+    def resume(self) -> BatchInfo:
+        """Run the rest of a ``paused`` batch (its held jobs are queued; a rolling window starts afresh).
+        SubmitRejected when the batch is not paused."""
+        self._info = self.client._ledger().resume(self.id)
+        return self._info
+
     # ---- cancel / retry / purge -------------------------------------------------------------------
     def cancel(self) -> BatchInfo:
         """Take the batch's queued jobs off the queue and abort what workers hold; returns the record
@@ -557,6 +617,23 @@ class Batch:
         c._ledger().notice_interrupted([self.id])
         self._info = cancel_batch(c.redis, c.keys, self.id, ttl_s=c.settings.result_ttl_s)
         return self._info
+
+    def set_deadline(self, when: str | float, *, spell: Spell = _python_name) -> BatchInfo:
+        """Move the batch's deadline (ISO 8601 with its zone, or Unix time; issue 46): its waiting jobs take
+        their new place in the queue (earliest deadline first) at once. Returns the record."""
+        from lmdq.client.planning import set_deadline
+
+        c = self.client
+        set_deadline(c.redis, c.keys, self.info(), when, spell=spell)
+        return self.info()
+
+    def outlook(self) -> Outlook | None:
+        """When the batch is projected to finish against its deadline (``outlook.misses``,
+        ``outlook.warning()``), from its measured rate and what remains; None without a deadline or ended."""
+        from lmdq.client.planning import outlook_of
+
+        c = self.client
+        return outlook_of(c.redis, c.keys, self.info())
 
     def retry(self, *, include_cancelled: bool = False, include_expired: bool = False,
               priority: Priority | str | None = None, idempotency_key: str | None = None) -> Batch:

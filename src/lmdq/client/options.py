@@ -30,12 +30,13 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from lmdq.contract import MAX_JOB_REQUESTS, GenerationParams, Priority
+from lmdq.contract import MAX_JOB_REQUESTS, MAX_REUSE_TTL_S, GenerationParams, Priority
 from lmdq.errors import InputProblem, SubmitRejected
 from lmdq.flags import FlagSpec, option_name
 from lmdq.logs.redaction import redact_url
 from lmdq.settings import DEFAULT_RESULT_TTL_S, default_of
 from lmdq.submission.settings import ProducerSettings
+from lmdq.webhooks.allow import AllowList, WebhookRefused
 
 __all__ = [
     "BatchOptions",
@@ -45,6 +46,7 @@ __all__ = [
     "Spell",
     "option_fields",
     "option_names",
+    "parse_deadline",
     "parse_duration",
     "parse_window",
     "render_submit_kwargs",
@@ -85,6 +87,9 @@ class BatchOptions(BaseModel):
     idempotency_key: str | None = Field(default=None, description="same key → same batch, never enqueued twice")
     completion_window: str | float | None = Field(
         default=None, description="with its unit, e.g. 24h, 90m, 2d: requests not started by then expire")
+    deadline: str | float | None = Field(
+        default=None, description="when the batch should be done, ISO 8601 with its zone (2026-12-06T07:00Z) or "
+        "Unix time: claimed earliest-deadline-first, the fleet sized for it, a warning once it is projected to miss")
     allow_unknown_model: bool = Field(
         default=False, description="queue even if MODEL is neither registered (`models add`) nor served by a worker")
     results_url: str | None = Field(
@@ -95,6 +100,27 @@ class BatchOptions(BaseModel):
         f"12h, 3600 (default LMDQ_RESULT_TTL_S, {_days(DEFAULT_RESULT_TTL_S)})")
     blob_url: str | None = Field(
         default=None, description="folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)")
+    canary: str | float | None = Field(
+        default=None, description="run a sample spread over the file first, e.g. 2% or 50 (requests); the rest "
+        "runs only if it passes the quality gates, else the batch is paused (docs/plan-deadline-canary.md)")
+    gate: list[str] | None = Field(
+        default=None, description="a quality gate KEY=VALUE, repeatable: failed=0.1 empty=0.1 length=0.5 json=0 "
+        "(shares of results allowed to fail), match=REGEX, not-match=REGEX, regex=0, tokens=MIN..MAX (mean)")
+    gate_window: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        default=None, description="judge the gates on every N newest results while the batch runs: a batch "
+        "that goes bad part-way is paused")
+    reuse: bool | None = Field(
+        default=None, description="never pay twice: a greedy (or seeded, where the engine repeats seeds) request "
+        "identical to one already completed on the same weights and engine settings is answered from its stored "
+        "result (reused_from says which), and this batch's answers are kept for later batches (default LMDQ_REUSE, "
+        "off)")
+    reuse_ttl: str | float | None = Field(
+        default=None, description="with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h "
+        f"(default LMDQ_REUSE_TTL_S, {_days(default_of(ProducerSettings, 'reuse_ttl_s'))})")
+    webhook: str | None = Field(
+        default=None, description="http(s) URL sent a signed POST when the batch ends or pauses (batch.completed, "
+        "batch.failed, batch.expired, batch.cancelled, batch.paused; docs/webhooks.md); must be in "
+        "LMDQ_WEBHOOK_ALLOW")
 
 
 def _parse_metadata(items: list[str]) -> dict[str, str]:
@@ -121,7 +147,11 @@ _CLI_TYPES: dict[str, tuple[Any, Callable[[Any], Any] | None]] = {
     "metadata": (list[str], _parse_metadata),
     "json_schema": (Path, _read_schema),
     "completion_window": (str, None),
+    "deadline": (str, None),
     "result_ttl": (str, None),
+    "canary": (str, None),
+    "gate": (list[str], None),
+    "reuse_ttl": (str, None),
 }
 
 #: Second spellings of some generation flags beside the derived ``--<field>``: the OpenAI API's names
@@ -257,6 +287,17 @@ def parse_duration(value: str | float | None, name: str) -> float | None:
     return v
 
 
+def parse_deadline(value: str | float | None, name: str, *, now: float | None = None) -> float | None:
+    """``--deadline`` / ``deadline=`` as Unix time (:func:`lmdq.plan.deadlines.parse_deadline`); a bad one
+    is SubmitRejected naming the option."""
+    from lmdq.plan.deadlines import parse_deadline as parse
+
+    try:
+        return parse(value, now=now)
+    except ValueError as e:
+        raise _rejected(name, str(e), value) from None
+
+
 def parse_window(value: str | float | None, name: str) -> float | None:
     """``completion_window`` as text takes a unit (``24h``, as OpenAI's ``completion_window``): a bare
     ``2`` could mean 2 hours as easily as 2 seconds, and a window that is silently 2 s expires everything.
@@ -284,6 +325,16 @@ def _sink_url(given: str | None, cluster: str | None, spell: Spell) -> str | Non
     if given is not None:
         return None if given.strip().lower() in ("", "none") else _check_url(given, spell("results_url"))
     return _check_url(cluster, "LMDQ_RESULTS_URL")
+
+
+def _webhook(url: str | None, allow: str, spell: Spell) -> str | None:
+    """The batch's webhook, refused in one line unless LMDQ_WEBHOOK_ALLOW admits it (lmdq.webhooks.allow)."""
+    if not url:
+        return None
+    try:
+        return AllowList(allow).check(url)
+    except WebhookRefused as e:
+        raise _rejected(spell("webhook"), str(e), redact_url(url)) from e
 
 
 def _python_option(spelled: str) -> str:
@@ -326,6 +377,9 @@ def resolve(
             given.pop(alias, None)
     unknown = set(given) - option_names()
     if unknown:
+        if unknown <= set(_lmdeploy_defaults()):  # submit(**asdict(gen_config)): say what takes it (issue 45)
+            raise TypeError(f"submit() got LMDeploy GenerationConfig fields as keywords {sorted(unknown)}; pass the "
+                            "config itself: gen_config=GenerationConfig(...) or gen_config=dataclasses.asdict(...)")
         raise TypeError(f"submit() got unexpected option(s) {sorted(unknown)}; expected some of "
                         f"{sorted(option_names())}")
     values = {k: v for k, v in given.items() if v is not None}
@@ -369,7 +423,9 @@ def resolve(
                 raise _rejected(spell(name), e.errors()[0]["msg"], values[name]) from None
         else:
             grouping[name] = getattr(settings, name)
+    gates = _gates(b, spell)
     window_s = parse_window(b.completion_window, spell("completion_window"))
+    deadline = parse_deadline(b.deadline, spell("deadline"))
     ttl = parse_duration(b.result_ttl, spell("result_ttl"))
     ttl_s = settings.result_ttl_s if ttl is None else int(ttl)
     # every key of the batch expires this long after the batch ENDS (lmdq.results.store): any TTL covers the run,
@@ -377,6 +433,12 @@ def resolve(
     if ttl_s < 60:
         given_ttl = values.get("result_ttl", b.result_ttl)  # as the caller wrote it (5, not pydantic's 5.0)
         raise _rejected(spell("result_ttl"), f"expected at least 60 seconds, got {given_ttl!r}", given_ttl)
+    reuse = settings.reuse if b.reuse is None else b.reuse
+    reuse_ttl = parse_duration(b.reuse_ttl, spell("reuse_ttl"))
+    reuse_ttl_s = settings.reuse_ttl_s if reuse_ttl is None else int(reuse_ttl)
+    if not 60 <= reuse_ttl_s <= MAX_REUSE_TTL_S:
+        raise _rejected(spell("reuse_ttl"), f"expected 60 seconds to {MAX_REUSE_TTL_S // 86400} days, got "
+                        f"{values.get('reuse_ttl', reuse_ttl_s)!r}", values.get("reuse_ttl", reuse_ttl_s))
     opts = SubmitOptions(
         model=model,
         batch_size=b.batch_size or settings.batch_size,
@@ -394,12 +456,37 @@ def resolve(
         prefix_group_bytes=grouping["prefix_group_bytes"],
         memory_fraction=settings.memory_headroom_fraction,
         on_warning=on_warning,
+        gates=gates,
+        reuse_ttl_s=reuse_ttl_s if reuse else None,
+        webhook=_webhook(b.webhook, settings.webhook_allow, spell),
     )
+    opts.deadline = deadline
+    if gates is not None and gates.canary is not None:
+        opts.first_jobs = None  # the canary is spread over the whole file: it is staged before anything runs
     return opts, ttl_s
+
+
+def _gates(b: BatchOptions, spell: Spell) -> Any:
+    """The batch's GateConfig (lmdq.gates.config) from ``canary`` / ``gate`` / ``gate_window``; None without."""
+    from lmdq.gates.config import from_options
+
+    try:
+        return from_options(b.canary, b.gate, b.gate_window)
+    except ValueError as e:
+        which = "canary" if str(e).startswith("--canary") else "gate"
+        msg = str(e).split(": ", 1)[-1].replace("--canary", spell("canary")).replace("--gate-window",
+                                                                                   spell("gate_window"))
+        raise _rejected(spell(which), msg, getattr(b, which)) from None
+
+
+#: keywords whose CLI flag is not ``--`` + the keyword with dashes
+_CLI_FLAGS = {"params_columns": "--params-column"}
 
 
 def cli_spell(name: str) -> str:
     """An option as the CLI names it (a bool flag with its negative spelling: ``--do-sample/--greedy``)."""
+    if name in _CLI_FLAGS:
+        return _CLI_FLAGS[name]
     negative = [a.strip(" /") for a in _GENERATION_ALIASES.get(name, ()) if a.startswith(" /")]
     return option_name(name) + (f"/{negative[0]}" if negative else "")
 
@@ -407,6 +494,18 @@ def cli_spell(name: str) -> str:
 if __name__ == "__main__":  # rewrite submit_kwargs.py after an option's declaration changed
     SUBMIT_KWARGS_PATH.write_text(render_submit_kwargs())
     print(f"wrote {SUBMIT_KWARGS_PATH}")
+
+
+def _lmdeploy_defaults() -> dict[str, Any]:
+    """LMDeploy's ``GenerationConfig()`` field values, or nothing where LMDeploy is not installed."""
+    import dataclasses
+
+    try:
+        from lmdeploy import GenerationConfig
+    except Exception:  # not installed (a CPU-only client), or broken: every field counts as given
+        return {}
+    fresh = GenerationConfig()
+    return {f.name: getattr(fresh, f.name) for f in dataclasses.fields(fresh)}
 
 
 def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -419,7 +518,9 @@ def from_gen_config(gen_config: Any, given: Mapping[str, Any]) -> dict[str, Any]
     from lmdq.errors import InvalidArgument
 
     if isinstance(gen_config, Mapping):
-        items, defaults = dict(gen_config), {}
+        # a dict of the fields (``dataclasses.asdict(gen_config)``, issue 45): those at LMDeploy's defaults are
+        # not passed either, where LMDeploy is installed to say what its defaults are
+        items, defaults = dict(gen_config), _lmdeploy_defaults()
     elif dataclasses.is_dataclass(gen_config) and not isinstance(gen_config, type):
         items = {f.name: getattr(gen_config, f.name) for f in dataclasses.fields(gen_config)}
         try:

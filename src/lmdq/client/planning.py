@@ -1,4 +1,5 @@
-"""``Client.plan`` and ``lmdq-producer plan``: a source's plan, read-only (issue 46).
+"""``Client.plan`` and ``lmdq-producer plan``: a source's plan, read-only; a batch's deadline moved and its
+projected finish (issue 46).
 
 The source is read exactly as submit reads it (the same formats, the same per-line checks, the same
 options: ``max_new_tokens`` and the other generation parameters, prefix grouping), then planned by
@@ -27,10 +28,12 @@ from lmdq.submission.formats import InputError, ParsedLine, iter_lines
 if TYPE_CHECKING:
     import redis
 
+    from lmdq.contract import Batch as BatchInfo
+    from lmdq.plan.deadlines import Outlook
     from lmdq.redis.keys import Keys
     from lmdq.submission.settings import ProducerSettings
 
-__all__ = ["plan_source"]
+__all__ = ["outlook_of", "plan_source", "set_deadline"]
 
 
 def _python_name(name: str) -> str:
@@ -72,9 +75,70 @@ def plan_source(
                           "live_workers": live, "gpu_hour_price": gpu_hour_price, "prefix_groups": opts.prefix_groups}
     src = classify(source, fmt=fmt, cmap=cmap if cmap is not None else ColumnMap())
     if isinstance(src, FileSource):
-        return make_plan(_lines(src.path, src.fmt, opts.limits, str(src.path), None), **kw)
+        p = make_plan(_lines(src.path, src.fmt, opts.limits, str(src.path), None), **kw)
+        return _with_reuse(p, client, keys, opts, _lines(src.path, src.fmt, opts.limits, str(src.path), None))
     with tempfile.TemporaryDirectory(prefix="lmdq-plan-") as d:
         path = Path(d) / "rows.jsonl"
         with path.open("wb") as f:
             spool(src, cmap if cmap is not None else ColumnMap(), f, max_requests=opts.limits.max_requests)
-        return make_plan(_lines(path, InputFormat.jsonl, opts.limits, src.name, str(path)), **kw)
+        p = make_plan(_lines(path, InputFormat.jsonl, opts.limits, src.name, str(path)), **kw)
+        return _with_reuse(p, client, keys, opts, _lines(path, InputFormat.jsonl, opts.limits, src.name, str(path)))
+
+
+def _with_reuse(plan: Plan, client: redis.Redis, keys: Keys, opts: Any, lines: Iterator[ParsedLine]) -> Plan:
+    """Issue 47: with ``reuse``, how many of the lines the reuse index answers now (read-only lookups)."""
+    if opts.reuse_ttl_s is None:
+        return plan
+    from lmdq.contract import Request
+    from lmdq.reuse.index import ReuseIndex
+    from lmdq.reuse.store import ReuseStore
+
+    def requests() -> Iterator[Request]:
+        for i, ln in enumerate(lines):
+            yield Request.model_validate({
+                "index": i, "custom_id": "plan", "prompt": ln.prompt, "messages": ln.messages, "endpoint": ln.endpoint,
+                "params": ln.params, "continuations": list(ln.continuations) if ln.continuations else None})
+
+    found = ReuseIndex(ReuseStore(client, keys=keys)).known(plan.model, requests(), opts.params)
+    if found is None:
+        plan.reuse_basis = f"no worker of {plan.model} has published its weights' fingerprint yet: none counted"
+        return plan
+    plan.reused_requests = found
+    plan.reuse_basis = (f"answered from the reuse index, never reaching the engine (the figures above count every "
+                        f"request; {plan.requests - found:,} will run)")
+    return plan
+
+
+def set_deadline(client: redis.Redis, keys: Keys, batch: BatchInfo, when: str | float, *,
+                 spell: Spell = _python_name) -> None:
+    """Move an open batch's deadline (tighten or relax it): its record's field, and its jobs still waiting
+    moved to their new place in their queues (earliest deadline first), in one script call."""
+    from lmdq.batches.batch_jobs import BatchJobs
+    from lmdq.client.options import parse_deadline
+    from lmdq.jobs.queue import job_id_prefix
+    from lmdq.redis.keys import queue_name, rq_queue_key
+
+    at = parse_deadline(when, spell("deadline"))
+    if at is None:
+        raise InvalidArgument(f"{spell('deadline')}: expected a time, got None", field="deadline")
+    if batch.status.terminal:
+        raise InvalidArgument(f"batch {batch.id} has ended ({batch.status.value}): no deadline to move",
+                              field="deadline")
+    queues = [rq_queue_key(queue_name(m, batch.priority, keys.prefix)) for m in batch.models]
+    BatchJobs(client, keys=keys).reschedule(batch.id, queue_keys=queues, deadline=at,
+                                            job_prefix=job_id_prefix(batch.id))
+
+
+def outlook_of(client: redis.Redis, keys: Keys, batch: BatchInfo) -> Outlook | None:
+    """An open deadline batch's projected finish against its deadline (None: no deadline, or ended)."""
+    from lmdq.plan.deadlines import DeadlineBatch, outlook
+
+    if batch.deadline is None or batch.status.terminal:
+        return None
+    c = batch.request_counts
+    models = ModelRegistry(client, keys=keys)
+    live = next((m.live_workers for m in models.models() if m.name == batch.model), 0)
+    b = DeadlineBatch(id=batch.id, model=batch.model, deadline=batch.deadline, total=c.total,
+                      answered=c.completed + c.failed + c.cancelled + c.expired, started_at=batch.in_progress_at)
+    return outlook(b, history=PlanStore(client, keys=keys).history(batch.model), live_workers=live,
+                   now=models.now())

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmdq.errors import InputProblem, InvalidArgument, SubmitRejected
+from lmdq.images.refs import ImageChecker
 from lmdq.submission.formats import InputFormat, InputLimits
 from lmdq.submission.formats.tabular import ColumnMap, RowError, RowMapper, chunked
 from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
@@ -69,7 +70,32 @@ def _need_pyarrow(what: str) -> Any:
         raise SubmitRejected(f"{what} needs pyarrow: pip install 'lmdq[data]'") from None
 
 
-def _columns_for(names: Sequence[str], cmap: ColumnMap, name: str) -> list[str]:
+def _python_name(name: str) -> str:
+    return name
+
+
+def _opt(spell: Callable[[str], str], name: str) -> str:
+    """An option as the caller's surface writes it: ``prompt_column=`` (Python), ``--prompt-column`` (CLI)."""
+    s = spell(name)
+    return s if s.startswith("-") else f"{s}="
+
+
+def _check_params(cmap: ColumnMap, spell: Callable[[str], str]) -> None:
+    """A params column must name a generation parameter: refused once, before any row is read (issue 45:
+    ``--params-column mnt`` repeated a 286-column error once per row)."""
+    from lmdq.contract import GenerationParams
+    from lmdq.submission.formats.jsonl import PARAM_ALIASES
+
+    known = set(GenerationParams.model_fields) | set(PARAM_ALIASES)
+    for column, param in cmap.params.items():
+        if param not in known:
+            raise InvalidArgument(f"{_opt(spell, 'params_columns')}: {param!r} is not a generation parameter "
+                                  "(max_new_tokens, temperature, top_p, seed, stop, ...: docs/outputs.md)",
+                                  field="params_columns", value=column)
+
+
+def _columns_for(names: Sequence[str], cmap: ColumnMap, name: str,
+                 spell: Callable[[str], str] = _python_name) -> list[str]:
     """The source's columns a request is made of; a mapped column the source lacks is refused now."""
     missing = [c for c in cmap.columns() if c not in names]
     if missing:
@@ -78,9 +104,10 @@ def _columns_for(names: Sequence[str], cmap: ColumnMap, name: str) -> list[str]:
     wanted = set(cmap.columns())
     if not (cmap.prompt_column or cmap.messages_column or cmap.template):
         defaults = [c for c in ("prompt", "messages") if c in names]
-        if not defaults:
-            raise SubmitRejected(f"{name}: no 'prompt' or 'messages' column; pass prompt_column=, "
-                                 f"messages_column= or template= (the source has: {', '.join(names[:20])})")
+        if not defaults and not cmap.image_column:  # an image column alone is a request: the image, no text
+            raise SubmitRejected(f"{name}: no 'prompt' or 'messages' column; pass {_opt(spell, 'prompt_column')}, "
+                                 f"{_opt(spell, 'messages_column')} or {_opt(spell, 'template')} (the source has: "
+                                 f"{', '.join(names[:20])})")
         wanted |= {c for c in ("prompt", "messages", "params", "endpoint") if c in names}
     if not cmap.id_column and "custom_id" in names:
         wanted.add("custom_id")
@@ -89,9 +116,10 @@ def _columns_for(names: Sequence[str], cmap: ColumnMap, name: str) -> list[str]:
     return [c for c in names if c in wanted]
 
 
-def _reader_chunks(reader: Any, cmap: ColumnMap, name: str) -> Iterator[Any]:
+def _reader_chunks(reader: Any, cmap: ColumnMap, name: str,
+                   spell: Callable[[str], str] = _python_name) -> Iterator[Any]:
     """The reader's record batches, only the columns a request is made of."""
-    cols = _columns_for(list(reader.schema.names), cmap, name)
+    cols = _columns_for(list(reader.schema.names), cmap, name, spell)
     for batch in reader:
         if batch.num_rows:
             yield batch.select(cols)
@@ -146,7 +174,7 @@ def _pandas_reader(df: Any) -> Any:
         raise SubmitRejected(f"DataFrame: {e}") from None
 
 
-def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
+def _tabular_file(path: Path, fmt: str, cmap: ColumnMap, spell: Callable[[str], str] = _python_name) -> RowSource:
     name = str(path)
     if not path.is_file():
         raise SubmitRejected(f"{path}: no such file")
@@ -156,7 +184,7 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
             import pyarrow.parquet as pq
 
             pf = pq.ParquetFile(path)
-            cols = _columns_for(list(pf.schema_arrow.names), cmap, name)
+            cols = _columns_for(list(pf.schema_arrow.names), cmap, name, spell)
 
             def parquet_chunks() -> Iterator[Any]:
                 yield from pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=cols, use_threads=False)
@@ -167,26 +195,30 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap) -> RowSource:
         # the columns a prompt, an id or a model come from are text as written, even where they look like
         # numbers ("001", "42": issue 45 refused a numeric-looking prompt column)
         text = {c: pa.string() for c in (cmap.prompt_column or "prompt", cmap.messages_column or "messages",
-                                         cmap.id_column or "custom_id", cmap.model_column) if c}
+                                         cmap.id_column or "custom_id", cmap.model_column, cmap.image_column) if c}
         reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False),
                                convert_options=pcsv.ConvertOptions(column_types=text))
-        return RowSource(name, _reader_chunks(reader, cmap, name))
+        return RowSource(name, _reader_chunks(reader, cmap, name, spell))
     except (OSError, pa.ArrowException) as e:
         raise SubmitRejected(f"{path}: cannot read the {fmt} file: {e}") from e
 
 
-def classify(source: Any, *, fmt: str | None, cmap: ColumnMap) -> FileSource | RowSource:
-    """Tell what ``source`` is (see the module's docstring)."""
+def classify(source: Any, *, fmt: str | None, cmap: ColumnMap,
+             spell: Callable[[str], str] = _python_name) -> FileSource | RowSource:
+    """Tell what ``source`` is (see the module's docstring); ``spell`` names options as the caller's surface
+    does (Python keywords, CLI flags)."""
+    _check_params(cmap, spell)
     if fmt is not None and fmt not in (*FILE_FORMATS, *TABULAR_FORMATS):
         raise SubmitRejected(f"format: expected one of {', '.join((*FILE_FORMATS, *TABULAR_FORMATS))}, got {fmt!r}")
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         kind = fmt or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
         if kind in TABULAR_FORMATS:
-            return _tabular_file(path, kind, cmap)
-        if cmap != ColumnMap():
-            raise SubmitRejected(f"{path}: column options (prompt_column=, id_column=, template= ...) apply to "
-                                 "Parquet, CSV, Arrow and Python rows, not to a prompt file")
+            return _tabular_file(path, kind, cmap, spell)
+        if cmap != ColumnMap(endpoint=cmap.endpoint):  # endpoint= applies to files too (every line's)
+            raise SubmitRejected(f"{path}: column options ({_opt(spell, 'prompt_column')}, {_opt(spell, 'id_column')}, "
+                                 f"{_opt(spell, 'template')} ...) apply to Parquet, CSV, Arrow and Python rows, not to "
+                                 "a prompt file")
         return FileSource(path, FILE_FORMATS[kind] if kind else None)
     if isinstance(source, (bytes, dict)):
         raise SubmitRejected(f"source: expected a path, an iterable of rows or an Arrow-speaking object, got "
@@ -194,7 +226,7 @@ def classify(source: Any, *, fmt: str | None, cmap: ColumnMap) -> FileSource | R
     reader = _arrow_reader(source)
     if reader is not None:
         name = type(source).__name__
-        return RowSource(name, _reader_chunks(reader, cmap, name))
+        return RowSource(name, _reader_chunks(reader, cmap, name, spell))
     if isinstance(source, Iterable):
         return RowSource("rows", chunked(source))
     raise SubmitRejected(f"source: expected a path, an iterable of rows or an Arrow-speaking object, got "
@@ -233,7 +265,9 @@ class _FastPath:
         names = {PARAM_ALIASES.get(p, p) for p in self.params.values()}
         self.ok = (
             cmap.model_column is None  # the fast line has no model: each row's model goes through the row parser
-            and self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
+            and cmap.image_column is None  # nor images: each row's image is checked by the row parser
+            # score rows carry continuations: the row parser
+            and self.endpoint in (None, "chat", "completion", "embedding")
             and self.prompt is not None and self.prompt in schema.names
             and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
             and (self.id is None or (self.id in schema.names and (
@@ -292,7 +326,7 @@ def _row_problem(err: RowError, row: Any) -> InputProblem:
 
 def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20,
           max_requests: int = InputLimits().max_requests,
-          progress: Callable[[int], None] | None = None) -> int:
+          progress: Callable[[int], None] | None = None, images: ImageChecker | None = None) -> int:
     """Validate every row of ``src`` into ``out`` (lmdq JSONL, one line per row: line n is row n-1).
 
     Returns the rows written; raises SubmitRejected naming the first bad rows (up to ``max_errors``)
@@ -300,15 +334,16 @@ def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 
     Memory is flat in the rows: the ids' hashes wait on disk beside ``out`` (:class:`IdHashes`)."""
     directory = os.path.dirname(out.name) if isinstance(getattr(out, "name", None), str) else None
     with IdHashes(directory or None) as hashes:
-        return _spool(src, cmap, out, hashes, max_errors=max_errors, max_requests=max_requests, progress=progress)
+        return _spool(src, cmap, out, hashes, max_errors=max_errors, max_requests=max_requests, progress=progress,
+                      images=images)
 
 
 def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *, max_errors: int,
-           max_requests: int, progress: Callable[[int], None] | None) -> int:
+           max_requests: int, progress: Callable[[int], None] | None, images: ImageChecker | None = None) -> int:
     from lmdq.submission.submit import _h64
 
     problems: list[InputProblem] = []
-    mapper = RowMapper(src.name, cmap)
+    mapper = RowMapper(src.name, cmap, images)
     fast: _FastPath | None = None
     n = 0
     for chunk in src.chunks:
@@ -361,7 +396,8 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
 def _columns_need_columns(cmap: ColumnMap) -> None:
     """Rows that are plain strings have no columns: an option naming one would be silently ignored
     (issue 45: ``prompt_column=`` on a list of strings), so it is an error naming the option."""
-    named = [name for name in ("prompt_column", "messages_column", "id_column", "model_column", "params_columns")
+    named = [name for name in ("prompt_column", "messages_column", "id_column", "model_column", "params_columns",
+                               "image_column")
              if getattr(cmap, name)]
     if named:
         raise InvalidArgument(f"{named[0]}: the rows are strings (each one a prompt), which have no columns; "

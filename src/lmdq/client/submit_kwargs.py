@@ -29,6 +29,9 @@ class SubmitKwargs(TypedDict, total=False):
     idempotency_key: str | None
     #: with its unit, e.g. 24h, 90m, 2d: requests not started by then expire
     completion_window: str | float | None
+    #: when the batch should be done, ISO 8601 with its zone (2026-12-06T07:00Z) or Unix time: claimed earliest-
+    #: deadline-first, the fleet sized for it, a warning once it is projected to miss
+    deadline: str | float | None
     #: queue even if MODEL is neither registered (`models add`) nor served by a worker
     allow_unknown_model: bool | None
     #: folder or s3://bucket/prefix: full results go to JSONL shards there, Redis keeps counts and a small index
@@ -39,6 +42,24 @@ class SubmitKwargs(TypedDict, total=False):
     result_ttl: str | float | None
     #: folder or s3://bucket/prefix for tensors (default: the worker's LMDQ_BLOB_URL)
     blob_url: str | None
+    #: run a sample spread over the file first, e.g. 2% or 50 (requests); the rest runs only if it passes the
+    #: quality gates, else the batch is paused (docs/plan-deadline-canary.md)
+    canary: str | float | None
+    #: a quality gate KEY=VALUE, repeatable: failed=0.1 empty=0.1 length=0.5 json=0 (shares of results allowed
+    #: to fail), match=REGEX, not-match=REGEX, regex=0, tokens=MIN..MAX (mean)
+    gate: list[str] | None
+    #: judge the gates on every N newest results while the batch runs: a batch that goes bad part-way is paused
+    gate_window: int | None
+    #: never pay twice: a greedy (or seeded, where the engine repeats seeds) request identical to one already
+    #: completed on the same weights and engine settings is answered from its stored result (reused_from says
+    #: which), and this batch's answers are kept for later batches (default LMDQ_REUSE, off)
+    reuse: bool | None
+    #: with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h (default LMDQ_REUSE_TTL_S, 30
+    #: days)
+    reuse_ttl: str | float | None
+    #: http(s) URL sent a signed POST when the batch ends or pauses (batch.completed, batch.failed,
+    #: batch.expired, batch.cancelled, batch.paused; docs/webhooks.md); must be in LMDQ_WEBHOOK_ALLOW
+    webhook: str | None
     #: max tokens to generate
     max_new_tokens: int | None
     #: generate at least this many tokens (stop words and eos wait)

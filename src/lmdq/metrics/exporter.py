@@ -25,6 +25,7 @@ Series (``model`` is the served name, as the workers label theirs):
 ``lmdq_jobs_running{model}``             jobs claimed by workers and not yet released
 ``lmdq_workers{model}``                  live workers (heartbeat record present)
 ``lmdq_batches{status}``                 the newest ``LMDQ_EXPORTER_MAX_BATCHES`` batches by status
+``lmdq_workers_needed{model}``           workers needed to meet every open deadline (issue 46; 0: none)
 ``lmdq_exporter_redis_up``               1 when the last read succeeded and none is overdue
 ``lmdq_exporter_snapshot_age_seconds``   seconds since the served snapshot's read began
 ``lmdq_exporter_scrape_seconds``         how long the last read of Redis took
@@ -123,6 +124,7 @@ class SnapshotCollector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reads = 0  # finished reads, good or not (tests wait on it)
+        self._missing: set[str] = set()  # batches last seen projected to miss their deadline
 
     def collect_once(self) -> bool:
         """One read of Redis; True when it gave a new snapshot."""
@@ -146,7 +148,22 @@ class SnapshotCollector:
         if self._failing:
             log.info("exporter.redis_back")
         self._failing = False
+        self._warn_deadlines(snap)
         return True
+
+    def _warn_deadlines(self, snap: Snapshot) -> None:
+        """One log line per batch as soon as its projected finish passes its deadline (issue 46), and one
+        when it is back on time: said before the deadline is missed, not after."""
+        missing = {o.batch_id: o for o in snap.outlooks if o.misses}
+        for bid, o in missing.items():
+            if bid not in self._missing:
+                log.warning("batch projected to miss its deadline", batch_id=bid, deadline=o.deadline,
+                            projected_finish=o.finish, basis=o.basis)
+        for o in snap.outlooks:
+            if o.batch_id in self._missing and not o.misses:
+                log.info("batch back on time for its deadline", batch_id=o.batch_id, deadline=o.deadline,
+                         projected_finish=o.finish, basis=o.basis)
+        self._missing = set(missing)
 
     def view(self) -> View:
         """The state a scrape serves (no Redis call)."""
@@ -206,8 +223,13 @@ class QueueCollector(Collector):
                                     labels=["model"])
         batches = GaugeMetricFamily("lmdq_batches", "Batches by status, among the newest LMDQ_EXPORTER_MAX_BATCHES.",
                                     labels=["status"])
+        needed = GaugeMetricFamily("lmdq_workers_needed", "Workers the model needs to meet every open deadline "
+                                   "(earliest first; 0: no open deadline batch). KEDA scales on it.",
+                                   labels=["model"])
         snap = v.snapshot
         if v.up and snap is not None:
+            for model in sorted({m.model for m in snap.models} | set(snap.workers_needed)):
+                needed.add_metric([model], float(snap.workers_needed.get(model, 0)))
             truncated.add_metric([], 1.0 if snap.truncated else 0.0)
             for m in snap.models:
                 for prio, n in m.depth.items():
@@ -216,7 +238,7 @@ class QueueCollector(Collector):
                 workers.add_metric([m.model], float(m.workers))
             for status, n in snap.batches.items():
                 batches.add_metric([status], float(n))
-        yield from (up, age, took, truncated, depth, running, workers, batches)
+        yield from (up, age, took, truncated, depth, running, workers, batches, needed)
 
 
 class _Server(ThreadingWSGIServer):

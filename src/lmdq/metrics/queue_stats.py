@@ -10,6 +10,7 @@ the number of models, workers and batches read is capped.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +20,9 @@ from typing import Any
 import redis
 
 from lmdq.contract import BatchStatus
-from lmdq.redis.keys import PRIORITY_ORDER, BatchField, Keys, model_slug, queue_name, rq_queue_key
+from lmdq.plan.deadlines import DeadlineBatch, Outlook, outlook, workers_needed
+from lmdq.plan.store import PlanStore
+from lmdq.redis.keys import BATCH_COUNT_FIELDS, PRIORITY_ORDER, BatchField, Keys, model_slug, queue_name, rq_queue_key
 from lmdq.redis.replies import reply_text
 
 __all__ = ["MAX_MODELS", "MAX_WORKERS", "SCAN_CALLS", "SCAN_COUNT", "ModelStats", "ReadTimedOut", "Snapshot",
@@ -49,6 +52,10 @@ class Snapshot:
     batches: dict[str, int] = field(default_factory=dict)
     #: the read stopped at its SCAN budget or the model cap: some models may be missing
     truncated: bool = False
+    #: model -> workers needed to meet every open deadline (issue 46; models with no deadline batch: absent)
+    workers_needed: dict[str, int] = field(default_factory=dict)
+    #: each open deadline batch's projected finish
+    outlooks: list[Outlook] = field(default_factory=list)
 
 def _int(raw: Any) -> int:
     try:
@@ -139,7 +146,7 @@ def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000,
         for w in worker_names:
             p.hget(keys.worker(w), "model")
         for b in batch_ids:
-            p.hget(keys.batch(b), BatchField.status.value)
+            p.hmget(keys.batch(b), [BatchField.status.value, BatchField.deadline.value])
         out = p.execute()
     budget()
     n_prio = len(PRIORITY_ORDER)
@@ -149,9 +156,12 @@ def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000,
         if raw is not None:
             live[model_slug(reply_text(raw))] += 1
     statuses: Counter[str] = Counter()
-    for raw in out[len(slugs) * per_model + len(worker_names):]:
+    with_deadline: list[str] = []
+    for b, (raw, deadline) in zip(batch_ids, out[len(slugs) * per_model + len(worker_names):]):
         if raw is not None and reply_text(raw) in _STATUSES:
             statuses[reply_text(raw)] += 1
+            if deadline is not None and not BatchStatus(reply_text(raw)).terminal:
+                with_deadline.append(b)
     models = []
     for i, slug in enumerate(slugs):
         row = out[i * per_model: (i + 1) * per_model]
@@ -161,5 +171,47 @@ def read_snapshot(client: redis.Redis, keys: Keys, *, max_batches: int = 1000,
             running=_int(row[n_prio]),
             workers=live[slug],
         ))
+    needed, outlooks = _deadlines(client, keys, with_deadline, {m.model: m.workers for m in models}, budget)
     return Snapshot(models=models, batches={s: statuses[s] for s in _STATUSES},
-                    truncated=cut_models or cut_queues or len(served) > MAX_MODELS)
+                    truncated=cut_models or cut_queues or len(served) > MAX_MODELS,
+                    workers_needed=needed, outlooks=outlooks)
+
+
+_DEADLINE_FIELDS = [BatchField.meta, BatchField.deadline, BatchField.total, *BATCH_COUNT_FIELDS,
+                    BatchField.in_progress_at]
+
+
+def _deadlines(client: redis.Redis, keys: Keys, batch_ids: list[str], live: dict[str, int],
+               budget: Callable[[], None]) -> tuple[dict[str, int], list[Outlook]]:
+    """Per model, the workers its open deadline batches need, and each one's outlook (issue 46): one more
+    round trip for the batches' records and the models' histories, only when a batch has a deadline."""
+    if not batch_ids:
+        return {}, []
+    with client.pipeline(transaction=False) as p:
+        p.time()
+        for b in batch_ids:
+            p.hmget(keys.batch(b), [f.value for f in _DEADLINE_FIELDS])
+        (sec, usec), *rows = p.execute()
+    budget()
+    now = float(sec) + float(usec) / 1e6
+    per_model: dict[str, list[DeadlineBatch]] = {}
+    for b, row in zip(batch_ids, rows):
+        try:
+            model = json.loads(reply_text(row[0]))["model"]
+            deadline = float(row[1])
+            answered = sum(_int(v) for v in row[3:3 + len(BATCH_COUNT_FIELDS)])
+            started = row[-1]
+            batch = DeadlineBatch(id=b, model=str(model), deadline=deadline, total=_int(row[2]),
+                                  answered=answered, started_at=float(started) if started is not None else None)
+        except (ValueError, TypeError, KeyError):
+            continue
+        per_model.setdefault(batch.model, []).append(batch)
+    plans = PlanStore(client, keys=keys)
+    needed: dict[str, int] = {}
+    outlooks: list[Outlook] = []
+    for model, batches in sorted(per_model.items()):
+        history = plans.history(model)
+        needed[model] = workers_needed(batches, history=history, live_workers=live.get(model, 0), now=now)
+        outlooks.extend(outlook(b, history=history, live_workers=live.get(model, 0), now=now) for b in batches)
+    budget()
+    return needed, outlooks

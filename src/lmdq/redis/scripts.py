@@ -125,7 +125,8 @@ that queue jobs include it)."""
 BATCH_ENDED = Fragment("batch_ended", f"""
 local function lmdq_batch_ended(batch, fallback)
   local ttl = tonumber(redis.call('HGET', batch, '{F.ttl}') or '') or tonumber(fallback)
-  for _, suffix in ipairs({{'', ':results', ':partials', ':shards', ':sealed', ':jobs'}}) do
+  for _, suffix in ipairs({{'', ':results', ':partials', ':shards', ':sealed', ':jobs', ':gates',
+                                ':gates:canary', ':gates:held', ':gates:seen', ':gates:jobs'}}) do
     redis.call('EXPIRE', batch .. suffix, ttl)
   end
   local jobs = batch .. ':jobs'
@@ -141,5 +142,6 @@ local function lmdq_batch_ended(batch, fallback)
 end
 """)
 """Lua: ``lmdq_batch_ended(batch_key, fallback_ttl)`` starts the batch's retention: every key of the batch
-(record, results, partials, shard index, sealed bits, job list, job hashes, idempotency key) expires
+(record, results, partials, shard index, sealed bits, job list, quality gates' keys, job hashes,
+idempotency key) expires
 ``ttl`` seconds from now. O(jobs), once per batch (about 1 µs a job)."""

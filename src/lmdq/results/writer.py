@@ -102,6 +102,7 @@ class ResultWriter:
         self.stats = {"results": 0, "duplicates": 0, "store_episodes": 0}
         # write-behind of final results (final_async): one flusher thread, one pipelined call per batch
         self._queue: list[tuple[Result, PendingWrite]] = []
+        self._partials: dict[tuple[str, int], Result] = {}  # the newest partial of each request, not yet written
         self._qcond = threading.Condition()
         self._done_cond = threading.Condition()  # notified when a flushed batch's writes are done
         self._flusher: threading.Thread | None = None
@@ -156,11 +157,15 @@ class ResultWriter:
         fut = PendingWrite(self)
         with self._qcond:
             self._queue.append((result, fut))
-            if self._flusher is None:
-                self._flusher = threading.Thread(target=self._flush_loop, name="lmdq-result-writer", daemon=True)
-                self._flusher.start()
+            self._ensure_flusher()
             self._qcond.notify()
         return fut
+
+    def _ensure_flusher(self) -> None:
+        """Start the flusher thread on first use (call with ``_qcond`` held)."""
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="lmdq-result-writer", daemon=True)
+            self._flusher.start()
 
     @staticmethod
     def wait(futures: list[PendingWrite]) -> None:
@@ -175,9 +180,17 @@ class ResultWriter:
     def _flush_loop(self) -> None:
         while True:
             with self._qcond:
-                while not self._queue:
+                while not self._queue and not self._partials:
                     self._qcond.wait()
                 batch, self._queue = self._queue[:FLUSH_MAX], self._queue[FLUSH_MAX:]
+                partials, self._partials = list(self._partials.values()), {}
+            if partials:
+                try:
+                    self._write_partials(partials)
+                except BaseException as e:  # noqa: BLE001 - a progress hint: never the flusher's end
+                    self.log.warning("partial results not written", error=str(e), n=len(partials))
+            if not batch:
+                continue
             try:
                 write = functools.partial(self.store.write_results_each, [r for r, _ in batch])
                 news = self.call(write, "write results")
@@ -210,18 +223,29 @@ class ResultWriter:
         return self.sink.flush(payload, jlog)
 
     def partial(self, result: Result) -> None:
-        """Best effort: partial text is a progress hint, so a store fault skips it instead of
-        waiting (the final result, written by :meth:`final`, is what must not be lost)."""
+        """Queue in-progress text for the flusher thread, which writes the partials due together in one
+        pipelined call (one script per batch), before the finals of the same flush (so a final written
+        with them drops the partial, and a late partial is refused by the final already there).
+
+        Best effort: partial text is a progress hint, so a store fault skips it instead of waiting (the
+        final result, written by :meth:`final`, is what must not be lost); a newer partial of the same
+        request replaces one not written yet."""
         if self.refusing.is_set():
             return
+        with self._qcond:
+            self._partials[(result.batch_id, result.index)] = result
+            self._ensure_flusher()
+            self._qcond.notify()
+
+    def _write_partials(self, partials: list[Result]) -> None:
         try:
-            self.store.write_partial(result)
+            self.store.write_partials(partials)
         except RETRYABLE_ERRORS as e:
-            self.log.debug("partial result not written", error=str(e))
+            self.log.debug("partial results not written", error=str(e), n=len(partials))
         except redis.ResponseError as e:
             if not is_store_refusal(e):
                 raise
-            self.log.debug("partial result not written", error=str(e))
+            self.log.debug("partial results not written", error=str(e), n=len(partials))
 
     # ---- episodes ----------------------------------------------------------------------------
     def _enter(self, e: Exception, what: str, delay: float) -> None:

@@ -74,6 +74,8 @@ from lmdq.errors import (
     RetryRejected,
     SubmitRejected,
 )
+from lmdq.gates.config import GateConfig, canary_jobs
+from lmdq.gates.store import GateStore
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
 from lmdq.jobs.decode import JobRefused, decode_job
 from lmdq.jobs.queue import JobQueue, job_id_for, job_id_prefix
@@ -167,9 +169,11 @@ def job_payloads(
     blob_url: str | None = None,
     job_sizes: Sequence[int] | None = None,
     reuse_ttl_s: int | None = None,
+    gated: Callable[[int], bool] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Job payload dicts of ``batch_size`` requests each, in request order; with ``job_sizes``
     (prefix groups: src/lmdq/submission/prefix_groups.py), job k takes the next ``job_sizes[k]`` requests.
+    ``gated(job_no)``: the job's results feed the batch's quality gates (``gated`` set in its payload).
 
     A request dict holding ``model`` (a batch over several models) gives its job that model instead of
     ``model``; every request of a job must then name the same one (the submit plans it so)."""
@@ -184,8 +188,11 @@ def job_payloads(
             raise SubmitRejected(f"batch {batch_id}: job {job_no} would mix models {sorted(names)}; nothing was "
                                  "enqueued")
         job_model = names.pop() if names else model
-        return {"format_version": 1, "batch_id": batch_id, "model": job_model, "job_no": job_no, "params": p,
-                "requests": reqs, **urls}
+        out = {"format_version": 1, "batch_id": batch_id, "model": job_model, "job_no": job_no, "params": p,
+               "requests": reqs, **urls}
+        if gated is not None and gated(job_no):
+            out["gated"] = True
+        return out
 
     reqs: list[dict[str, Any]] = []
     job_no = 0
@@ -297,6 +304,8 @@ class BatchLedger:
         self.batch_jobs = BatchJobs(client, keys=keys)
         self.idempotency = IdempotencyKeys(client, keys=keys)
         self._commit = self.batch_jobs.commit
+        #: quality gates (submit --canary / --gate-window): their keys, the held jobs, pause and resume
+        self.gates = GateStore(client, keys=keys)
         self._log = get_logger("lmdq.submission.ledger")
 
     @contextmanager
@@ -391,6 +400,7 @@ class BatchLedger:
     def stage(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None,
+        gated: Callable[[int], bool] | None = None,
     ) -> Staged:
         """Save the batch's job hashes, pipelined ``chunk_jobs`` at a time, without queueing them.
 
@@ -409,6 +419,7 @@ class BatchLedger:
                 results_url=batch.results_url,
                 blob_url=batch.blob_url, reuse_ttl_s=batch.reuse_ttl_s,
                 job_sizes=job_sizes,
+                gated=gated,
             ):
                 reqs += len(payload["requests"])
                 if reqs > total or jobs >= batch.num_jobs:
@@ -427,7 +438,7 @@ class BatchLedger:
             progress(jobs)
         return Staged(jobs=jobs, requests=reqs)
 
-    def commit(self, batch: Batch, staged: Staged) -> int:
+    def commit(self, batch: Batch, staged: Staged, *, held: bool = False) -> int:
         """Make every staged job visible on the batch's queue and mark it ``queued``, in one step.
 
         Refuses (SubmitRejected) a batch whose staged jobs do not add up to its record: a batch
@@ -441,7 +452,8 @@ class BatchLedger:
             )
         qkey, wakes = self._commit_keys(batch)
         with self._refusals():
-            n = self._commit(batch_id=batch.id, queue_key=qkey, wakes=wakes, now=time.time(), ttl_s=RUNNING_TTL_S)
+            n = self._commit(batch_id=batch.id, queue_key=qkey, wakes=wakes, now=time.time(), ttl_s=RUNNING_TTL_S,
+                             hold=self.gates.hold_keys(batch.id) if held else None)
         return max(0, int(n))
 
     def committed(self, batch_id: str) -> bool:
@@ -463,7 +475,7 @@ class BatchLedger:
         derived = {job_id_for(batch.id, n) for n in range(batch.num_jobs)}
         prefix = job_id_prefix(batch.id)
         candidates = [Job.key_for(j) for j in sorted(derived | {j for j in listed if j.startswith(prefix)})]
-        candidates += [self.keys.batch_jobs(batch.id), self.keys.batch(batch.id)]
+        candidates += [self.keys.batch_jobs(batch.id), self.keys.batch(batch.id), *self.gates.all_keys(batch.id)]
         # Read first, delete only what exists: when the refusal was a read-only replica nothing was
         # written, and a rollback that writes nothing cannot be refused in turn.
         present, is_listed = self.batch_jobs.staged(batch.id, candidates)
@@ -477,7 +489,7 @@ class BatchLedger:
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None, fingerprint: str | None = None,
         first_jobs: int | None = None, after_first_commit: Callable[[], None] | None = None,
-        id_chunks: Iterable[str | bytes] = (), resume: bool = False,
+        id_chunks: Iterable[str | bytes] = (), resume: bool = False, gates: GateConfig | None = None,
     ) -> Batch:
         """Create ``batch``, stage its jobs and commit them: all or nothing.
 
@@ -493,7 +505,13 @@ class BatchLedger:
         in order, and written to Redis a bounded number of chunks at a time (:meth:`StagingLeases.begin`).
         ``resume``: ``batch`` is a part-staged batch whose staging lease lapsed, and ``requests`` the same
         submit's (same file, same options): take the lease over and stage what is not visible yet.
+        ``gates``: quality gates (lmdq.gates): with a canary, only its jobs are queued at the commit and the
+        rest are held until its verdict; the whole batch is staged first (``first_jobs`` is ignored: the
+        sample is spread over the whole file, so the file is staged before anything runs).
         """
+        if gates is not None:
+            return self._enqueue_gated(batch, requests, gates, progress=progress, chunk_jobs=chunk_jobs,
+                                       job_sizes=job_sizes, fingerprint=fingerprint)
         if first_jobs is not None or resume:
             return self._enqueue_progressively(batch, requests, progress=progress, chunk_jobs=chunk_jobs,
                                                job_sizes=job_sizes, first_jobs=first_jobs or 8,
@@ -508,6 +526,45 @@ class BatchLedger:
                 self._rollback_quietly(batch)
                 raise
         return self.get(batch.id)
+
+    def _enqueue_gated(self, batch: Batch, requests: Iterable[dict[str, Any]], gates: GateConfig, *,
+                       progress: Progress | None, chunk_jobs: int, job_sizes: Sequence[int] | None,
+                       fingerprint: str | None) -> Batch:
+        """:meth:`enqueue` with quality gates: the gates' keys, then the jobs (canary and window jobs
+        marked ``gated``), then one commit that queues the canary and holds the rest."""
+        total, size = batch.request_counts.total, batch.batch_size
+        sizes = list(job_sizes) if job_sizes else [min(size, total - j * size) for j in range(batch.num_jobs)]
+        canary = set(canary_jobs(gates, sizes))
+        window = gates.window is not None
+        qkey, wakes = self._commit_keys(batch)
+        try:
+            self.create(batch, fingerprint=fingerprint)
+            with self._refusals():
+                self.gates.create(batch.id, gates, canary_job_ids=[job_id_for(batch.id, j) for j in sorted(canary)],
+                                  queue_key=qkey, queues=[rq_queue_key(q) for q in self._queues(batch)],
+                                  wakes=wakes, ttl_s=RUNNING_TTL_S)
+            staged = self.stage(batch, requests, progress=progress, chunk_jobs=chunk_jobs, job_sizes=job_sizes,
+                                gated=lambda j: window or j in canary)
+            self.commit(batch, staged, held=bool(canary))
+        except BaseException as e:
+            if not self._commit_landed(batch, e):
+                self._rollback_quietly(batch)
+                raise
+        self._log.info("batch committed with quality gates", batch=batch.id, canary_jobs=len(canary),
+                       canary_requests=sum(sizes[j] for j in canary),
+                       held_jobs=batch.num_jobs - len(canary) if canary else 0, window=gates.window)
+        return self.get(batch.id)
+
+    def resume(self, batch_id: str) -> Batch:
+        """Run the rest of a ``paused`` batch (its gate failed): its held jobs onto the queue, the rolling
+        window started afresh. Refuses (SubmitRejected) a batch that is not paused."""
+        batch = self.get(batch_id)
+        with self._refusals("the resume did not finish; run it again once Redis accepts writes"):
+            n = self.gates.resume(batch_id)
+        if n < 0:
+            raise SubmitRejected(f"batch {batch_id} is {batch.status.value}, not paused: nothing to resume")
+        self._log.info("paused batch resumed", batch=batch_id, released_jobs=n)
+        return self.get(batch_id)
 
     def _enqueue_progressively(
         self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None, chunk_jobs: int,
@@ -794,7 +851,7 @@ class BatchLedger:
         with self._refusals("the cancel did not finish; run it again once Redis accepts writes"):
             self.store.batches.transition(
                 batch_id,
-                [BatchStatus.validating, BatchStatus.queued, BatchStatus.in_progress],
+                [BatchStatus.validating, BatchStatus.queued, BatchStatus.in_progress, BatchStatus.paused],
                 BatchStatus.cancelling,
                 F.cancelling_at,
             )

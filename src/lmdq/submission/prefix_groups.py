@@ -46,7 +46,7 @@ from lmdq.contract import Endpoint
 from lmdq.submission.formats import ParsedLine
 from lmdq.submission.spill import SpillArray
 
-__all__ = ["LEVELS", "JobPlan", "PrefixKeys", "plan_jobs", "prefix_text"]
+__all__ = ["IMAGE_PREFIX_BYTES", "LEVELS", "JobPlan", "PrefixKeys", "plan_jobs", "prefix_text"]
 
 #: the prefix lengths hashed, in bytes, as multiples of the shortest (``LMDQ_PREFIX_GROUP_BYTES``)
 LEVELS = (1, 2, 4, 8, 16, 32)
@@ -61,7 +61,7 @@ def prefix_text(item: ParsedLine, limit: int) -> str:
     is rendered as one user message, so it is written as one."""
     if item.messages is None:
         prompt: str = item.prompt or ""
-        if item.endpoint in (Endpoint.completion, Endpoint.score):  # a score prompt is raw text too
+        if item.endpoint in (Endpoint.completion, Endpoint.score, Endpoint.embedding):  # raw text too
             return "P\x1d" + prompt[:limit]
         return ("C\x1duser\x1f" + prompt[:limit])[:limit]
     parts = ["C\x1d"]
@@ -69,13 +69,31 @@ def prefix_text(item: ParsedLine, limit: int) -> str:
     for m in item.messages:
         content = m.get("content")
         if isinstance(content, list):
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            content = "".join(_image_stand_in(p) if p.get("type") == "image_url" else str(p.get("text", ""))
+                              for p in content if isinstance(p, dict))
         piece = f"{m.get('role')}\x1f{content}\x1e"
         parts.append(piece)
         size += len(piece)
         if size >= limit:
             break
     return "".join(parts)[:limit]
+
+
+IMAGE_PREFIX_BYTES = 1024
+"""What one image part weighs in a prompt's prefix text (issue 48): a vision-language model puts hundreds of
+tokens per image in the prompt (576 for LLaVA-1.5), so an image is a long prefix: two requests over the same
+image first (several questions about one picture) share at least 1 KiB (two levels at the default
+``LMDQ_PREFIX_GROUP_BYTES``) and are grouped into the same jobs; different images diverge at once. Where an
+engine caches prefixes, that keeps one image's vision tokens hot; everywhere, the worker reads an image named
+twice in a job once (worker/images.py). (LMDeploy 0.18 turns prefix caching off for VL models itself.)"""
+
+
+def _image_stand_in(part: dict[str, Any]) -> str:
+    """An image part in the prefix text: its reference's hash, repeated to IMAGE_PREFIX_BYTES (never its bytes)."""
+    img = part.get("image_url")
+    url = img.get("url") if isinstance(img, dict) else None
+    tag = "\x1c" + hashlib.blake2b(str(url).encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return (tag * (IMAGE_PREFIX_BYTES // len(tag) + 1))[:IMAGE_PREFIX_BYTES]
 
 
 class PrefixKeys:

@@ -298,11 +298,12 @@ def watch(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Batch:
-    """Poll ``get`` until the batch ends (or ``deadline``, on ``clock``), showing each poll on
-    ``progress``; returns the last batch seen (the caller tells a timeout by its status)."""
+    """Poll ``get`` until the batch ends or is paused (a quality gate failed: only ``resume`` or ``cancel``
+    moves it on), or ``deadline`` (on ``clock``), showing each poll on ``progress``; returns the last batch
+    seen (the caller tells a timeout by its status)."""
     b = first
     progress.update(b)
-    while not b.status.terminal:
+    while not b.status.terminal and b.status is not BatchStatus.paused:
         if deadline is not None and clock() >= deadline:
             return b
         sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - clock())))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from lmdq.batches.headroom import DEFAULT_FRACTION
+from lmdq.contract import MAX_REUSE_TTL_S
 from lmdq.settings import CommonSettings
 
 __all__ = ["ProducerSettings"]
@@ -22,6 +23,11 @@ class ProducerSettings(CommonSettings):
         default=512, ge=16, le=1 << 20,
         description="shortest shared prompt prefix, in bytes, that groups requests (up to 32x are compared)",
     )
+    reuse: bool = Field(
+        default=False, description="submit's --reuse default (issue 47): answer a deterministic request from an "
+        "identical earlier one's stored result and record this batch's answers for later batches")
+    reuse_ttl_s: int = Field(default=30 * 86400, ge=60, le=MAX_REUSE_TTL_S,
+                             description="how long a --reuse batch's answers stay reusable (submit --reuse-ttl)")
     memory_headroom_fraction: float = Field(
         default=DEFAULT_FRACTION, ge=0, le=1, description="submit refuses a batch that would take Redis past this "
         "share of its maxmemory (LMDQ_MEMORY_HEADROOM_FRACTION; 0 = no check; see lmdq.batches.headroom)"

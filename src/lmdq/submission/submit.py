@@ -29,7 +29,7 @@ import json
 import os
 import shlex
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +42,11 @@ from pydantic import ValidationError
 
 from lmdq.batches.headroom import check_batch_fits
 from lmdq.batches.staging import IDS_CHUNK
-from lmdq.contract import Batch, BatchStatus, GenerationParams, Priority, RequestCounts
+from lmdq.contract import Batch, BatchStatus, Endpoint, GenerationParams, Priority, Request, RequestCounts
 from lmdq.errors import SubmitRejected, UnknownModel
+from lmdq.gates.config import GateConfig
+from lmdq.images.parts import image_urls
+from lmdq.images.refs import ImageChecker, ImageRefError
 from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
 from lmdq.results.output_urls import check_submit_urls
@@ -64,6 +67,8 @@ from lmdq.submission.ledger import BatchLedger, StagingLeaseLost, job_payloads, 
 from lmdq.submission.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 from lmdq.submission.settings import ProducerSettings
 from lmdq.submission.spill import IdChunks, IdHashes, RequestSpill, SpillArray
+from lmdq.webhooks.signing import new_secret
+from lmdq.webhooks.store import WebhookStore
 
 __all__ = [
     "SubmitOptions",
@@ -74,6 +79,9 @@ __all__ = [
 ]
 
 Progress = Callable[[int], None]
+
+TEXT_ENDPOINTS = (Endpoint.chat, Endpoint.completion, Endpoint.embedding)
+"""What ``--endpoint`` may make of a text file's lines (each a plain prompt; score and reward need more)."""
 
 
 @dataclass
@@ -90,6 +98,9 @@ class SubmitOptions:
     limits: InputLimits = field(default_factory=InputLimits)
     max_errors: int = 20
     fmt: InputFormat | None = None
+    #: submit's ``--endpoint`` / ``endpoint=``: every line's endpoint (a text file's lines, a JSONL line naming
+    #: none); a line naming another is refused. None: each line's own (chat by default)
+    endpoint: Endpoint | None = None
     results_url: str | None = None
     blob_url: str | None = None
     #: prefix-aware job formation (src/lmdq/submission/prefix_groups.py): requests sharing a prompt prefix of at
@@ -114,6 +125,7 @@ class SubmitOptions:
     #: error, three spellings): the CLI's flags by default, ``model=`` / ``allow_unknown_model=True`` from
     #: Python; None for the HTTP API, whose caller cannot pass one
     model_option: str = "--model"
+    endpoint_option: str = "--endpoint"
     allow_unknown_hint: str | None = "--allow-unknown-model"
     #: what the batch record names as its input when ``path`` is a copy of it: ``-`` for stdin (a
     #: temporary file, src/lmdq/submission/stdin_input.py), or the client's spool of a DataFrame, a Parquet file
@@ -121,6 +133,33 @@ class SubmitOptions:
     input_name: str | None = None
     #: LMDQ_STAGING_LEASE_S: the staging lease this submit renews while it stages (lmdq.settings.CommonSettings)
     staging_lease_s: float = default_of(ProducerSettings, "staging_lease_s")
+    #: Unix time the batch should be done by (issue 46: earliest-deadline-first claims); None: none
+    deadline: float | None = None
+    #: issue 48 (lmdq.webhooks): the URL told of the batch's end, already checked against the allow list, and
+    #: whose secret signs its events (None: ``default``); submit makes the tenant's secret if it has none
+    webhook: str | None = None
+    webhook_tenant: str | None = None
+    #: the HTTP API batch this submit runs: its events name that id (lmdq.webhooks.store.WEBHOOK_EVENT)
+    webhook_as: str | None = None
+    #: image inputs (issue 48, lmdq.images.refs): the folder relative image paths resolve against
+    #: (``--image-dir``); each reference is checked in pass 1, and a relative path reaches the job absolute
+    image_dir: str | None = None
+    #: LMDQ_MAX_IMAGE_BYTES: the largest image a reference may name (or a data: URL hold)
+    max_image_bytes: int = default_of(ProducerSettings, "max_image_bytes")
+    #: the HTTP API's LMDQ_API_IMAGE_ROOT: local image paths must lie inside it; ``allow_local_images`` False
+    #: refuses local paths outright (an API without a root)
+    image_root: str | None = None
+    allow_local_images: bool = True
+    #: ``--reuse`` (issue 47): how long the batch's answers stay reusable; None: the batch does not reuse
+    reuse_ttl_s: int | None = None
+
+    def image_checker(self) -> ImageChecker:
+        """How this submit checks image references (lmdq.images.refs.ImageChecker)."""
+        return ImageChecker(max_bytes=self.max_image_bytes, image_dir=self.image_dir, root=self.image_root,
+                            allow_local=self.allow_local_images)
+    #: quality gates (``--canary``, ``--gate``, ``--gate-window``; lmdq.gates): a canary runs first and the rest
+    #: only if it passes; the whole file is staged before anything runs (``first_jobs`` does not apply)
+    gates: GateConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -164,14 +203,14 @@ def _params_json(params: GenerationParams) -> bytes:
     return data
 
 
-def _request_json(index: int, item: ParsedLine, *, with_model: bool) -> bytes:
+def _request_json(index: int, item: ParsedLine, *, with_model: bool, images: ImageChecker | None = None) -> bytes:
     """The request as its job holds it (index, custom_id, endpoint, prompt or messages, params, continuations), as
     JSON; ``with_model``: with the line's model (pass 2 drops it unless the batch runs on several models)."""
     d: dict[str, Any] = {"index": index, "custom_id": item.custom_id, "endpoint": item.endpoint.value}
     if with_model and item.model is not None:
         d["model"] = item.model
-    if item.messages is not None:
-        d["messages"] = item.messages
+    if item.messages is not None:  # image references as the job carries them (relative paths made absolute)
+        d["messages"] = item.messages if images is None else _with_image_refs(item.messages, images)
     else:
         d["prompt"] = item.prompt
     if item.params is not None:
@@ -277,9 +316,11 @@ def _validate(
     spilled = spills.enter_context(RequestSpill(spill_dir))
     named = lines is not None
     sampling = _SamplingTally()
+    images = opts.image_checker()
+    fields = "body.messages" if opts.fmt is InputFormat.openai else "messages"
     try:
         size, mtime_ns = _stat(path)
-        for offset, data, item in iter_records_data(path, fmt=opts.fmt, limits=opts.limits):
+        for offset, data, item in iter_records_data(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
             if isinstance(item, InputError):
                 errors.append(str(item))
                 if len(errors) >= opts.max_errors:
@@ -288,6 +329,11 @@ def _validate(
                 continue
             if progress:
                 progress(item.line_no)
+            if item.messages is not None and not _images_ok(path, item, images, fields, errors):
+                if len(errors) >= opts.max_errors:
+                    errors.append(f"{path}: stopping after {opts.max_errors} errors")
+                    break
+                continue
             if lines is not None:
                 if not lines.add(path, item, errors):
                     if len(errors) >= opts.max_errors:
@@ -296,7 +342,7 @@ def _validate(
                     continue
             hashes.add(_h64(item.custom_id))
             line_crcs.append(crc32(data))  # type: ignore[arg-type]  # an accepted line has its bytes
-            spilled.add(_request_json(n, item, with_model=named))
+            spilled.add(_request_json(n, item, with_model=named, images=images))
             if prefixes is not None:
                 prefixes.add(offset, item, model=item.model if lines is not None else None)
             sampling.add(item)
@@ -340,6 +386,41 @@ def _validate(
     return seen, model, prefixes, model_line, several
 
 
+def _images_ok(path: Path, item: ParsedLine, images: ImageChecker, fields: str, errors: list[str]) -> bool:
+    """Check every image reference of ``item`` (exists, readable, an image, within the size limit) WITHOUT
+    keeping its bytes; False, with one error naming the line and the part's field, for the first bad one."""
+    assert item.messages is not None
+    for i, j, url in image_urls(item.messages):
+        try:
+            images.check(url)
+        except ImageRefError as e:
+            errors.append(f"{path}:{item.line_no}: field '{fields}[{i}].content[{j}].image_url.url': {e}")
+            return False
+    return True
+
+
+def _with_image_refs(messages: list[dict[str, Any]], images: ImageChecker) -> list[dict[str, Any]]:
+    """``messages`` with each image reference as its job carries it (a relative path made absolute); the
+    same list when it has no image part (the common case: no copy)."""
+    if not any(True for _ in image_urls(messages)):
+        return messages
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if (isinstance(part, dict) and part.get("type") == "image_url"
+                        and isinstance(part.get("image_url"), dict)):
+                    img = dict(part["image_url"])
+                    img["url"] = images.normalize(img["url"])
+                    part = {**part, "image_url": img}
+                parts.append(part)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
+
+
 class _SamplingTally:
     """Lines whose sampling knobs came without ``do_sample`` (formats.validation.imply_sampling),
     counted so the file gets one warning per kind, not one per line."""
@@ -379,7 +460,7 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
         return []
     first: dict[str, int] = {}
     out: list[str] = []
-    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits):
+    for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
         if isinstance(item, ParsedLine) and _h64(item.custom_id) in dup:
             if item.custom_id in first:
                 out.append(
@@ -483,6 +564,12 @@ def submit_fingerprint(path: Path, opts: SubmitOptions) -> str:
         "blob_url": opts.blob_url, "prefix_groups": opts.prefix_groups,
         "prefix_group_bytes": opts.prefix_group_bytes if opts.prefix_groups else None,
     }
+    if opts.endpoint is not None:  # only when given: the fingerprints of submits without it stay what they were
+        options["endpoint"] = opts.endpoint.value
+    if opts.image_dir is not None:  # only when given: keys bound before image inputs keep their fingerprint
+        options["image_dir"] = opts.image_dir
+    if opts.reuse_ttl_s is not None:  # only when set: a key bound before issue 47 still matches its re-run
+        options["reuse_ttl_s"] = opts.reuse_ttl_s
     h.update(b"\x00" + json.dumps(options, sort_keys=True).encode())
     return f"file:{h.hexdigest()}"
 
@@ -507,6 +594,8 @@ def submit_file(
     if opts.batch_size < 1:
         raise SubmitRejected(f"--batch-size: expected >= 1, got {opts.batch_size}")
     check_submit_urls(opts.results_url, opts.blob_url)
+    if opts.webhook:  # the secret exists before any event can: a deliverer never finds an event it cannot sign
+        WebhookStore(client, keys=keys).ensure_secret(opts.webhook_tenant or "default", new_secret())
     ledger = BatchLedger(client, keys=keys, ttl_s=ttl_s, max_job_bytes=max_job_bytes,
                          staging_lease_s=opts.staging_lease_s)
     fingerprint = None
@@ -529,6 +618,10 @@ def submit_file(
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
     opts.fmt = fmt
+    if fmt is InputFormat.text and opts.endpoint is not None and opts.endpoint not in TEXT_ENDPOINTS:
+        raise SubmitRejected(f"{opts.endpoint_option}: a text file's lines are plain prompts: expected one of "
+                             f"{', '.join(e.value for e in TEXT_ENDPOINTS)}, got {opts.endpoint.value!r} (it needs "
+                             "JSONL lines)")
     # what pass 1 keeps per request waits in temporary files until the submit returns or fails: beside the
     # input when it is a copy of one (the client's spool, stdin's temporary file), else in TMPDIR
     spill_dir = str(path.parent) if opts.input_name is not None else None
@@ -589,8 +682,13 @@ def submit_file(
                 metadata=opts.metadata,
                 idempotency_key=opts.idempotency_key,
                 completion_window_s=opts.completion_window_s,
+                deadline=opts.deadline,
                 results_url=opts.results_url,
                 blob_url=opts.blob_url,
+                reuse_ttl_s=opts.reuse_ttl_s,
+                webhook=opts.webhook,
+                webhook_tenant=opts.webhook_tenant if opts.webhook else None,
+                webhook_as=opts.webhook_as if opts.webhook else None,
                 created_at=now,
                 expires_at=(now + opts.completion_window_s) if opts.completion_window_s else None,
             )
@@ -607,13 +705,19 @@ def submit_file(
             requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None)
         else:
             requests = _file_requests(path, opts, seen)
+        counter = (_ReuseCount(client, keys, model, opts.params)
+                   if opts.reuse_ttl_s is not None and several is None else None)
         try:
             if opts.after_validation is not None:
                 opts.after_validation()
-            batch = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
+            batch = ledger.enqueue(batch, counter.counting(requests) if counter is not None else requests,
+                                   progress=enqueue_progress, chunk_jobs=chunk_jobs,
                                    job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
                                    first_jobs=opts.first_jobs, after_first_commit=opts.after_first_commit,
-                                   id_chunks=seen.id_chunks.chunks())
+                                   id_chunks=seen.id_chunks.chunks(), gates=opts.gates)
+            if counter is not None and counter.found is not None:
+                ledger.records.note_reusable(batch.id, counter.found)
+                batch = batch.model_copy(update={"reusable": counter.found})
         except BaseException:
             if opts.idempotency_key:  # enqueue's rollback releases it too; this covers a failure before it
                 ledger.release_key(opts.idempotency_key, batch_id)
@@ -621,6 +725,41 @@ def submit_file(
         finally:
             requests.close()
         return batch, True
+
+
+class _ReuseCount:
+    """Counts, as pass 2 streams the requests to the ledger, how many the reuse index answers now (issue 47:
+    ``status`` shows it before anything runs); a chunk of requests is looked up at a time."""
+
+    CHUNK = 1000
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, params: GenerationParams) -> None:
+        from lmdq.reuse.index import ReuseIndex
+        from lmdq.reuse.store import ReuseStore
+
+        self.index = ReuseIndex(ReuseStore(client, keys=keys))
+        self.model = model
+        self.params = params
+        self.found: int | None = 0 if self.index.store.published(model) is not None else None
+
+    def _add(self, chunk: list[Request]) -> None:
+        if self.found is not None and chunk:
+            self.found += self.index.known(self.model, chunk, self.params) or 0
+        chunk.clear()
+
+    def counting(self, requests: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        chunk: list[Request] = []
+        for d in requests:
+            yield d
+            if self.found is None:
+                continue
+            try:
+                chunk.append(Request.model_validate({k: v for k, v in d.items() if k != "model"}))
+            except ValidationError:
+                continue  # not one this build can key: counted as not reusable
+            if len(chunk) >= self.CHUNK:
+                self._add(chunk)
+        self._add(chunk)
 
 
 def _resume(

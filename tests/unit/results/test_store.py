@@ -36,20 +36,42 @@ def test_many_finals_go_in_one_pipeline_with_per_result_answers(client: redis.Re
     assert finals == [b"a", b"x", b"c", None] and partials == [None] * 4
 
 
+def test_a_group_is_one_script_call_per_batch_with_counters_added_once(client: redis.Redis, prefix: str) -> None:
+    r = _records(client, prefix, "b1")
+    _records(client, prefix, "b2")
+    k = Keys(prefix)
+    client.hset(k.batch("b2"), mapping={BatchField.total.value: 2})
+    failed = ("b1", 3, "f", BatchField.failed.value, 1.0, 60, 0, "")
+    writes = [_final(0, "a"), _final(0, "b2-0", batch_id="b2"), _final(1, "b"), failed, _final(0, "dup"),
+              _final(1, "b2-1", batch_id="b2")]
+    client.config_resetstat()
+    assert r.write_finals(writes) == [True, True, True, True, False, True]
+    calls = {key: v["calls"] for key, v in client.info("commandstats").items()}
+    assert calls.get("cmdstat_evalsha", 0) + calls.get("cmdstat_eval", 0) == 2  # one per batch, not per result
+    assert calls["cmdstat_hincrby"] == 4 + 3  # b1: completed, by_model:m:completed, failed, output_tokens; b2: 3
+    b1 = client.hgetall(k.batch("b1"))
+    assert b1[b"completed"] == b"2" and b1[b"failed"] == b"1" and b1[b"output_tokens"] == b"6"
+    assert b1[b"by_model:m:completed"] == b"2" and b"by_model::failed" not in b1
+    b2 = client.hgetall(k.batch("b2"))
+    assert b2[b"completed"] == b"2" and b2[b"status"] == b"completed"  # its last result ended it, once
+    assert client.ttl(k.results("b1")) > 0
+
+
 def test_a_write_for_a_batch_without_a_record_is_refused(client: redis.Redis, prefix: str) -> None:
     r = ResultRecords(client, keys=Keys(prefix))
     assert r.write_final(_final(0, "a", batch_id="gone")) is False
+    assert r.write_finals([_final(0, "a", batch_id="gone"), _final(1, "b", batch_id="gone")]) == [False, False]
     assert not client.exists(Keys(prefix).results("gone"))
 
 
 def test_partials_are_read_beside_finals_and_dropped_by_the_final(client: redis.Redis, prefix: str) -> None:
     r = _records(client, prefix)
-    assert r.write_partial("b1", 0, "p0", 60) and r.write_partial("b1", 1, "p1", 60)
+    assert r.write_partials([("b1", 0, "p0", 60), ("b1", 1, "p1", 60), ("gone", 0, "x", 60)]) == [True, True, False]
     assert r.partial_count("b1") == 2
     assert r.read("b1", [0, 1], partial=True) == ([None, None], [b"p0", b"p1"])
     with client.pipeline(transaction=False) as p:
         assert r.write_final(_final(0, "f0"), pipe=p) is True  # in a pipeline: the answer is execute's
-        assert p.execute() == [1]
+        assert p.execute() == [[1]]  # the script answers one 0/1 per result it was given
     assert r.partial_count("b1") == 1
     assert r.read("b1", [0, 1], partial=True) == ([b"f0", None], [None, b"p1"])
 

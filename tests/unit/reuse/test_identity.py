@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmdq.contract import GenerationParams, Request
-from lmdq.reuse.identity import effective_params, identity, qualifies, request_key, worker_key
+from lmdq.reuse.identity import effective_params, identity, inline_inputs, qualifies, request_key, worker_key
 
 W = worker_key(engine="sim", config={"step_ms": 1}, weights="abc")
 
@@ -38,6 +38,16 @@ def test_the_worker_key_covers_weights_config_engine_and_adapter() -> None:
     assert len({ident(b, w=w) for w in [W, *others]}) == 5
 
 
+def test_only_inline_images_are_part_of_an_identity() -> None:
+    def with_image(url: str) -> Request:
+        return Request(index=0, custom_id="a", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]}])
+
+    assert inline_inputs(Request(index=0, custom_id="a", prompt="x"))
+    assert inline_inputs(with_image("data:image/png;base64,AAAA"))
+    assert not inline_inputs(with_image("/data/cat.png")) and not inline_inputs(with_image("https://x/cat.png"))
+
+
 def test_only_deterministic_requests_qualify() -> None:
     greedy = GenerationParams().resolved()
     assert qualifies(greedy, repeats_seeds=False)
@@ -46,3 +56,22 @@ def test_only_deterministic_requests_qualify() -> None:
     seeded = GenerationParams(do_sample=True, random_seed=3).resolved()
     assert qualifies(seeded, repeats_seeds=True) and not qualifies(seeded, repeats_seeds=False)
     assert not qualifies(GenerationParams(output_logits="generation").resolved(), repeats_seeds=True)
+
+
+def test_a_shared_params_key_gives_the_same_identity() -> None:
+    from lmdq.reuse.identity import params_key
+
+    r = Request(index=0, custom_id="a", prompt="x")
+    p = GenerationParams(max_new_tokens=7).resolved()
+    assert request_key(p, r) == request_key(params_key(p), r)
+    assert request_key(params_key(p), r) != request_key(params_key(GenerationParams().resolved()), r)
+
+
+def test_every_request_field_but_index_custom_id_and_params_is_input() -> None:
+    a = Request(index=0, custom_id="a", prompt="x", endpoint="score", continuations=["yes"])
+    b = Request(index=0, custom_id="a", prompt="x", endpoint="score", continuations=["no"])
+    assert ident(a) != ident(b)
+    m1 = Request(index=0, custom_id="a", messages=[{"role": "user", "content": "hi"}])
+    m2 = Request(index=0, custom_id="a", messages=[{"role": "system", "content": "hi"}])
+    assert ident(m1) != ident(m2)
+    assert ident(m1) == ident(Request(index=3, custom_id="z", messages=[{"role": "user", "content": "hi"}]))

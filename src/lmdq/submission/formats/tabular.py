@@ -23,6 +23,11 @@ Decisions:
 * ``model_column`` names each row's served model (one batch over several models); rows never take a
   ``model`` column unless it is named (a dataset's ``model`` column often says which model wrote a row).
 * A ``messages`` cell is a list of ``{role, content}`` structs, or a JSON string of one (CSV).
+* ``image_column`` (issue 48) names each row's image: a path or URL string (a relative path resolves against
+  the batch's ``image_dir``), the image's bytes (kept inline as a ``data:`` URL, up to
+  ``LMDQ_MAX_IMAGE_BYTES``), or a Hugging Face ``Image`` struct ``{bytes, path}``. The row becomes one user
+  message: the image part, then the prompt's text (``prompt_column`` / ``template``) when the row has one.
+  The reference is checked here (exists, an image, the size limit), so a bad one names its row and column.
 """
 
 from __future__ import annotations
@@ -34,10 +39,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmdq.contract import Endpoint
+from lmdq.images.refs import ImageChecker, ImageRefError, data_url, sniff
 from lmdq.submission.formats.jsonl import _parse_jsonl
 from lmdq.submission.formats.records import ParsedLine, _got, _LineError
 
 __all__ = ["ColumnMap", "RowError", "RowMapper", "chunked", "iter_row_requests"]
+
+_IMAGE_FIELD = "image"
+"""The field name an image column's errors carry (mapped back to the column by :meth:`RowMapper.column_of`)."""
 
 ROW_CHUNK = 4096
 """Items of a Python iterable converted per chunk."""
@@ -73,12 +82,17 @@ class ColumnMap:
     #: on the batch's ``model``. Never picked by default: a dataset's ``model`` column often says which
     #: model WROTE a row, not which should answer it
     model_column: str | None = None
+    #: the column holding each row's image (a path / URL, or bytes): the row's user message gets an image part
+    image_column: str | None = None
 
     def __post_init__(self) -> None:
         given = [n for n, v in (("prompt_column", self.prompt_column), ("messages_column", self.messages_column),
                                 ("template", self.template)) if v is not None]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)}: pass one of them")
+        if self.image_column is not None and self.messages_column is not None:
+            raise ValueError("image_column and messages_column: an image column goes with prompt_column or template "
+                             "(put image parts in the messages themselves instead)")
         if self.template is not None:
             self.template_fields()  # a malformed template fails here, before any row is read
 
@@ -109,7 +123,8 @@ class ColumnMap:
 
     def columns(self) -> list[str]:
         """The columns a tabular source must have (checked against its schema before any row)."""
-        out = [c for c in (self.prompt_column, self.messages_column, self.id_column, self.model_column) if c]
+        out = [c for c in (self.prompt_column, self.messages_column, self.id_column, self.model_column,
+                           self.image_column) if c]
         if self.template is not None:
             out += self.template_fields()
         return out + list(self.params)
@@ -118,9 +133,11 @@ class ColumnMap:
 class RowMapper:
     """One row (a dict of columns, or a string) -> a ParsedLine or a RowError."""
 
-    def __init__(self, name: str, cmap: ColumnMap) -> None:
+    def __init__(self, name: str, cmap: ColumnMap, images: ImageChecker | None = None) -> None:
         self.name = name
         self.cmap = cmap
+        #: checks an image column's references (its image_dir, size limit); default: no image_dir
+        self.images = images if images is not None else ImageChecker()
         self.params = cmap.params
         self.explicit = cmap.prompt_column or cmap.messages_column or cmap.template
         self.prompt_col = cmap.prompt_column or ("prompt" if not self.explicit else None)
@@ -143,6 +160,8 @@ class RowMapper:
             return self.id_col
         if base == "model" and self.cmap.model_column is not None:
             return self.cmap.model_column
+        if base == _IMAGE_FIELD and self.cmap.image_column is not None:
+            return self.cmap.image_column
         if base == "params" and rest:
             name = rest.split(".")[0].split("[")[0]
             return self.param_src.get(name, field)
@@ -201,6 +220,8 @@ class RowMapper:
             obj["model"] = row.get(cm.model_column)
             if obj["model"] is None:
                 raise _LineError("model", "expected a served model name, got null")
+        if cm.image_column is not None:
+            self._add_image(obj, row.get(cm.image_column), cm.image_column in row)
         ep = self.endpoint or (row.get("endpoint") if not self.explicit else None)
         if ep is not None:
             obj["endpoint"] = ep
@@ -208,6 +229,34 @@ class RowMapper:
             cont = row["continuations"]
             obj["continuations"] = list(cont) if isinstance(cont, tuple) else cont
         return obj
+
+    def _add_image(self, obj: dict[str, Any], cell: Any, present: bool) -> None:
+        """Turn the row's prompt into one user message: its image part (the cell, checked), then its text."""
+        if isinstance(cell, Mapping):  # a Hugging Face Image feature: {"bytes": ..., "path": ...}
+            cell = cell.get("bytes") if cell.get("bytes") is not None else cell.get("path")
+        if cell is None:
+            raise _LineError(_IMAGE_FIELD, "expected an image (a path, a URL or its bytes), got null" if present
+                             else "the column is missing")
+        try:
+            if isinstance(cell, (bytes, bytearray, memoryview)):
+                data = bytes(cell)
+                if len(data) > self.images.max_bytes:
+                    raise ImageRefError(f"image is {len(data):,} bytes, over the limit of {self.images.max_bytes:,} "
+                                        "(LMDQ_MAX_IMAGE_BYTES)")
+                if sniff(data[:16]) is None:
+                    raise ImageRefError("the bytes are not an image lmdq knows (PNG, JPEG, GIF, WebP, BMP, TIFF)")
+                url = data_url(data)
+            elif isinstance(cell, str):
+                url = self.images.check(cell)
+            else:
+                raise ImageRefError(f"expected a path, a URL or the image's bytes, got {_got(cell)}")
+        except ImageRefError as e:
+            raise _LineError(_IMAGE_FIELD, str(e)) from None
+        content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}}]
+        prompt = obj.pop("prompt", None)
+        if prompt is not None:
+            content.append({"type": "text", "text": prompt})
+        obj["messages"] = [{"role": "user", "content": content}]
 
     def _render(self, row: Mapping[str, Any]) -> str:
         assert self.cmap.template is not None
@@ -234,11 +283,11 @@ def _messages(cell: Any) -> Any:
     return cell
 
 
-def iter_row_requests(name: str, chunks: Iterable[Sequence[Any]], cmap: ColumnMap
-                      ) -> Iterator[tuple[ParsedLine, dict[str, Any]] | RowError]:
+def iter_row_requests(name: str, chunks: Iterable[Sequence[Any]], cmap: ColumnMap,
+                      images: ImageChecker | None = None) -> Iterator[tuple[ParsedLine, dict[str, Any]] | RowError]:
     """Per row of ``chunks`` (lists of rows), in order, rows numbered from 0: (the request, the lmdq JSONL
     object that parses to it) or a RowError."""
-    mapper = RowMapper(name, cmap)
+    mapper = RowMapper(name, cmap, images)
     row_no = 0
     for chunk in chunks:
         for row in chunk:

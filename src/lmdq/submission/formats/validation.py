@@ -13,6 +13,7 @@ from pydantic.fields import FieldInfo
 
 from lmdq.contract import ChatMessage, GenerationParams, Request
 from lmdq.guided import check as check_response_format
+from lmdq.images.parts import part_problem
 from lmdq.submission.formats.records import Sampling, _got, _join, _LineError
 
 # --------------------------------------------------------------------------------------------
@@ -244,16 +245,21 @@ def _check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
         if not content:
             raise _LineError(f"{field}[{i}].content", "expected at least one text part, got an empty list")
         for j, part in enumerate(content):
-            where = f"{field}[{i}].content[{j}]"
-            if not isinstance(part, dict):
-                raise _LineError(where, f"expected a content part object {{'type': 'text', ...}}, got {_got(part)}")
-            if part.get("type") != "text":
-                raise _LineError(
-                    f"{where}.type", f"expected 'text' (lmdq serves text-only models), got {_got(part.get('type'))}"
-                )
-            if not isinstance(part.get("text"), str):
-                raise _LineError(f"{where}.text", f"expected a string, got {_got(part.get('text'))}")
+            problem = part_problem(part)
+            if problem is not None:
+                sub, message = problem
+                where = f"{field}[{i}].content[{j}]{sub}"
+                got = part if sub == "" else part.get("type") if sub == ".type" else _dig(part, sub)
+                raise _LineError(where, f"{message}, got {_got(got)}")
     return messages
+
+
+def _dig(part: dict[str, Any], sub: str) -> Any:
+    """The value at ``sub`` (``.image_url.url``) inside a content part, for the error's 'got'."""
+    value: Any = part
+    for key in sub.strip(".").split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 def _check_continuations(value: Any, field: str) -> tuple[str, ...]:
