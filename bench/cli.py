@@ -314,7 +314,8 @@ def e2e(
     model: Annotated[str | None, typer.Option(help="model folder")] = None,
     random_llama8b: Annotated[Path | None, typer.Option(help="build a random Llama-3-8B-shaped model here")] = None,
     tokenizer_from: Annotated[Path | None, typer.Option(help="tokenizer for --random-llama8b")] = None,
-    workload: Annotated[str, typer.Option(help="mixed (completion, ignore_eos) | chat (real chat, stops at EOS)")
+    workload: Annotated[str, typer.Option(help="mixed (completion, ignore_eos) | chat (real chat, stops at EOS) | "
+                                               "image (a question about one image each: a VLM)")
                         ] = "mixed",
     n: Annotated[int, typer.Option(help="prompts per batch")] = 1024,
     batches: Annotated[int, typer.Option(min=1, help="batches a side (the first reported apart)")] = 3,
@@ -458,6 +459,33 @@ def fleet(
     _emit(res, output)
 
 
+@app.command("plan")
+def plan_cmd(
+    requests: Annotated[int, typer.Option(help="lines of the planned file")] = 10_000,
+    history: Annotated[int, typer.Option(help="requests the fleet runs first (the model's history)")] = 2_000,
+    workers: Annotated[int, typer.Option(help="sim worker processes")] = 2,
+    capacity: Annotated[int, typer.Option(help="engine slots per worker (--sim-max-batch)")] = 128,
+    batch_size: Annotated[int, typer.Option(help="requests per job")] = 32,
+    step_ms: Annotated[float, typer.Option(help="the sim workers' --sim-step-ms")] = 4.0,
+    prefill_us: Annotated[float, typer.Option(help="the sim workers' --sim-prefill-us-per-token")] = 20.0,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
+) -> None:
+    """A plan's predicted GPU-seconds and input tokens against the measured sim run that follows (issue 46).
+    The LAST line printed is a JSON object."""
+    from lmdq.logs.config import configure_logging
+    from lmdq_bench.local_redis import local_redis
+    from lmdq_bench.plan_bench import PlanBenchConfig, run_plan_bench, table
+
+    configure_logging("json", "WARNING")
+    cfg = PlanBenchConfig(requests=requests, history=history, workers=workers, capacity=capacity,
+                          batch_size=batch_size, step_ms=step_ms, prefill_us=prefill_us)
+    with local_redis(redis_url) as url:
+        res = run_plan_bench(cfg, redis_url=url, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(table(res))
+    _emit(res, output)
+
+
 @app.command()
 def sink(
     n: Annotated[int, typer.Option(help="requests in the batch")] = 100_000,
@@ -487,9 +515,12 @@ def sink(
 def reuse(
     n: Annotated[int, typer.Option(help="requests in the batch (run twice)")] = 1_000_000,
     batch_size: Annotated[int, typer.Option(help="requests per job")] = 1000,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer (sim engine decode steps)")] = 64,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens per answer (sim engine decode steps)")] = 256,
     step_ms: Annotated[float, typer.Option(help="sim engine: ms per decode step")] = 5.0,
     max_batch: Annotated[int, typer.Option(help="sim engine: sequences decoded at once")] = 256,
+    index_n: Annotated[int, typer.Option(help="also: fill an index of this many entries through the worker's "
+                                              "record call and weigh it (bytes per entry at that size; 0: no)")
+                       ] = 1_000_000,
     redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
     output: Annotated[Path | None, typer.Option("-o")] = None,
 ) -> None:
@@ -500,13 +531,16 @@ def reuse(
 
     with local_redis(redis_url) as url:
         res = run_reuse_bench(n=n, batch_size=batch_size, tokens=max_new_tokens, redis_url=url,
-                              sim={"step_ms": step_ms, "max_batch": max_batch},
+                              sim={"step_ms": step_ms, "max_batch": max_batch}, index_n=index_n,
                               log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"first run {res['first']['run_s']:,.1f} s, second run {res['second']['run_s']:,.1f} s: "
           f"{res['speedup_run']}x faster ({res['second']['engine_steps']} engine steps, identical answers: "
           f"{res['identical_answers']}, reused_from on {res['reused_from_set']:,} of {res['n']:,})")
     print(f"reuse index: {res['index_entries']:,} entries, {res['index_bytes']:,} bytes, "
           f"{res['index_bytes_per_entry']} B/entry")
+    if res["index_fill"]:
+        f = res["index_fill"]
+        print(f"reuse index filled to {f['entries']:,} entries: {f['bytes']:,} bytes, {f['bytes_per_entry']} B/entry")
     _emit(res, output)
 
 

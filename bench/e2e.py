@@ -20,7 +20,11 @@ above 1 on TurboMind; the CLI refuses a fraction: each engine would take its sha
 Workloads (``--workload``): ``mixed`` — completion prompts of 32-512 tokens, 16-1,024 new tokens each,
 ``ignore_eos`` (for the random Llama-3-8B shape: every request decodes exactly its budget); ``chat`` —
 varied chat questions, greedy, stopping at EOS (for the real SmolLM2 chat model), up to
-``--chat-max-new-tokens`` each.
+``--chat-max-new-tokens`` each; ``image`` (issue 48) — one chat question about one image per request (a
+vision-language model, e.g. ``python -m lmdq_bench.tiny_vlm OUT --width 1024 --depth 4 --image-size 336``),
+the images written as JPEG files beside the workload and named by absolute path: the raw ``pipe()`` gets the
+same messages (LMDeploy's VL path reads the files itself), the lmdq worker reads each file and hands LMDeploy
+a data: URL; ``ignore_eos`` with ``--chat-max-new-tokens`` each, so both sides decode the same tokens.
 """
 
 from __future__ import annotations
@@ -131,12 +135,38 @@ def make_workload(cfg: E2EConfig, model: str, path: Path) -> dict[str, Any]:
             budget += cfg.chat_max_new_tokens
             lines.append({"custom_id": f"c{i}", "messages": [{"role": "user", "content": ask}],
                           "params": {"max_new_tokens": cfg.chat_max_new_tokens, "do_sample": False}})
+    elif cfg.workload == "image":
+        lines, budget = _image_lines(cfg, path.parent / "images", rnd)
     else:
-        raise ValueError(f"--workload: expected mixed or chat, got {cfg.workload!r}")
+        raise ValueError(f"--workload: expected mixed, chat or image, got {cfg.workload!r}")
     with path.open("w") as f:
         for d in lines:
             f.write(json.dumps(d) + "\n")
     return {"workload": cfg.workload, "n": cfg.n, "max_new_tokens_sum": budget}
+
+
+IMAGE_SIDE = 336
+"""Pixels per side of the image workload's pictures (LLaVA-1.5's input: 576 vision tokens at 14 px patches)."""
+
+
+def _image_lines(cfg: E2EConfig, folder: Path, rnd: random.Random) -> tuple[list[dict[str, Any]], int]:
+    """The ``image`` workload: ``cfg.n`` distinct pictures (random colour blocks, JPEG) and one question each."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(cfg.n):
+        img = Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE), (rnd.randrange(256), rnd.randrange(256), rnd.randrange(256)))
+        for _ in range(8):
+            x, y = rnd.randrange(IMAGE_SIDE - 32), rnd.randrange(IMAGE_SIDE - 32)
+            img.paste((rnd.randrange(256), rnd.randrange(256), rnd.randrange(256)), (x, y, x + 32, y + 32))
+        f = folder / f"img{i:05d}.jpg"
+        img.save(f, "JPEG", quality=90)
+        ask = _ASKS[i % len(_ASKS)].format(t="this picture")
+        lines.append({"custom_id": f"i{i}", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": str(f.resolve())}}, {"type": "text", "text": ask}]}],
+            "params": {"max_new_tokens": cfg.chat_max_new_tokens, "ignore_eos": True, "do_sample": False}})
+    return lines, cfg.n * cfg.chat_max_new_tokens
 
 
 def _free_port() -> int:

@@ -61,8 +61,36 @@ def _answers(store: ResultStore, batch_id: str) -> list[tuple[str, int, int, str
     return out
 
 
+def fill_index(client: redis.Redis, keys: Keys, n: int, *, chunk: int = 1000) -> dict[str, Any]:
+    """``n`` pointer entries written through :meth:`ReuseIndex.record` (the worker's own call, as a sealed
+    job of ``chunk`` requests records them) for a model of their own; its exact Redis bytes per entry.
+
+    Why a fill beside the end-to-end runs: an entry's share of its bucket key depends on how many entries
+    the index holds (65,536 buckets a model), so bytes per entry is a figure AT a size; this measures it at
+    ``n`` without running ``n`` requests through the engine twice."""
+    from lmdq.contract import ResultStatus
+    from lmdq.reuse.identity import identity
+    from lmdq.reuse.index import Completed
+
+    idx = ReuseIndex(ReuseStore(client, keys=keys))
+    model = MODEL + "-fill"
+    wkey = b"\x01" * 16
+    t0 = time.perf_counter()
+    for job in range((n + chunk - 1) // chunk):
+        done = []
+        for i in range(job * chunk, min(n, (job + 1) * chunk)):
+            r = Result.model_construct(batch_id=f"batch_{job // 1000:024x}", custom_id=f"r{i}", index=i,
+                                       status=ResultStatus.completed, reused_from=None)
+            done.append(Completed(identity(wkey, str(i).encode()), r, job % 1000))
+        idx.record(model, batch_id=f"batch_{job // 1000:024x}", results_url="file:///sink", ttl_s=86400,
+                   done=done, sealed=True)
+    st = idx.stats(model)[0]
+    return {"entries": st.entries, "bytes": st.bytes, "bytes_per_entry": round(st.bytes / max(st.entries, 1), 1),
+            "fill_s": round(time.perf_counter() - t0, 1)}
+
+
 def run_reuse_bench(*, n: int, batch_size: int, tokens: int, sim: dict[str, Any], redis_url: str,
-                    log: Callable[[str], None]) -> dict[str, Any]:
+                    log: Callable[[str], None], index_n: int = 0) -> dict[str, Any]:
     client = redis.Redis.from_url(redis_url)
     work = Path(tempfile.mkdtemp(prefix="lmdq-reuse-bench-"))
     prefix = f"r{int(time.time() * 1000) % 10**8}"
@@ -99,7 +127,11 @@ def run_reuse_bench(*, n: int, batch_size: int, tokens: int, sim: dict[str, Any]
             a[:3] == b[:3] and a[4] == b[4] for a, b in zip(first, second, strict=True))
         reused = sum(b[3] == ids[0] for b in second)
         st = ReuseIndex(ReuseStore(client, keys=keys)).stats(MODEL)[0]
+        filled = fill_index(client, keys, index_n) if index_n else None
+        if filled:
+            log(f"index filled with {index_n:,} entries: {filled['bytes_per_entry']} B/entry")
         return {
+            "index_fill": filled,
             "n": n, "batch_size": batch_size, "max_new_tokens": tokens, "sim": sim, "sink": "folder",
             "first": runs[0], "second": runs[1],
             "speedup_run": round(runs[0]["run_s"] / runs[1]["run_s"], 1),

@@ -22,8 +22,8 @@ from lmdq.cli.run import run_cli
 from lmdq.client.client import MAX_NOTE, Client, load_settings
 from lmdq.client.client import Batch as ClientBatch
 from lmdq.client.options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
-from lmdq.contract import Batch, BatchStatus, Priority
-from lmdq.errors import EXIT_CODES_HELP, PurgeRefused
+from lmdq.contract import Batch, BatchStatus, Endpoint, Priority
+from lmdq.errors import EXIT_CODES_HELP, PurgeRefused, SubmitRejected
 from lmdq.flags import settings_flags
 from lmdq.logs.config import configure_logging
 from lmdq.metrics.exporter import EXPORTER_FLAGS
@@ -88,6 +88,7 @@ def _print_batch(b: Batch, as_json: bool) -> None:
     _echo_fit(
         f"{b.id}  {b.status.value}  {_model_field(b)}  total={c.total} completed={c.completed} "
         f"failed={c.failed} cancelled={c.cancelled} expired={c.expired}"
+        + (f" reusable={b.reusable}" if b.reusable is not None else "")
     )
     if b.deadline is not None:  # issue 46
         import datetime as dt
@@ -167,6 +168,9 @@ def submit(
                                                                  "parameter, per row (repeatable)")] = None,
     template: Annotated[str | None, typer.Option(help="Parquet/CSV: the prompt as a str.format template of "
                                                       "columns, e.g. 'Q: {question}'")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="every line's endpoint: chat | completion | score | reward | "
+                                                     "embedding (default: each line's own, else chat); a .txt's "
+                                                     "lines take chat, completion or embedding")] = None,
     image_column: Annotated[str | None, typer.Option(help="Parquet/CSV: the column holding each row's image (a path "
                                                           "or URL, or its bytes)")] = None,
     image_dir: Annotated[Path | None, typer.Option(help="the folder relative image paths resolve against (image_url "
@@ -219,11 +223,23 @@ def submit(
                 path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
                 prompt_column=prompt_column, messages_column=messages_column,
                 id_column=id_column, model_column=model_column, params_columns=params_column or None,
-                template=template, image_column=image_column, image_dir=image_dir, spell=cli_spell,
+                template=template, endpoint=_endpoint(endpoint), image_column=image_column, image_dir=image_dir,
+                spell=cli_spell,
                 validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
                 **generation, **grouping, **batch_options,
             )
     _print_submitted(batch.last_info, batch.created, as_json)
+
+
+def _endpoint(value: str | None) -> Endpoint | None:
+    """``--endpoint``'s value as the contract's Endpoint (one clear line and exit 2 for anything else)."""
+    if value is None:
+        return None
+    try:
+        return Endpoint(value)
+    except ValueError:
+        raise SubmitRejected(f"--endpoint: expected one of {' | '.join(e.value for e in Endpoint)}, "
+                             f"got {value!r}") from None
 
 
 @app.command("plan")
@@ -241,12 +257,14 @@ def plan_cmd(
                                                        "model's own folder or Hugging Face cache entry")] = None,
     gpu_hour_price: Annotated[float | None, typer.Option(min=0, help="price of one GPU-hour: the plan's cost")
                               ] = None,
+    reuse: Annotated[bool | None, typer.Option("--reuse/--no-reuse", help="as for submit: count the requests the "
+                                               "reuse index answers now (default LMDQ_REUSE)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as a JSON object")] = False,
 ) -> None:
     """What submitting FILE would take: requests, input and output tokens, shared prefixes, GPU-seconds,
     ETA and cost, each with what it rests on. Changes nothing in Redis."""
     p = _lmdq().plan(file, model=model, tokenizer=tokenizer, gpu_hour_price=gpu_hour_price, format=fmt,
-                     spell=cli_spell, **generation, **grouping)
+                     spell=cli_spell, reuse=reuse, **generation, **grouping)
     if as_json:
         typer.echo(json.dumps(p.as_dict()))
         return
@@ -692,6 +710,17 @@ def reuse_purge(
     """Forget every reusable answer of a model (its batches and their results stay): later batches recompute."""
     n = _lmdq().purge_reuse(model)
     typer.echo(f"purged the reuse index of {model}: {n:,} entries")
+
+
+@app.command("webhook-secret")
+def webhook_secret(
+    tenant: Annotated[str, typer.Option(help="whose secret (the HTTP API's tenant; submits name 'default')")] =
+    "default",
+    rotate: Annotated[bool, typer.Option(help="make a new secret: events are signed with it from now on")] = False,
+) -> None:
+    """Print the secret (whsec_...) that signs this tenant's webhook events, making it if there is none
+    (docs/webhooks.md: verifying a request). The one place lmdq shows it: never logged."""
+    typer.echo(_lmdq().webhook_secret(tenant, rotate=rotate))
 
 
 @app.command()

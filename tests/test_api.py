@@ -342,7 +342,7 @@ def test_openai_error_shapes_for_bad_requests(api: ApiProcess) -> None:
     c = sdk(api, "alice")
     f = upload(c, [chat_line("x", "y")])
     with pytest.raises(openai.BadRequestError) as e:
-        c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        c.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
     assert e.value.param == "endpoint"
     with pytest.raises(openai.BadRequestError) as e:
         c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="soon")

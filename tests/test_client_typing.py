@@ -30,7 +30,8 @@ def test_the_typed_dict_is_generated_from_the_declarations_and_is_current() -> N
 def test_the_typed_dict_keys_are_exactly_the_options_submit_accepts_at_run_time() -> None:
     keys = set(get_type_hints(SubmitKwargs))
     assert keys == set(SubmitKwargs.__optional_keys__) == option_names()
-    assert len(keys) == 37 + 3  # 37 options (issue 46: deadline, canary, gate, gate_window; 47: reuse, reuse_ttl)
+    # 38 options (issue 46: deadline, canary, gate, gate_window; 47: reuse, reuse_ttl; 48: webhook)
+    assert len(keys) == 38 + 3
     settings = ProducerSettings()
     for name in keys:  # each one is accepted by the run-time check (None: unset)
         resolve({name: None}, settings, model="m")

@@ -224,7 +224,7 @@ BAD_CASES = [
     ("unknown_param.jsonl", 2, "params.max_length", "unknown parameter; expected one of max_new_tokens"),
     ("temperature_out_of_range.jsonl", 2, "params.temperature", "expected a number from 0.0 to 2.0, got 5"),
     ("min_over_max.jsonl", 2, "params.min_new_tokens", "expected at most params.max_new_tokens (5), got 10"),
-    ("bad_endpoint.jsonl", 2, "endpoint", "expected one of chat|completion|score|reward, got 'embeddings'"),
+    ("bad_endpoint.jsonl", 2, "endpoint", "expected one of chat|completion|score|reward|embedding, got 'embeddings'"),
     ("completion_with_messages.jsonl", 2, "messages", "expected 'prompt' for endpoint 'completion'"),
     ("custom_id_float.jsonl", 2, "custom_id", "expected a string or an integer, got 1.5"),
     ("empty_prompt.jsonl", 2, "prompt", "expected a non-empty string"),
@@ -347,7 +347,7 @@ def test_custom_id_rules(tmp_path: Path) -> None:
 def test_got_values_are_truncated(tmp_path: Path) -> None:
     p = write(tmp_path, "p.jsonl", [{"prompt": "x", "endpoint": "e" * 5000}])
     [err] = parse(p)
-    assert isinstance(err, InputError) and len(err.message) < 120  # the value is cut, whatever the tmp path
+    assert isinstance(err, InputError) and len(err.message) < 130  # the value is cut, whatever the tmp path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -448,3 +448,19 @@ def test_the_sim_engine_takes_images_and_an_image_gone_by_run_time_fails_alone(
     for cid in ("p0", "p2", "d"):
         assert got[cid].status.value == "completed"
         assert got[cid].input_token_len == got["text"].input_token_len + SIM_IMAGE_TOKENS
+
+
+def test_the_image_bench_workload_runs_end_to_end_on_the_sim(tmp_path: Path, env: dict[str, str]) -> None:
+    """``lmdq-bench e2e --workload image``: the orchestration the GPU run (tests/gpu/test_images_gpu.py) relies on,
+    on the sim: 24 image requests, each answered on both sides, the worker reading every image file."""
+    p = run_cli("lmdq_bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--workload", "image", "--n", "24",
+                "--batches", "1", "--batch-size", "8", "--chat-max-new-tokens", "4", "--workdir", str(tmp_path / "w"),
+                "-o", str(tmp_path / "e2e.json"), env=env, timeout=600)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    d = json.loads((tmp_path / "e2e.json").read_text())["detail"]
+    assert d["workload"] == "image" and d["max_new_tokens_sum"] == 24 * 4
+    assert d["lmdq"]["batches"][0]["results"] == 24 and d["lmdq"]["batches"][0]["not_completed"] == 0
+    assert d["raw"]["batches"][0]["tokens"] == d["lmdq"]["batches"][0]["tokens"] == 24 * 4
+    lines = [json.loads(x) for x in (tmp_path / "w" / "workload.jsonl").read_text().splitlines()]
+    urls = [x["messages"][0]["content"][0]["image_url"]["url"] for x in lines]
+    assert len(set(urls)) == 24 and all(Path(u).is_file() and u.endswith(".jpg") for u in urls)

@@ -170,13 +170,22 @@ def test_the_near_deadline_batch_runs_first_with_one_worker(
     queue = [j.decode() for j in client.lrange(rq_queue_key(queue_name("sim", "normal", prefix)), 0, -1)]
     owners = [j.rsplit("-", 1)[0] for j in queue]
     assert owners == [near.id] * 3 + [far.id] * 3 + [plain.id] * 3
-    # one worker, one request at a time: every near request is answered before any far one, far before plain
+    # one worker, one request at a time: every near request ends (in the engine's own steps) before any far
+    # one, every far one before any plain one
+    class Recording(SimEngine):
+        ended: list[tuple[int, str]] = []
+
+        def _finish(self, s: Any, reason: Any, code: Any = None, msg: Any = None) -> None:
+            self.ended.append((self.steps, str(s.req.prompt).split()[0]))
+            super()._finish(s, reason, code, msg)
+
+    engine = Recording(model_name="sim", step_ms=0, max_batch=1)
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, burst=True)
-    assert Worker(engine=SimEngine(model_name="sim", step_ms=0, max_batch=1), client=redis.Redis.from_url(redis_url),
-                  settings=s, capacity=1).run() == 0
-    done = {b.id: sorted(r.timings.finished_at or 0 for r in b.results()) for b in (near, far, plain)}
-    assert all(len(v) == 6 for v in done.values())
-    assert done[near.id][-1] <= done[far.id][0] and done[far.id][-1] <= done[plain.id][0]
+    assert Worker(engine=engine, client=redis.Redis.from_url(redis_url), settings=s, capacity=1).run() == 0
+    assert [tag for _step, tag in engine.ended] == ["near"] * 6 + ["far"] * 6 + ["plain"] * 6
+    steps = [step for step, _tag in engine.ended]
+    assert steps == sorted(steps)
+    assert all(len(list(b.results())) == 6 for b in (near, far, plain))
 
 
 def test_a_deadline_moved_closer_reorders_the_queue(api: lmdq.Client, client: redis.Redis, prefix: str,
@@ -275,3 +284,100 @@ def test_the_deadline_scaling_component_scales_on_workers_needed(tmp_path: Path)
     assert {t["name"] for t in so["spec"]["triggers"]} == {"high", "normal", "low", "inflight", "needed"}
     schema = json.loads((DEPLOY / "schemas" / "keda-scaledobject-v1alpha1.json").read_text())
     jsonschema.validate(so, schema)
+
+
+def test_the_plan_bench_prints_the_prediction_beside_the_measured_run(redis_url: str) -> None:
+    """The bench's mechanics at a small size (its 10,000-line run is evidence/plan/): the workers' count of
+    input tokens is the plan's, and both GPU-second figures are there (their agreement is reported, not
+    asserted: it is a timing)."""
+    from lmdq_bench.plan_bench import PlanBenchConfig, run_plan_bench, table
+
+    res = run_plan_bench(PlanBenchConfig(requests=200, history=100, workers=1, capacity=32, step_ms=1.0),
+                         redis_url=redis_url, log=lambda _m: None)
+    assert res["input_tokens_equal"] and res["measured"]["requests"] == 200
+    assert res["plan"]["output_tokens"] == res["measured"]["output_tokens"]  # lengths from history, exact here
+    assert res["plan"]["gpu_seconds"] > 0 and res["measured"]["busy_gpu_seconds"] > 0
+    assert "predicted (plan)" in table(res) and "GPU-seconds error" in table(res)
+
+
+def test_the_http_api_takes_a_deadline_as_an_extension_field(redis_url: str, prefix: str, client: redis.Redis,
+                                                              tmp_path: Path) -> None:
+    import time
+
+    import openai
+    from openai import OpenAI
+
+    from lmdq.results.store import ResultStore
+    from lmdq_bench.api_bench import ApiProcess
+
+    key = "alice-key-plan-deadline"
+    srv = ApiProcess(redis_url=redis_url, prefix=prefix, keys={"alice": key}, files_dir=tmp_path / "files",
+                     log=tmp_path / "api.log", env={"LMDQ_KNOWN_MODELS": '["sim"]'}).start()
+    try:
+        c = OpenAI(base_url=srv.url + "/v1", api_key=key)
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+        f = c.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             extra_body={"deadline": "2020-01-01T00:00Z"})
+        assert "deadline: expected a time in the future" in str(bad.value)
+        when = _future(3600)
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             extra_body={"deadline": when})
+        for _ in range(600):  # the submit runs in the background: until the lmdq batch exists
+            if b.status != "validating":
+                break
+            time.sleep(0.05)
+            b = c.batches.retrieve(b.id)
+        assert b.status not in ("validating", "failed"), b
+        assert (b.model_extra or {}).get("deadline") is not None
+        (info,) = ResultStore(client, keys=Keys(prefix)).batches.newest(1)
+        assert info.deadline == (b.model_extra or {})["deadline"]
+    finally:
+        srv.stop()
+
+
+def test_a_batch_over_several_models_is_placed_by_its_deadline_on_each_models_queue(
+        api: lmdq.Client, client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    from lmdq.redis.keys import queue_name, rq_queue_key
+
+    def rows(tag: str) -> list[dict[str, Any]]:
+        return [{"custom_id": f"{tag}{i}", "prompt": f"{tag} {i}", "model": "ma" if i % 2 else "mb"} for i in range(4)]
+
+    kw: dict[str, Any] = {"allow_unknown_model": True, "batch_size": 1}
+    plain = api.submit(write_jsonl(tmp_path / "plain.jsonl", rows("plain")), **kw)
+    dl = api.submit(write_jsonl(tmp_path / "dl.jsonl", rows("dl")), deadline=_future(3600), **kw)
+    for m in ("ma", "mb"):
+        q = rq_queue_key(queue_name(m, "normal", prefix))
+        assert [j.decode().rsplit("-", 1)[0] for j in client.lrange(q, 0, -1)] == [dl.id] * 2 + [plain.id] * 2
+
+
+def test_the_recorder_counts_busy_time_with_any_job_in_the_engine(client: redis.Redis, prefix: str) -> None:
+    """The worker's recorder on a hand-driven clock: busy time is the union of the jobs' time in the
+    engine (overlap counted once, idle gaps not at all), flushed when the engine empties."""
+    from lmdq.contract import GenerationParams, JobPayload, Request
+    from lmdq.worker.plan_recorder import PlanRecorder
+
+    t = [0.0]
+    rec = PlanRecorder(PlanStore(client, keys=Keys(prefix)), worker="w", clock=lambda: t[0])
+    payload = JobPayload(batch_id="batch_" + "0" * 24, job_no=0, model="m",
+                         params=GenerationParams(max_new_tokens=8, n=2),
+                         requests=[Request(index=0, custom_id="a", prompt="x")])
+    own = Request(index=1, custom_id="b", prompt="y", params=GenerationParams(max_new_tokens=4))
+    rec.enter(payload)            # t=0: one job in
+    t[0] = 1.0
+    rec.enter(payload)            # t=1: two
+    rec.request(payload, payload.requests[0], generated=16, prefilled=5, completed=True)  # 8 x n=2: cut
+    rec.request(payload, own, generated=3, prefilled=7, completed=True)                   # stopped (cap 4 x 2)
+    rec.request(payload, own, generated=1, prefilled=2, completed=False)                  # failed: no length
+    t[0] = 3.0
+    rec.leave()                   # one still in: nothing flushed yet
+    assert PlanStore(client, keys=Keys(prefix)).history("m").rates == []
+    t[0] = 4.0
+    rec.leave()                   # empty at t=4: busy 4 s
+    t[0] = 10.0                   # idle: not busy
+    h = PlanStore(client, keys=Keys(prefix)).history("m")
+    (r,) = h.rates
+    assert (r.busy_s, r.prefill, r.decode) == (4.0, 14, 20)
+    assert h.cut == {16: 1} and h.stopped == {3: 1}

@@ -51,6 +51,7 @@ STORE_MODULES: dict[str, set[str]] = {
     "src/lmdq/registry/": {"src/lmdq/registry/store.py"},
     "src/lmdq/results/": {"src/lmdq/results/sink.py", "src/lmdq/results/store.py"},
     "src/lmdq/reuse/": {"src/lmdq/reuse/store.py"},
+    "src/lmdq/webhooks/": {"src/lmdq/webhooks/store.py"},
     "bench/": {"bench/keyspace.py"},  # the lab's key scans (only the benches and their tests use them)
 }
 STORES: set[str] = set().union(*STORE_MODULES.values())

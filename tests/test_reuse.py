@@ -238,6 +238,14 @@ def test_the_cli_submits_with_reuse_and_shows_and_purges_the_index(
             assert b["reuse_ttl_s"] == 2 * 86400
             assert wait_batch(client, prefix, b["id"]).status is BatchStatus.completed
             ids.append(b["id"])
+        # before anything runs: plan and the submitted batch's status count what the index answers
+        p = run_cli("producer", "plan", str(f), "--model", "sim", "--reuse", "--max-new-tokens", "4", "--json",
+                    env=env)
+        assert p.returncode == 0, p.stderr.decode()
+        assert json.loads(p.stdout)["reused_requests"] == 200
+        for bid, n in zip(ids, (0, 200), strict=True):  # as counted when each was submitted
+            p = run_cli("producer", "status", bid, env=env)
+            assert f" reusable={n}".encode() in p.stdout, p.stdout
         off = submit(f, env, "--max-new-tokens", "4")  # reuse is off by default
         assert "reuse_ttl_s" not in off or off["reuse_ttl_s"] is None
         wait_batch(client, prefix, off["id"])

@@ -156,7 +156,9 @@ def test_score_batch_on_sim_through_worker_and_every_export(tmp_path: Path, env:
     assert oa.returncode == 0, oa.stderr.decode()
     lines = [json.loads(x) for x in oa.stdout.splitlines()]
     body = lines[0]["response"]["body"]
-    assert body["object"] == "list" and body["id"] == f"score-{bid}-0"
+    from lmdq.results.openai import openai_ids  # issue 45: ids never name the lmdq batch
+
+    assert body["object"] == "list" and body["id"] == "score-" + openai_ids(bid, 0)[0].removeprefix("batch_req_")
     assert [d["score"] for d in body["data"]] == [x.logprob for x in s0.scores]
     assert [d["num_tokens"] for d in body["data"]] == [1, 1, 2]
     assert [d["is_greedy"] for d in body["data"]] == [x.is_greedy for x in s0.scores]

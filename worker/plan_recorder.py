@@ -54,7 +54,7 @@ class PlanRecorder:
         self._decode = 0
         self._lengths: Counter[tuple[int, bool]] = Counter()
         self._model: str | None = None
-        self._max_new: dict[tuple[str, int], int] = {}
+        self._max_new: dict[str, tuple[int, int]] = {}  # batch id -> its max_new_tokens, n
         self._warned = -_WARN_EVERY_S
 
     @classmethod
@@ -92,18 +92,20 @@ class PlanRecorder:
     def request(self, payload: JobPayload, req: Request, *, generated: int, prefilled: int, completed: bool) -> None:
         """A request's final result: its output length (``completed`` ones only; cut when it reached its
         max_new_tokens) and the tokens its engine computed."""
-        key = (payload.batch_id, req.index) if req.params is not None else (payload.batch_id, -1)
+        own = req.params.max_new_tokens if req.params is not None else None
+        own_n = req.params.n if req.params is not None else None
         with self._lock:
-            max_new = self._max_new.get(key)
-            if max_new is None:
-                p = payload.params.merged(req.params) if req.params is not None else payload.params
-                max_new = int(p.resolved()["max_new_tokens"])
-                if req.params is None:
-                    if len(self._max_new) > 1024:
-                        self._max_new.clear()
-                    self._max_new[key] = max_new
+            batch = self._max_new.get(payload.batch_id)
+            if batch is None:  # the batch's own, resolved once per batch (no per-request validation)
+                r = payload.params.resolved()
+                batch = (int(r["max_new_tokens"]), int(r.get("n") or 1))
+                if len(self._max_new) > 1024:
+                    self._max_new.clear()
+                self._max_new[payload.batch_id] = batch
+            # n samples: ``generated`` is their sum, as a plan counts a request's output (max_new_tokens × n)
+            cap = (own if own is not None else batch[0]) * (own_n if own_n is not None else batch[1])
             if completed:
-                self._lengths[(generated, generated >= max_new)] += 1
+                self._lengths[(generated, generated >= cap)] += 1
             self._prefill += max(0, prefilled)
             self._decode += max(0, generated)
 

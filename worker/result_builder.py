@@ -21,6 +21,7 @@ from lmdq.contract import (
     ResultStatus,
     Timings,
     TokenLogprob,
+    encode_embedding,
 )
 from lmdq.worker.engines.base import EngineEvent
 
@@ -136,10 +137,13 @@ def token_logprobs(ev: EngineEvent) -> list[TokenLogprob] | None:
 
 
 def score_fields(ev: EngineEvent) -> dict[str, Any]:
-    """The Result fields of a scoring request's final event (``scores`` / ``reward``); none for generation."""
+    """The Result fields of a scoring request's final event (``scores`` / ``reward`` / ``embedding``); none for
+    generation."""
     out: dict[str, Any] = {}
     if ev.scores is not None:
         out["scores"] = [ContinuationScore(logprob=lp, num_tokens=n, is_greedy=g) for lp, n, g in ev.scores]
     if ev.reward is not None:
         out["reward"] = ev.reward
+    if ev.embedding is not None:
+        out["embedding"] = encode_embedding(ev.embedding)
     return out

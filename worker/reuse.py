@@ -27,7 +27,15 @@ from pydantic import BaseModel
 from lmdq.contract import JobPayload, Request, Result, ResultStatus, Timings
 from lmdq.redis.keys import Keys
 from lmdq.reuse.fingerprint import folder_digest
-from lmdq.reuse.identity import effective_params, identity, inline_inputs, qualifies, request_key, worker_key
+from lmdq.reuse.identity import (
+    effective_params,
+    identity,
+    inline_inputs,
+    params_key,
+    qualifies,
+    request_key,
+    worker_key,
+)
 from lmdq.reuse.index import Completed, ReuseIndex
 from lmdq.reuse.store import ReuseStore
 from lmdq.worker.settings import WorkerSettings
@@ -99,10 +107,12 @@ class ReuseHook:
         if payload.reuse_ttl_s is None or wkey is None:
             return {}
         out: dict[int, bytes] = {}
+        shared = payload.params.resolved()  # most requests carry no params of their own: resolved once
+        shared_key = params_key(shared)
         for r in todo:
-            p = effective_params(payload.params, r)
+            p = shared if r.params is None else effective_params(payload.params, r)
             if qualifies(p, repeats_seeds=self.repeats_seeds) and inline_inputs(r):
-                out[r.index] = identity(wkey, request_key(p, r))
+                out[r.index] = identity(wkey, request_key(shared_key if r.params is None else p, r))
         return out
 
     def answers(self, payload: JobPayload, todo: list[Request], ids: dict[int, bytes], *, worker: str,

@@ -43,6 +43,8 @@ from lmdq.results.sink import pending_count
 from lmdq.results.store import ResultStore
 from lmdq.results.worker_sink import EVERY_ENTRY_S, ResultsSink
 from lmdq.results.writer import ResultWriter, WriteAbandoned, is_store_refusal
+from lmdq.webhooks.delivery import Deliverer, DeliveryPolicy
+from lmdq.webhooks.store import WebhookStore
 from lmdq.worker.admission import Admission, EngineGate, fair_share
 from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine, engine_capacity
@@ -185,6 +187,10 @@ class Worker:
         threading.Thread(target=self.sink.sweep_loop, args=(self._stop,), name="lmdq-sink-sweeper",
                          daemon=True).start()
         threading.Thread(target=self._staging_watch_loop, name="lmdq-staging-watch", daemon=True).start()
+        # Webhook events (any batch's, any worker's: lmdq.webhooks) are sent from a thread of their own, so a
+        # slow or dead receiver never holds a job
+        self.webhooks = Deliverer(WebhookStore(self.client, keys=self.keys), DeliveryPolicy.of(self.s),
+                                  name=self.name).start()
         if self.s.idle_wait_s > 0 and not self.s.burst:  # a burst worker exits when idle instead
             wakeup = WakeUp(self.client, keys=self.keys, model=self.model, block_s=self.s.idle_wait_s,
                             also=self.served[1:])
@@ -332,6 +338,18 @@ class Worker:
             h.stop(AbortReason.engine_dead)
         self._stop.set()
 
+    def _last_webhooks(self) -> None:
+        """Stop the delivery thread, then one last pass: a burst worker that ended a batch tells its webhook
+        before it exits (an event whose receiver is down stays in Redis for the next deliverer)."""
+        hooks: Deliverer | None = getattr(self, "webhooks", None)
+        if hooks is None:
+            return
+        hooks.stop(timeout_s=self.s.webhook_timeout_s + 1)
+        try:
+            hooks.run_once()
+        except Exception as e:  # noqa: BLE001 - the events stay in Redis for the next deliverer; the exit goes on
+            self.log.warning("webhook last pass failed", error=f"{type(e).__name__}: {e}"[:200])
+
     def _teardown(self) -> None:
         if self.s.burst and not self._stop.is_set() and self._dead is None:
             self._sweep_before_exit()
@@ -361,6 +379,7 @@ class Worker:
                 while self._held and time.monotonic() < end:
                     self._slot.wait(0.2)
         self._stop.set()  # also ends the heartbeat thread (a burst exit never set it)
+        self._last_webhooks()
         if self.idle is not None:
             self.idle.close()
         try:

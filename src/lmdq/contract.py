@@ -7,6 +7,10 @@ Bump ``FORMAT_VERSION`` on any incompatible change; readers reject versions they
 
 from __future__ import annotations
 
+import base64
+import sys
+from array import array
+from collections.abc import Sequence
 from enum import Enum
 from typing import Annotated, Any, Literal
 
@@ -29,6 +33,8 @@ __all__ = [
     "TokenLogprob",
     "Endpoint",
     "ErrorCode",
+    "decode_embedding",
+    "encode_embedding",
     "ErrorInfo",
     "FinishReason",
     "GenerationParams",
@@ -91,12 +97,14 @@ class Endpoint(_Value):
     log-likelihood of each of the request's ``continuations`` after its prompt (lm-eval-harness'
     ``loglikelihood``; a ``prompt`` is raw text, ``messages`` go through the chat template with the
     generation prompt), ``reward`` a reward model's score of a chat (``messages``, LMDeploy's
-    ``get_reward_score``)."""
+    ``get_reward_score``). ``embedding`` generates nothing either: the result holds the ``prompt``'s vector
+    (docs/outputs.md, "Embeddings"; OpenAI's ``/v1/embeddings``)."""
 
     chat = "chat"
     completion = "completion"
     score = "score"
     reward = "reward"
+    embedding = "embedding"
 
     @property
     def generates(self) -> bool:
@@ -280,6 +288,17 @@ def _engine_default(info: FieldInfo) -> Any:
     return extra.get("engine_default") if isinstance(extra, dict) else None
 
 
+_DEFAULTS: dict[str, Any] = {}
+
+
+def _engine_defaults() -> dict[str, Any]:
+    """Every generation parameter's engine default, read from the declarations once (the fields are fixed
+    at import): ``resolved`` runs per request where reuse computes identities (issue 47)."""
+    if not _DEFAULTS:
+        _DEFAULTS.update({name: _engine_default(info) for name, info in GenerationParams.model_fields.items()})
+    return _DEFAULTS
+
+
 class GenerationParams(_Strict):
     """Sampling/stopping parameters, mirroring LMDeploy's ``GenerationConfig`` field for field.
 
@@ -332,7 +351,7 @@ class GenerationParams(_Strict):
     def resolved(self) -> dict[str, Any]:
         """Effective values with LMDeploy's defaults filled in (what every engine must honour); each field
         declares its default beside it (``engine_default``)."""
-        out = {name: _engine_default(info) for name, info in GenerationParams.model_fields.items()}
+        out = dict(_engine_defaults())
         out.update(self.model_dump(exclude_none=True))
         return out
 
@@ -410,6 +429,8 @@ class Request(_Strict):
             raise ValueError("completion requests need 'prompt'")
         if self.endpoint is Endpoint.reward and self.messages is None:
             raise ValueError("reward requests need 'messages' (the chat to score)")
+        if self.endpoint is Endpoint.embedding and self.prompt is None:
+            raise ValueError("embedding requests need 'prompt' (the text to embed)")
         if (self.endpoint is Endpoint.score) != (self.continuations is not None):
             raise ValueError("'continuations' is required for endpoint 'score' and only allowed there")
         return self
@@ -559,12 +580,36 @@ class Result(_Strict):
     scores: list[ContinuationScore] | None = None
     #: endpoint ``reward``: the reward model's score of the chat
     reward: float | None = None
+    #: endpoint ``embedding``: the vector, base64 of its little-endian float32 bytes (:func:`decode_embedding`);
+    #: float32 is what the model computed, and its base64 is a third of the size of JSON decimals
+    embedding: str | None = None
     #: answered from the reuse index (issue 47), not by the engine: the request whose stored answer this is
     reused_from: ReusedFrom | None = None
 
     @property
     def final(self) -> bool:
         return self.status is not ResultStatus.in_progress
+
+
+def encode_embedding(vector: Sequence[float]) -> str:
+    """A vector as ``Result.embedding`` holds it: base64 of its little-endian float32 bytes (OpenAI's
+    ``encoding_format: "base64"`` spelling, byte for byte)."""
+    a = array("f", vector)
+    if sys.byteorder == "big":  # pragma: no cover - every platform lmdq runs on is little-endian
+        a.byteswap()
+    return base64.b64encode(a.tobytes()).decode("ascii")
+
+
+def decode_embedding(data: str) -> list[float]:
+    """``Result.embedding`` back to its floats (each exactly the float32 the engine returned)."""
+    raw = base64.b64decode(data, validate=True)
+    if len(raw) % 4:
+        raise ValueError(f"an embedding is float32s: {len(raw)} bytes is not a multiple of 4")
+    a = array("f")
+    a.frombytes(raw)
+    if sys.byteorder == "big":  # pragma: no cover
+        a.byteswap()
+    return a.tolist()
 
 
 class RequestCounts(_Strict):
@@ -609,6 +654,15 @@ class Batch(_Strict):
     blob_url: str | None = None
     #: ``--reuse``: how long its completed results stay in the reuse index (None: the batch does not reuse)
     reuse_ttl_s: Annotated[int, Field(ge=1, le=MAX_REUSE_TTL_S)] | None = None
+    #: ``--reuse``: its requests the reuse index could answer when it was submitted (None: not counted)
+    reusable: int | None = None
+    #: ``--webhook`` (issue 48, lmdq.webhooks): the URL told of the batch's end (and pauses), checked against
+    #: the allow list at submit; read by the batch-end Lua from the record's meta JSON
+    webhook: str | None = None
+    #: whose secret signs the batch's events (the HTTP API's tenant; None: ``default``)
+    webhook_tenant: str | None = None
+    #: the HTTP API batch this batch runs (its events name that id; the API announces its end itself)
+    webhook_as: str | None = None
     created_at: float
     queued_at: float | None = None
     in_progress_at: float | None = None

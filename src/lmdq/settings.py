@@ -75,6 +75,27 @@ class CommonSettings(BaseSettings):
         default=DEFAULT_MAX_IMAGE_BYTES, ge=1024, description="largest image an image_url part may name or hold "
         "(LMDQ_MAX_IMAGE_BYTES): submit refuses a larger one, a worker reads no more (lmdq.images)"
     )
+    # completion webhooks (lmdq.webhooks; docs/webhooks.md): who may be called, and how tries are spaced
+    webhook_allow: str = Field(
+        default="", description="comma-separated URL prefixes a batch's webhook may name (LMDQ_WEBHOOK_ALLOW), "
+        "e.g. https://hooks.example.com/lmdq,http://127.0.0.1:9000; empty: webhooks are refused"
+    )
+    webhook_backoff_s: float = Field(
+        default=5.0, gt=0, le=3600, description="delay before the 2nd try of a webhook event; it doubles each try "
+        "(exponential backoff), up to LMDQ_WEBHOOK_BACKOFF_MAX_S"
+    )
+    webhook_backoff_max_s: float = Field(default=3600.0, gt=0, le=86400,
+                                         description="cap of the delay between two tries of a webhook event")
+    webhook_max_tries: int = Field(default=20, ge=1, le=1000, description="tries of a webhook event before it is "
+                                   "given up (kept in the dead set, logged)")
+    webhook_timeout_s: float = Field(default=10.0, gt=0, le=300,
+                                     description="longest wait for a webhook receiver's answer to one try")
+    webhook_lease_s: float = Field(
+        default=60.0, gt=0, le=3600, description="how long a deliverer holds an event it is trying; one killed "
+        "mid-try leaves it to another deliverer after this (keep it above LMDQ_WEBHOOK_TIMEOUT_S)"
+    )
+    webhook_poll_s: float = Field(default=1.0, gt=0, le=60,
+                                  description="how often a delivery thread looks for webhook events due")
     log_format: str = Field(default="auto", pattern="^(auto|json|console)$")
     log_level: str = "INFO"
     max_job_bytes: int = Field(

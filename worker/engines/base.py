@@ -60,8 +60,9 @@ class EngineRequest:
     @property
     def raw(self) -> bool:
         """Raw prompts skip the chat template (OpenAI /v1/completions or ``--raw``; a ``score`` request's
-        ``prompt`` is raw text too, its ``messages`` are templated)."""
-        return self.endpoint is Endpoint.completion or (self.endpoint is Endpoint.score and self.messages is None)
+        ``prompt`` is raw text too, its ``messages`` are templated; an ``embedding``'s text is always raw)."""
+        return self.endpoint in (Endpoint.completion, Endpoint.embedding) or (
+            self.endpoint is Endpoint.score and self.messages is None)
 
 
 @dataclass
@@ -90,6 +91,9 @@ class EngineEvent:
     scores: list[tuple[float, int, bool | None]] | None = None
     #: endpoint ``reward``, on the final event: the reward model's score
     reward: float | None = None
+    #: endpoint ``embedding``, on the final event: the text's vector (floats each exactly a float32: the result
+    #: stores float32, :func:`lmdq.contract.encode_embedding`)
+    embedding: list[float] | None = None
     #: the request was not streamed (its whole text comes on the final event): there is no first-token time
     whole: bool = False
     #: on the final event: prompt tokens the engine computed for this request (not reused from a prefix cache

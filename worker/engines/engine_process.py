@@ -85,7 +85,8 @@ def _event_from_wire(d: dict[str, Any], tensors: dict[str, Any] | None) -> Engin
         error_code=error_code(d.get("error_code")), error_message=d.get("error_message"),
         logprobs=[(int(t), float(p), [(int(a), float(b)) for a, b in top]) for t, p, top in lp] if lp else lp,
         tensors=tensors, scores=[(float(s), int(n), g) for s, n, g in scores] if scores else scores,
-        reward=d.get("reward"), whole=bool(d.get("whole")), prefill_token_len=d.get("prefill_token_len"))
+        reward=d.get("reward"), whole=bool(d.get("whole")), prefill_token_len=d.get("prefill_token_len"),
+        embedding=d.get("embedding"))
 
 
 def _pack_tensors(tensors: dict[str, Any]) -> bytes:

@@ -48,6 +48,7 @@ __all__ = [
     "build_backend_config",
     "build_gen_config",
     "build_pipeline",
+    "embedding_unsupported",
     "resolve_chat_template",
 ]
 
@@ -286,6 +287,18 @@ def build_pipeline(config: LMDeployConfig, model_path: str, log_level: str = "WA
     )
     return pipe, frozenset(orphan_guard.tracked_groups() - groups_before)
 
+
+
+EMBEDDING_UNSUPPORTED = ("LMDeploy 0.18 computes no embeddings (its own server answers /v1/embeddings with "
+                         "'Unsupported by turbomind.', and its pipeline has no pooling call): serve the embedding "
+                         "model on a transformers worker (lmdq-worker --engine transformers --model DIR)")
+"""What an ``embedding`` request sent to an LMDeploy worker is told (docs/outputs.md, "Embeddings")."""
+
+
+def embedding_unsupported(index: int) -> EngineEvent:
+    """The final event of an ``embedding`` request on LMDeploy: ``unsupported_feature``, saying where it runs."""
+    return EngineEvent(index=index, finish_reason=FinishReason.error, error_code=ErrorCode.unsupported_feature,
+                       error_message=EMBEDDING_UNSUPPORTED)
 
 class AbortWatch:
     """One thread that aborts the sessions of every stream call whose ``abort`` event is set.
@@ -580,6 +593,9 @@ class LMDeployEngine:
             raise EngineDead(self._dead)
         if self._closed:
             raise EngineError("engine is closed")
+        for r in (r for r in requests if r.endpoint is Endpoint.embedding):
+            yield embedding_unsupported(r.index)
+        requests = [r for r in requests if r.endpoint is not Endpoint.embedding]
         pictured = [r for r in requests if _has_images(r) and (not self.vision or not r.endpoint.generates)]
         for r in pictured:  # what this engine cannot look at: each such request fails alone
             why = ("image parts need a vision-language model" if not self.vision

@@ -19,6 +19,8 @@ gives per generated token a deterministic fake chosen id in ``[0, sim_vocab)`` w
 ``response_format`` json_schema / json_object makes the whole output a minimal instance of the
 schema (:func:`minimal_instance`: every listed property, each with a small legal value), emitted as
 one "token" and finishing with 'stop'; regex is NOT simulated (the output stays the usual words).
+Endpoint ``embedding`` answers at once with a deterministic unit vector of ``sim_hidden`` float32s drawn
+from the text (:func:`sim_embedding`: the same text gives the same vector on every worker), for load tests.
 
 Prefix caching is SIMULATED as LMDeploy's block-granular cache (``--sim-prefix-cache-tokens``): a
 prompt's words are cut into blocks of ``--sim-prefix-block`` tokens, each keyed by a hash chained
@@ -43,6 +45,7 @@ import queue
 import random
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +58,7 @@ from lmdq.worker.engine_config import SimConfig
 from lmdq.worker.engines.base import EngineDead, EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget
 
-__all__ = ["SIM_CONTEXT_LEN", "SPEC", "SimEngine", "minimal_instance"]
+__all__ = ["SIM_CONTEXT_LEN", "SPEC", "SimEngine", "minimal_instance", "sim_embedding"]
 
 #: Steps whose occupancy :attr:`SimEngine.occupancy` keeps (a long-running sim worker must not grow).
 OCCUPANCY_STEPS = 100_000
@@ -210,7 +213,7 @@ class SimEngine:
             if "[[sim:engine-error]]" in text:
                 raise EngineError("simulated engine failure")
             if not r.endpoint.generates:
-                scored.append(_sim_score(r, text, self.count_tokens))
+                scored.append(_sim_score(r, text, self.count_tokens, self.sim_hidden))
                 continue
             p = r.params.resolved()
             guided = _guided_text(p["response_format"])
@@ -479,7 +482,16 @@ def _prefix_units(text: str, words: list[str]) -> list[float]:
     return out
 
 
-def _sim_score(r: EngineRequest, text: str, count: Any) -> EngineEvent:
+def sim_embedding(text: str, dim: int) -> list[float]:
+    """A deterministic unit vector of ``dim`` float32 values drawn from ``text`` (SHAKE-256 as the noise):
+    the sim's stand-in for an embedding model, equal for equal texts, apart for different ones."""
+    raw = hashlib.shake_256(text.encode("utf-8", "surrogatepass")).digest(4 * dim)
+    xs = [int.from_bytes(raw[4 * i : 4 * i + 4], "little") / 2**31 - 1.0 for i in range(dim)]
+    norm = math.sqrt(sum(x * x for x in xs)) or 1.0
+    return array("f", [x / norm for x in xs]).tolist()  # each exactly a float32, as a model's output is
+
+
+def _sim_score(r: EngineRequest, text: str, count: Any, hidden: int = 64) -> EngineEvent:
     """SIMULATED scores, deterministic from the text: each continuation word (a sim token) costs a logprob
     in (-8, 0] drawn from (prompt, words so far); a continuation is "greedy" when every word costs less
     than 1 nat. A reward is in [-5, 5) from the whole chat. ``[[sim:error]]`` fails the request as usual."""
@@ -489,6 +501,9 @@ def _sim_score(r: EngineRequest, text: str, count: Any) -> EngineEvent:
     if r.endpoint is Endpoint.reward:
         return EngineEvent(index=r.index, input_token_len=count(text), finish_reason=FinishReason.stop,
                            reward=round(10 * _unit("reward", text) - 5, 6), whole=True)
+    if r.endpoint is Endpoint.embedding:
+        return EngineEvent(index=r.index, input_token_len=count(text), finish_reason=FinishReason.stop,
+                           embedding=sim_embedding(text, hidden), whole=True)
     scores: list[tuple[float, int, bool | None]] = []
     for cont in r.continuations or ():
         words = cont.split() or [cont]

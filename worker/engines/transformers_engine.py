@@ -56,6 +56,7 @@ from lmdq.contract import ChatMessage, Endpoint, ErrorCode, FinishReason
 from lmdq.worker.engine_config import TransformersConfig
 from lmdq.worker.engines.base import EngineError, EngineEvent, EngineRequest
 from lmdq.worker.engines.decode_row import EVENT_EVERY_TOKENS, DecodeRow, batchable
+from lmdq.worker.engines.embedding import EmbeddingLayout, EmbeddingModelError, embed_batch, read_pooling
 from lmdq.worker.engines.guided_decoding import GrammarCache, GuidedMatcher
 from lmdq.worker.engines.registry import BenchEntry, EngineSpec, EngineTarget
 from lmdq.worker.engines.request_errors import BadRequest, error_event
@@ -130,7 +131,13 @@ class TransformersEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             import torch
-            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+            from transformers import (
+                AutoConfig,
+                AutoModel,
+                AutoModelForCausalLM,
+                AutoModelForSequenceClassification,
+                AutoTokenizer,
+            )
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise EngineError(f"the transformers engine needs `pip install 'lmdq[cpu]'`: {exc}") from exc
         self._torch = torch
@@ -151,6 +158,16 @@ class TransformersEngine:
         if path.is_file() and path.suffix == ".gguf":
             source, load_kw["gguf_file"] = str(path.parent), path.name
         try:
+            # A sentence-transformers folder (modules.json with a Pooling module) is an embedding model: it serves
+            # only endpoint 'embedding', pooled as its config says (docs/outputs.md, "Embeddings").
+            self.embedding: EmbeddingLayout | None = None if "gguf_file" in load_kw else read_pooling(path)
+        except EmbeddingModelError as exc:
+            raise EngineError(f"could not load embedding model from {path}: {exc}") from exc
+        if self.embedding is not None:
+            if adapters:
+                raise EngineError(f"{path} is an embedding model: LoRA adapters (--adapter) are not supported on it")
+            source = str(self.embedding.encoder_dir)
+        try:
             self._tokenizer: Any = AutoTokenizer.from_pretrained(source, **load_kw)
             # A checkpoint whose architecture is a sequence-classification head with ONE label is a reward
             # model: it serves only endpoint 'reward' (docs/outputs.md, "Scores"); anything else is a causal LM.
@@ -170,6 +187,9 @@ class TransformersEngine:
 
                 self._processor = AutoProcessor.from_pretrained(source, **load_kw)
                 auto = AutoModelForImageTextToText
+            if self.embedding is not None:
+                self.reward_model = self.vision = False
+                auto = AutoModel  # the encoder alone: its last hidden state is what the pooling reads
             model = auto.from_pretrained(source, dtype=self.dtype, **load_kw)
             model.to(self.device)
             model.eval()
@@ -193,6 +213,8 @@ class TransformersEngine:
 
         max_pos = getattr(model.config, "max_position_embeddings", None)
         default_len = max_pos if isinstance(max_pos, int) and max_pos > 0 else 4096
+        if self.embedding is not None and self.embedding.max_seq_length is not None:
+            default_len = min(default_len, self.embedding.max_seq_length)  # what the model was trained to embed
         self.session_len: int = session_len if session_len is not None else default_len
         if self.session_len < 2:
             raise EngineError(f"session_len must be >= 2, got {self.session_len}")
@@ -294,6 +316,9 @@ class TransformersEngine:
         torch = self._torch
         try:
             with torch.inference_mode():
+                if self.embedding is not None:  # an encoder has no KV cache to switch off
+                    self._model(input_ids=torch.tensor([[0, 1]], device=self.device))
+                    return
                 self._model(input_ids=torch.tensor([[0, 1]], device=self.device), use_cache=False)
         except Exception as exc:
             raise EngineError(f"the model failed its warm-up forward pass: {exc}") from exc
@@ -325,6 +350,9 @@ class TransformersEngine:
         """Run ``requests`` in padded batches of up to ``max_batch`` (those that cannot batch run alone as they
         come), yielding deltas and exactly one final event per request."""
         self._require_open()
+        if self.embedding is not None or any(r.endpoint is Endpoint.embedding for r in requests):
+            yield from self._embed(requests, abort)
+            requests = [r for r in requests if r.endpoint is not Endpoint.embedding and self.embedding is None]
         batch: list[DecodeRow] = []
         for req in requests:
             if abort.is_set():
@@ -499,6 +527,65 @@ class TransformersEngine:
                                input_token_len=len(prompt_ids))
         return EngineEvent(index=req.index, input_token_len=len(prompt_ids), finish_reason=FinishReason.stop,
                            scores=[(lp, n, g) for lp, n, g in scores], whole=True)
+
+    def _embed(self, requests: Sequence[EngineRequest], abort: threading.Event) -> Iterator[EngineEvent]:
+        """Every ``embedding`` request of the call (an embedding model answers nothing else): tokenized as
+        sentence-transformers does (stripped, special tokens, ``do_lower_case``), sorted by length so a padded forward
+        of up to ``max_batch`` rows wastes little, pooled by :mod:`worker.engines.embedding`. A text over the
+        model's ``max_seq_length`` (or ``--session-len``) fails alone with ``context_length_exceeded``."""
+        layout = self.embedding
+        todo: list[tuple[EngineRequest, list[int]]] = []
+        for req in requests:
+            if layout is None:
+                if req.endpoint is Endpoint.embedding:
+                    yield error_event(req.index, ErrorCode.bad_request,
+                                      "endpoint 'embedding' needs an embedding model (a sentence-transformers folder: "
+                                      "modules.json with a Pooling module); this worker serves a causal LM")
+                continue
+            if req.endpoint is not Endpoint.embedding:
+                yield error_event(req.index, ErrorCode.bad_request, "this worker serves an embedding model: only "
+                                  f"endpoint 'embedding', not {req.endpoint.value!r}")
+                continue
+            if abort.is_set():
+                yield EngineEvent(index=req.index, finish_reason=FinishReason.abort)
+                continue
+            text = (req.prompt or "").strip()  # sentence-transformers strips each text before tokenizing
+            with self._tok_lock:
+                ids = list(self._tokenizer.encode(text.lower() if layout.lower_case else text, add_special_tokens=True))
+            if len(ids) > self.session_len:
+                yield error_event(req.index, ErrorCode.context_length_exceeded,
+                                  f"the text is {len(ids)} tokens, over the model's maximum of {self.session_len} "
+                                  "(max_seq_length)", input_token_len=len(ids))
+                continue
+            todo.append((req, ids))
+        if layout is None or not todo:
+            return
+        todo.sort(key=lambda t: len(t[1]))
+        torch = self._torch
+        for start in range(0, len(todo), self.max_batch):
+            chunk = todo[start : start + self.max_batch]
+            if abort.is_set():
+                for req, _ in chunk:
+                    yield EngineEvent(index=req.index, finish_reason=FinishReason.abort)
+                continue
+            try:
+                with self._model_lock:
+                    if self._model is None:
+                        raise EngineError("the transformers engine was closed during embedding")
+                    with torch.inference_mode():
+                        vectors = embed_batch(torch, self._model, [ids for _, ids in chunk], layout,
+                                              device=self.device, pad_id=self._pad_id)
+            except EngineError:
+                raise
+            except Exception as exc:  # this forward's rows fail; the call goes on
+                log.exception("embedding %d requests failed", len(chunk))
+                for req, ids in chunk:
+                    yield error_event(req.index, ErrorCode.internal_error, f"{type(exc).__name__}: {exc}",
+                                      input_token_len=len(ids))
+                continue
+            for (req, ids), vec in zip(chunk, vectors, strict=True):
+                yield EngineEvent(index=req.index, input_token_len=len(ids), finish_reason=FinishReason.stop,
+                                  embedding=vec, whole=True)
 
     def _reward(self, req: EngineRequest) -> EngineEvent:
         """A reward model's score of the chat: its one logit, pooled at the last token by the head."""

@@ -35,6 +35,9 @@ from lmdq.api.settings import ApiSettings
 from lmdq.api.uploads import FormStream, boundary_of
 from lmdq.contract import ErrorCode
 from lmdq.logs.config import get_logger
+from lmdq.redis.keys import Keys
+from lmdq.webhooks.delivery import Deliverer, DeliveryPolicy
+from lmdq.webhooks.store import WebhookStore
 
 __all__ = ["create_app"]
 
@@ -53,6 +56,12 @@ class CreateBatch(BaseModel):
     output_expires_after: dict[str, Any] | None = None
     #: lmdq's extension (issue 46): when the batch should be done, ISO 8601 with its zone or Unix time
     deadline: str | float | None = None
+    #: lmdq's extension (issue 46): quality gates, as submit's options: {"canary": "2%" or 50, "gate":
+    #: ["json=0", ...], "gate_window": 200}; a failing gate pauses the batch (``lmdq_status: "paused"``)
+    gates: dict[str, Any] | None = None
+    #: lmdq's extension (issue 48, docs/webhooks.md): the URL sent a signed event when the batch ends or
+    #: pauses (default: the tenant's, LMDQ_API_WEBHOOKS); must be in LMDQ_WEBHOOK_ALLOW
+    webhook: str | None = None
 
 
 class _Metrics:
@@ -181,8 +190,12 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
 
         asyncio.get_running_loop().set_exception_handler(AcceptErrors())
         worker.start()
+        # webhook events (any batch's: lmdq.webhooks) are sent from a thread of their own, as workers do
+        hooks = Deliverer(WebhookStore(be.client, keys=Keys(settings.key_prefix)), DeliveryPolicy.of(settings),
+                          name="lmdq-api").start()
         log.info("lmdq-api ready", tenants=len(keyring.tenants), files_dir=str(settings.api_files_dir))
         yield
+        hooks.stop()
         worker.shutdown()
 
     app = FastAPI(title="lmdq-api", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -347,7 +360,7 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
         ttl = expires_after(exp.get("anchor"), exp.get("seconds"), "output_expires_after") if exp else None
         out = batches.create(t, input_file_id=body.input_file_id, endpoint=body.endpoint,
                              completion_window=body.completion_window, metadata=body.metadata, output_ttl_s=ttl,
-                             deadline=body.deadline)
+                             deadline=body.deadline, gates=body.gates, webhook=body.webhook)
         metrics.batches.inc()
         return out
 
@@ -367,6 +380,11 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str, t: Tenant) -> dict[str, Any]:
         return batches.cancel(t, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/resume")
+    def resume_batch(batch_id: str, t: Tenant) -> dict[str, Any]:
+        """lmdq's extension (issue 46): run the rest of a batch a quality gate paused."""
+        return batches.resume(t, batch_id)
 
     return app
 

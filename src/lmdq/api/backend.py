@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -22,6 +22,7 @@ from lmdq.redis.keys import Keys
 from lmdq.results.store import ResultStore
 
 if TYPE_CHECKING:
+    from lmdq.gates.config import GateConfig
     from lmdq.results.openai import BatchUsage
     from lmdq.submission.ledger import BatchLedger
 
@@ -49,10 +50,12 @@ class Backend:
         self.store = ResultStore(self.client, keys=self.keys, ttl_s=settings.result_ttl_s)
 
     def submit(self, path: Path, *, window_s: float | None, metadata: dict[str, str], idempotency_key: str,
-               progress: Callable[[int], None] | None = None, deadline: float | None = None) -> Batch:
+               progress: Callable[[int], None] | None = None, deadline: float | None = None,
+               gates: GateConfig | None = None, webhook: tuple[str, str, str] | None = None) -> Batch:
         """Validate the whole OpenAI Batch file and enqueue it (``lmdq-producer submit FILE``): all of it
         or, on :class:`~lmdq.errors.SubmitRejected` / :class:`~lmdq.errors.UnknownModel`, nothing.
-        ``idempotency_key`` makes a re-run after a crash return the batch the first run made."""
+        ``idempotency_key`` makes a re-run after a crash return the batch the first run made. ``webhook``: the
+        API batch's (url, tenant, id), so a pause is told under the API's id (lmdq.webhooks)."""
         from lmdq.submission.formats import InputFormat, InputLimits
         from lmdq.submission.submit import SubmitOptions, submit_file
 
@@ -80,6 +83,11 @@ class Backend:
             max_image_bytes=s.max_image_bytes,
         )
         opts.deadline = deadline  # lmdq's extension field (issue 46)
+        opts.gates = gates  # lmdq's extension field (issue 46): the canary spread over the whole file
+        if webhook is not None:  # issue 48: (url, tenant, API batch id); lmdq's batch tells only of its pauses
+            opts.webhook, opts.webhook_tenant, opts.webhook_as = webhook
+        if gates is not None and gates.canary is not None:
+            opts.first_jobs = None
         batch: Batch
         batch, _created = submit_file(path, opts, client=self.client, keys=self.keys, ttl_s=s.result_ttl_s,
                                       validate_progress=progress, enqueue_progress=progress,
@@ -114,6 +122,15 @@ class Backend:
     def get_many(self, batch_ids: Iterable[str]) -> dict[str, Batch]:
         """Several batches in one round trip (a list page), by id; gone ones are left out."""
         return {b.id: b for b in self.store.batches.get_many(batch_ids)}
+
+    def gates(self, batch_id: str) -> dict[str, Any] | None:
+        """The batch's quality gates (``lmdq-producer status``' gates: verdict, report), None without."""
+        st = self._ledger().gates.state(batch_id)
+        return None if st is None else st.as_dict()
+
+    def resume(self, batch_id: str) -> Batch:
+        """``lmdq-producer resume``: a paused batch's held jobs run (SubmitRejected when not paused)."""
+        return self._ledger().resume(batch_id)
 
     def cancel(self, batch_id: str) -> Batch:
         """``lmdq-producer cancel``: queued jobs off the queue, in-flight requests aborted."""

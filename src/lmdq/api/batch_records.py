@@ -21,6 +21,7 @@ from redis.typing import EncodableT, FieldT
 
 from lmdq.api.files import RawRecord
 from lmdq.redis.keys import Keys
+from lmdq.webhooks.store import queue_event
 
 __all__ = ["ApiBatchRecords", "RawRecord"]
 
@@ -91,12 +92,17 @@ class ApiBatchRecords:
         """Add one to the record's ``runs`` (submissions started) and return the new count."""
         return int(self.client.hincrby(self.keys.api_batch(batch_id), "runs", 1))
 
-    def finish(self, batch_id: str, fields: Mapping[str, EncodableT]) -> None:
+    def finish(self, batch_id: str, fields: Mapping[str, EncodableT], *,
+               event: tuple[str, str, str, float] | None = None) -> None:
         """Set the ``fields`` that end the batch (failed, or finalized) and take it off the open set, in
-        one transaction."""
+        one transaction; with ``event`` (kind, url, tenant, now), its webhook event too (issue 48: announced
+        with the state it tells of, never without it, never twice: lmdq.webhooks.store.queue_event)."""
         with self.client.pipeline(transaction=True) as p:
             p.hset(self.keys.api_batch(batch_id), mapping=_mapping(fields))
             p.srem(self.keys.api_open(), batch_id)
+            if event is not None:
+                kind, url, tenant, now = event
+                queue_event(p, self.keys, batch_id=batch_id, kind=kind, url=url, tenant=tenant, now=now)
             p.execute()
 
     # ---- the open set -------------------------------------------------------------------------------

@@ -35,16 +35,20 @@ from lmdq.api.files import FileStore
 from lmdq.api.paging import Page, page
 from lmdq.contract import Batch, BatchStatus, ErrorCode
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
+from lmdq.gates.config import GateConfig, from_options
 from lmdq.logs.config import get_logger
 from lmdq.plan.deadlines import parse_deadline
 from lmdq.redis.keys import Keys
 from lmdq.results.openai import BatchUsage
+from lmdq.webhooks.allow import AllowList, WebhookRefused
+from lmdq.webhooks.signing import new_secret
+from lmdq.webhooks.store import WebhookStore
 
 __all__ = ["ENDPOINTS", "ApiBatches", "parse_window"]
 
 log = get_logger("lmdq.api.batches")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/score", "/v1/reward")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/score", "/v1/reward", "/v1/embeddings")
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _MAX_WINDOW_S = 365 * 86400
@@ -63,6 +67,16 @@ def parse_window(window: str) -> float:
         raise bad_request(f"completion_window: expected a duration such as '24h' (or 90m, 7d; at most 365d), "
                           f"got {shown!r}", param="completion_window")
     return seconds
+
+
+def _tenant_webhooks(spec: str) -> dict[str, str]:
+    """LMDQ_API_WEBHOOKS (``tenant=URL,...``) as a dict; an entry without ``=`` is skipped."""
+    out: dict[str, str] = {}
+    for entry in spec.split(","):
+        tenant, eq, url = entry.partition("=")
+        if eq and tenant.strip() and url.strip():
+            out[tenant.strip()] = url.strip()
+    return out
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
@@ -132,6 +146,10 @@ class Record:
     usage: dict[str, Any] | None = None
     #: lmdq's extension (issue 46): Unix time the batch should be done by
     deadline: float | None = None
+    #: lmdq's extension (issue 46): the batch's quality gates (GateConfig JSON), as created
+    gates: str | None = None
+    #: lmdq's extension (issue 48): the URL told of the batch's end (its own, or its tenant's default)
+    webhook: str | None = None
 
     @classmethod
     def decode(cls, batch_id: str, raw: dict[Any, Any]) -> Record | None:
@@ -151,9 +169,31 @@ class Record:
                        final_status=d.get("final_status") or None, finalized_at=opt_int("finalized_at"),
                        runs=int(d.get("runs") or 0), output_ttl_s=int(d.get("output_ttl_s") or 0) or None,
                        model=d.get("model") or None, usage=json.loads(d["usage"]) if d.get("usage") else None,
-                       deadline=float(d["deadline"]) if d.get("deadline") else None)
+                       deadline=float(d["deadline"]) if d.get("deadline") else None,
+                       gates=d.get("gates") or None, webhook=d.get("webhook") or None)
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
+
+
+def _gates(gates: dict[str, Any] | None) -> str:
+    """The ``gates`` extension field's GateConfig JSON ('' for none); one 400 line naming what is wrong."""
+    if gates is None:
+        return ""
+    if not isinstance(gates, dict) or set(gates) - {"canary", "gate", "gate_window"}:
+        raise bad_request("gates: expected an object with canary, gate (a list of KEY=VALUE), gate_window",
+                          param="gates")
+    canary, specs, window = gates.get("canary"), gates.get("gate"), gates.get("gate_window")
+    if (canary is not None and not isinstance(canary, (str, int, float))) or isinstance(canary, bool) \
+            or (specs is not None and not (isinstance(specs, list) and all(isinstance(x, str) for x in specs))) \
+            or (window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1)):
+        raise bad_request("gates: canary is '2%' or a count, gate a list of KEY=VALUE strings, gate_window a "
+                          "count >= 1", param="gates")
+    try:
+        config = from_options(canary, specs, window)
+    except ValueError as e:
+        raise bad_request(f"gates: {str(e).replace('--gate-window', 'gate_window').replace('--', '')}",
+                          param="gates") from None
+    return config.model_dump_json(exclude_none=True) if config is not None else ""
 
 
 def _text(v: object) -> str | None:
@@ -259,7 +299,8 @@ class ApiBatches:
 
     # ---- API operations -------------------------------------------------------------------------
     def create(self, tenant: str, *, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: Any, output_ttl_s: int | None = None, deadline: str | float | None = None) -> dict[str, Any]:
+               metadata: Any, output_ttl_s: int | None = None, deadline: str | float | None = None,
+               gates: dict[str, Any] | None = None, webhook: str | None = None) -> dict[str, Any]:
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint: expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
         window_s = parse_window(completion_window)
@@ -268,6 +309,8 @@ class ApiBatches:
         except ValueError as e:
             raise bad_request(f"deadline: {e}", param="deadline") from None
         meta = check_metadata(metadata)
+        gate_json = _gates(gates)
+        hook = self._webhook(tenant, webhook)
         f = self.files.get(tenant, input_file_id)
         if f.purpose != "batch":
             raise bad_request(f"input_file_id: file {input_file_id!r} has purpose {f.purpose!r}, expected 'batch'",
@@ -280,11 +323,29 @@ class ApiBatches:
             "input_file_id": input_file_id, "endpoint": endpoint, "model": model or "",
             "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
             "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0,
-            "deadline": deadline_at or ""},
+            "deadline": deadline_at or "", "gates": gate_json, "webhook": hook or ""},
             ttl_s=self.ttl_s, created=time.time())  # sub-second: a list keeps creation order
         log.info("batch created", batch=batch_id, tenant=tenant, input_file=input_file_id, endpoint=endpoint)
         self.schedule(functools.partial(self.submit, batch_id), f"submit:{batch_id}")
         return self.view(self.get_record(tenant, batch_id))
+
+    def _webhook(self, tenant: str, given: str | None) -> str | None:
+        """The batch's webhook: its own, else its tenant's default (LMDQ_API_WEBHOOKS); a 400 unless
+        LMDQ_WEBHOOK_ALLOW admits it. The tenant's signing secret is made here if it has none."""
+        s = self.backend.settings
+        url = given or _tenant_webhooks(s.api_webhooks).get(tenant)
+        if not url:
+            return None
+        try:
+            url = AllowList(s.webhook_allow).check(url)
+        except WebhookRefused as e:
+            raise bad_request(f"webhook: {e}", param="webhook") from None
+        WebhookStore(self.client, keys=Keys(self.prefix)).ensure_secret(tenant, new_secret())
+        return url
+
+    def _end_event(self, rec: Record, kind: str) -> tuple[str, str, str, float] | None:
+        """What :meth:`ApiBatchRecords.finish` needs to announce ``rec``'s end (None: it has no webhook)."""
+        return (kind, rec.webhook, rec.tenant, time.time()) if rec.webhook else None
 
     def retrieve(self, tenant: str, batch_id: str) -> dict[str, Any]:
         return self.view(self.get_record(tenant, batch_id))
@@ -300,6 +361,20 @@ class ApiBatches:
 
         return page(self.client, self.records.index(tenant), after=after, limit=limit, newest_first=True, load=load,
                     what="batch")
+
+    def resume(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        """lmdq's extension (issue 46): the rest of a batch a quality gate paused runs (409 otherwise)."""
+        rec = self.get_record(tenant, batch_id)
+        shown = self.view(rec)
+        if shown.get("lmdq_status") != "paused" or not rec.lmdq_id:
+            raise conflict(f"Cannot resume a batch with status {shown['status']!r}: only a paused one "
+                           "(lmdq_status 'paused').")
+        try:
+            self.backend.resume(rec.lmdq_id)
+        except SubmitRejected as e:  # resumed or ended meanwhile
+            raise conflict(str(e)) from None
+        log.info("batch resumed", batch=batch_id, tenant=tenant)
+        return self.view(self.get_record(tenant, batch_id))
 
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
         rec = self.get_record(tenant, batch_id)
@@ -333,6 +408,8 @@ class ApiBatches:
         }
         if rec.deadline is not None:  # lmdq's extension field (issue 46), only when the batch has one
             out["deadline"] = rec.deadline
+        if rec.gates is not None:  # lmdq's extension fields (issue 46), only when the batch has gates
+            out["lmdq_gates"] = self.backend.gates(rec.lmdq_id) if rec.lmdq_id else None
         if rec.state == "failed":
             out["status"] = "failed"
             out["errors"] = {"object": "list", "data": rec.errors or []}
@@ -371,6 +448,8 @@ class ApiBatches:
             out["status"] = "cancelling"
         else:
             out["status"] = "in_progress"
+            if b.status is BatchStatus.paused:  # OpenAI has no such status: in_progress, and lmdq's own word
+                out["lmdq_status"] = "paused"
         return out
 
     @staticmethod
@@ -403,7 +482,8 @@ class ApiBatches:
 
     def _fail(self, rec: Record, errors: list[dict[str, Any]]) -> None:
         now = int(time.time())
-        self.records.finish(rec.id, {"state": "failed", "errors": json.dumps(errors), "failed_at": now})
+        self.records.finish(rec.id, {"state": "failed", "errors": json.dumps(errors), "failed_at": now},
+                            event=self._end_event(rec, "failed"))
         log.info("batch failed validation", batch=rec.id, tenant=rec.tenant, errors=len(errors))
 
     def submit(self, batch_id: str) -> None:
@@ -461,7 +541,9 @@ class ApiBatches:
         meta = dict(rec.metadata)
         try:
             batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta, deadline=rec.deadline,
-                                        idempotency_key=_idempotency_key(rec.id), progress=progress)
+                                        gates=GateConfig.model_validate_json(rec.gates) if rec.gates else None,
+                                        idempotency_key=_idempotency_key(rec.id), progress=progress,
+                                        webhook=(rec.webhook, rec.tenant, rec.id) if rec.webhook else None)
         except (SubmitRejected, UnknownModel) as e:  # about the file: the batch fails, with its lines
             self._fail(rec, errors_from(e, path, shown))
             return
@@ -495,7 +577,8 @@ class ApiBatches:
                 fields["output_file_id"] = out_id
             if err_id:
                 fields["error_file_id"] = err_id
-            self.records.finish(batch_id, fields)
+            # the API's batch ends here, once its files exist: its webhook tells of it now (not at lmdq's end)
+            self.records.finish(batch_id, fields, event=self._end_event(rec, b.status.value))
             c = b.request_counts
             log.info("batch finalized", batch=batch_id, tenant=rec.tenant, status=b.status.value, total=c.total,
                      completed=c.completed, output_file=out_id, error_file=err_id)

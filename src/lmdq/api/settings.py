@@ -75,6 +75,10 @@ class ApiSettings(ProducerSettings):
         "process's open-file limit); over it, the oldest connection with no request in progress is closed, "
         "or else the new one"
     )
+    api_webhooks: str = Field(
+        default="", description="each tenant's default webhook (issue 48, docs/webhooks.md): tenant=URL entries, "
+        "comma separated; a batch's own `webhook` wins; each URL must be in LMDQ_WEBHOOK_ALLOW"
+    )
     api_backlog: int = Field(
         default=2048, ge=1, le=65535, description="connections the kernel queues for lmdq-api to accept (listen "
         "backlog)"

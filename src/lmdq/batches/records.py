@@ -35,6 +35,7 @@ from lmdq.errors import BatchNotFound
 from lmdq.redis.keys import BATCH_COUNT_FIELDS, BATCH_TIME_FIELDS, BatchField, Keys, model_count_field
 from lmdq.redis.replies import reply_text
 from lmdq.redis.scripts import BATCH_ENDED, LuaScript
+from lmdq.webhooks.store import WEBHOOK_EVENT
 
 __all__ = ["RUNNING_TTL_S", "STAGING_TTL_S", "BatchHashes", "BatchRecords", "Deleted", "staging_ttl"]
 
@@ -84,7 +85,11 @@ class BatchRecords:
             quiet.add("model_counts")
         if batch.reuse_ttl_s is None:  # a batch without reuse: the record an lmdq before issue 47 wrote
             quiet.add("reuse_ttl_s")
-        live = {"status", "request_counts", "deadline", *(f.value for f in BATCH_TIME_FIELDS)}
+        if batch.webhook is None:  # a batch without a webhook: the record an lmdq before issue 48 wrote
+            quiet |= {"webhook", "webhook_tenant", "webhook_as"}
+        elif batch.webhook_as is None:
+            quiet.add("webhook_as")
+        live = {"status", "request_counts", "deadline", "reusable", *(f.value for f in BATCH_TIME_FIELDS)}
         meta = batch.model_dump_json(exclude=live | quiet)
         fields: dict[Any, str | int | float] = {
             F.meta.value: meta, F.status.value: batch.status.value, F.total.value: batch.request_counts.total
@@ -132,7 +137,14 @@ class BatchRecords:
         deadline = raw.get(F.deadline.value.encode())
         if deadline is not None:
             data["deadline"] = float(deadline)
+        reusable = raw.get(F.reusable.value.encode())
+        if reusable is not None:
+            data["reusable"] = _int(reusable)
         return Batch.model_validate(data)
+
+    def note_reusable(self, batch_id: str, n: int) -> None:
+        """Record how many of the batch's requests the reuse index could answer at submit (issue 47)."""
+        self.hashes.note(batch_id, F.reusable.value, n)
 
     def newest(self, limit: int = 20) -> list[Batch]:
         return self.get_many(self.hashes.newest_ids(limit))
@@ -207,6 +219,16 @@ class BatchHashes:
                                args=[",".join(from_), to, stamp, now, ttl_s, "1" if terminal else "0"])
         return None if res is None else reply_text(res)
 
+    def note(self, batch_id: str, field: str, value: int) -> None:
+        """Set one plain field of an existing record (never creates one: a purged batch stays gone)."""
+        key = self.keys.batch(batch_id)
+        with self.client.pipeline(transaction=True) as p:
+            p.exists(key)
+            p.hset(key, field, value)
+            exists, _ = p.execute()
+        if not exists:
+            self.client.delete(key)
+
     def mark_cancelled(self, batch_id: str) -> None:
         """Add the batch to the cancelled set (workers poll it and abort what they hold)."""
         self.client.sadd(self.keys.cancelled(), batch_id)
@@ -270,9 +292,12 @@ for s in string.gmatch(ARGV[1], '[^,]+') do
   if s == st then
     redis.call('HSET', KEYS[1], '{F.status}', ARGV[2])
     if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
-    if ARGV[6] == '1' then lmdq_batch_ended(KEYS[1], ARGV[5]) end
+    if ARGV[6] == '1' then
+      lmdq_batch_ended(KEYS[1], ARGV[5])
+      lmdq_webhook_event(KEYS[1], ARGV[2])
+    end
     return ARGV[2]
   end
 end
 return st
-""", uses=(BATCH_ENDED,))
+""", uses=(BATCH_ENDED, WEBHOOK_EVENT))

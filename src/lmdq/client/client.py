@@ -154,7 +154,7 @@ class Client:
         id_column: str | None = None,
         params_columns: Sequence[str] | Mapping[str, str] | None = None,
         template: str | None = None,
-        endpoint: Endpoint | Literal["chat", "completion", "score", "reward"] | None = None,
+        endpoint: Endpoint | Literal["chat", "completion", "score", "reward", "embedding"] | None = None,
         model_column: str | None = None,
         image_column: str | None = None,
         image_dir: str | os.PathLike[str] | None = None,
@@ -226,6 +226,7 @@ class Client:
         if isinstance(src, FileSource):
             opts.fmt = src.fmt
             opts.input_name = input_name
+            opts.endpoint, opts.endpoint_option = cmap.endpoint, spell("endpoint")
             # through the module, so a test's hook on submit_file (edits between the passes) applies
             info, created = submit_mod.submit_file(src.path, opts, **kw)
             return Batch(self, info.id, created=created, info=info)
@@ -313,6 +314,19 @@ class Client:
 
         registry = ModelRegistry(self.redis, keys=self.keys)
         return registry.models(), registry.now()
+
+    def webhook_secret(self, tenant: str = "default", *, rotate: bool = False) -> str:
+        """The tenant's webhook signing secret (``whsec_...``, issue 48: docs/webhooks.md), made when it has
+        none; ``rotate``: a new one, which signs every try from now on (the old one stops verifying)."""
+        from lmdq.webhooks.signing import new_secret
+        from lmdq.webhooks.store import WebhookStore
+
+        store = WebhookStore(self.redis, keys=self.keys)
+        if rotate:
+            fresh = new_secret()
+            store.set_secret(tenant, fresh)
+            return fresh
+        return store.ensure_secret(tenant, new_secret())
 
     def reuse_stats(self, model: str | None = None) -> list[ReuseStats]:
         """The reuse index (issue 47) per model: entries, Redis bytes, lookups, hits and hit rate
@@ -545,10 +559,12 @@ class Batch:
         """The final results as a pyarrow Table (schema: :data:`lmdq.results.export.RESULT_COLUMNS`)."""
         import pyarrow as pa
 
-        from lmdq.results.export import record_batches, schema_with_batch
+        from lmdq.results.export import embedding_schema, record_batches
 
-        schema = schema_with_batch(self.info().model_dump_json())
-        return pa.Table.from_batches(list(record_batches(self._raw_records())), schema=schema)
+        schema, chunks = embedding_schema(self._raw_records())  # the vectors' size, read ahead
+        batches = list(record_batches(chunks, schema=schema))
+        batch_json = self.info().model_dump_json()
+        return pa.Table.from_batches(batches, schema=schema.with_metadata({"lmdq.batch": batch_json}))
 
     def to_pandas(self) -> pd.DataFrame:
         """:meth:`to_arrow` as a pandas DataFrame."""

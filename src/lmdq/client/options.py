@@ -36,6 +36,7 @@ from lmdq.flags import FlagSpec, option_name
 from lmdq.logs.redaction import redact_url
 from lmdq.settings import DEFAULT_RESULT_TTL_S, default_of
 from lmdq.submission.settings import ProducerSettings
+from lmdq.webhooks.allow import AllowList, WebhookRefused
 
 __all__ = [
     "BatchOptions",
@@ -116,6 +117,10 @@ class BatchOptions(BaseModel):
     reuse_ttl: str | float | None = Field(
         default=None, description="with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h "
         f"(default LMDQ_REUSE_TTL_S, {_days(default_of(ProducerSettings, 'reuse_ttl_s'))})")
+    webhook: str | None = Field(
+        default=None, description="http(s) URL sent a signed POST when the batch ends or pauses (batch.completed, "
+        "batch.failed, batch.expired, batch.cancelled, batch.paused; docs/webhooks.md); must be in "
+        "LMDQ_WEBHOOK_ALLOW")
 
 
 def _parse_metadata(items: list[str]) -> dict[str, str]:
@@ -322,6 +327,16 @@ def _sink_url(given: str | None, cluster: str | None, spell: Spell) -> str | Non
     return _check_url(cluster, "LMDQ_RESULTS_URL")
 
 
+def _webhook(url: str | None, allow: str, spell: Spell) -> str | None:
+    """The batch's webhook, refused in one line unless LMDQ_WEBHOOK_ALLOW admits it (lmdq.webhooks.allow)."""
+    if not url:
+        return None
+    try:
+        return AllowList(allow).check(url)
+    except WebhookRefused as e:
+        raise _rejected(spell("webhook"), str(e), redact_url(url)) from e
+
+
 def _python_option(spelled: str) -> str:
     """``--result-ttl`` / ``--do-sample/--greedy`` / ``result_ttl`` → ``result_ttl``."""
     return spelled.split("/", 1)[0].removeprefix("--").replace("-", "_") if spelled.startswith("--") else spelled
@@ -443,6 +458,7 @@ def resolve(
         on_warning=on_warning,
         gates=gates,
         reuse_ttl_s=reuse_ttl_s if reuse else None,
+        webhook=_webhook(b.webhook, settings.webhook_allow, spell),
     )
     opts.deadline = deadline
     if gates is not None and gates.canary is not None:
@@ -452,29 +468,15 @@ def resolve(
 
 def _gates(b: BatchOptions, spell: Spell) -> Any:
     """The batch's GateConfig (lmdq.gates.config) from ``canary`` / ``gate`` / ``gate_window``; None without."""
-    from lmdq.gates.config import GateConfig, parse_canary, parse_gate
+    from lmdq.gates.config import from_options
 
-    if b.canary is None and b.gate_window is None:
-        if b.gate:
-            raise _rejected(spell("gate"), f"gates judge a canary or a rolling window: pass {spell('canary')} or "
-                            f"{spell('gate_window')} too", b.gate)
-        return None
-    fields: dict[str, Any] = {"window": b.gate_window}
     try:
-        if b.canary is not None:
-            fields["canary"] = (parse_canary(b.canary) if isinstance(b.canary, str)
-                                else parse_canary(f"{b.canary * 100:g}%") if 0 < b.canary < 1
-                                else parse_canary(f"{b.canary:g}"))
-        for spec in b.gate or []:
-            fields.update(parse_gate(spec))
+        return from_options(b.canary, b.gate, b.gate_window)
     except ValueError as e:
-        which = "gate" if b.gate and "--gate" in str(e) else "canary"
-        raise _rejected(spell(which), str(e).split(": ", 1)[-1], getattr(b, which)) from None
-    try:
-        return GateConfig.model_validate(fields)
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        raise _rejected(spell("gate"), first["msg"].removeprefix("Value error, "), b.gate) from None
+        which = "canary" if str(e).startswith("--canary") else "gate"
+        msg = str(e).split(": ", 1)[-1].replace("--canary", spell("canary")).replace("--gate-window",
+                                                                                   spell("gate_window"))
+        raise _rejected(spell(which), msg, getattr(b, which)) from None
 
 
 #: keywords whose CLI flag is not ``--`` + the keyword with dashes

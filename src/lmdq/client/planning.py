@@ -78,12 +78,38 @@ def plan_source(
                           "live_workers": live, "gpu_hour_price": gpu_hour_price, "prefix_groups": opts.prefix_groups}
     src = classify(source, fmt=fmt, cmap=cmap if cmap is not None else ColumnMap())
     if isinstance(src, FileSource):
-        return make_plan(_lines(src.path, src.fmt, opts.limits), **kw)
+        p = make_plan(_lines(src.path, src.fmt, opts.limits), **kw)
+        return _with_reuse(p, client, keys, opts, _lines(src.path, src.fmt, opts.limits))
     with tempfile.TemporaryDirectory(prefix="lmdq-plan-") as d:
         path = Path(d) / "rows.jsonl"
         with path.open("wb") as f:
             spool(src, cmap if cmap is not None else ColumnMap(), f, max_requests=opts.limits.max_requests)
-        return make_plan(_lines(path, InputFormat.jsonl, opts.limits, src), **kw)
+        p = make_plan(_lines(path, InputFormat.jsonl, opts.limits, src), **kw)
+        return _with_reuse(p, client, keys, opts, _lines(path, InputFormat.jsonl, opts.limits, src))
+
+
+def _with_reuse(plan: Plan, client: redis.Redis, keys: Keys, opts: Any, lines: Iterator[ParsedLine]) -> Plan:
+    """Issue 47: with ``reuse``, how many of the lines the reuse index answers now (read-only lookups)."""
+    if opts.reuse_ttl_s is None:
+        return plan
+    from lmdq.contract import Request
+    from lmdq.reuse.index import ReuseIndex
+    from lmdq.reuse.store import ReuseStore
+
+    def requests() -> Iterator[Request]:
+        for i, ln in enumerate(lines):
+            yield Request.model_validate({
+                "index": i, "custom_id": "plan", "prompt": ln.prompt, "messages": ln.messages, "endpoint": ln.endpoint,
+                "params": ln.params, "continuations": list(ln.continuations) if ln.continuations else None})
+
+    found = ReuseIndex(ReuseStore(client, keys=keys)).known(plan.model, requests(), opts.params)
+    if found is None:
+        plan.reuse_basis = f"no worker of {plan.model} has published its weights' fingerprint yet: none counted"
+        return plan
+    plan.reused_requests = found
+    plan.reuse_basis = (f"answered from the reuse index, never reaching the engine (the figures above count every "
+                        f"request; {plan.requests - found:,} will run)")
+    return plan
 
 
 def set_deadline(client: redis.Redis, keys: Keys, batch: BatchInfo, when: str | float, *,

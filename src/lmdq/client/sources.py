@@ -247,7 +247,7 @@ def classify(source: Any, *, fmt: str | None, cmap: ColumnMap,
         kind = fmt or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
         if kind in TABULAR_FORMATS:
             return _tabular_file(path, kind, cmap, spell)
-        if cmap != ColumnMap():
+        if cmap != ColumnMap(endpoint=cmap.endpoint):  # endpoint= applies to files too (every line's)
             raise SubmitRejected(f"{path}: column options ({_opt(spell, 'prompt_column')}, {_opt(spell, 'id_column')}, "
                                  f"{_opt(spell, 'template')} ...) apply to Parquet, CSV, Arrow and Python rows, not to "
                                  "a prompt file")
@@ -299,7 +299,8 @@ class _FastPath:
         self.ok = (
             cmap.model_column is None  # the fast line has no model: each row's model goes through the row parser
             and cmap.image_column is None  # nor images: each row's image is checked by the row parser
-            and self.endpoint in (None, "chat", "completion")  # score rows carry continuations: the row parser
+            # score rows carry continuations: the row parser
+            and self.endpoint in (None, "chat", "completion", "embedding")
             and self.prompt is not None and self.prompt in schema.names
             and (t.is_string(schema.field(self.prompt).type) or t.is_large_string(schema.field(self.prompt).type))
             and (self.id is None or (self.id in schema.names and (

@@ -57,6 +57,9 @@ class SubmitKwargs(TypedDict, total=False):
     #: with reuse: how long this batch's answers stay reusable, e.g. 30d, 12h (default LMDQ_REUSE_TTL_S, 30
     #: days)
     reuse_ttl: str | float | None
+    #: http(s) URL sent a signed POST when the batch ends or pauses (batch.completed, batch.failed,
+    #: batch.expired, batch.cancelled, batch.paused; docs/webhooks.md); must be in LMDQ_WEBHOOK_ALLOW
+    webhook: str | None
     #: max tokens to generate
     max_new_tokens: int | None
     #: generate at least this many tokens (stop words and eos wait)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["GATE_KEYS", "GateConfig", "canary_jobs", "parse_canary", "parse_gate"]
+__all__ = ["GATE_KEYS", "GateConfig", "canary_jobs", "from_options", "parse_canary", "parse_gate"]
 
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -108,6 +108,32 @@ def parse_canary(text: str) -> float:
     except ValueError:
         raise ValueError(f"--canary {text!r}: expected a share such as 2% (0-100, exclusive) or a request "
                          "count such as 50") from None
+
+
+def from_options(canary: str | float | None, gates: list[str] | None, window: int | None) -> GateConfig | None:
+    """The GateConfig of submit's ``canary`` / ``gate`` / ``gate_window`` (the CLI's, Python's and the HTTP
+    API's extension field alike); None without a canary or a window. ValueError: one line, naming the option
+    (``--canary``, ``--gate``; a bare config error names neither)."""
+    if canary is None and window is None:
+        if gates:
+            raise ValueError("--gate: gates judge a canary or a rolling window: pass --canary or --gate-window too")
+        return None
+    fields: dict[str, Any] = {"window": window}
+    if canary is not None:
+        if isinstance(canary, str):
+            fields["canary"] = parse_canary(canary)
+        elif 0 < canary < 1:
+            fields["canary"] = float(canary)
+        else:
+            fields["canary"] = parse_canary(f"{canary:g}")
+    for spec in gates or []:
+        fields.update(parse_gate(spec))
+    try:
+        return GateConfig.model_validate(fields)
+    except ValueError as e:
+        errs = getattr(e, "errors", None)
+        msg = errs()[0]["msg"] if callable(errs) else str(e)
+        raise ValueError(f"--gate: {msg.removeprefix('Value error, ')}") from None
 
 
 #: ``--gate KEY=VALUE`` keys and the GateConfig field each sets (``tokens`` sets both mean-token bounds)

@@ -32,6 +32,7 @@ from lmdq.gates.config import GateConfig
 from lmdq.redis.keys import BatchField, Keys
 from lmdq.redis.replies import reply_text
 from lmdq.redis.scripts import WAKE, Fragment, LuaScript
+from lmdq.webhooks.store import WEBHOOK_EVENT
 
 __all__ = ["GateState", "GateStore"]
 
@@ -243,6 +244,7 @@ else
   redis.call('HSET', KEYS[1], 'verdict', ARGV[2])
 end
 redis.call('HSET', KEYS[2], '{F.status}', '{BatchStatus.paused.value}')
+lmdq_webhook_event(KEYS[2], 'paused')  -- issue 48: batch.paused, in the same step as the status
 redis.call('HSET', KEYS[1], 'report', ARGV[1], 'paused_at', ARGV[3])
 local p = ARGV[4]
 for q = 4, #KEYS do
@@ -260,7 +262,7 @@ end
 local ttl = redis.call('TTL', KEYS[1])
 if ttl > 0 and redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ttl) end
 return 1
-""")
+""", uses=(WEBHOOK_EVENT,))
 
 # KEYS: gates hash, held list, batch hash, seen list, rq queues set, wake lists... ARGV: queue key, now.
 RESUME = LuaScript("gates_resume", f"""

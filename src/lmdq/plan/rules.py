@@ -91,6 +91,9 @@ class Plan:
     cost: float | None
     cost_basis: str
     workers: list[dict[str, Any]] = field(default_factory=list)
+    #: issue 47, with ``reuse``: requests the reuse index answers now (None: reuse off or no worker key yet)
+    reused_requests: int | None = None
+    reuse_basis: str = "reuse off (submit --reuse)"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,8 +118,14 @@ class Plan:
             f"  throughput       {rate}  ({self.rate_basis})",
             f"  GPU-seconds      {'unknown' if self.gpu_seconds is None else f'{self.gpu_seconds:,.1f}'}",
             f"  ETA              {secs(self.eta_s)}  ({self.eta_basis})",
-            f"  cost             {'unknown' if self.cost is None else f'{self.cost:,.2f}'}  ({self.cost_basis})",
+            f"  cost             {_money(self.cost)}  ({self.cost_basis})",
+            f"  reused           {'-' if self.reused_requests is None else f'{self.reused_requests:,}'}  "
+            f"({self.reuse_basis})",
         ]
+
+
+def _money(v: float | None) -> str:
+    return "unknown" if v is None else f"{v:,.2f}" if v >= 1 else f"{v:.4f}"
 
 
 def expected_output(history: History, max_new: int) -> float:

@@ -92,6 +92,8 @@ class BatchField(str, Enum):
     #: the requests no job ever held were answered (``cancelled`` or ``failed``/``submit_interrupted``): set
     #: once, by whoever ended the part-staged batch (lmdq.submission.ledger.BatchLedger.answer_unstaged)
     unstaged_answered = "unstaged_answered"
+    #: ``--reuse`` (issue 47): requests the reuse index could answer when the batch was submitted
+    reusable = "reusable"
     #: generated tokens of the batch's final results so far (progress' tokens/s; absent before the first)
     output_tokens = "output_tokens"
     #: Unix time the batch should be done by (issue 46; absent: none): a live field, so it can be moved
@@ -277,6 +279,33 @@ class Keys:
     def staging(self) -> str:
         """Set of batch ids being staged progressively (their leases are checked by whoever notices)."""
         return f"{self.prefix}:staging"
+
+    # webhooks (lmdq.webhooks.store): the outbox of batch events and its delivery state. The batch-end Lua
+    # builds the first two from a batch key's prefix (``lmdq_webhook_event``), so they keep this spelling.
+    def webhook_events(self) -> str:
+        """Hash: event id -> the event's JSON (url, tenant, body), from its creation until it is delivered
+        or given up on."""
+        return f"{self.prefix}:webhooks:events"
+
+    def webhook_due(self) -> str:
+        """Sorted set: event id -> when it may be tried next (server ms); a claim moves it a lease ahead."""
+        return f"{self.prefix}:webhooks:due"
+
+    def webhook_leases(self) -> str:
+        """Hash: event id -> the token of the deliverer holding it (its result counts only with the token)."""
+        return f"{self.prefix}:webhooks:leases"
+
+    def webhook_tries(self) -> str:
+        """Hash: event id -> delivery attempts so far (counted at claim: a killed deliverer's try counts)."""
+        return f"{self.prefix}:webhooks:tries"
+
+    def webhook_dead(self) -> str:
+        """Hash: event id -> the event's JSON plus its last error, once its tries ran out (kept for an operator)."""
+        return f"{self.prefix}:webhooks:dead"
+
+    def webhook_secrets(self) -> str:
+        """Hash: tenant -> its signing secret (``whsec_...``). Never logged."""
+        return f"{self.prefix}:webhooks:secrets"
 
     # reuse (lmdq.reuse.store): the content-addressed index of completed results (issue 47)
     def reuse_workers(self) -> str:

@@ -9,11 +9,19 @@ position, the index a DataFrame source had). Records are converted a chunk at a 
 is written one row group per chunk, so exporting 1 M results of any size holds one chunk, not the batch.
 The batch's own record (id, model, params, metadata) goes into the
 file's key-value metadata under ``lmdq.batch``, not into a column repeated on every row.
+
+``embedding`` is a ``fixed_size_list<float32>[dim]`` column (what vector stores and numpy read without a
+copy per row), ``dim`` being the batch's vectors' size: read from the first result that has one, so the
+records before it are held until then (those of a batch that has no vector at all: its column is a null
+``list<float32>``). Vectors of two sizes in one batch (two embedding models) cannot share the column: that
+export is refused, naming both sizes (export JSONL instead).
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +31,8 @@ from lmdq.errors import LmdqError
 from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
-__all__ = ["CHUNK_BYTES", "CHUNK_ROWS", "RESULT_COLUMNS", "iter_lmdq_lines", "record_batches", "result_schema",
-           "write_parquet"]
+__all__ = ["CHUNK_BYTES", "CHUNK_ROWS", "RESULT_COLUMNS", "embedding_schema", "iter_lmdq_lines", "record_batches",
+           "result_schema", "write_parquet"]
 
 
 def iter_lmdq_lines(store: ResultStore, batch: Batch, *, partial: bool = True) -> Iterator[bytes]:
@@ -72,6 +80,10 @@ RESULT_COLUMNS: list[tuple[str, str, str]] = [
     ("scores", "list<struct<logprob: float64, num_tokens: int64, is_greedy: bool>>",
      "endpoint score: per continuation, sum logprob, tokens, all-argmax (null where unknown)"),
     ("reward", "float64", "endpoint reward: the reward model's score"),
+    ("reused_from", "string", "answered from the reuse index (issue 47): JSON {batch, custom_id} of the request "
+                              "that computed it; null when this request was computed"),
+    ("embedding", "fixed_size_list<float32>[dim]",
+     "endpoint embedding: the vector, dim = the model's (a batch without vectors: list<float32>, all null)"),
 ]
 
 
@@ -84,8 +96,8 @@ def _pa() -> Any:
         raise LmdqError("Arrow/Parquet output needs pyarrow: pip install 'lmdq[data]'") from None
 
 
-def result_schema() -> Any:
-    """The pyarrow schema of :data:`RESULT_COLUMNS`."""
+def result_schema(embedding_dim: int | None = None) -> Any:
+    """The pyarrow schema of :data:`RESULT_COLUMNS` (``embedding_dim``: the vectors' size, None: no vectors)."""
     pa = _pa()
     top = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())]))
     lp = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()), ("top", top)]))
@@ -93,7 +105,8 @@ def result_schema() -> Any:
     types = {"string": pa.string(), "int64": pa.int64(), "int32": pa.int32(), "float64": pa.float64()}
     samples = pa.list_(pa.struct([("index", pa.int32()), ("text", pa.string()), ("finish_reason", pa.string()),
                                   ("generate_token_len", pa.int64()), ("logprobs", lp)]))
-    nested = {"logprobs": lp, "samples": samples, "scores": sc}
+    emb = pa.list_(pa.float32(), embedding_dim) if embedding_dim else pa.list_(pa.float32())
+    nested = {"logprobs": lp, "samples": samples, "scores": sc, "embedding": emb}
     return pa.schema([(name, nested.get(name) or types[t]) for name, t, _ in RESULT_COLUMNS])
 
 
@@ -109,8 +122,9 @@ except ImportError:  # pragma: no cover
     _loads = json.loads
 
 
-def _columns(raws: list[bytes]) -> dict[str, list[Any]]:
-    cols: dict[str, list[Any]] = {name: [] for name, _, _ in RESULT_COLUMNS}
+def _columns(raws: list[bytes], embedding_dim: int | None = None) -> dict[str, Any]:
+    cols: dict[str, Any] = {name: [] for name, _, _ in RESULT_COLUMNS}
+    vectors: list[str | None] = cols["embedding"]
     for raw in raws:
         r = _loads(raw)
         t = r.get("timings") or {}
@@ -144,40 +158,122 @@ def _columns(raws: list[bytes]) -> dict[str, list[Any]]:
         cols["scores"].append(None if scores is None else [
             {"logprob": x["logprob"], "num_tokens": x["num_tokens"], "is_greedy": x.get("is_greedy")} for x in scores])
         cols["reward"].append(r.get("reward"))
+        reused = r.get("reused_from")
+        cols["reused_from"].append(None if reused is None else json.dumps(reused, sort_keys=True))
+        vectors.append(r.get("embedding"))
+    cols["embedding"] = _embedding_array(vectors, embedding_dim)
     return cols
 
 
-def record_batches(records: Iterable[bytes], chunk: int = CHUNK_ROWS,
-                   chunk_bytes: int | None = None) -> Iterator[Any]:
-    """Final result records (raw JSON, input order) -> record batches of :func:`result_schema`, each cut
-    at ``chunk`` rows or ``chunk_bytes`` (default :data:`CHUNK_BYTES`) of records, whichever comes first.
+_EMBEDDING_KEY = b'"embedding":"'
+
+
+def _embedding_dim(raw: bytes) -> int | None:
+    """The size of the vector in one raw result record (None: it has none); the JSON is parsed only when
+    the record holds the key at all."""
+    if _EMBEDDING_KEY not in raw and b'"embedding": "' not in raw:
+        return None
+    data = _loads(raw).get("embedding")
+    return len(base64.b64decode(data)) // 4 if isinstance(data, str) else None
+
+
+def _embedding_array(vectors: list[str | None], dim: int | None) -> Any:
+    """The chunk's ``embedding`` column: one ``fixed_size_list<float32>[dim]`` array built from the
+    vectors' bytes in one buffer (no Python float per value), null where a row has none."""
+    pa = _pa()
+    if not dim:
+        return pa.nulls(len(vectors), pa.list_(pa.float32()))
+    size = 4 * dim
+    buf = bytearray(size * len(vectors))
+    mask = []
+    for i, v in enumerate(vectors):
+        if v is None:
+            mask.append(True)
+            continue
+        data = base64.b64decode(v)
+        if len(data) != size:
+            raise LmdqError(f"vectors of {dim} and {len(data) // 4} floats in one batch cannot share the Parquet/Arrow "
+                            "fixed-size embedding column: export this batch as JSONL (results -o out.jsonl)")
+        buf[i * size : (i + 1) * size] = data
+        mask.append(False)
+    values = pa.py_buffer(bytes(buf))
+    flat = pa.Array.from_buffers(pa.float32(), dim * len(vectors), [None, values])
+    if sys.byteorder == "big":  # pragma: no cover - the stored bytes are little-endian float32
+        raise LmdqError("exporting embeddings needs a little-endian machine")
+    return pa.FixedSizeListArray.from_arrays(flat, dim, mask=pa.array(mask, pa.bool_()) if any(mask) else None)
+
+
+class _Chunks:
+    """Records in chunks of at most ``chunk`` rows or ``chunk_bytes`` of records, and the batch's vector size:
+    known from the first record holding a vector, the chunks before it held back until then (see the module's
+    docstring). Each chunk is a list the caller empties once converted (:func:`_to_batch`)."""
+
+    def __init__(self, records: Iterable[bytes], chunk: int = CHUNK_ROWS, chunk_bytes: int | None = None) -> None:
+        self._records = iter(records)
+        self._chunk = chunk
+        self._limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        self.held: list[list[bytes]] = []
+        self.dim: int | None = None
+        self.done = False
+        while self.dim is None and not self.done:  # look ahead to the first vector (or the end)
+            part = self._next_chunk()
+            if part:
+                self.held.append(part)
+                self.dim = next((d for d in map(_embedding_dim, part) if d is not None), None)
+
+    def _next_chunk(self) -> list[bytes]:
+        buf: list[bytes] = []
+        size = 0
+        for raw in self._records:
+            buf.append(raw)
+            size += len(raw)
+            if len(buf) >= self._chunk or size >= self._limit:
+                return buf
+        self.done = True
+        return buf
+
+    def __iter__(self) -> Iterator[list[bytes]]:
+        while self.held:
+            yield self.held.pop(0)
+        while not self.done:
+            part = self._next_chunk()
+            if part:
+                yield part
+
+
+def record_batches(records: Iterable[bytes] | _Chunks, chunk: int = CHUNK_ROWS, chunk_bytes: int | None = None,
+                   *, schema: Any = None) -> Iterator[Any]:
+    """Final result records (raw JSON, input order) -> record batches of :func:`result_schema` (with the
+    batch's vector size: :func:`embedding_schema` tells it first when the caller needs the schema up front),
+    each cut at ``chunk`` rows or ``chunk_bytes`` (default :data:`CHUNK_BYTES`) of records, whichever comes
+    first.
 
     Why by bytes too: a chunk is held three ways at once while it is converted (the raw records, their
     parsed columns, the Arrow arrays), so 10,000 results of 4 KB held ~300 MB (issue 49: 450 MB peak RSS
     at 100,000 results). Each form is dropped as soon as the next one is built, so at most two are held."""
-    schema = result_schema()
-    limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    buf: list[bytes] = []
-    size = 0
-    for raw in records:
-        buf.append(raw)
-        size += len(raw)
-        if len(buf) >= chunk or size >= limit:
-            yield _to_batch(buf, schema)  # not bound here: the caller's reference is the only one
-            size = 0
-    if buf:
-        yield _to_batch(buf, schema)
+    chunks = records if isinstance(records, _Chunks) else _Chunks(records, chunk, chunk_bytes)
+    if schema is None:
+        schema = result_schema(chunks.dim)
+    for part in chunks:
+        yield _to_batch(part, schema, chunks.dim)  # not bound here: the caller's reference is the only one
 
 
-def _to_batch(buf: list[bytes], schema: Any) -> Any:
+def _to_batch(buf: list[bytes], schema: Any, embedding_dim: int | None = None) -> Any:
     """One record batch of the records in ``buf``, which is emptied before the Arrow arrays are built."""
-    cols = _columns(buf)
+    cols = _columns(buf, embedding_dim)
     buf.clear()
     return _pa().RecordBatch.from_pydict(cols, schema=schema)  # the parsed columns go on return
 
 
-def schema_with_batch(batch_json: str) -> Any:
-    return result_schema().with_metadata({"lmdq.batch": batch_json})
+def embedding_schema(records: Iterable[bytes], chunk: int = CHUNK_ROWS) -> tuple[Any, Any]:
+    """``(schema, chunks)``: the records' schema (their vector size read ahead) and the records, to pass to
+    :func:`record_batches` as they are (nothing is read twice)."""
+    chunks = _Chunks(records, chunk)
+    return result_schema(chunks.dim), chunks
+
+
+def schema_with_batch(batch_json: str, embedding_dim: int | None = None) -> Any:
+    return result_schema(embedding_dim).with_metadata({"lmdq.batch": batch_json})
 
 
 def write_parquet(path: Path, records: Iterable[bytes], *, batch_json: str) -> int:
@@ -192,8 +288,10 @@ def write_parquet(path: Path, records: Iterable[bytes], *, batch_json: str) -> i
     tmp = path.with_name(path.name + ".tmp")
     n = 0
     try:
-        with pq.ParquetWriter(tmp, schema_with_batch(batch_json), compression="zstd") as w:
-            for rb in record_batches(records):
+        chunks = _Chunks(records)
+        schema = schema_with_batch(batch_json, chunks.dim)
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as w:
+            for rb in record_batches(chunks, schema=schema):
                 w.write_batch(rb)
                 n += rb.num_rows
                 del rb  # written: not held while the next chunk is converted

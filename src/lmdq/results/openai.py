@@ -10,7 +10,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lmdq.contract import Batch, Endpoint, ErrorCode, FinishReason, Result, ResultStatus, TokenLogprob
+from lmdq.contract import (
+    Batch,
+    Endpoint,
+    ErrorCode,
+    FinishReason,
+    Result,
+    ResultStatus,
+    TokenLogprob,
+    decode_embedding,
+)
 from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
@@ -112,7 +121,7 @@ def is_openai_error(r: Result) -> bool:
 
 
 def to_openai(r: Result) -> dict[str, Any]:
-    """Map an lmdq result to an OpenAI Batch output line (chat.completion / text_completion)."""
+    """Map an lmdq result to an OpenAI Batch output line (chat.completion / text_completion / embeddings list)."""
     created = int(r.timings.finished_at or r.timings.started_at or 0)
     usage = {
         "prompt_tokens": r.input_token_len,
@@ -134,8 +143,10 @@ def to_openai(r: Result) -> dict[str, Any]:
     # params.n > 1: one choice per sample, choices[0..n-1] (usage: the prompt once, the samples' tokens summed)
     outs = ([(s.index, s.text, s.logprobs, s.finish_reason.value if s.finish_reason else None) for s in r.samples]
             if r.samples else [(0, r.text, r.logprobs, finish)])
-    if not r.endpoint.generates:
-        body: dict[str, Any] = _score_body(r, rid, created)
+    if r.endpoint is Endpoint.embedding:
+        body: dict[str, Any] = _embedding_body(r)
+    elif not r.endpoint.generates:
+        body = _score_body(r, rid, created)
     elif r.endpoint is Endpoint.completion:
         body = {
             "id": f"cmpl-{rid}",
@@ -163,12 +174,15 @@ def to_openai(r: Result) -> dict[str, Any]:
             ],
             "usage": usage,
         }
-    return {
+    line: dict[str, Any] = {
         "id": line_id,
         "custom_id": r.custom_id,
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
     }
+    if r.reused_from is not None:  # issue 47: only a reused answer says so; a computed line is OpenAI's own shape
+        line["reused_from"] = r.reused_from.model_dump()
+    return line
 
 
 def _score_body(r: Result, rid: str, created: int) -> dict[str, Any]:
@@ -188,6 +202,20 @@ def _score_body(r: Result, rid: str, created: int) -> dict[str, Any]:
         "model": r.model,
         "data": data,
         "usage": {"prompt_tokens": r.input_token_len, "completion_tokens": 0, "total_tokens": r.input_token_len},
+    }
+
+
+def _embedding_body(r: Result) -> dict[str, Any]:
+    """The body of a ``/v1/embeddings`` output line, OpenAI's CreateEmbeddingResponse: ``{"object": "list",
+    "data": [{"object": "embedding", "embedding": [floats], "index": 0}], "model", "usage": {"prompt_tokens",
+    "total_tokens"}}``. The floats are the stored float32 values, written as JSON numbers (each reads back
+    as the same float32)."""
+    vector = decode_embedding(r.embedding) if r.embedding is not None else []
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "embedding": vector, "index": 0}],
+        "model": r.model,
+        "usage": {"prompt_tokens": r.input_token_len, "total_tokens": r.input_token_len},
     }
 
 

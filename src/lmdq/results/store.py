@@ -34,6 +34,7 @@ from lmdq.errors import BatchNotFound
 from lmdq.redis.keys import MODEL_COUNT_PREFIX, BatchField, Keys
 from lmdq.redis.scripts import BATCH_ENDED, Fragment, LuaScript
 from lmdq.settings import DEFAULT_RESULT_TTL_S
+from lmdq.webhooks.store import WEBHOOK_EVENT
 
 _QUIET = {"reused_from"}
 """Left out of a fresh result's record: only a reused one (issue 47) says where its answer came from."""
@@ -373,9 +374,10 @@ if b[1] and done >= tonumber(b[1]) then
   elseif tonumber(b[5] or '0') > 0 then final = '{BatchStatus.expired.value}' end
   redis.call('HSET', KEYS[2], '{F.status}', final, final .. '_at', ARGV[1])
   lmdq_batch_ended(KEYS[2], ARGV[2])
+  lmdq_webhook_event(KEYS[2], final)
 end
 return answers
-""", uses=(BATCH_TTL, BATCH_ENDED,))
+""", uses=(BATCH_TTL, BATCH_ENDED, WEBHOOK_EVENT))
 
 # KEYS: results, partials, sealed, batch (one batch). ARGV: fallback ttl, then two per record: index, json.
 # Returns one 0/1 per record: 0 for a request that has its final result (in the hash, or sealed into a

@@ -25,10 +25,15 @@ from typing import Any
 
 from lmdq.contract import GenerationParams, Request
 
-__all__ = ["IDENTITY_BYTES", "identity", "inline_inputs", "qualifies", "request_key", "worker_key"]
+__all__ = ["IDENTITY_BYTES", "identity", "inline_inputs", "params_key", "qualifies", "request_key", "worker_key"]
 
 IDENTITY_BYTES = 16
 """Bytes of an identity (blake2b): 128 bits, so two different requests never share one by chance."""
+
+
+_NOT_INPUT = {"index", "custom_id", "params"}
+"""Request fields that are not its input: its place and name, and its params (hashed as the engine runs
+them, :func:`effective_params`)."""
 
 
 def _canon(value: Any) -> bytes:
@@ -62,13 +67,22 @@ def inline_inputs(req: Request) -> bool:
     return all(url.startswith("data:") for m in req.messages or () for url in m.image_urls())
 
 
-def request_key(params: dict[str, Any], req: Request) -> bytes:
-    """The request's half: its input and effective ``params`` (never its custom_id, index or metadata)."""
-    messages = [m.model_dump(mode="json", exclude_none=True) for m in req.messages] if req.messages else None
+def params_key(params: dict[str, Any]) -> bytes:
+    """Effective ``params`` in canonical form: computed once for the many requests that share them."""
     rf = params.get("response_format")
-    p = {**params, "response_format": rf.model_dump(mode="json", exclude_none=True) if rf is not None else None}
-    return _canon({"endpoint": req.endpoint.value, "prompt": req.prompt, "messages": messages,
-                   "continuations": req.continuations, "params": p})
+    return _canon({**params, "response_format": rf.model_dump(mode="json", exclude_none=True) if rf is not None
+                   else None})
+
+
+def request_key(params: dict[str, Any] | bytes, req: Request) -> bytes:
+    """The request's half: its input and effective ``params`` (or their :func:`params_key`); never its
+    custom_id, index or metadata."""
+    # every field of the request but its place and name: a field added to Request later is part of the
+    # identity without anyone remembering to add it here (leaving one out would share answers across inputs)
+    body = req.model_dump(mode="json", exclude=_NOT_INPUT, exclude_none=True)
+    body.setdefault("endpoint", req.endpoint.value)
+    p = params if isinstance(params, bytes) else params_key(params)
+    return _canon(body) + b"\x00" + p
 
 
 def identity(worker: bytes, request: bytes) -> bytes:

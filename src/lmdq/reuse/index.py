@@ -10,14 +10,15 @@ miss, and the request simply runs.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from lmdq.contract import Result, ResultStatus, ReusedFrom
-from lmdq.errors import ResultsUnavailable
-from lmdq.results.shards import read_shard, shard_key
+from lmdq.contract import GenerationParams, Request, Result, ResultStatus, ReusedFrom
+from lmdq.results.blobs import read_uri
+from lmdq.results.shards import shard_key
+from lmdq.reuse.identity import effective_params, identity, inline_inputs, params_key, qualifies, request_key
 from lmdq.reuse.store import ReuseStore, Source, decode_varints, encode_varints
 
 __all__ = ["Completed", "ReuseIndex", "ReuseStats"]
@@ -27,6 +28,19 @@ _COPY = b"C"
 
 _COPY_EXCLUDE = {"timings", "worker", "attempt"}
 """What a compact copy leaves out: what the reusing request sets itself, and what says when and where."""
+
+
+def _results_of(data: bytes) -> dict[int, Result]:
+    """A shard's lines as results by index, each parsed once (a line that is not a result is left out)."""
+    out: dict[int, Result] = {}
+    for line in data.splitlines():
+        if line.strip():
+            try:
+                r = Result.model_validate_json(line)
+            except ValidationError:
+                continue
+            out[r.index] = r
+    return out
 
 
 @dataclass(frozen=True)
@@ -72,17 +86,15 @@ class ReuseIndex:
         ``reused_from`` set, still carrying the source's batch id, index and custom_id)."""
         if not identities:
             return {}
-        pairs, now = self.store.lookup(model, identities)
+        values, now = self.store.lookup(model, identities)
         decoded: dict[int, tuple[bytes, int, bytes]] = {}
-        for pos, (ptr, copy) in enumerate(pairs):
-            for raw, kind in ((ptr, _POINTER), (copy, _COPY)):
-                if isinstance(raw, bytes) and raw[:1] == kind:
-                    got = decode_varints(raw[1:], 1)
-                    if got is not None:
-                        decoded[pos] = (kind, got[0][0], raw[1 + got[1]:])
-                        break
+        for pos, raw in enumerate(values):
+            if raw is not None and raw[:1] in (_POINTER, _COPY):
+                got = decode_varints(raw[1:], 1)
+                if got is not None:
+                    decoded[pos] = (raw[:1], got[0][0], raw[1 + got[1]:])
         sources = self.store.sources(model, (src for _, src, _ in decoded.values()))
-        shards: dict[tuple[int, int], dict[int, bytes] | None] = {}
+        shards: dict[tuple[int, int], dict[int, Result] | None] = {}
         out: dict[int, Result] = {}
         for pos, (kind, src_no, rest) in decoded.items():
             src = sources.get(src_no)
@@ -95,7 +107,7 @@ class ReuseIndex:
         return out
 
     @staticmethod
-    def _from_shard(src: Source, src_no: int, rest: bytes, shards: dict[tuple[int, int], dict[int, bytes] | None]
+    def _from_shard(src: Source, src_no: int, rest: bytes, shards: dict[tuple[int, int], dict[int, Result] | None]
                     ) -> Result | None:
         got = decode_varints(rest, 2)
         if got is None or src.results_url is None:
@@ -104,16 +116,12 @@ class ReuseIndex:
         if (src_no, job_no) not in shards:
             uri = f"{src.results_url.rstrip('/')}/{shard_key(src.batch_id, job_no)}"
             try:
-                shards[(src_no, job_no)] = read_shard(uri, [])
-            except ResultsUnavailable:
+                shards[(src_no, job_no)] = _results_of(read_uri(uri))
+            except Exception:  # noqa: BLE001 - a shard that cannot be read (gone, sink down) is a miss
                 shards[(src_no, job_no)] = None
         lines = shards[(src_no, job_no)]
-        line = lines.get(index) if lines else None
-        if line is None:
-            return None
-        try:
-            res = Result.model_validate_json(line)
-        except ValidationError:
+        res = lines.get(index) if lines else None
+        if res is None:
             return None
         if res.batch_id != src.batch_id or res.index != index or res.status is not ResultStatus.completed:
             return None
@@ -130,6 +138,35 @@ class ReuseIndex:
         if res.batch_id != src.batch_id or res.status is not ResultStatus.completed or res.reused_from is None:
             return None
         return res
+
+    def known(self, model: str, requests: Iterable[Request], params: GenerationParams, *,
+              chunk: int = 1000) -> int | None:
+        """How many of ``requests`` (under the batch's ``params``) the index answers now, as the model's
+        newest worker computes identities (its published worker key); None when no worker has published one.
+        What ``plan`` and ``status`` show before anything runs: an entry whose stored answer has gone since
+        is recomputed, so this is an upper bound that holds unless a shard was deleted."""
+        wkey = self.store.published(model)
+        if wkey is None:
+            return None
+        shared = params.resolved()
+        shared_key = params_key(shared)
+        found = 0
+        batch: list[bytes] = []
+
+        def look() -> int:
+            values, _ = self.store.lookup(model, batch)
+            batch.clear()
+            return sum(v is not None for v in values)
+
+        for r in requests:
+            p = shared if r.params is None else effective_params(params, r)
+            if qualifies(p, repeats_seeds=True) and inline_inputs(r):  # unseeded never has an entry anyway
+                batch.append(identity(wkey, request_key(shared_key if r.params is None else p, r)))
+                if len(batch) >= chunk:
+                    found += look()
+        if batch:
+            found += look()
+        return found
 
     def stats(self, model: str | None = None) -> list[ReuseStats]:
         """The index of ``model`` (every model that has one when None)."""

@@ -60,6 +60,18 @@ return tonumber(no)
 """)
 """Number a batch in the model's source table (once) and push its expiry out to now + ttl."""
 
+LOOKUP = LuaScript("reuse_lookup", """
+local t = redis.call('TIME')
+local out = {t[1], t[2]}
+for i = 1, #ARGV do
+  local v = redis.call('HGET', KEYS[2 * i - 1], ARGV[i])
+  if not v then v = redis.call('HGET', KEYS[2 * i], ARGV[i]) end
+  out[i + 2] = v or ''
+end
+return out
+""")
+"""Each identity's entry (a pointer, else a copy, else empty) and the server's clock, in one call."""
+
 RECORD = LuaScript("reuse_record", """
 local ttl = tonumber(ARGV[1])
 local new = 0
@@ -163,18 +175,20 @@ class ReuseStore:
         return int(RECORD(keys=keys, args=args, client=self.r))
 
     # -- reading ----------------------------------------------------------------------------------------
-    def lookup(self, model: str, identities: Sequence[bytes]) -> tuple[list[tuple[Any, Any]], float]:
-        """Each identity's (pointer, copy) raw values (None where absent) and the server's clock, one round trip."""
-        pipe = self.r.pipeline(transaction=False)
+    def lookup(self, model: str, identities: Sequence[bytes]) -> tuple[list[bytes | None], float]:
+        """Each identity's raw entry (its pointer, else its copy; None where absent) and the server's clock,
+        in one script call."""
+        if not identities:
+            return [], 0.0
+        keys: list[str] = []
+        fields: list[bytes] = []
         for ident in identities:
             bucket, field = split(ident)
-            for kind in KINDS:
-                pipe.hget(self.keys.reuse_bucket(model, kind, bucket), field)
-        pipe.time()
-        got = pipe.execute()
-        now = got[-1]
-        pairs = [(got[2 * i], got[2 * i + 1]) for i in range(len(identities))]
-        return pairs, float(now[0]) + float(now[1]) / 1e6
+            keys += [self.keys.reuse_bucket(model, kind, bucket) for kind in KINDS]
+            fields.append(field)
+        got = LOOKUP(keys=keys, args=fields, client=self.r)
+        now = float(got[0]) + float(got[1]) / 1e6
+        return [v if isinstance(v, bytes) and v else None for v in got[2:]], now
 
     def sources(self, model: str, numbers: Iterable[int]) -> dict[int, Source]:
         """The source table's entries for ``numbers`` (left out: missing or not lmdq's)."""

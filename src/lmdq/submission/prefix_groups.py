@@ -61,7 +61,7 @@ def prefix_text(item: ParsedLine, limit: int) -> str:
     is rendered as one user message, so it is written as one."""
     if item.messages is None:
         prompt: str = item.prompt or ""
-        if item.endpoint in (Endpoint.completion, Endpoint.score):  # a score prompt is raw text too
+        if item.endpoint in (Endpoint.completion, Endpoint.score, Endpoint.embedding):  # raw text too
             return "P\x1d" + prompt[:limit]
         return ("C\x1duser\x1f" + prompt[:limit])[:limit]
     parts = ["C\x1d"]

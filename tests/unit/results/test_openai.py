@@ -88,6 +88,16 @@ def test_score_and_reward_bodies() -> None:
     assert reward["data"] == [{"index": 0, "object": "score", "score": 0.25}]
 
 
+def test_embedding_line_is_an_openai_embedding_list() -> None:
+    from lmdq.contract import encode_embedding
+
+    body = to_openai(_r(endpoint=Endpoint.embedding, text="", finish_reason=FinishReason.stop, input_token_len=5,
+                        generate_token_len=0, embedding=encode_embedding([0.5, -1.0, 0.25])))["response"]["body"]
+    assert body == {"object": "list", "data": [{"object": "embedding", "embedding": [0.5, -1.0, 0.25], "index": 0}],
+                    "model": "m", "usage": {"prompt_tokens": 5, "total_tokens": 5}}
+    failed = to_openai(_r(endpoint=Endpoint.embedding, status=ResultStatus.failed,
+                          error=ErrorInfo(code="context_length_exceeded", message="too long")))
+    assert failed["response"] is None and failed["error"]["code"] == "context_length_exceeded"
 def test_ids_are_openai_shaped_stable_and_never_name_the_batch() -> None:
     """Issue 45: ``id`` / ``request_id`` were ``<lmdq batch>-<index>``."""
     a, ra = openai_ids("batch_e2376abc", 0)

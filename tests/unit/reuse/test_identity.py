@@ -56,3 +56,22 @@ def test_only_deterministic_requests_qualify() -> None:
     seeded = GenerationParams(do_sample=True, random_seed=3).resolved()
     assert qualifies(seeded, repeats_seeds=True) and not qualifies(seeded, repeats_seeds=False)
     assert not qualifies(GenerationParams(output_logits="generation").resolved(), repeats_seeds=True)
+
+
+def test_a_shared_params_key_gives_the_same_identity() -> None:
+    from lmdq.reuse.identity import params_key
+
+    r = Request(index=0, custom_id="a", prompt="x")
+    p = GenerationParams(max_new_tokens=7).resolved()
+    assert request_key(p, r) == request_key(params_key(p), r)
+    assert request_key(params_key(p), r) != request_key(params_key(GenerationParams().resolved()), r)
+
+
+def test_every_request_field_but_index_custom_id_and_params_is_input() -> None:
+    a = Request(index=0, custom_id="a", prompt="x", endpoint="score", continuations=["yes"])
+    b = Request(index=0, custom_id="a", prompt="x", endpoint="score", continuations=["no"])
+    assert ident(a) != ident(b)
+    m1 = Request(index=0, custom_id="a", messages=[{"role": "user", "content": "hi"}])
+    m2 = Request(index=0, custom_id="a", messages=[{"role": "system", "content": "hi"}])
+    assert ident(m1) != ident(m2)
+    assert ident(m1) == ident(Request(index=3, custom_id="z", messages=[{"role": "user", "content": "hi"}]))

@@ -55,3 +55,22 @@ def test_pointers_read_the_shard_line_and_check_it(client: redis.Redis, prefix: 
     shard.unlink()
     assert idx.find("m", [ident(10)]) == {}
     assert ReuseStore(client, keys=Keys(prefix)).counters("m")["hits"] == 3
+
+
+def test_exports_show_reused_from_only_on_a_reused_result() -> None:
+    import json
+
+    from lmdq.contract import ReusedFrom
+    from lmdq.results.export import _columns
+    from lmdq.results.openai import to_openai
+    from lmdq.results.store import _record_json
+
+    fresh = result(1)
+    reused = result(2).model_copy(update={"reused_from": ReusedFrom(batch=BID, custom_id="q9")})
+    assert "reused_from" not in json.loads(_record_json(fresh))
+    assert json.loads(_record_json(reused))["reused_from"] == {"batch": BID, "custom_id": "q9"}
+    assert "reused_from" not in to_openai(fresh) and to_openai(reused)["reused_from"]["custom_id"] == "q9"
+    cols = _columns([_record_json(fresh).encode(), _record_json(reused).encode()])
+    assert cols["reused_from"][0] is None and json.loads(cols["reused_from"][1])["batch"] == BID
+    assert to_openai(reused)["response"] == to_openai(fresh.model_copy(update={"index": 2, "custom_id": "q2",
+                                                                               "text": "answer 2"}))["response"]

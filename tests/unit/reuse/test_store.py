@@ -29,7 +29,7 @@ def test_record_lookup_sources_and_purge(client: redis.Redis, prefix: str) -> No
     assert s.record("m", [(ident(i), "p", b"S" + encode_varints(no, 0, i)) for i in range(50)], 100) == 50
     assert s.record("m", [(ident(0), "p", b"S" + encode_varints(no, 0, 0))], 100) == 0  # not new
     pairs, now = s.lookup("m", [ident(3), ident(99)])
-    assert pairs[0] == (b"S" + encode_varints(no, 0, 3), None) and pairs[1] == (None, None) and now > 0
+    assert pairs == [b"S" + encode_varints(no, 0, 3), None] and now > 0
     src = s.sources("m", [no, no + 1, 77])
     assert src[no].batch_id == "batch_" + "a" * 24 and src[no].results_url == "file:///x"
     assert src[no + 1].results_url is None and 77 not in src and src[no].expires_at >= now + 99
@@ -39,13 +39,15 @@ def test_record_lookup_sources_and_purge(client: redis.Redis, prefix: str) -> No
     assert s.counters("m") == {"entries": 50, "lookups": 2, "hits": 1}
     assert s.models() == ["m"] and s.memory("m") > 0
     assert s.purge("m") == 50
-    assert s.lookup("m", [ident(3)])[0] == [(None, None)] and s.models() == [] and s.memory("m") == 0
+    assert s.lookup("m", [ident(3)])[0] == [None] and s.models() == [] and s.memory("m") == 0
 
 
 def test_other_models_never_share_entries(client: redis.Redis, prefix: str) -> None:
     s = ReuseStore(client, keys=Keys(prefix))
-    s.record("m", [(ident(1), "p", b"x")], 100)
-    assert s.lookup("n", [ident(1)])[0] == [(None, None)]
+    s.record("m", [(ident(1), "c", b"copy")], 100)
+    assert s.lookup("n", [ident(1)])[0] == [None]
     s.purge("n")
-    assert s.lookup("m", [ident(1)])[0] == [(b"x", None)]
+    assert s.lookup("m", [ident(1)])[0] == [b"copy"]
+    s.record("m", [(ident(1), "p", b"pointer")], 100)
+    assert s.lookup("m", [ident(1)])[0] == [b"pointer"]  # a pointer wins over a copy
     assert BUCKETS == 65536

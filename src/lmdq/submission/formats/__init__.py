@@ -256,7 +256,8 @@ def _json_error(exc: Exception) -> str:
 
 
 def iter_lines(
-    path: Path, *, fmt: InputFormat | None = None, limits: InputLimits = InputLimits()
+    path: Path, *, fmt: InputFormat | None = None, limits: InputLimits = InputLimits(),
+    endpoint: Endpoint | None = None,
 ) -> Iterator[ParsedLine | InputError]:
     """Stream ``path``, yielding a ParsedLine per valid request and an InputError per bad line.
 
@@ -264,21 +265,23 @@ def iter_lines(
     one line (at most ``limits.max_line_bytes``) is held at a time.  ``OSError`` from opening
     the file propagates.
     """
-    for _offset, item in iter_records(path, fmt=fmt, limits=limits):
+    for _offset, item in iter_records(path, fmt=fmt, limits=limits, endpoint=endpoint):
         yield item
 
 
 def iter_records(
-    path: Path, *, fmt: InputFormat | None = None, limits: InputLimits = InputLimits()
+    path: Path, *, fmt: InputFormat | None = None, limits: InputLimits = InputLimits(),
+    endpoint: Endpoint | None = None,
 ) -> Iterator[tuple[int, ParsedLine | InputError]]:
     """:func:`iter_lines` with each line's file offset: ``(offset, item)``. The offset lets a caller
     read one request again later (:func:`read_request_at`) without holding the file in memory:
-    submit's prefix grouping re-reads requests in group order this way."""
+    submit's prefix grouping re-reads requests in group order this way. ``endpoint`` (submit's
+    ``--endpoint``): every line's endpoint; a line naming another is an error."""
     path = Path(path)
     if fmt is None:
         fmt = detect_format(path)
     name = str(path)
-    parse = _parse_openai if fmt is InputFormat.openai else _parse_jsonl
+    parse = _parser(fmt, endpoint)
     is_text = fmt is InputFormat.text
     count = 0
     max_requests = limits.max_requests
@@ -294,27 +297,35 @@ def iter_records(
                 too_many = f"too many requests: the limit is {max_requests:,} per file"
                 yield start, InputError(name, line_no, None, too_many)
                 return
-            yield start, _parse_line(name, line_no, start, data, size, max_bytes, is_text, parse)
+            yield start, _parse_line(name, line_no, start, data, size, max_bytes, is_text, parse, endpoint)
     if count == 0:
         yield 0, InputError(name, 0, None, "file has no requests (expected at least one non-blank line)")
 
 
+def _parser(fmt: InputFormat, endpoint: Endpoint | None) -> Callable[[dict[str, Any], int], ParsedLine]:
+    """The line parser of ``fmt`` with submit's ``--endpoint`` (if any) bound in."""
+    parse = _parse_openai if fmt is InputFormat.openai else _parse_jsonl
+    if endpoint is None:
+        return parse
+    return lambda obj, line_no: parse(obj, line_no, endpoint)
+
+
 def read_request_at(
-    f: IO[bytes], name: str, offset: int, line_no: int, *, fmt: InputFormat, limits: InputLimits = InputLimits()
+    f: IO[bytes], name: str, offset: int, line_no: int, *, fmt: InputFormat, limits: InputLimits = InputLimits(),
+    endpoint: Endpoint | None = None,
 ) -> ParsedLine | InputError:
     """The request on the line at ``offset`` of the open file ``f`` (line ``line_no``, as
     :func:`iter_records` reported it), parsed exactly as the streaming reader parses it."""
     f.seek(offset)
     for _no, start, data, size in _read_lines(f, limits.max_line_bytes):
-        parse = _parse_openai if fmt is InputFormat.openai else _parse_jsonl
         return _parse_line(name, line_no, start + offset, data, size, limits.max_line_bytes,
-                           fmt is InputFormat.text, parse)
+                           fmt is InputFormat.text, _parser(fmt, endpoint), endpoint)
     return InputError(name, line_no, None, "the line is gone (the file is shorter than when it was read)")
 
 
 def _parse_line(
     name: str, line_no: int, start: int, data: bytes | None, size: int, max_bytes: int, is_text: bool,
-    parse: Callable[[dict[str, Any], int], ParsedLine],
+    parse: Callable[[dict[str, Any], int], ParsedLine], endpoint: Endpoint | None = None,
 ) -> ParsedLine | InputError:
     """One non-blank line → its request or its error (``data`` None: the line was over ``max_bytes``)."""
     if data is None:
@@ -338,7 +349,7 @@ def _parse_line(
             f"expected UTF-8 text{hint}",
         )
     if is_text:
-        return ParsedLine(line_no, str(line_no), text, None, Endpoint.chat, None, None)
+        return ParsedLine(line_no, str(line_no), text, None, endpoint or Endpoint.chat, None, None)
     try:
         obj = _loads(text)
     except (ValueError, RecursionError) as exc:

@@ -5,7 +5,8 @@
 batch over several models (``submit --model`` still sets every line's).
 
 Endpoint ``score`` takes ``prompt`` or ``messages`` plus ``continuations`` (a list of strings); endpoint
-``reward`` takes ``messages``; neither takes ``params`` (nothing is sampled).
+``reward`` takes ``messages``; endpoint ``embedding`` takes ``prompt`` (the text to embed); none of them
+takes ``params`` (nothing is sampled).
 
 ``params`` are the contract's GenerationParams names (LMDeploy's), checked strictly. The producer's
 flag names are accepted too, as aliases: ``stop`` (a string or a list) for ``stop_words``, ``seed``
@@ -54,7 +55,9 @@ def _params(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], frozen
     return data, src, frozenset(wrapped)
 
 
-def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
+def _parse_jsonl(obj: dict[str, Any], line_no: int, default_endpoint: Endpoint | None = None) -> ParsedLine:
+    """One lmdq line; ``default_endpoint`` (submit's ``--endpoint``) is the endpoint of a line naming none,
+    and a line naming another one is refused (the caller said what the file is)."""
     for key in obj:
         if key not in _JSONL_KEY_SET:
             hint = ""
@@ -64,11 +67,14 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
     custom_id = _custom_id(obj.get("custom_id"), line_no)
     raw_endpoint = obj.get("endpoint")
     if raw_endpoint is None:
-        endpoint = Endpoint.chat
+        endpoint = default_endpoint or Endpoint.chat
     elif isinstance(raw_endpoint, str) and raw_endpoint in _ENDPOINTS:
         endpoint = _ENDPOINTS[raw_endpoint]
     else:
         raise _LineError("endpoint", f"expected one of {_join(tuple(_ENDPOINTS))}, got {_got(raw_endpoint)}")
+    if default_endpoint is not None and endpoint is not default_endpoint:
+        raise _LineError("endpoint", f"expected {default_endpoint.value!r} (the submit's endpoint), got "
+                                     f"{_got(raw_endpoint)}")
     prompt, messages = obj.get("prompt"), obj.get("messages")
     if prompt is None and messages is None:
         raise _LineError("prompt", "expected a 'prompt' string or a 'messages' list, got neither")
@@ -93,6 +99,8 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int) -> ParsedLine:
                                           f"{endpoint.value!r})")
     if endpoint is Endpoint.reward and messages is None:
         raise _LineError("prompt", "expected 'messages' for endpoint 'reward' (the chat to score), got 'prompt'")
+    if endpoint is Endpoint.embedding and prompt is None:
+        raise _LineError("messages", "expected 'prompt' (the text to embed) for endpoint 'embedding', got 'messages'")
     raw_params = obj.get("params")
     if not endpoint.generates:
         if raw_params is not None:

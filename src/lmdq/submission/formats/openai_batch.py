@@ -7,6 +7,11 @@ The body's OpenAI/vLLM keys are translated to GenerationParams names (``max_toke
 What OpenAI itself refuses is refused here too, naming file:line: a line without ``custom_id`` (output
 lines are joined to requests by it) and ``"stream": true`` (a batch has nobody to stream to).
 ``body.model`` is kept per line; ``submit`` decides which model the batch runs (``--model`` wins).
+
+``/v1/embeddings`` bodies take ``input`` (one string, or a list holding one string: one vector per line, so
+a line's output is one result and one Parquet row), ``model``, ``encoding_format`` (``float``, OpenAI's
+default: the output lines carry floats) and the ignored ``user``; ``dimensions`` is refused (lmdq returns the
+model's own vectors, untruncated).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from lmdq.submission.formats.validation import (
 _OPENAI_LINE_KEYS = ("custom_id", "method", "url", "body")
 _OPENAI_LINE_KEY_SET = frozenset(_OPENAI_LINE_KEYS)
 _OPENAI_URLS = {"/v1/chat/completions": Endpoint.chat, "/v1/completions": Endpoint.completion,
-                "/v1/score": Endpoint.score, "/v1/reward": Endpoint.reward}
+                "/v1/score": Endpoint.score, "/v1/reward": Endpoint.reward, "/v1/embeddings": Endpoint.embedding}
 #: body keys of the scoring urls (lmdq's own: OpenAI has no scoring endpoint); nothing is sampled
 _SCORE_KEYS = {Endpoint.score: ("model", "prompt", "messages", "continuations"),
                Endpoint.reward: ("model", "messages")}
@@ -95,7 +100,8 @@ def _openai_response_format(rf: Any) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": dict(wrapper)}
 
 
-def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
+def _parse_openai(obj: dict[str, Any], line_no: int, default_endpoint: Endpoint | None = None) -> ParsedLine:
+    """One OpenAI Batch line; with ``default_endpoint`` (submit's ``--endpoint``) its url must be that one's."""
     for key in obj:
         if key not in _OPENAI_LINE_KEY_SET:
             raise _LineError(key, f"unknown key; expected only {_join(_OPENAI_LINE_KEYS)} (OpenAI batch format)")
@@ -118,9 +124,15 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> ParsedLine:
     endpoint = _OPENAI_URLS.get(url) if isinstance(url, str) else None
     if endpoint is None:
         raise _LineError("url", f"expected one of {_join(tuple(_OPENAI_URLS))}, got {_got(url)}")
+    if default_endpoint is not None and endpoint is not default_endpoint:
+        want = next(u for u, e in _OPENAI_URLS.items() if e is default_endpoint)
+        raise _LineError("url", f"expected {want!r} (the submit's endpoint {default_endpoint.value!r}), "
+                                f"got {_got(url)}")
     body = obj["body"]
     if not isinstance(body, dict):
         raise _LineError("body", f"expected an object, got {_got(body)}")
+    if endpoint is Endpoint.embedding:
+        return _parse_embedding_body(line_no, custom_id, body)
     if not endpoint.generates:
         return _parse_score_body(line_no, custom_id, endpoint, body)
 
@@ -262,3 +274,35 @@ def _parse_score_body(line_no: int, custom_id: str, endpoint: Endpoint, body: di
             raise _LineError("body.continuations", "required field is missing; expected a list of strings to score")
         continuations = _check_continuations(body["continuations"], "body.continuations")
     return ParsedLine(line_no, custom_id, prompt, messages, endpoint, None, model, continuations=continuations)
+
+
+_EMBEDDING_KEYS = ("model", "input", "encoding_format")
+
+
+def _parse_embedding_body(line_no: int, custom_id: str, body: dict[str, Any]) -> ParsedLine:
+    """A ``/v1/embeddings`` body: ``input`` (a string, or a list of one string), ``model``, ``encoding_format``."""
+    for key in body:
+        if key == "dimensions":
+            raise _LineError("body.dimensions", "unsupported: lmdq returns the model's own vectors (leave "
+                                                "'dimensions' out, or truncate and renormalise the vectors yourself)")
+        if key not in _EMBEDDING_KEYS and key not in _BODY_IGNORED:
+            raise _LineError(f"body.{key}", f"unsupported key for '/v1/embeddings'; expected only "
+                                            f"{_join(_EMBEDDING_KEYS)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _LineError("body.model", f"expected a string, got {_got(model)}")
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt != "float":
+        raise _LineError("body.encoding_format", f"expected 'float' (the output lines carry floats; lmdq's own "
+                                                 f"results and Parquet keep float32), got {_got(fmt)}")
+    text = body.get("input")
+    if text is None:
+        raise _LineError("body.input", "required field is missing; expected the text to embed (a string)")
+    if isinstance(text, list):
+        if len(text) != 1 or not isinstance(text[0], str):
+            raise _LineError("body.input", f"expected a string (or a list of one string), got {_got(text)}: one "
+                                           "text per line (token-id inputs are not supported); put each text on "
+                                           "its own line with its own custom_id")
+        text = text[0]
+    prompt = _check_prompt(text, "body.input")
+    return ParsedLine(line_no, custom_id, prompt, None, Endpoint.embedding, None, model)

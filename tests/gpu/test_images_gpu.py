@@ -1,0 +1,107 @@
+"""Image inputs on LMDeploy's VL pipeline (issue 48), on the GPU: a LLaVA-style model built locally from a config
+with random weights (lmdq_bench.tiny_vlm: SmolLM2's tokenizer with an ``<image>`` token, a CLIP tower at 336 px:
+577 vision tokens per image, a small Llama), served by LMDeploy's PyTorch engine (``LlavaForConditionalGeneration``).
+
+* the worker's engine answers image requests (the worker's data: URLs) exactly as a raw ``pipe()`` answers the
+  same messages with the image's path (greedy, ignore_eos: the same tokens);
+* ``lmdq-bench e2e --workload image``: 512 image requests through a real lmdq-worker and lmdq-producer against a
+  raw ``pipe()`` on the same requests, lmdq/raw >= 0.95; the JSON goes to ``docs/results/images-e2e.json``.
+
+Run: ``pytest tests/gpu/test_images_gpu.py`` (LMDQ_GPU_TOKENIZER or LMDQ_GPU_MODEL names SmolLM2's folder).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+N_REQUESTS = int(os.environ.get("LMDQ_GPU_IMAGE_N", "512"))
+MIN_RATIO = 0.95
+RESULTS = ROOT / "docs" / "results" / "images-e2e.json"
+
+
+@pytest.fixture(scope="module")
+def vlm(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lmdq_bench.tiny_vlm import build_tiny_vlm
+
+    keep = os.environ.get("LMDQ_GPU_VLM")  # a folder to build into once and reuse between runs
+    dst = Path(keep) if keep else tmp_path_factory.mktemp("vlm") / "tiny-vlm-336"
+    return build_tiny_vlm(dst, tokenizer_dir, width=1024, depth=4, image_size=336, patch=14, weights="float16")
+
+
+def _png(color: tuple[int, int, int]) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (336, 336), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _messages(url: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Describe this picture."}]}]
+
+
+def test_the_engine_answers_image_requests_as_a_raw_pipe_does(vlm: Path, tmp_path: Path) -> None:
+    from lmdeploy import GenerationConfig
+
+    from lmdq.contract import GenerationParams
+    from lmdq.worker.engines.base import EngineRequest
+    from lmdq.worker.engines.lmdeploy_engine import LMDeployEngine
+
+    colors = [(255, 0, 0), (0, 0, 255), (20, 200, 20), (255, 255, 255)]
+    files = []
+    for i, c in enumerate(colors):
+        f = tmp_path / f"{i}.png"
+        f.write_bytes(_png(c))
+        files.append(f)
+    eng = LMDeployEngine.load(model_path=str(vlm), served_model_name="tiny-vlm", backend="pytorch", dtype="float16",
+                              session_len=2048, mp_engine=False)
+    try:
+        assert eng.vision
+        p = GenerationParams(max_new_tokens=16, ignore_eos=True)
+        reqs = [EngineRequest(index=i, messages=_messages("data:image/png;base64," + base64.b64encode(
+            f.read_bytes()).decode()), params=p) for i, f in enumerate(files)]
+        texts: dict[int, str] = {}
+        finals: dict[int, Any] = {}
+        for ev in eng.stream(reqs, threading.Event()):
+            texts[ev.index] = texts.get(ev.index, "") + ev.text
+            if ev.finish_reason is not None:
+                finals[ev.index] = ev
+        assert all(finals[i].finish_reason.value == "length" for i in range(len(files))), finals
+        assert all(finals[i].input_token_len > 577 for i in range(len(files)))  # the image's tokens are in
+        raw = eng.pipe([_messages(str(f)) for f in files], gen_config=GenerationConfig(max_new_tokens=16,
+                                                                                       ignore_eos=True))
+        assert [r.text for r in raw] == [texts[i] for i in range(len(files))]
+    finally:
+        eng.close()
+
+
+def test_512_image_requests_through_the_worker_against_a_raw_pipe(vlm: Path, tmp_path: Path,
+                                                                 env: dict[str, str]) -> None:
+    out = tmp_path / "images-e2e.json"
+    p = run_cli("lmdq_bench", "e2e", "--engine", "lmdeploy", "--model", str(vlm), "--backend", "pytorch",
+                "--dtype", "float16", "--workload", "image", "--n", str(N_REQUESTS), "--batches", "3",
+                "--batch-size", "32", "--chat-max-new-tokens", "64", "--workdir", str(tmp_path / "w"), "-o", str(out),
+                env=env, timeout=3600)
+    assert p.returncode == 0, p.stderr.decode()[-4000:]
+    res = json.loads(out.read_text())
+    d = res["detail"]
+    assert all(b["results"] == N_REQUESTS and b["not_completed"] == 0 for b in d["lmdq"]["batches"])
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    command = ("pytest tests/gpu/test_images_gpu.py::test_512_image_requests_through_the_worker_against_a_raw_pipe"
+               f" (lmdq-bench e2e --engine lmdeploy --model TINY_VLM --backend pytorch --dtype float16 --workload "
+               f"image --n {N_REQUESTS} --batches 3 --batch-size 32 --chat-max-new-tokens 64)")
+    RESULTS.write_text(json.dumps({"command": command, **{k: v for k, v in res.items() if k != "detail"},
+                                   "raw_batches": d["raw"]["batches"], "lmdq_batches": d["lmdq"]["batches"]},
+                                  indent=1) + "\n")
+    assert res["ratio_all"] >= MIN_RATIO, res
