@@ -128,10 +128,10 @@ def _nothing_enqueued(client: redis.Redis, prefix: str) -> None:
 
 
 @pytest.mark.parametrize("bad, says", [
-    ({"question": "   "}, "row 4: column 'question': expected some text, got only whitespace"),
-    ({"question": None}, "row 4: column 'question': expected a value, got null"),
-    ({"temperature": 9.0}, "row 4: column 'temperature': expected a number from 0.0 to 2.0, got 9.0"),
-    ({"qid": "q01"}, "row 4: column 'qid': expected a unique id, 'q01' already used on row 1"),
+    ({"question": "   "}, "index 4: column 'question': expected some text, got only whitespace ('   ')"),
+    ({"question": None}, "index 4: column 'question': expected a value, got null"),
+    ({"temperature": 9.0}, "index 4: column 'temperature': expected a number from 0.0 to 2.0, got 9.0"),
+    ({"qid": "q01"}, "index 4: column 'qid': expected a unique id, 'q01' already used on index 1"),
 ])
 def test_dataframe_with_a_bad_row_names_row_and_column_and_enqueues_nothing(
         api: lmdq.Client, client: redis.Redis, prefix: str, bad: dict[str, Any], says: str) -> None:
@@ -142,6 +142,7 @@ def test_dataframe_with_a_bad_row_names_row_and_column_and_enqueues_nothing(
         api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid",
                    params_columns=["temperature"])
     assert str(e.value).startswith(f"DataFrame: {says}"), str(e.value)
+    assert (e.value.row, e.value.index) == (4, 4)
     assert e.value.exit_code == 2
     _nothing_enqueued(client, prefix)
 
@@ -304,7 +305,9 @@ def test_cli_submit_parquet_and_results_to_parquet(tmp_path: Path, env: dict[str
     p = run_cli("lmdq.producer", "submit", str(tmp_path / "bad.parquet"), "--prompt-column", "question",
                 "--model", "sim", "--allow-unknown-model", env=env)
     err = p.stderr.decode()
-    assert p.returncode == 2 and f"{tmp_path / 'bad.parquet'}: row 3: column 'question': expected a non-empty" in err
+    # the file's rows are counted from 1 (issue 45), and the message says so
+    assert p.returncode == 2 and f"{tmp_path / 'bad.parquet'}: row 4 (1-based): column 'question': expected a " \
+        "non-empty" in err, err
 
 
 # ---------------------------------------------------------------- the CLI is a thin client
@@ -423,7 +426,7 @@ def test_a_dataframe_warning_names_the_dataframe_and_its_rows_not_a_spool_file(a
     warned = [w for w in seen if "temperature" in w]
     assert warned, seen
     assert all("lmdq-spool" not in w and "rows.jsonl" not in w for w in seen), seen
-    assert warned[0].startswith("DataFrame: 2 rows set temperature") and "(first: row 0)" in warned[0], warned
+    assert warned[0].startswith("DataFrame: 2 rows set temperature") and "(first: index 0)" in warned[0], warned
 
 
 def test_a_mixed_object_column_is_an_lmdq_error_naming_row_and_column(api: lmdq.Client, client: redis.Redis,
@@ -432,9 +435,9 @@ def test_a_mixed_object_column_is_an_lmdq_error_naming_row_and_column(api: lmdq.
     import pandas as pd
 
     df = pd.DataFrame({"question": ["a?", "b?", 3, "d?"]})
-    with pytest.raises(lmdq.SubmitRejected, match=r"^DataFrame: row 2: column 'question': expected a str") as e:
+    with pytest.raises(lmdq.SubmitRejected, match=r"^DataFrame: index 2: column 'question': expected a str") as e:
         api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question")
-    assert (e.value.row, e.value.column, e.value.value) == (2, "question", 3)
+    assert (e.value.row, e.value.index, e.value.column, e.value.value) == (2, 2, "question", 3)
     _nothing_enqueued(client, prefix)
 
 
@@ -522,3 +525,97 @@ def test_a_params_column_naming_no_parameter_is_one_error_before_any_row(api: lm
     b = api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question",
                    params_columns={"mnt": "max_tokens"})  # a mapping to a parameter (or its OpenAI name) is fine
     assert b.counts().total == 3
+
+
+# ---------------------------------------------------------------- rows named as their user counts them (issue 45)
+
+
+def _bad_third_row() -> list[dict[str, Any]]:
+    rows = [{"qid": q, "question": t} for q, t in zip(IDS, QUESTIONS)]
+    rows[3]["question"] = "   "
+    return rows
+
+
+def test_a_dataframe_row_is_named_by_its_index_label(api: lmdq.Client, client: redis.Redis, prefix: str) -> None:
+    """Issue 45: a DataFrame's bad row was ``row 3`` (0-based, unsaid); its user finds it by its index label:
+    ``index 'a7'`` (``df.loc``), while ``e.row`` stays its ``df.iloc`` position."""
+    df = pd.DataFrame(_bad_third_row(), index=[f"a{2 * i + 1}" for i in range(N)])  # labels that are not positions
+    with pytest.raises(lmdq.SubmitRejected) as e:
+        api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid")
+    assert str(e.value) == "DataFrame: index 'a7': column 'question': expected some text, got only whitespace " \
+        "('   ')"
+    assert (e.value.row, e.value.index, e.value.column) == (3, "a7", "question")
+    assert df.loc[e.value.index, "question"] == df.iloc[e.value.row]["question"] == "   "
+    # an integer index is named by its label too, and a duplicate id names the label that used it first
+    dup = pd.DataFrame({"qid": ["x", "y", "x"], "question": ["a", "b", "c"]}, index=[10, 42, 7])
+    with pytest.raises(lmdq.SubmitRejected) as e:
+        api.submit(dup, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid")
+    assert str(e.value) == "DataFrame: index 7: column 'qid': expected a unique id, 'x' already used on index 10"
+    assert (e.value.row, e.value.index) == (2, 7) and type(e.value.index) is int
+    _nothing_enqueued(client, prefix)
+
+
+def test_a_dataframe_warning_and_a_late_error_name_index_labels_not_spool_lines(api: lmdq.Client, client: redis.Redis,
+                                                                                prefix: str) -> None:
+    """What the file pipeline finds in the spool (a warning's first row, a row's unknown model) is said of
+    the DataFrame's rows by index label: no spool line, no temporary path."""
+    seen: list[str] = []
+    df = pd.DataFrame({"question": ["a?", "b?", "c?"], "temperature": [0.0, 0.7, 0.7]}, index=["p", "q", "r"])
+    api.submit(df, model="sim", allow_unknown_model=True, prompt_column="question", params_columns=["temperature"],
+               on_warning=seen.append)
+    warned = [w for w in seen if "temperature" in w]
+    assert warned and "(first: index 'p')" in warned[0], seen
+    models = pd.DataFrame({"question": ["a?", "b?"], "model": ["sim", "nobody-serves-this"]}, index=["m1", "m2"])
+    api.register_models(["sim"])
+    with pytest.raises(lmdq.LmdqError) as e:
+        api.submit(models, prompt_column="question", model_column="model")
+    text = str(e.value)
+    assert text.startswith("DataFrame: index 'm2': "), text
+    assert "lmdq-spool" not in text and "rows.jsonl" not in text and "line" not in text, text
+
+
+@pytest.mark.parametrize("kind", ["pyarrow Table", "list of dicts", "generator of dicts"])
+def test_an_in_memory_row_is_named_by_its_position_said_0_based(api: lmdq.Client, client: redis.Redis, prefix: str,
+                                                                 kind: str) -> None:
+    """Issue 45: ``rows: row 3`` did not say which count; in-memory rows are positions, said 0-based."""
+    rows = _bad_third_row()
+    source: Any = {"pyarrow Table": pa.Table.from_pylist(rows), "list of dicts": rows,
+                   "generator of dicts": (r for r in rows)}[kind]
+    name = "Table" if kind == "pyarrow Table" else "rows"
+    with pytest.raises(lmdq.SubmitRejected) as e:
+        api.submit(source, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid")
+    assert str(e.value) == f"{name}: row 3 (0-based): column 'question': expected some text, got only " \
+        "whitespace ('   ')"
+    assert (e.value.row, e.value.index, e.value.column, e.value.source) == (3, None, "question", name)
+    _nothing_enqueued(client, prefix)
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "csv"])
+def test_a_tabular_files_row_is_named_1_based_and_said_so(api: lmdq.Client, client: redis.Redis, prefix: str,
+                                                          tmp_path: Path, suffix: str) -> None:
+    """Issue 45: a Parquet/CSV file's rows are counted from 1, as a viewer or spreadsheet shows them (the CSV
+    header not counted); ``e.row`` is the 0-based position still (``table.slice(e.row, 1)``)."""
+    f = tmp_path / f"q.{suffix}"
+    rows = _bad_third_row()
+    if suffix == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), f)
+    else:
+        pd.DataFrame(rows).to_csv(f, index=False)
+    with pytest.raises(lmdq.SubmitRejected) as e:
+        api.submit(f, model="sim", allow_unknown_model=True, prompt_column="question", id_column="qid")
+    assert str(e.value) == f"{f}: row 4 (1-based): column 'question': expected some text, got only " \
+        "whitespace ('   ')"
+    assert (e.value.row, e.value.index, e.value.line) == (3, None, None)
+    _nothing_enqueued(client, prefix)
+
+
+def test_a_prompt_files_line_is_1_based(api: lmdq.Client, client: redis.Redis, prefix: str, tmp_path: Path) -> None:
+    """A JSONL file's problem names its 1-based line (``q.jsonl:4``), as editors number them."""
+    f = tmp_path / "q.jsonl"
+    f.write_text("".join(json.dumps({"custom_id": r["qid"], "prompt": r["question"]}) + "\n"
+                         for r in _bad_third_row()))
+    with pytest.raises(lmdq.SubmitRejected) as e:
+        api.submit(f, model="sim", allow_unknown_model=True)
+    assert str(e.value).startswith(f"{f}:4: field 'prompt': "), str(e.value)
+    assert (e.value.line, e.value.row, e.value.index) == (4, None, None)
+    _nothing_enqueued(client, prefix)

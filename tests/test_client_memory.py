@@ -56,7 +56,8 @@ def test_a_duplicate_id_is_still_found_across_runs_on_disk(tmp_path: Path) -> No
     with (tmp_path / "s.jsonl").open("wb") as f, pytest.raises(SubmitRejected) as bad:
         spool(src, cmap, f)
     assert (bad.value.row, bad.value.column, bad.value.value) == (n - 1, "custom_id", "r0")
-    assert str(bad.value) == f"rows: row {n - 1}: column 'custom_id': expected a unique id, 'r0' already used on row 0"
+    assert str(bad.value) == (f"rows: row {n - 1} (0-based): column 'custom_id': expected a unique id, 'r0' already "
+                              "used on row 0 (0-based)")
     assert [p.name for p in tmp_path.iterdir()] == ["s.jsonl"]  # the hashes' file is gone
 
 

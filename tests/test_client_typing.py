@@ -43,6 +43,8 @@ CALLER = '''\
 from __future__ import annotations
 
 import lmdq
+from collections.abc import Hashable
+
 from lmdq.contract import RequestCounts
 from lmdq.errors import InputProblem
 
@@ -70,6 +72,7 @@ try:
     client.submit("eval.parquet", model="m", prompt_column="question")
 except lmdq.SubmitRejected as e:
     row: int | None = e.row
+    label: Hashable | None = e.index
     column: str | None = e.column
     field: str | None = e.field
     first: InputProblem = e.problems[0]
@@ -148,6 +151,21 @@ def test_submit_rejected_carries_its_problems_as_data() -> None:
     assert e.message == str(e)
 
 
+
+def test_a_problem_read_back_from_its_text_keeps_the_count_its_text_said() -> None:
+    """Issue 45: each row's text says its count; read back, ``row`` is the 0-based position whatever the text
+    said, and a DataFrame's label is ``index`` (its Python value where it is a literal)."""
+    e = SubmitRejected("q.csv: row 4 (1-based): column 'q': expected some text\n"
+                       "rows: row 3 (0-based): column 'q': expected some text\n"
+                       "DataFrame: index 'a7': column 'q': expected some text\n"
+                       "DataFrame: index 42: expected a dict\n"
+                       "q.jsonl:4: field 'prompt': expected a non-empty string")
+    assert [(p.source, p.row, p.index, p.line, p.column) for p in e.problems] == [
+        ("q.csv", 3, None, None, "q"), ("rows", 3, None, None, "q"), ("DataFrame", None, "a7", None, "q"),
+        ("DataFrame", None, 42, None, None), ("q.jsonl", None, None, 4, None)]
+    assert (e.row, e.index, e.source) == (3, None, "q.csv")
+
+
 def test_a_bad_option_is_named_with_its_value(redis_url: str, prefix: str) -> None:
     client = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=prefix))
     with pytest.raises(SubmitRejected) as bad:
@@ -173,7 +191,8 @@ def test_bad_rows_are_named_by_row_column_and_value(redis_url: str, prefix: str)
     with pytest.raises(SubmitRejected) as bad:
         client.submit(ids, model="m", allow_unknown_model=True, prompt_column="q", id_column="id")
     assert (bad.value.row, bad.value.column, bad.value.value) == (2, "id", "x")
-    assert "already used on row 0" in bad.value.message
+    assert bad.value.message \
+        == "rows: row 2 (0-based): column 'id': expected a unique id, 'x' already used on row 0 (0-based)"
 
 
 def test_the_package_ships_its_types() -> None:

@@ -227,8 +227,8 @@ def test_bad_references_are_refused_with_line_and_field_and_nothing_is_enqueued(
     with pytest.raises(SubmitRejected) as e:
         c.submit(rows, model=VLM, allow_unknown_model=True, prompt_column="q", image_column="img",
                  image_dir=image_dir)
-    assert f"rows: row 2: column 'img': no such image file: {image_dir / 'gone.png'}" in str(e.value)
-    assert "rows: row 3: column 'img': the bytes are not an image lmdq knows" in str(e.value)
+    assert f"rows: row 2 (0-based): column 'img': no such image file: {image_dir / 'gone.png'}" in str(e.value)
+    assert "rows: row 3 (0-based): column 'img': the bytes are not an image lmdq knows" in str(e.value)
     assert [(p.row, p.column) for p in e.value.problems] == [(2, "img"), (3, "img")]
     r = redis.Redis.from_url(redis_url)
     assert not list(r.scan_iter(f"{prefix}:*")), "a refused submit left keys behind"

@@ -7,8 +7,9 @@ writes is one line on stderr and the documented code, never a traceback.
 
 from __future__ import annotations
 
+import ast
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -79,7 +80,8 @@ class UnknownModel(LmdqError):
     exit_code = ExitCode.bad_input
 
 
-_ROW = re.compile(r"^(?P<source>.+?): row (?P<row>\d+)(?:: column '(?P<column>[^']*)')?: (?P<message>.*)$", re.S)
+_ROW = re.compile(r"^(?P<source>.+?): (?:row (?P<row>\d+)(?: \((?P<base>[01])-based\))?|index (?P<index>.+?))"
+                  r"(?:: column '(?P<column>[^']*)')?: (?P<message>.*)$", re.S)
 _LINE = re.compile(r"^(?P<source>.+?):(?P<line>\d+): (?:field '(?P<field>[^']*)': )?(?P<message>.*)$", re.S)
 
 
@@ -87,8 +89,13 @@ _LINE = re.compile(r"^(?P<source>.+?):(?P<line>\d+): (?:field '(?P<field>[^']*)'
 class InputProblem:
     """One thing wrong with a submit: where it is and what was expected.
 
-    ``row`` (0-based, as ``df.iloc`` counts: a DataFrame, Parquet/CSV file or Python rows) or ``line``
-    (1-based, a prompt file; 0 for the whole file) says where; ``column`` is the source column (tabular
+    ``row`` or ``line`` says where. ``row``: a row's 0-based position in its source, whatever the source
+    (``df.iloc[p.row]``, ``table.slice(p.row, 1)``, ``rows[p.row]``), while the text names the row as the
+    source's user counts it and says which count: a DataFrame's index label (``DataFrame: index 'a7'``),
+    a Parquet/CSV file's 1-based row (``q.csv: row 4 (1-based)``, the header not counted), an in-memory
+    table's or iterable's position (``rows: row 3 (0-based)``). ``index``: a pandas DataFrame row's index
+    label (``df.loc[p.index]``), None for every other source. ``line``: a prompt file's 1-based line
+    (``q.jsonl:4``; None for an error about the whole file). ``column`` is the source column (tabular
     sources and dict rows), ``field`` the JSON field (a prompt file's line) or the submit option
     (``result_ttl``, ``temperature`` ...); ``value`` the value refused, where it is known (an option's,
     a row's cell); ``message`` what was expected, without the location."""
@@ -100,14 +107,24 @@ class InputProblem:
     column: str | None = None
     field: str | None = None
     value: Any = None
+    index: Hashable | None = None
 
     @classmethod
     def parse(cls, text: str) -> InputProblem:
-        """A problem from its one-line form (``src: row 4: column 'q': ...``, ``path:3: field 'f': ...``);
-        text in neither form is a problem with a message only."""
+        """A problem from its one-line form (``src: row 4 (1-based): column 'q': ...``, ``DataFrame: index
+        'a7': ...``, ``path:3: field 'f': ...``); text in none of them is a problem with a message only. A
+        row said 1-based becomes its 0-based ``row``; a bare ``row N`` is 0-based; an index label is read
+        back as a Python literal where it is one (``'a7'``, ``42``), else kept as its text."""
         m = _ROW.match(text)
+        if m and m["index"] is not None:
+            try:
+                label: Hashable = ast.literal_eval(m["index"])
+            except (ValueError, SyntaxError):
+                label = m["index"]
+            return cls(message=m["message"], source=m["source"], index=label, column=m["column"])
         if m:
-            return cls(message=m["message"], source=m["source"], row=int(m["row"]), column=m["column"])
+            row = int(m["row"]) - (1 if m["base"] == "1" else 0)
+            return cls(message=m["message"], source=m["source"], row=row, column=m["column"])
         m = _LINE.match(text)
         if m:
             return cls(message=m["message"], source=m["source"], line=int(m["line"]), field=m["field"])
@@ -117,9 +134,12 @@ class InputProblem:
 class SubmitRejected(LmdqError):
     """The input (a source's rows or lines, or a submit option) was not accepted; nothing was enqueued.
 
-    ``str(err)`` is every problem, one a line (as the CLIs print it). The problems are data too:
-    ``err.problems`` (each an :class:`InputProblem`), and the first one's ``row``, ``line``, ``column``,
-    ``field``, ``value`` on the error itself (``except SubmitRejected as e: df.iloc[e.row]``)."""
+    ``str(err)`` is every problem, one a line (as the CLIs print it), each row named as its source's user
+    counts it (a DataFrame's index label, a file's 1-based row or line, an in-memory position said 0-based).
+    The problems are data too: ``err.problems`` (each an :class:`InputProblem`), and the first one's
+    ``row`` (0-based position, always), ``index`` (a DataFrame row's label), ``line``, ``column``,
+    ``field``, ``value`` on the error itself (``except SubmitRejected as e: df.iloc[e.row]``, or
+    ``df.loc[e.index]``)."""
 
     exit_code = ExitCode.bad_input
 
@@ -140,12 +160,18 @@ class SubmitRejected(LmdqError):
 
     @property
     def row(self) -> int | None:
-        """The first bad row (0-based) of a DataFrame, Parquet/CSV file, Arrow object or Python rows."""
+        """The first bad row's 0-based position in a DataFrame, Parquet/CSV file, Arrow object or Python
+        rows (``df.iloc[e.row]``), whichever count the message uses."""
         return self._first().row
 
     @property
+    def index(self) -> Hashable | None:
+        """The first bad row's index label, for a pandas DataFrame (``df.loc[e.index]``); None otherwise."""
+        return self._first().index
+
+    @property
     def line(self) -> int | None:
-        """The first bad line (1-based) of a prompt file (0: the whole file)."""
+        """The first bad line (1-based) of a prompt file (None: the problem is not on one line)."""
         return self._first().line
 
     @property

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 from lmdq.client.options import Spell, from_gen_config, resolve
 from lmdq.contract import Batch as BatchInfo
 from lmdq.contract import BatchStatus, Endpoint, Priority, RequestCounts, Result
-from lmdq.errors import BadSetting, InputProblem, InvalidArgument, LmdqError, SubmitRejected, WaitTimeout
+from lmdq.errors import BadSetting, InvalidArgument, LmdqError, SubmitRejected, WaitTimeout
 from lmdq.registry.store import MAX_NOTE
 from lmdq.submission.formats.tabular import ColumnMap
 from lmdq.submission.settings import ProducerSettings
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import redis
     from typing_extensions import Unpack
 
+    from lmdq.client.sources import RowSource
     from lmdq.client.stream import StreamChunk
     from lmdq.client.submit_kwargs import SubmitKwargs
     from lmdq.plan.deadlines import Outlook
@@ -240,13 +241,13 @@ class Client:
             opts.fmt = InputFormat.jsonl
             opts.input_name = src.name
             if opts.on_warning is not None:  # the spool is an implementation detail: name the source's rows
-                opts.on_warning = _in_rows(opts.on_warning, str(path), src.name)
+                opts.on_warning = _in_rows(opts.on_warning, src, str(path))
             try:
                 info, created = submit_mod.submit_file(path, opts, **kw)
-            except LmdqError as e:  # the spool is an implementation detail: name the source
-                e.args = (str(e).replace(f"{path}: ", f"{src.name}: ").replace(str(path), src.name),)
+            except LmdqError as e:  # the spool is an implementation detail: name the source and its rows
+                e.args = (src.reword(str(e), str(path)),)
                 if isinstance(e, SubmitRejected):
-                    e.problems = tuple(_spooled(p, str(path), src.name) for p in e.problems)
+                    e.problems = tuple(src.relocate(p, str(path)) for p in e.problems)
                 raise
         return Batch(self, info.id, created=created, info=info)
 
@@ -352,26 +353,10 @@ class Client:
         return removed
 
 
-def _spooled(p: InputProblem, spool: str, name: str) -> InputProblem:
-    """A problem the file pipeline found in the spool, located in the source: spool line n is row n-1."""
-    if p.source != spool:
-        return p
-    if p.line:
-        return InputProblem(message=p.message, source=name, row=p.line - 1, field=p.field, value=p.value)
-    return InputProblem(message=p.message, source=name, field=p.field, value=p.value)
-
-
-def _in_rows(warn: Callable[[str], None], spool: str, name: str) -> Callable[[str], None]:
+def _in_rows(warn: Callable[[str], None], src: RowSource, spool: str) -> Callable[[str], None]:
     """``warn`` for a message the file pipeline words about the spool (``/tmp/...: 3 lines ... (first:
-    line 1)``), reworded as the source counts: its name, rows, row n-1 for spool line n (issue 45)."""
-    import re
-
-    def reworded(message: str) -> None:
-        m = message.replace(f"{spool}: ", f"{name}: ").replace(spool, name)
-        m = re.sub(r"\bline (\d+)", lambda g: f"row {int(g.group(1)) - 1}", m)
-        warn(re.sub(r"\b(\d[\d,]*) line(s?)\b", r"\1 row\2", m))
-
-    return reworded
+    line 1)``), reworded as the source's user counts (:meth:`RowSource.reword`: issue 45)."""
+    return lambda message: warn(src.reword(message, spool))
 
 
 def _warn(message: str) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmdq.client.options import Spell, resolve
-from lmdq.errors import InvalidArgument, SubmitRejected
+from lmdq.errors import InputProblem, InvalidArgument, SubmitRejected
 from lmdq.plan.rules import Plan, make_plan
 from lmdq.plan.store import PlanStore
 from lmdq.plan.tokens import load_counter
@@ -28,6 +28,7 @@ from lmdq.submission.formats import InputError, ParsedLine, iter_lines
 if TYPE_CHECKING:
     import redis
 
+    from lmdq.client.sources import RowSource
     from lmdq.contract import Batch as BatchInfo
     from lmdq.plan.deadlines import Outlook
     from lmdq.redis.keys import Keys
@@ -40,13 +41,15 @@ def _python_name(name: str) -> str:
     return name
 
 
-def _lines(path: Path, fmt: Any, limits: Any, name: str, spool: str | None) -> Iterator[ParsedLine]:
+def _lines(path: Path, fmt: Any, limits: Any, src: RowSource | None = None) -> Iterator[ParsedLine]:
+    """The file's requests; a bad line is SubmitRejected, named in ``src`` (its rows) when ``path`` is its spool."""
     for item in iter_lines(path, fmt=fmt, limits=limits):
         if isinstance(item, InputError):
-            text = str(item)
-            if spool is not None:
-                text = text.replace(spool, name)
-            raise SubmitRejected(text)
+            if src is None:
+                raise SubmitRejected(str(item))
+            spool = str(path)
+            problem = src.relocate(InputProblem.parse(str(item)), spool)
+            raise SubmitRejected(src.reword(str(item), spool), problems=[problem])
         yield item
 
 
@@ -75,14 +78,14 @@ def plan_source(
                           "live_workers": live, "gpu_hour_price": gpu_hour_price, "prefix_groups": opts.prefix_groups}
     src = classify(source, fmt=fmt, cmap=cmap if cmap is not None else ColumnMap())
     if isinstance(src, FileSource):
-        p = make_plan(_lines(src.path, src.fmt, opts.limits, str(src.path), None), **kw)
-        return _with_reuse(p, client, keys, opts, _lines(src.path, src.fmt, opts.limits, str(src.path), None))
+        p = make_plan(_lines(src.path, src.fmt, opts.limits), **kw)
+        return _with_reuse(p, client, keys, opts, _lines(src.path, src.fmt, opts.limits))
     with tempfile.TemporaryDirectory(prefix="lmdq-plan-") as d:
         path = Path(d) / "rows.jsonl"
         with path.open("wb") as f:
             spool(src, cmap if cmap is not None else ColumnMap(), f, max_requests=opts.limits.max_requests)
-        p = make_plan(_lines(path, InputFormat.jsonl, opts.limits, src.name, str(path)), **kw)
-        return _with_reuse(p, client, keys, opts, _lines(path, InputFormat.jsonl, opts.limits, src.name, str(path)))
+        p = make_plan(_lines(path, InputFormat.jsonl, opts.limits, src), **kw)
+        return _with_reuse(p, client, keys, opts, _lines(path, InputFormat.jsonl, opts.limits, src))
 
 
 def _with_reuse(plan: Plan, client: redis.Redis, keys: Keys, opts: Any, lines: Iterator[ParsedLine]) -> Plan:

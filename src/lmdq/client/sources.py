@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import IO, Any
 from lmdq.errors import InputProblem, InvalidArgument, SubmitRejected
 from lmdq.images.refs import ImageChecker
 from lmdq.submission.formats import InputFormat, InputLimits
-from lmdq.submission.formats.tabular import ColumnMap, RowError, RowMapper, chunked
+from lmdq.submission.formats.tabular import ColumnMap, RowCount, RowError, RowMapper, chunked
 from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
 from lmdq.submission.spill import IdHashes
 
@@ -38,6 +39,8 @@ __all__ = ["FileSource", "IdHashes", "RowSource", "classify", "spool"]
 
 FILE_FORMATS = {"text": InputFormat.text, "jsonl": InputFormat.jsonl, "openai": InputFormat.openai}
 TABULAR_FORMATS = ("parquet", "csv")
+FILE_ROWS = RowCount(base=1)
+"""A Parquet or CSV file's rows are counted from 1 in errors, as a viewer or a spreadsheet numbers them."""
 ARROW_BATCH_ROWS = 4096
 """Rows per record batch read from Parquet/CSV: the reader decodes this many rows of the mapped columns
 at a time, on this thread (``use_threads=False``: decoding is not the bottleneck, the per-row checks are,
@@ -55,10 +58,32 @@ class FileSource:
 @dataclass(frozen=True)
 class RowSource:
     """Rows to validate and spool: ``name`` is what errors call the source; a chunk is a list of rows or
-    a pyarrow RecordBatch."""
+    a pyarrow RecordBatch; ``count`` how its user counts its rows (errors name a row that way)."""
 
     name: str
     chunks: Iterable[Any]
+    count: RowCount = RowCount()
+
+    def reword(self, text: str, spool: str) -> str:
+        """Text the file pipeline wrote about the spool (``/tmp/.../rows.jsonl:5: field ...``, ``3 lines set
+        ... (first: line 1)``), as this source's user counts: its name, its rows (spool line n is the row
+        at position n-1, named by :attr:`count`); no temporary path is left in it (issue 45)."""
+        text = re.sub(re.escape(spool) + r":(\d+)\b", lambda m: f"{self.name}: {self.count.where(int(m[1]) - 1)}", text)
+        text = text.replace(spool, self.name)
+        text = re.sub(r"\bline (\d+)\b", lambda m: self.count.where(int(m[1]) - 1), text)
+        return re.sub(r"\b(\d[\d,]*) line(s?)\b", r"\1 row\2", text)
+
+    def relocate(self, p: InputProblem, spool: str) -> InputProblem:
+        """A problem the file pipeline found in the spool, located in this source: its row's position and
+        (a DataFrame's) index label instead of the spool's line; other problems unchanged."""
+        if p.source != spool:
+            return p
+        message = self.reword(p.message, spool)
+        if p.line:
+            row = p.line - 1
+            return InputProblem(message=message, source=self.name, row=row, index=self.count.label(row),
+                                field=p.field, value=p.value)
+        return InputProblem(message=message, source=self.name, field=p.field, value=p.value)
 
 
 def _need_pyarrow(what: str) -> Any:
@@ -137,7 +162,7 @@ def _arrow_reader(source: Any) -> Any | None:
                 yield from table.to_batches()
 
         return pa.RecordBatchReader.from_batches(arrow[:0].schema, hf_batches())
-    if mod == "pandas" and hasattr(source, "to_dict"):
+    if _is_pandas(source):
         return _pandas_reader(source)
     if hasattr(source, "__arrow_c_stream__"):
         pa = _need_pyarrow(type(source).__name__)
@@ -148,10 +173,15 @@ def _arrow_reader(source: Any) -> Any | None:
     return None
 
 
+def _is_pandas(source: Any) -> bool:
+    """A pandas DataFrame (read through :func:`_pandas_reader`; its rows named by index label)."""
+    return type(source).__module__.split(".")[0] == "pandas" and hasattr(source, "to_dict")
+
+
 def _pandas_reader(df: Any) -> Any:
     """A DataFrame as Arrow. A column Arrow cannot type (an object column mixing str and int) is an lmdq
-    error naming the first row whose value's type differs from the column's first
-    value (counted as ``df.iloc`` counts), not a raw ``ArrowTypeError`` (issue 45)."""
+    error naming the first row whose value's type differs from the column's first value (by its index
+    label; ``row`` its ``df.iloc`` position), not a raw ``ArrowTypeError`` (issue 45)."""
     pa = _need_pyarrow("a pandas DataFrame")
     try:
         return pa.Table.from_pandas(df, preserve_index=False).to_reader()
@@ -162,14 +192,16 @@ def _pandas_reader(df: Any) -> Any:
             except (pa.ArrowTypeError, pa.ArrowInvalid):
                 values = df[col]
                 first = next((v for v in values if v is not None and v == v), None)
+                count = RowCount(labels=df.index)
                 for pos, v in enumerate(values):
                     if v is not None and v == v and type(v) is not type(first):
                         raise SubmitRejected(
-                            f"DataFrame: row {pos}: column {col!r}: expected a {type(first).__name__} like the "
-                            f"column's first value, got {v!r} ({type(v).__name__})",
+                            f"DataFrame: {count.where(pos)}: column {col!r}: expected a {type(first).__name__} "
+                            f"like the column's first value, got {v!r} ({type(v).__name__})",
                             problems=[InputProblem(message=f"expected a {type(first).__name__} like the column's "
                                                            f"first value, got {v!r} ({type(v).__name__})",
-                                                   source="DataFrame", row=pos, column=str(col), value=v)]) from None
+                                                   source="DataFrame", row=pos, index=count.label(pos),
+                                                   column=str(col), value=v)]) from None
                 raise SubmitRejected(f"DataFrame: column {col!r}: {e}") from None
         raise SubmitRejected(f"DataFrame: {e}") from None
 
@@ -189,7 +221,7 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap, spell: Callable[[str], 
             def parquet_chunks() -> Iterator[Any]:
                 yield from pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=cols, use_threads=False)
 
-            return RowSource(name, parquet_chunks())
+            return RowSource(name, parquet_chunks(), FILE_ROWS)
         import pyarrow.csv as pcsv
 
         # the columns a prompt, an id or a model come from are text as written, even where they look like
@@ -198,7 +230,7 @@ def _tabular_file(path: Path, fmt: str, cmap: ColumnMap, spell: Callable[[str], 
                                          cmap.id_column or "custom_id", cmap.model_column, cmap.image_column) if c}
         reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=4 << 20, use_threads=False),
                                convert_options=pcsv.ConvertOptions(column_types=text))
-        return RowSource(name, _reader_chunks(reader, cmap, name, spell))
+        return RowSource(name, _reader_chunks(reader, cmap, name, spell), FILE_ROWS)
     except (OSError, pa.ArrowException) as e:
         raise SubmitRejected(f"{path}: cannot read the {fmt} file: {e}") from e
 
@@ -226,7 +258,8 @@ def classify(source: Any, *, fmt: str | None, cmap: ColumnMap,
     reader = _arrow_reader(source)
     if reader is not None:
         name = type(source).__name__
-        return RowSource(name, _reader_chunks(reader, cmap, name, spell))
+        count = RowCount(labels=source.index) if _is_pandas(source) else RowCount()
+        return RowSource(name, _reader_chunks(reader, cmap, name, spell), count)
     if isinstance(source, Iterable):
         return RowSource("rows", chunked(source))
     raise SubmitRejected(f"source: expected a path, an iterable of rows or an Arrow-speaking object, got "
@@ -313,15 +346,17 @@ class _FastPath:
         return out
 
 
-def _row_problem(err: RowError, row: Any) -> InputProblem:
-    """A bad row as data: its 0-based number, column, and the value refused (a dict row's cell, a str row)."""
+def _row_problem(err: RowError, row: Any, count: RowCount) -> InputProblem:
+    """A bad row as data: its 0-based position (and a DataFrame's index label), column, and the value refused
+    (a dict row's cell, a str row)."""
     if isinstance(row, str):
         value: Any = row
     elif isinstance(row, Mapping) and err.field is not None:
         value = row.get(err.field)
     else:
         value = None
-    return InputProblem(message=err.message, source=err.path, row=err.row, column=err.field, value=value)
+    return InputProblem(message=err.message, source=err.path, row=err.row, index=count.label(err.row),
+                        column=err.field, value=value)
 
 
 def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20,
@@ -343,7 +378,7 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
     from lmdq.submission.submit import _h64
 
     problems: list[InputProblem] = []
-    mapper = RowMapper(src.name, cmap, images)
+    mapper = RowMapper(src.name, cmap, images, src.count)
     fast: _FastPath | None = None
     n = 0
     for chunk in src.chunks:
@@ -366,7 +401,7 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
                 item = mapper(row, n)
                 n += 1
                 if isinstance(item, RowError):
-                    problems.append(_row_problem(item, row))
+                    problems.append(_row_problem(item, row, src.count))
                     if len(problems) >= max_errors:
                         break
                     continue
@@ -387,9 +422,9 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
         dup = hashes.duplicates()
         if dup:
             out.flush()
-            problems.extend(_name_duplicates(out.name, dup, src.name, cmap, max_errors))
+            problems.extend(_name_duplicates(out.name, dup, src, cmap, max_errors))
     if problems:
-        raise SubmitRejected("\n".join(_text(p) for p in problems), problems=problems)
+        raise SubmitRejected("\n".join(_text(p, src.count) for p in problems), problems=problems)
     return n
 
 
@@ -405,15 +440,16 @@ def _columns_need_columns(cmap: ColumnMap) -> None:
                               field=named[0], value=getattr(cmap, named[0]))
 
 
-def _text(p: InputProblem) -> str:
-    """A problem's one line, as the row parser words it (``rows: row 4: column 'q': ...``)."""
+def _text(p: InputProblem, count: RowCount) -> str:
+    """A problem's one line, its row as ``count`` says (``rows: row 4 (0-based): column 'q': ...``)."""
     if p.row is None:
         return f"{p.source}: {p.message}" if p.source else p.message
-    where = f"{p.source}: row {p.row}"
+    where = f"{p.source}: {count.where(p.row)}"
     return f"{where}: column '{p.column}': {p.message}" if p.column else f"{where}: {p.message}"
 
 
-def _name_duplicates(path: str, dup: set[int], name: str, cmap: ColumnMap, max_errors: int) -> list[InputProblem]:
+def _name_duplicates(path: str, dup: set[int], src: RowSource, cmap: ColumnMap, max_errors: int
+                     ) -> list[InputProblem]:
     """Re-read the spool for the rows whose id hashes collided, naming both rows of each duplicate."""
     from lmdq.submission.submit import _h64
 
@@ -426,8 +462,9 @@ def _name_duplicates(path: str, dup: set[int], name: str, cmap: ColumnMap, max_e
             if _h64(cid) not in dup:
                 continue
             if cid in first:
-                out.append(InputProblem(message=f"expected a unique id, {cid!r} already used on row {first[cid]}",
-                                        source=name, row=row, column=column, value=cid))
+                out.append(InputProblem(message=f"expected a unique id, {cid!r} already used on "
+                                                f"{src.count.where(first[cid])}", source=src.name, row=row,
+                                        index=src.count.label(row), column=column, value=cid))
                 if len(out) >= max_errors:
                     break
             else:

@@ -5,8 +5,9 @@ A source is read as a stream of row chunks (an Arrow record batch at a time, or 
 iterable), never whole. Each row becomes the same object an lmdq JSONL line is
 (``custom_id``, ``prompt`` | ``messages``, ``params``, ``endpoint``) through a :class:`ColumnMap`,
 and is checked by the JSONL parser (:func:`producer.formats.jsonl._parse_jsonl`), so a DataFrame
-row and a file line are refused for exactly the same reasons; the error names the row (0-based,
-as ``df.iloc`` and Arrow count) and the column it came from.
+row and a file line are refused for exactly the same reasons; the error names the row as its user counts
+it (:class:`RowCount`: a DataFrame's index label, a file's 1-based row, an in-memory table's or iterable's
+0-based position, each said as such) and the column it came from.
 
 Decisions:
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import json
 import string
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ from lmdq.images.refs import ImageChecker, ImageRefError, data_url, sniff
 from lmdq.submission.formats.jsonl import _parse_jsonl
 from lmdq.submission.formats.records import ParsedLine, _got, _LineError
 
-__all__ = ["ColumnMap", "RowError", "RowMapper", "chunked", "iter_row_requests"]
+__all__ = ["ColumnMap", "RowCount", "RowError", "RowMapper", "chunked", "iter_row_requests"]
 
 _IMAGE_FIELD = "image"
 """The field name an image column's errors carry (mapped back to the column by :meth:`RowMapper.column_of`)."""
@@ -53,16 +54,47 @@ ROW_CHUNK = 4096
 
 
 @dataclass(frozen=True)
+class RowCount:
+    """How the user counts a source's rows, so that an error names a row where they would look for it
+    (issue 45): a pandas DataFrame's rows by their index label (``index 'a7'``, ``index 42``: what
+    ``df.loc`` takes); a Parquet or CSV file's rows from 1, as a viewer or a spreadsheet numbers them
+    (``row 4 (1-based)``, the CSV header not counted); an in-memory table's or an iterable's by position
+    from 0, as Python and Arrow index them (``row 3 (0-based)``). The count is always said: a bare
+    ``row 3`` is ambiguous. Positions inside lmdq stay 0-based (``InputProblem.row``)."""
+
+    base: int = 0
+    """The number the first row gets in the text: 0 (in-memory sources) or 1 (files)."""
+    labels: Any = None
+    """The source's row labels (a pandas Index), or None: rows are named by position."""
+
+    def label(self, row: int) -> Hashable | None:
+        """The index label of the row at 0-based position ``row`` (a plain Python value), None without labels."""
+        if self.labels is None:
+            return None
+        v = self.labels[row]
+        out: Hashable = v.item() if type(v).__module__ == "numpy" and hasattr(v, "item") else v
+        return out
+
+    def where(self, row: int) -> str:
+        """The row at 0-based position ``row`` as its user counts it: ``index 'a7'``, ``row 4 (1-based)``."""
+        if self.labels is not None:
+            return f"index {self.label(row)!r}"
+        return f"row {row + self.base} ({self.base}-based)"
+
+
+@dataclass(frozen=True)
 class RowError:
-    """A bad row: ``row`` is the 0-based row number, ``field`` the column."""
+    """A bad row: ``row`` is its 0-based position, ``field`` the column, ``where`` the row as its user
+    counts it (:meth:`RowCount.where`)."""
 
     path: str
     row: int
     field: str | None
     message: str
+    where: str = ""
 
     def __str__(self) -> str:
-        where = f"{self.path}: row {self.row}"
+        where = f"{self.path}: {self.where or RowCount().where(self.row)}"
         if self.field:
             return f"{where}: column '{self.field}': {self.message}"
         return f"{where}: {self.message}"
@@ -133,9 +165,12 @@ class ColumnMap:
 class RowMapper:
     """One row (a dict of columns, or a string) -> a ParsedLine or a RowError."""
 
-    def __init__(self, name: str, cmap: ColumnMap, images: ImageChecker | None = None) -> None:
+    def __init__(self, name: str, cmap: ColumnMap, images: ImageChecker | None = None,
+                 count: RowCount | None = None) -> None:
         self.name = name
         self.cmap = cmap
+        #: how the source's user counts its rows (an error's ``where``)
+        self.count = count if count is not None else RowCount()
         #: checks an image column's references (its image_dir, size limit); default: no image_dir
         self.images = images if images is not None else ImageChecker()
         self.params = cmap.params
@@ -173,7 +208,7 @@ class RowMapper:
             obj = self._object(row)
             item = _parse_jsonl(obj, row_no)
         except _LineError as e:
-            return RowError(self.name, row_no, self.column_of(e.field), e.message)
+            return RowError(self.name, row_no, self.column_of(e.field), e.message, self.count.where(row_no))
         obj["custom_id"] = item.custom_id
         return item, obj
 
@@ -284,10 +319,11 @@ def _messages(cell: Any) -> Any:
 
 
 def iter_row_requests(name: str, chunks: Iterable[Sequence[Any]], cmap: ColumnMap,
-                      images: ImageChecker | None = None) -> Iterator[tuple[ParsedLine, dict[str, Any]] | RowError]:
+                      images: ImageChecker | None = None, count: RowCount | None = None
+                      ) -> Iterator[tuple[ParsedLine, dict[str, Any]] | RowError]:
     """Per row of ``chunks`` (lists of rows), in order, rows numbered from 0: (the request, the lmdq JSONL
-    object that parses to it) or a RowError."""
-    mapper = RowMapper(name, cmap, images)
+    object that parses to it) or a RowError naming the row as ``count`` says."""
+    mapper = RowMapper(name, cmap, images, count)
     row_no = 0
     for chunk in chunks:
         for row in chunk:
