@@ -187,19 +187,20 @@ def _h64(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
 
 
-_PARAMS_JSON: dict[int, tuple[GenerationParams, bytes]] = {}
-"""id(params) -> (params, its JSON): lines with the same params share one validated object
-(:mod:`lmdq.submission.formats.jsonl`), dumped once; the object is kept here so its id is never reused."""
+_PARAMS_DUMPS: dict[int, tuple[GenerationParams, dict[str, Any]]] = {}
+"""id(params) -> (params, its dump): lines with the same params share one validated object
+(:mod:`lmdq.submission.formats.jsonl`), dumped once; the object is kept here so its id is never reused.
+The dump is only ever serialized, never changed."""
 
 
-def _params_json(params: GenerationParams) -> bytes:
-    got = _PARAMS_JSON.get(id(params))
+def _params_dump(params: GenerationParams) -> dict[str, Any]:
+    got = _PARAMS_DUMPS.get(id(params))
     if got is not None and got[0] is params:
         return got[1]
-    data = orjson.dumps(params.model_dump(exclude_none=True))
-    if len(_PARAMS_JSON) >= 1024:
-        _PARAMS_JSON.clear()
-    _PARAMS_JSON[id(params)] = (params, data)
+    data = params.model_dump(exclude_none=True)
+    if len(_PARAMS_DUMPS) >= 1024:
+        _PARAMS_DUMPS.clear()
+    _PARAMS_DUMPS[id(params)] = (params, data)
     return data
 
 
@@ -214,16 +215,14 @@ def _request_json(index: int, item: ParsedLine, *, with_model: bool, images: Ima
     else:
         d["prompt"] = item.prompt
     if item.params is not None:
-        p = _params_json(item.params)
-        if p != b"{}":
-            d["params"] = orjson.Fragment(p)
+        p = _params_dump(item.params)
+        if p:
+            d["params"] = p
     if item.continuations is not None:
         d["continuations"] = list(item.continuations)
     try:
         return orjson.dumps(d)
     except orjson.JSONEncodeError:  # a lone surrogate or an int over 64 bits (the stdlib parser's, on a doubt)
-        if "params" in d:
-            d["params"] = orjson.loads(_params_json(item.params))  # type: ignore[arg-type]
         return json.dumps(d, ensure_ascii=True, separators=(",", ":")).encode()
 
 
