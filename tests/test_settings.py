@@ -287,6 +287,9 @@ NOT_ENGINE_SETTINGS = {
     ("worker/engines/base.py", "raw"),  # EngineRequest.raw: this request skips the chat template
     ("src/lmdq/contract.py", "backend"),  # Result.backend: which backend served the request (a record)
     ("worker/engines/transformers_engine.py", "backend"),  # the engine's identity ("transformers")
+    ("bench/cli.py", "step_ms"), ("bench/cli.py", "max_batch"),  # the lab's sim pacing, its own knobs
+    ("bench/plan_bench.py", "step_ms"),  # the plan bench's sim fleet pacing
+    ("src/lmdq/plan/rules.py", "prefix_block"),  # the tokens per block a plan counts savings in (LMDeploy's)
 }
 
 

@@ -67,7 +67,7 @@ def test_chat_message_text_parts() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert ChatMessage(role="user", content=parts).text() == "ab"
     assert ChatMessage(role="assistant").text() == ""
-    with pytest.raises(ValueError, match="only text"):
+    with pytest.raises(ValueError, match="vision-language model"):  # images are parts now (issue 48), not text
         ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}]).text()
 
 
@@ -77,7 +77,7 @@ def test_chat_message_text_parts() -> None:
     ({"prompt": "p", "endpoint": "reward"}, "need 'messages'"),
     ({"prompt": "p", "endpoint": "score"}, "continuations"),
     ({"prompt": "p", "continuations": ["x"]}, "continuations"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "an image_url part needs"),
     ({"prompt": "p", "custom_id": ""}, "custom_id"),
     ({"prompt": "p", "index": -1}, "index"),
 ])

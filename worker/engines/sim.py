@@ -491,7 +491,7 @@ def sim_embedding(text: str, dim: int) -> list[float]:
     return array("f", [x / norm for x in xs]).tolist()  # each exactly a float32, as a model's output is
 
 
-def _sim_score(r: EngineRequest, text: str, count: Any, hidden: int = 64) -> EngineEvent:
+def _sim_score(r: EngineRequest, text: str, count: Any, hidden: int) -> EngineEvent:
     """SIMULATED scores, deterministic from the text: each continuation word (a sim token) costs a logprob
     in (-8, 0] drawn from (prompt, words so far); a continuation is "greedy" when every word costs less
     than 1 nat. A reward is in [-5, 5) from the whole chat. ``[[sim:error]]`` fails the request as usual."""

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from lmdq.contract import Endpoint, GenerationParams
 from lmdq.plan.store import History, WorkerRate
 from lmdq.plan.tokens import TokenCounter, block_keys
+from lmdq.settings import DEFAULT_RESULT_TTL_S
 
 __all__ = ["PREFIX_BLOCK", "RATE_MAX_AGE_S", "Plan", "PlanLine", "Rates", "expected_output", "fit_rates",
            "make_plan"]
@@ -32,8 +33,8 @@ __all__ = ["PREFIX_BLOCK", "RATE_MAX_AGE_S", "Plan", "PlanLine", "Rates", "expec
 PREFIX_BLOCK = 64
 """Tokens per prefix-cache block the savings are counted in (LMDeploy's default block size)."""
 
-RATE_MAX_AGE_S = 7 * 24 * 3600
-"""Rate records older than this are not used while fresher ones exist."""
+RATE_MAX_AGE_S = DEFAULT_RESULT_TTL_S
+"""Rate records older than this (as long as a batch's results are kept) are not used while fresher ones exist."""
 
 _SEPARABLE = 0.05
 """Least squares needs windows of different prompt/output ratios: 1 - correlation² of (prefill, decode)
@@ -181,7 +182,7 @@ def fit_rates(history: History) -> Rates:
 
 def make_plan(items: Iterable[PlanLine], *, model: str, params: GenerationParams, counter: TokenCounter,
               history: History, live_workers: int, gpu_hour_price: float | None = None,
-              prefix_groups: bool = True, prefix_block: int = PREFIX_BLOCK) -> Plan:
+              prefix_groups: bool, prefix_block: int = PREFIX_BLOCK) -> Plan:
     """The plan of the requests ``items`` (one model's), batch defaults ``params`` under each line's own."""
     requests = input_tokens = 0
     by_max: Counter[int] = Counter()  # output tokens wanted (max_new_tokens × n) -> requests

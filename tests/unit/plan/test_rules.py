@@ -56,7 +56,7 @@ def test_make_plan_without_history_says_what_each_figure_rests_on() -> None:
     lines = [Line(prompt="a b c"), Line(prompt="d e", params=GenerationParams(max_new_tokens=5)),
              Line(prompt="s", endpoint=Endpoint.score, continuations=("x y",))]
     p = make_plan(lines, model="m", params=GenerationParams(max_new_tokens=20), counter=WORDS,
-                  history=History(model="m"), live_workers=2, gpu_hour_price=3.0)
+                  history=History(model="m"), live_workers=2, gpu_hour_price=3.0, prefix_groups=True)
     # no chat template: a chat prompt is counted as a 'user: ...' line; the score's prompt is raw
     assert (p.requests, p.input_tokens, p.output_tokens, p.max_output_tokens) == (3, 4 + 3 + 1 + 2, 25, 25)
     assert p.output_basis.startswith("no history for this model")
@@ -70,7 +70,7 @@ def test_make_plan_with_history_gives_gpu_seconds_eta_and_cost() -> None:
     h = History(model="m", stopped={4: 10}, rates=[WorkerRate("w", 3.0, 1100, 210, windows, 1.0)], now=1.0)
     lines = [Line(prompt="one two three four")] * 10
     p = make_plan(lines, model="m", params=GenerationParams(max_new_tokens=100), counter=WORDS, history=h,
-                  live_workers=2, gpu_hour_price=36.0)
+                  live_workers=2, gpu_hour_price=36.0, prefix_groups=True)
     assert p.output_tokens == 40 and p.input_tokens == 50  # 'user: one two three four'
     assert p.gpu_seconds == pytest.approx(50 * 0.001 + 40 * 0.01)
     assert p.eta_s == pytest.approx(p.gpu_seconds / 2)
@@ -82,7 +82,7 @@ def test_shared_prefix_blocks_are_counted_once() -> None:
     shared = " ".join(f"w{i}" for i in range(128))
     lines = [Line(prompt=f"{shared} q{i}", endpoint=Endpoint.completion) for i in range(3)]
     p = make_plan(lines, model="m", params=GenerationParams(), counter=WORDS, history=History(model="m"),
-                  live_workers=0, prefix_block=64)
+                  live_workers=0, prefix_block=64, prefix_groups=True)
     assert p.prefix_saved_tokens == 2 * 128  # the 2 full blocks, computed by the first request only
     off = make_plan(lines, model="m", params=GenerationParams(), counter=WORDS, history=History(model="m"),
                     live_workers=0, prefix_groups=False)
