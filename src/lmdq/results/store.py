@@ -23,7 +23,7 @@ pipeline. Replies are handed back raw (untrusted: the callers decode and check t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -198,23 +198,14 @@ class ResultRecords:
         in the fleet bench); one call per group adds the counters up in Lua and writes each once."""
         if not writes:
             return []
-        groups: dict[str, list[int]] = {}
-        for i, w in enumerate(writes):
-            groups.setdefault(w[0], []).append(i)
         k = self.keys
-        with self.client.pipeline(transaction=False) as p:
-            for batch_id, members in groups.items():
-                self._write_results(
-                    keys=[k.results(batch_id), k.batch(batch_id), k.partials(batch_id), k.sealed(batch_id)],
-                    args=_results_args([writes[i] for i in members]),
-                    client=p,
-                )
-            replies = p.execute()
-        new = [False] * len(writes)
-        for members, reply in zip(groups.values(), replies, strict=True):
-            for i, ok in zip(members, _answers(reply, len(members)), strict=True):
-                new[i] = ok
-        return new
+
+        def call(batch_id: str, members: list[int], p: Any) -> None:
+            self._write_results(
+                keys=[k.results(batch_id), k.batch(batch_id), k.partials(batch_id), k.sealed(batch_id)],
+                args=_results_args([writes[i] for i in members]), client=p)
+
+        return self._per_batch(writes, call)
 
     def write_partials(self, writes: Sequence[tuple[str, int, str, int]]) -> list[bool]:
         """In-progress texts, (batch id, index, JSON, fallback TTL) each, in ONE pipelined round trip and
@@ -224,24 +215,35 @@ class ResultRecords:
         per-request cost after the finals' own)."""
         if not writes:
             return []
+        k = self.keys
+
+        def call(batch_id: str, members: list[int], p: Any) -> None:
+            args: list[Any] = [writes[members[0]][3]]
+            for i in members:
+                args += [writes[i][1], writes[i][2]]
+            self._write_partials(
+                keys=[k.results(batch_id), k.partials(batch_id), k.sealed(batch_id), k.batch(batch_id)],
+                args=args, client=p)
+
+        return self._per_batch(writes, call)
+
+    def _per_batch(self, writes: Sequence[tuple[Any, ...]],
+                   call: Callable[[str, list[int], Any], None]) -> list[bool]:
+        """``call(batch id, positions in writes, pipeline)`` once per batch among ``writes`` (grouped by
+        their first field), all in one pipelined round trip; each script's 0/1 answers put back in the
+        writes' order."""
         groups: dict[str, list[int]] = {}
         for i, w in enumerate(writes):
             groups.setdefault(w[0], []).append(i)
-        k = self.keys
         with self.client.pipeline(transaction=False) as p:
             for batch_id, members in groups.items():
-                args: list[Any] = [writes[members[0]][3]]
-                for i in members:
-                    args += [writes[i][1], writes[i][2]]
-                self._write_partials(
-                    keys=[k.results(batch_id), k.partials(batch_id), k.sealed(batch_id), k.batch(batch_id)],
-                    args=args, client=p)
+                call(batch_id, members, p)
             replies = p.execute()
-        kept = [False] * len(writes)
+        out = [False] * len(writes)
         for members, reply in zip(groups.values(), replies, strict=True):
             for i, ok in zip(members, _answers(reply, len(members)), strict=True):
-                kept[i] = ok
-        return kept
+                out[i] = ok
+        return out
 
     # ---- read ---------------------------------------------------------------------------------
     def read(self, batch_id: str, indices: Sequence[int], *, partial: bool
