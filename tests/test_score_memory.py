@@ -143,7 +143,7 @@ def test_sim_scores_hash_each_byte_once(monkeypatch: pytest.MonkeyPatch) -> None
     prompt = "Q: list words"
     small = ("alpha beta gamma delta",)
     before = sim._sim_score(EngineRequest(index=0, prompt=prompt, endpoint=Endpoint.score, continuations=small),
-                            prompt, len)
+                            prompt, len, 64)
     words = small[0].split()
     want = [8 * sim._unit(prompt, *words[: k + 1]) for k in range(len(words))]
     assert before.scores == [(-round(sum(want), 6), 4, all(c < 1.0 for c in want))]
@@ -153,6 +153,6 @@ def test_sim_scores_hash_each_byte_once(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(cont) == 100_000 or len(cont) > 99_000
     _CountingHash.fed = 0
     ev = sim._sim_score(EngineRequest(index=0, prompt=prompt, endpoint=Endpoint.score, continuations=(cont,)),
-                        prompt, len)
+                        prompt, len, 64)
     assert ev.scores is not None and ev.scores[0][1] == len(cont.split())
     assert _CountingHash.fed <= len(prompt.encode()) + len(cont.encode()) + 1, _CountingHash.fed
