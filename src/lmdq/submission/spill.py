@@ -311,7 +311,11 @@ class RequestSpill:
         prev = 0
         for end in self._ends:
             if end - buf_at > len(buf):
-                buf = buf[prev - buf_at :] + os.pread(self._fd, max(self.READ, end - prev), buf_at + len(buf))
+                # The unread tail is read again from the file (the page cache has it) rather than joined to
+                # the next read, and the old buffer is let go first: one READ in memory at a time, whether
+                # the requests fill one read or a thousand (a join held three).
+                buf = b""
+                buf = os.pread(self._fd, max(self.READ, end - prev), prev)
                 buf_at = prev
                 if end - buf_at > len(buf):
                     raise OSError("the requests' spill file ended early")
