@@ -60,7 +60,10 @@ def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, width: int 
                        num_hidden_layers=depth, num_attention_heads=max(1, width // 64),
                        num_key_value_heads=max(1, width // 64), max_position_embeddings=2048,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       tie_word_embeddings=False)
+                       tie_word_embeddings=False,
+                       # LMDeploy builds the language model from text_config alone and picks its class by
+                       # architectures, which transformers 5 no longer fills in for a nested config
+                       architectures=["LlamaForCausalLM"])
     vision = CLIPVisionConfig(hidden_size=width, intermediate_size=width * 2, num_hidden_layers=depth,
                               num_attention_heads=max(1, width // 64), image_size=image_size, patch_size=patch,
                               projection_dim=width)
@@ -75,6 +78,7 @@ def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, width: int 
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    _legacy_vision_keys(tmp)
     improc = CLIPImageProcessor(size={"shortest_edge": image_size},
                                 crop_size={"height": image_size, "width": image_size}, do_center_crop=True,
                                 do_resize=True)
@@ -89,6 +93,21 @@ def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, width: int 
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
     return dst
+
+
+def _legacy_vision_keys(folder: Path) -> None:
+    """transformers 5 saves the CLIP tower as ``vision_tower.embeddings...``; LMDeploy's LLaVA (and every llava-hf
+    checkpoint) names it ``vision_tower.vision_model.embeddings...``. transformers loads either, so the files are
+    written the way both read them."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(folder.glob("*.safetensors")):
+        sd = load_file(str(f))
+        if not any(k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") for k in sd):
+            continue
+        save_file({("vision_tower.vision_model." + k[len("vision_tower."):]
+                    if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+                   for k, v in sd.items()}, str(f), metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> None:

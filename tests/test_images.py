@@ -464,3 +464,31 @@ def test_the_image_bench_workload_runs_end_to_end_on_the_sim(tmp_path: Path, env
     lines = [json.loads(x) for x in (tmp_path / "w" / "workload.jsonl").read_text().splitlines()]
     urls = [x["messages"][0]["content"][0]["image_url"]["url"] for x in lines]
     assert len(set(urls)) == 24 and all(Path(u).is_file() and u.endswith(".jpg") for u in urls)
+
+
+def test_a_llava_pipeline_gets_the_pil_image_processor_that_reads_channels_last(vlm_dir: Path) -> None:
+    """LMDeploy's llava_hf preprocess calls ``processor(pil_image, input_data_format='channels_last')``;
+    transformers' torchvision processors misread that (every image request failed on an H200), the PIL one
+    reads it: the worker swaps it in for LMDeploy's LLaVA vision models only."""
+    import types
+
+    from PIL import Image
+
+    from lmdq.worker.engines.lmdeploy_engine import pil_image_processor
+
+    def pipe_with(model: object) -> Any:
+        return types.SimpleNamespace(async_engine=types.SimpleNamespace(vl_encoder=types.SimpleNamespace(model=model)))
+
+    llava = type("LlavaHfVisionModel", (), {})()
+    llava.processor = None  # type: ignore[attr-defined]
+    assert not pil_image_processor(pipe_with(llava), str(vlm_dir))  # nothing to replace
+    llava.processor = object()  # type: ignore[attr-defined]
+    assert pil_image_processor(pipe_with(llava), str(vlm_dir))
+    pv = llava.processor(Image.new("RGB", (50, 30), (255, 0, 0)), return_tensors="pt",  # type: ignore[attr-defined]
+                         input_data_format="channels_last").pixel_values
+    assert tuple(pv.shape) == (1, 3, 28, 28)  # the tiny model's image size, channels first
+    assert float(pv[0, 0].mean()) > float(pv[0, 2].mean())  # red stays in the red channel
+    other = type("Qwen2VLModel", (), {})()
+    other.processor = sentinel = object()  # type: ignore[attr-defined]
+    assert not pil_image_processor(pipe_with(other), str(vlm_dir)) and other.processor is sentinel  # type: ignore[attr-defined]
+    assert not pil_image_processor(types.SimpleNamespace(), str(vlm_dir))  # a text pipeline: no vision encoder

@@ -285,8 +285,33 @@ def build_pipeline(config: LMDeployConfig, model_path: str, log_level: str = "WA
         chat_template_config=resolve_chat_template(config.chat_template),
         log_level=log_level,
     )
+    pil_image_processor(pipe, model_path)
     return pipe, frozenset(orphan_guard.tracked_groups() - groups_before)
 
+
+#: LMDeploy's vision models that call their transformers image processor as
+#: ``processor(image, input_data_format='channels_last')`` on a PIL image (lmdeploy/vl/model/llava_hf.py, llava_next.py)
+CHANNELS_LAST_VISION_MODELS = frozenset({"LlavaHfVisionModel", "LlavaNextVisionModel"})
+
+
+def pil_image_processor(pipe: Any, model_path: str) -> bool:
+    """Give a LLaVA pipeline the PIL image processor instead of the torchvision one.
+
+    Why: transformers 5 picks its torchvision processors whenever torchvision is installed, and those read
+    LMDeploy 0.18's ``input_data_format='channels_last'`` on a PIL image as the wrong axis: every image
+    request fails ``preprocess_failed`` ("size of tensor a (336) must match the size of tensor b (3)", H200,
+    transformers 5.17). The PIL processor (``use_fast=False``) reads the same config the way LMDeploy means
+    it. The raw side of ``lmdq-bench e2e`` builds its pipeline here too, so both sides preprocess alike.
+    Returns whether the processor was replaced."""
+    model = getattr(getattr(getattr(pipe, "async_engine", None), "vl_encoder", None), "model", None)
+    if type(model).__name__ not in CHANNELS_LAST_VISION_MODELS or getattr(model, "processor", None) is None:
+        return False
+    from transformers import AutoImageProcessor
+
+    model.processor = AutoImageProcessor.from_pretrained(model_path, use_fast=False)
+    slog.info("image processor: PIL backend (LMDeploy passes channels_last images)", model=type(model).__name__,
+              processor=type(model.processor).__name__)
+    return True
 
 
 EMBEDDING_UNSUPPORTED = ("LMDeploy 0.18 computes no embeddings (its own server answers /v1/embeddings with "
