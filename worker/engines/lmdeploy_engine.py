@@ -303,12 +303,12 @@ def pil_image_processor(pipe: Any, model_path: str) -> bool:
     transformers 5.17). The PIL processor (``use_fast=False``) reads the same config the way LMDeploy means
     it. The raw side of ``lmdq-bench e2e`` builds its pipeline here too, so both sides preprocess alike.
     Returns whether the processor was replaced."""
-    model = getattr(getattr(getattr(pipe, "async_engine", None), "vl_encoder", None), "model", None)
+    model: Any = getattr(getattr(getattr(pipe, "async_engine", None), "vl_encoder", None), "model", None)
     if type(model).__name__ not in CHANNELS_LAST_VISION_MODELS or getattr(model, "processor", None) is None:
         return False
     from transformers import AutoImageProcessor
 
-    model.processor = AutoImageProcessor.from_pretrained(model_path, use_fast=False)
+    model.processor = AutoImageProcessor.from_pretrained(model_path, use_fast=False)  # type: ignore[no-untyped-call]
     slog.info("image processor: PIL backend (LMDeploy passes channels_last images)", model=type(model).__name__,
               processor=type(model.processor).__name__)
     return True
