@@ -5,7 +5,7 @@ with random weights (lmdq_bench.tiny_vlm: SmolLM2's tokenizer with an ``<image>`
 * the worker's engine answers image requests (the worker's data: URLs) exactly as a raw ``pipe()`` answers the
   same messages with the image's path (greedy, ignore_eos: the same tokens);
 * ``lmdq-bench e2e --workload image``: 512 image requests through a real lmdq-worker and lmdq-producer against a
-  raw ``pipe()`` on the same requests, lmdq/raw >= 0.95; the JSON goes to ``$OUT`` or ``evidence/issue48/``.
+  raw ``pipe()`` on the same requests, lmdq/raw >= 0.95; the JSON goes to ``$OUT`` (the device call) or ``docs/results/``.
 
 Run: ``pytest tests/gpu/test_images_gpu.py`` (LMDQ_GPU_TOKENIZER or LMDQ_GPU_MODEL names SmolLM2's folder).
 """
@@ -26,8 +26,8 @@ from tests.conftest import ROOT, run_cli
 
 N_REQUESTS = int(os.environ.get("LMDQ_GPU_IMAGE_N", "512"))
 MIN_RATIO = 0.95
-# on the device machine the file goes where the call's files come back from ($OUT); committed under evidence/
-RESULTS = Path(os.environ.get("OUT") or ROOT / "evidence" / "issue48") / "images-e2e.json"
+# on the device machine the file goes where the call's files come back from ($OUT); committed to docs/results
+RESULTS = Path(os.environ.get("OUT") or ROOT / "docs" / "results") / "images-e2e.json"
 
 
 @pytest.fixture(scope="module")
