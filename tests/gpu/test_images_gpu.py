@@ -5,7 +5,8 @@ with random weights (lmdq_bench.tiny_vlm: SmolLM2's tokenizer with an ``<image>`
 * the worker's engine answers image requests (the worker's data: URLs) exactly as a raw ``pipe()`` answers the
   same messages with the image's path (greedy, ignore_eos: the same tokens);
 * ``lmdq-bench e2e --workload image``: 512 image requests through a real lmdq-worker and lmdq-producer against a
-  raw ``pipe()`` on the same requests, lmdq/raw >= 0.95; the JSON goes to ``$OUT`` (the device call) or ``docs/results/``.
+  raw ``pipe()`` on the same requests, lmdq/raw >= 0.95; the JSON goes to ``$OUT`` (the device call) or
+  ``docs/results/``.
 
 Run: ``pytest tests/gpu/test_images_gpu.py`` (LMDQ_GPU_TOKENIZER or LMDQ_GPU_MODEL names SmolLM2's folder).
 """
