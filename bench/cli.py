@@ -580,6 +580,25 @@ def api(
     report(run(upload_mb, clients, polls, redis_url, submit), clients=clients, polls=polls, submit=submit)
 
 
+@app.command("cli-startup")
+def cli_startup(
+    runs: Annotated[int, typer.Option(min=1, help="children per case (the median is reported)")] = 7,
+    python: Annotated[str | None, typer.Option(help="the interpreter to measure (default: this one); another "
+                                                    "checkout's .venv/bin/python measures that checkout")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="default: start a local redis-server")] = None,
+    output: Annotated[Path | None, typer.Option("-o")] = None,
+) -> None:
+    """Import milliseconds of ``lmdq-producer --help``, ``status --help`` and ``status BATCH`` (python -X
+    importtime, median of RUNS children; issue 49's bar: under 150 ms); the LAST line is JSON."""
+    from lmdq_bench.cli_startup import run_cli_startup
+    from lmdq_bench.local_redis import local_redis
+
+    with local_redis(redis_url) as url:
+        res = run_cli_startup(redis_url=url, python=python, runs=runs,
+                              log=lambda m: print(m, file=sys.stderr, flush=True))
+    _emit(res, output)
+
+
 def main() -> None:
     run_cli(app)
 

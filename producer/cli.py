@@ -1,4 +1,9 @@
-"""``lmdq-producer``: submit prompt files, watch batches, export results."""
+"""``lmdq-producer``: submit prompt files, watch batches, export results.
+
+Start-up imports only what building the commands' options needs (typer, pydantic, the contract and
+the settings): the client (redis-py, rq), rich, structlog and the exporter are imported by the command
+that uses them, so ``--help`` and ``status`` start fast (issue 49; tests/test_cli_startup.py,
+``lmdq-bench cli-startup``)."""
 
 from __future__ import annotations
 
@@ -7,28 +12,29 @@ import os
 import sys
 import time
 from contextlib import ExitStack
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.measure import Measurement
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from lmdq.cli.options import model_options
 from lmdq.cli.run import run_cli
-from lmdq.client.client import MAX_NOTE, Client, load_settings
-from lmdq.client.client import Batch as ClientBatch
 from lmdq.client.options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
 from lmdq.contract import Batch, BatchStatus, Endpoint, Priority
 from lmdq.errors import EXIT_CODES_HELP, PurgeRefused, SubmitRejected
 from lmdq.flags import settings_flags
-from lmdq.logs.config import configure_logging
-from lmdq.metrics.exporter import EXPORTER_FLAGS
+from lmdq.metrics.settings import EXPORTER_FLAGS
+from lmdq.registry import MAX_NOTE
 from lmdq.submission.progress import DEFAULT_INTERVAL_S, POLL_S, BatchProgress
 from lmdq.submission.settings import ProducerSettings
+
+if TYPE_CHECKING:  # imported by the commands that use them (see the module's docstring)
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmdq.client.client import Batch as ClientBatch
+    from lmdq.client.client import Client
 
 app = typer.Typer(
     add_completion=False,
@@ -42,9 +48,15 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"max_content_width": 120},
 )
-err = Console(stderr=True)
-
 _STATE: dict[str, Any] = {}
+
+
+@cache
+def _err() -> Console:
+    """The command's rich console on stderr (made on first use: rich is not imported at start-up)."""
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 def _say_waiting(line: str) -> None:
@@ -67,16 +79,24 @@ def _patiently(b: ClientBatch) -> Batch:
 
 
 def _lmdq() -> Client:
-    """The one lmdq.Client of this command (the CLI is a thin client of the Python API)."""
+    """The one lmdq.Client of this command (the CLI is a thin client of the Python API), made by the
+    command's first use: the ``LMDQ_*`` settings are read (a bad one: one line, exit 2) and logging is
+    configured then, so a command's ``--help`` imports neither the client nor structlog (issue 49)."""
+    if "client" not in _STATE:
+        from lmdq.client.client import Client, load_settings
+        from lmdq.logs.config import configure_logging
+
+        s = load_settings()
+        _STATE["client"] = Client(_STATE.get("redis_url"), settings=s, on_slow=_say_waiting)
+        configure_logging(s.log_format, s.log_level)
     return _STATE["client"]  # type: ignore[no-any-return]
 
 
 @app.callback()
 @model_options(settings_flags(ProducerSettings, ["redis_url"]), into="given")
 def _main(given: dict[str, Any]) -> None:
-    s = load_settings()
-    _STATE["client"] = Client(given.get("redis_url"), settings=s, on_slow=_say_waiting)
-    configure_logging(s.log_format, s.log_level)
+    _STATE.pop("client", None)  # a new command line (tests run several in one process): a new client
+    _STATE["redis_url"] = given.get("redis_url")
 
 
 def _print_batch(b: Batch, as_json: bool) -> None:
@@ -137,7 +157,7 @@ def _print_submitted(batch: Batch, created: bool, as_json: bool) -> None:
         return
     if not created:
         # a batch its first submit left part-staged was resumed (the ledger logs it): nothing is ever staged twice
-        err.print("idempotency key matched an existing batch; nothing enqueued twice")
+        _err().print("idempotency key matched an existing batch; nothing enqueued twice")
     typer.echo(batch.id)
 
 
@@ -188,9 +208,11 @@ def submit(
         p = _lmdq().plan(file, model=model, tokenizer=tokenizer, format=fmt, spell=cli_spell, **generation,
                          **grouping, **batch_options)
         for line in p.lines():
-            err.print(line, markup=False, highlight=False, soft_wrap=True)
+            _err().print(line, markup=False, highlight=False, soft_wrap=True)
     elif plan:
-        err.print("--plan: not for stdin (it is read once); plan a file with lmdq-producer plan", markup=False)
+        _err().print("--plan: not for stdin (it is read once); plan a file with lmdq-producer plan", markup=False)
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     show = sys.stderr.isatty() and not as_json
     with Progress(
@@ -198,7 +220,7 @@ def submit(
         BarColumn(),
         TextColumn("{task.completed:,}"),
         TimeElapsedColumn(),
-        console=err,
+        console=_err(),
         disable=not show,
         transient=True,
     ) as prog:
@@ -322,7 +344,7 @@ def _warn_deadline(handle: ClientBatch) -> None:
     o = handle.outlook()
     line = o.warning() if o is not None else None
     if line:
-        err.print(line, markup=False, highlight=False, soft_wrap=True)
+        _err().print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -342,7 +364,7 @@ def deadline(
 def _progress(handle: ClientBatch, interval: float, *, show: bool = True) -> BatchProgress:
     """Progress on stderr: a live bar on a terminal, a line per change or ``interval`` elsewhere
     (``show`` False: stdout is the terminal and shows the results themselves: nothing drawn)."""
-    prog: BatchProgress = handle.progress(stream=sys.stderr, terminal=err.is_terminal,
+    prog: BatchProgress = handle.progress(stream=sys.stderr, terminal=_err().is_terminal,
                                           interval_s=interval if show else float("inf"), quiet=not show)
     return prog
 
@@ -448,7 +470,7 @@ def results(
             out.flush()
     if delete:  # only reached when every line was written: an error above leaves the batch in Redis
         done = _lmdq().purge(batch_id)
-        err.print(str(done), highlight=False, soft_wrap=True)
+        _err().print(str(done), highlight=False, soft_wrap=True)
 
 
 def _check_writable(path: Path) -> None:
@@ -495,6 +517,9 @@ def list_(
         for b in batches:
             typer.echo(_redacted(b).model_dump_json())
         return
+    from rich.console import Console
+    from rich.measure import Measurement
+
     out = Console()
     table = _batches_table(batches)
     # measured without the terminal's limit: Measurement.get clamps to it, which would hide a table too wide
@@ -539,6 +564,9 @@ def _batches_table(batches: list[Batch]) -> Table:
     """``list``'s table. Only the model may wrap: ids, statuses, counts and times are never cut or
     folded (a table that cannot fit them is not printed at all, see :func:`list_`). Every count is
     under its own name; cancelled and expired get a column only when some batch shown has any."""
+    from rich import box
+    from rich.table import Table
+
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     table.add_column("batch", no_wrap=True)
     table.add_column("status", no_wrap=True)
@@ -642,8 +670,11 @@ def models_list(
             typer.echo(json.dumps(m.as_dict()))
         return
     if not models:
-        err.print("no models: register one with `lmdq-producer models add NAME`, or start a worker")
+        _err().print("no models: register one with `lmdq-producer models add NAME`, or start a worker")
         return
+    from rich.console import Console
+    from rich.measure import Measurement
+
     out = Console()
     table = models_table(models, now)
     if Measurement.get(out, out.options.update_width(10_000), table).minimum <= out.width:
@@ -667,7 +698,7 @@ def models_remove(
                         if on)
     typer.echo(f"removed: {name} ({what})")
     if removed.live_workers:
-        err.print(f"note: {removed.live_workers} live worker(s) serve {name!r}: their next heartbeat "
+        _err().print(f"note: {removed.live_workers} live worker(s) serve {name!r}: their next heartbeat "
                   "records it as served again; stop them to retire it", markup=False, highlight=False)
 
 
@@ -694,7 +725,7 @@ def reuse_stats(
             typer.echo(json.dumps(st.as_dict()))
         return
     if not stats:
-        err.print("no reuse index: submit a batch with --reuse")
+        _err().print("no reuse index: submit a batch with --reuse")
         return
     for st in stats:
         rate = "n/a" if st.hit_rate is None else f"{st.hit_rate:.1%}"

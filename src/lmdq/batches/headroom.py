@@ -20,12 +20,13 @@ measurements behind the constants):
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import redis
+from typing import TYPE_CHECKING
 
 from lmdq.contract import GenerationParams
 from lmdq.errors import SubmitRejected
-from lmdq.redis import server
+
+if TYPE_CHECKING:  # redis is imported where Redis is talked to: ProducerSettings reads DEFAULT_FRACTION
+    import redis  # at CLI start-up, and `lmdq-producer --help` imports no Redis client (issue 49)
 
 __all__ = ["Footprint", "RedisMemory", "check_batch_fits", "check_headroom", "estimate", "redis_memory"]
 
@@ -74,6 +75,10 @@ def estimate(*, requests: int, jobs: int, input_bytes: int, max_new_tokens: int,
 def redis_memory(client: redis.Redis) -> RedisMemory | None:
     """INFO memory's ``used_memory`` and ``maxmemory``, or None where INFO is not allowed (some
     managed services rename or restrict it: the check is then skipped, not the submit)."""
+    import redis
+
+    from lmdq.redis import server
+
     try:
         info = server.memory_info(client)
     except redis.ResponseError:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-import redis
 import typer
 
 try:  # typer >= 0.22 vendors click (typer._click); its CLIs raise these, not click's own
@@ -46,14 +45,28 @@ def run_cli(app: Callable[..., object]) -> None:
         _fail(usage_line(e), e.exit_code)
     except LmdqError as e:
         _fail(redact_text(e), e.exit_code)  # a safety net: messages already name URLs redacted
-    except (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError) as e:
-        _fail(f"Redis refused the write: {_one_line(e)}", ExitCode.redis_refused)
-    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError) as e:
-        _fail(f"lost the connection to Redis: {_one_line(e)}", ExitCode.redis_unavailable)
+    except Exception as e:
+        _redis_failure(e)
+        raise
     else:
         # non-standalone click returns a typer.Exit's code (and a command's return value: None)
         if isinstance(code, int) and not isinstance(code, bool) and code:
             sys.exit(code)
+
+
+def _redis_failure(e: Exception) -> None:
+    """Exit with one line if ``e`` is Redis going away or refusing a write; return otherwise.
+
+    redis is not imported here: a command that never talked to Redis (``--help``) has no redis-py in
+    ``sys.modules`` (issue 49: start-up imports only what the command needs), and then ``e`` cannot
+    be one of its errors."""
+    redis = sys.modules.get("redis")
+    if redis is None:
+        return
+    if isinstance(e, (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)):
+        _fail(f"Redis refused the write: {_one_line(e)}", ExitCode.redis_refused)
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError)):
+        _fail(f"lost the connection to Redis: {_one_line(e)}", ExitCode.redis_unavailable)
 
 
 def usage_line(e: ClickException) -> str:

@@ -49,35 +49,16 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
-from pydantic import Field
 
-from lmdq.flags import own_fields, settings_flags
 from lmdq.metrics.queue_stats import Snapshot, read_snapshot
+from lmdq.metrics.settings import EXPORTER_FLAGS, ExporterSettings, load_settings
 from lmdq.redis.connection import connect, redact_url
 from lmdq.redis.keys import Keys
-from lmdq.settings import CommonSettings, load_or_refuse
 
 __all__ = ["EXPORTER_FLAGS", "ExporterSettings", "QueueCollector", "SnapshotCollector", "View", "load_settings",
            "run", "serve", "start_metrics_server"]
 
 log = structlog.get_logger("lmdq.metrics.exporter")
-
-
-class ExporterSettings(CommonSettings):
-    """The exporter's settings (``LMDQ_`` env vars; ``lmdq-producer exporter`` flags override)."""
-
-    exporter_host: str = Field(default="0.0.0.0", description="address the /metrics server binds")
-    exporter_port: int = Field(default=9464, ge=0, le=65535, description="port of /metrics (0: any free port; "
-                               "9464, apart from the worker's health port 8000 and lmdq-api's 8080)")
-    exporter_max_batches: int = Field(
-        default=1000, ge=0, le=1_000_000, description="newest batches counted in lmdq_batches per read")
-    exporter_interval_s: float = Field(
-        default=5.0, gt=0, le=3600, description="seconds between two reads of Redis (ONE collector thread, "
-        "whatever the number of scrapers; scrapes serve the last read and never touch Redis)")
-    exporter_read_timeout_s: float = Field(
-        default=3.0, gt=0, le=300, description="Redis time one read may take: a read still waiting past it "
-        "(a frozen Redis) makes lmdq_exporter_redis_up 0. Interval + this stays under Prometheus' 10 s "
-        "scrape timeout")
 
 
 @dataclass(frozen=True)
@@ -283,17 +264,6 @@ def serve(s: ExporterSettings) -> tuple[Any, int]:
     log.info("exporter.serving", host=s.exporter_host, port=port, redis=redact_url(s.redis_url),
              prefix=s.key_prefix, interval_s=s.exporter_interval_s, read_timeout_s=budget)
     return server, port
-
-
-#: One flag per field ExporterSettings declares, named without its ``exporter_`` prefix (``--interval-s``:
-#: the command already says whose interval); ``lmdq-producer exporter`` takes the producer's --redis-url.
-EXPORTER_FLAGS = settings_flags(ExporterSettings, own_fields(ExporterSettings, CommonSettings),
-                                flat=lambda name: name.removeprefix("exporter_"))
-
-
-def load_settings(**given: Any) -> ExporterSettings:
-    """``LMDQ_*`` env vars under the flags given; a bad value is one line naming it, exit 2."""
-    return load_or_refuse(ExporterSettings, **given)
 
 
 def run(s: ExporterSettings) -> None:

@@ -44,6 +44,7 @@ from lmdq.redis.keys import (
 )
 from lmdq.redis.replies import reply_text
 from lmdq.redis.scripts import Fragment, LuaScript
+from lmdq.registry import MAX_NOTE
 
 __all__ = [
     "MAX_MODEL_NAME",
@@ -57,9 +58,6 @@ __all__ = [
     "check_model_name",
     "redis_answers",
 ]
-
-MAX_NOTE = 200
-"""An operator's note on a registered model: a reminder, not a document."""
 
 RQ_IDLE = "idle"
 RQ_BUSY = "busy"

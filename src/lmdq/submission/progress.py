@@ -24,16 +24,19 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TextIO
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
-from rich.progress import Progress as Bar
+from typing import TYPE_CHECKING, TextIO
 
 from lmdq.contract import Batch, BatchStatus
-from lmdq.redis.connection import RETRYABLE_ERRORS
-from lmdq.registry.store import ModelRegistry
-from lmdq.results.store import ResultStore
+
+if TYPE_CHECKING:
+    # rich and the stores (redis-py) are imported where a progress is drawn or read: the CLI reads this
+    # module's DEFAULT_INTERVAL_S for its --interval options at start-up (issue 49: `--help` and
+    # `status` import only what they need)
+    from rich.progress import Progress as Bar
+    from rich.progress import TaskID
+
+    from lmdq.registry.store import ModelRegistry
+    from lmdq.results.store import ResultStore
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -212,6 +215,8 @@ class BatchProgress:
         # The display's own reads (tokens, live workers) are not the poll: a Redis that goes away between
         # the poll and them must not end a wait that the next, patient poll would ride out (the poll says
         # "lost Redis" and waits); the last values are shown meanwhile.
+        from lmdq.redis.connection import RETRYABLE_ERRORS
+
         try:
             tokens = self._tokens = self.store.output_tokens(b.id)
         except RETRYABLE_ERRORS:
@@ -234,6 +239,8 @@ class BatchProgress:
             return None
         # again at once when the status moved (queued -> in_progress: someone serves it after all)
         if self._checked_at is None or now - self._checked_at >= WORKER_CHECK_S or b.status != self._checked_status:
+            from lmdq.redis.connection import RETRYABLE_ERRORS
+
             self._checked_at, self._checked_status = now, b.status
             try:
                 served = {m.name: m.live_workers for m in self.models.models()}
@@ -275,7 +282,10 @@ class BatchProgress:
     def _draw(self, b: Batch, tokens: int, hint: str | None) -> None:
         c = b.request_counts
         if self._bar is None or self._task is None:
-            self._bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                             console=Console(file=self.stream), transient=False)
             self._bar.start()
