@@ -71,7 +71,9 @@ MAX_SAMPLES = 128
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # defer_build: a model's validator is built at its first use, not at import: `lmdq-producer --help` reads
+    # GenerationParams' fields for its flags and validates nothing, `status` builds Batch only (issue 49)
+    model_config = ConfigDict(extra="forbid", frozen=False, defer_build=True)
 
 
 class _Value(str, Enum):
@@ -361,7 +363,7 @@ class ChatMessage(BaseModel):
     ``{"type": "image_url", "image_url": {"url": ...}}`` (issue 48; the url is a reference a worker reads:
     :mod:`lmdq.images`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", defer_build=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None

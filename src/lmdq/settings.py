@@ -34,7 +34,8 @@ def default_of(cls: type[BaseModel], name: str) -> Any:
 class CommonSettings(BaseSettings):
     """What producer and worker both need: where Redis is and how lmdq keys live in it."""
 
-    model_config = SettingsConfigDict(env_prefix="LMDQ_", extra="ignore")
+    # defer_build: built when first loaded, not at import (the CLI's --help reads the fields only; issue 49)
+    model_config = SettingsConfigDict(env_prefix="LMDQ_", extra="ignore", defer_build=True)
 
     redis_url: str = Field(
         default_factory=lambda: os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),

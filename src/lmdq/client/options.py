@@ -73,7 +73,8 @@ class BatchOptions(BaseModel):
     """The batch's options (besides the model and the generation parameters). Unset is None: the
     producer's settings (``LMDQ_*``) decide then."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    # defer_build: built by the first submit, not at import (--help reads the fields only; issue 49)
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, defer_build=True)
 
     batch_size: Annotated[int, Field(ge=1, le=MAX_JOB_REQUESTS)] | None = Field(
         default=None, description=f"requests per job (default LMDQ_BATCH_SIZE, {_BATCH_SIZE})")
