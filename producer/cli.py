@@ -88,7 +88,8 @@ def _lmdq() -> Client:
 
         s = load_settings()
         _STATE["client"] = Client(_STATE.get("redis_url"), settings=s, on_slow=_say_waiting)
-        configure_logging(s.log_format, s.log_level)
+        # structlog itself is imported by the first log record (lmdq.logs.config): status logs nothing
+        configure_logging(s.log_format, s.log_level, defer=True)
     return _STATE["client"]  # type: ignore[no-any-return]
 
 
@@ -760,9 +761,12 @@ def exporter(flags: dict[str, Any]) -> None:
     """Serve queue metrics (depth, running jobs, live workers, batches per model) on /metrics for
     Prometheus, read from Redis every --interval-s by one collector (scrapes never wait on Redis). Run
     ONE per Redis: it needs no GPU and works at zero workers (deploy/base/exporter.yaml)."""
+    from lmdq.logs.config import configure_logging
     from lmdq.metrics.exporter import load_settings, run
 
-    run(load_settings(**flags, redis_url=_lmdq().settings.redis_url))
+    s = _lmdq().settings
+    configure_logging(s.log_format, s.log_level)  # not deferred: the exporter logs through structlog itself
+    run(load_settings(**flags, redis_url=s.redis_url))
 
 
 def main() -> None:

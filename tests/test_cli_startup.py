@@ -1,6 +1,6 @@
 """``lmdq-producer`` starts with only what the command needs (issue 49): ``--help`` and a command's
 ``--help`` import no Redis client, no rich, no structlog, no data or HTTP library and nothing of the
-worker; ``status BATCH`` imports redis-py (it reads Redis) and still none of the rest.
+worker; ``status BATCH`` imports redis-py (it reads Redis) and still none of the rest, structlog included.
 
 Deterministic: it reads the names ``python -X importtime`` lists (every module the process imported,
 in order), never a clock. The milliseconds are ``lmdq-bench cli-startup``'s (evidence/issue49)."""
@@ -25,8 +25,9 @@ HEAVY = ("redis", "rq", "rich", "structlog", "prometheus_client", "orjson", "pya
          "numpy", "httpx", "fastapi", "uvicorn", "starlette", "torch", "transformers", "lmdeploy", "fsspec",
          "lmdq.worker", "lmdq.client.client", "lmdq.redis", "lmdq.results", "lmdq.jobs", "lmdq.logs.config",
          "lmdq.metrics.exporter", "lmdq.registry.store", "lmdq.submission.submit", "lmdq.submission.formats")
-#: Not imported by ``status BATCH`` either: it needs the client and Redis, not a data, HTTP or GPU stack.
-NEVER = ("pyarrow", "pandas", "polars", "numpy", "httpx", "fastapi", "uvicorn", "starlette", "torch",
+#: Not imported by ``status BATCH`` either: it needs the client and Redis, not a data, HTTP or GPU stack, and
+#: it logs nothing (structlog comes with the first log line: lmdq.logs.config's deferred set-up).
+NEVER = ("structlog", "pyarrow", "pandas", "polars", "numpy", "httpx", "fastapi", "uvicorn", "starlette", "torch",
          "transformers", "lmdeploy", "fsspec", "lmdq.worker", "lmdq.metrics.exporter", "prometheus_client")
 
 

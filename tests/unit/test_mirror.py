@@ -27,7 +27,6 @@ NO_UNIT_TEST_YET = {
     "src/lmdq/client/sources.py",
     "src/lmdq/client/submit_kwargs.py",
     "src/lmdq/jobs/queue.py",
-    "src/lmdq/logs/config.py",
     "src/lmdq/logs/relay.py",
     "src/lmdq/metrics/cli.py",
     "src/lmdq/metrics/exporter.py",

@@ -15,6 +15,13 @@ does so whenever first called, which is typically inside pipeline creation, long
 "after engine load" would leave a window and needs every caller to remember it, so those loggers are
 switched to :class:`_AdoptedLogger`, which refuses console handlers and never stops propagating,
 whenever they are configured.
+
+Why structlog may come late: importing it costs ~50 ms (it pulls rich and pygments for its console
+tracebacks), more than a read-only command's whole start-up. ``configure_logging(..., defer=True)``
+(``lmdq-producer``'s commands) sets up the root handler, levels and warnings capture at once, without
+structlog, and builds structlog's formatter from the first record that reaches the handler, or the
+first :func:`get_logger`: every line is rendered as before, and ``status`` (which logs nothing) never
+imports structlog (issue 49).
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ import logging
 import os
 import sys
 from collections.abc import MutableMapping
-from typing import Any, TextIO
-
-import structlog
+from typing import TYPE_CHECKING, Any, TextIO
 
 from lmdq.errors import BadSetting
 from lmdq.logs.redaction import redact_text
+
+if TYPE_CHECKING:
+    from structlog.stdlib import ProcessorFormatter
 
 __all__ = ["ADOPTED_LOGGERS", "CHILD_HOOK_DIR", "adopt_foreign_loggers", "configure_logging", "get_logger",
            "route_child_logs"]
@@ -84,6 +92,20 @@ class _RootHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
+        #: (JSON?, level) of a deferred set-up (configure_logging(defer=True)): structlog is set up, and
+        #: this handler's formatter built, by the first record it formats
+        self.pending: tuple[bool, int] | None = None
+
+    def format(self, record: logging.LogRecord) -> str:
+        self.finish_setup()
+        return super().format(record)
+
+    def finish_setup(self) -> None:
+        """Build the formatter (and configure structlog) of a deferred set-up; nothing if there is none."""
+        if self.pending is not None:
+            use_json, lvl = self.pending
+            self.pending = None
+            self.setFormatter(_setup_structlog(use_json, lvl))
 
     @property
     def stream(self) -> TextIO:
@@ -141,13 +163,38 @@ class TerminalRenderer:
         return "\n".join(out)
 
 
-def configure_logging(fmt: str = "auto", level: str = "INFO") -> None:
+def configure_logging(fmt: str = "auto", level: str = "INFO", *, defer: bool = False) -> None:
     """Configure structlog and stdlib logging once per process. ``fmt``: auto | json | console
-    (auto: JSON unless stderr is a terminal). Calling it again replaces the previous set-up."""
+    (auto: JSON unless stderr is a terminal). Calling it again replaces the previous set-up.
+
+    ``defer``: structlog is imported and configured by the first record the root handler formats, or
+    the first :func:`get_logger` (see the module's docstring); a process that never logs never imports
+    it. Not for a process whose code calls ``structlog.get_logger`` itself: that logger would run on
+    structlog's defaults until the first stdlib record."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
         raise BadSetting(f"LMDQ_LOG_LEVEL: expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, _RootHandler) or _is_console(h)]:
+        root.removeHandler(h)
+    handler = _RootHandler()
+    handler.pending = (use_json, lvl)
+    handler.setLevel(lvl)  # records propagated from a library's logger skip root's level, not the handler's
+    root.addHandler(handler)
+    root.setLevel(lvl)
+    logging.captureWarnings(True)  # warnings.warn() from libraries: a JSON line too, logger "py.warnings"
+    adopt_foreign_loggers()
+    if not defer:
+        # after the adoption: structlog's LoggerFactory sets logging's logger class, and only plain
+        # logging.Logger objects are adopted (a library's logger made later is then structlog's class)
+        handler.finish_setup()
+
+
+def _setup_structlog(use_json: bool, lvl: int) -> ProcessorFormatter:
+    """Configure structlog (its own calls handed to stdlib) and return the root handler's formatter."""
+    import structlog
+
     renderer: Any = structlog.processors.JSONRenderer() if use_json else TerminalRenderer()
     timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
     # Both kinds of records get the same fields; structlog's own calls get them before wrap_for_formatter,
@@ -168,22 +215,13 @@ def configure_logging(fmt: str = "auto", level: str = "INFO") -> None:
             renderer,
         ],
     )
-    root = logging.getLogger()
-    for h in [h for h in root.handlers if isinstance(h, _RootHandler) or _is_console(h)]:
-        root.removeHandler(h)
-    handler = _RootHandler()
-    handler.setFormatter(formatter)
-    handler.setLevel(lvl)  # records propagated from a library's logger skip root's level, not the handler's
-    root.addHandler(handler)
-    root.setLevel(lvl)
-    logging.captureWarnings(True)  # warnings.warn() from libraries: a JSON line too, logger "py.warnings"
-    adopt_foreign_loggers()
     structlog.configure(
         processors=[*common, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False,
     )
+    return formatter
 
 
 def route_child_logs(fmt: str = "auto", level: str = "INFO") -> None:
@@ -203,4 +241,11 @@ def route_child_logs(fmt: str = "auto", level: str = "INFO") -> None:
 
 
 def get_logger(name: str | None = None, **bind: Any) -> Any:
+    """A structlog logger; a deferred set-up (``configure_logging(defer=True)``) is finished first, so its
+    lines render as configured."""
+    import structlog
+
+    for h in logging.getLogger().handlers:
+        if isinstance(h, _RootHandler):
+            h.finish_setup()
     return structlog.get_logger(name).bind(**bind) if bind else structlog.get_logger(name)

@@ -38,6 +38,7 @@ whose jobs a worker may already hold is never deleted under it.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -306,7 +307,12 @@ class BatchLedger:
         self._commit = self.batch_jobs.commit
         #: quality gates (submit --canary / --gate-window): their keys, the held jobs, pause and resume
         self.gates = GateStore(client, keys=keys)
-        self._log = get_logger("lmdq.submission.ledger")
+
+    @functools.cached_property
+    def _log(self) -> Any:
+        """The ledger's logger, made by its first line: a ledger that logs nothing (``status``, ``list``)
+        never imports structlog (lmdq.logs.config; issue 49)."""
+        return get_logger("lmdq.submission.ledger")
 
     @contextmanager
     def _refusals(self, outcome: str = _ENQUEUE_OUTCOME) -> Iterator[None]:
