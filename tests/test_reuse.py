@@ -265,3 +265,25 @@ def test_the_cli_submits_with_reuse_and_shows_and_purges_the_index(
     p = run_cli("producer", "reuse", "purge", "--model", "sim", env=env)
     assert p.returncode == 0 and b"200 entries" in p.stdout
     assert py.reuse_stats("sim")[0].entries == 0
+
+
+def test_a_retried_reuse_batch_keeps_its_reuse_ttl(client: redis.Redis, redis_url: str, prefix: str) -> None:
+    """``lmdq-producer retry`` / ``client.retry``: the new batch answers from, and records into, the index."""
+    from lmdq.submission.ledger import BatchLedger
+    from lmdq.submission.retry import retry_batch
+
+    keys = Keys(prefix)
+    rows = rows_of(40)
+    bid = enqueue_requests(client, keys, "sim", rows, batch_size=10, reuse_ttl_s=1234)
+    BatchLedger(client, keys=keys, ttl_s=TTL).cancel(bid)  # nothing ran: every request is cancelled
+    retried, created = retry_batch(client, keys, bid, ttl_s=TTL, include_cancelled=True)
+    assert created and retried.reuse_ttl_s == 1234
+    w = SimWorker(redis_url, prefix)
+    try:
+        assert wait_batch(client, prefix, retried.id, timeout=600).status is BatchStatus.completed
+    finally:
+        w.stop()
+    assert w.engine.steps > 0
+    assert ReuseStore(client, keys=keys).counters("sim")["entries"] == 40  # its answers were recorded
+    second, steps = run_batch(client, redis_url, prefix, rows_of(40))
+    assert steps == 0 and _reused(second) == 40

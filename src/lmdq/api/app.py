@@ -62,6 +62,11 @@ class CreateBatch(BaseModel):
     #: lmdq's extension (issue 48, docs/webhooks.md): the URL sent a signed event when the batch ends or
     #: pauses (default: the tenant's, LMDQ_API_WEBHOOKS); must be in LMDQ_WEBHOOK_ALLOW
     webhook: str | None = None
+    #: lmdq's extension (issue 47, submit --reuse): answer deterministic requests from an identical earlier
+    #: request's stored result and keep this batch's answers for later ones (default: the server's LMDQ_REUSE)
+    reuse: bool | None = None
+    #: lmdq's extension (issue 47, --reuse-ttl): seconds this batch's answers stay reusable (LMDQ_REUSE_TTL_S)
+    reuse_ttl_s: int | None = None
 
 
 class _Metrics:
@@ -360,7 +365,8 @@ def create_app(settings: ApiSettings, keyring: KeyRing, backend: Backend | None 
         ttl = expires_after(exp.get("anchor"), exp.get("seconds"), "output_expires_after") if exp else None
         out = batches.create(t, input_file_id=body.input_file_id, endpoint=body.endpoint,
                              completion_window=body.completion_window, metadata=body.metadata, output_ttl_s=ttl,
-                             deadline=body.deadline, gates=body.gates, webhook=body.webhook)
+                             deadline=body.deadline, gates=body.gates, webhook=body.webhook,
+                             reuse=body.reuse, reuse_ttl_s=body.reuse_ttl_s)
         metrics.batches.inc()
         return out
 

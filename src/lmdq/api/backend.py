@@ -51,7 +51,8 @@ class Backend:
 
     def submit(self, path: Path, *, window_s: float | None, metadata: dict[str, str], idempotency_key: str,
                progress: Callable[[int], None] | None = None, deadline: float | None = None,
-               gates: GateConfig | None = None, webhook: tuple[str, str, str] | None = None) -> Batch:
+               gates: GateConfig | None = None, webhook: tuple[str, str, str] | None = None,
+               reuse_ttl_s: int | None = None) -> Batch:
         """Validate the whole OpenAI Batch file and enqueue it (``lmdq-producer submit FILE``): all of it
         or, on :class:`~lmdq.errors.SubmitRejected` / :class:`~lmdq.errors.UnknownModel`, nothing.
         ``idempotency_key`` makes a re-run after a crash return the batch the first run made. ``webhook``: the
@@ -84,6 +85,7 @@ class Backend:
         )
         opts.deadline = deadline  # lmdq's extension field (issue 46)
         opts.gates = gates  # lmdq's extension field (issue 46): the canary spread over the whole file
+        opts.reuse_ttl_s = reuse_ttl_s  # lmdq's extension fields (issue 47): reuse / reuse_ttl_s on create
         if webhook is not None:  # issue 48: (url, tenant, API batch id); lmdq's batch tells only of its pauses
             opts.webhook, opts.webhook_tenant, opts.webhook_as = webhook
         if gates is not None and gates.canary is not None:

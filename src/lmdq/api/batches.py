@@ -33,7 +33,7 @@ from lmdq.api.batch_records import ApiBatchRecords
 from lmdq.api.errors import bad_request, conflict, not_found
 from lmdq.api.files import FileStore
 from lmdq.api.paging import Page, page
-from lmdq.contract import Batch, BatchStatus, ErrorCode
+from lmdq.contract import MAX_REUSE_TTL_S, Batch, BatchStatus, ErrorCode
 from lmdq.errors import LmdqError, SubmitRejected, UnknownModel
 from lmdq.gates.config import GateConfig, from_options
 from lmdq.logs.config import get_logger
@@ -150,6 +150,8 @@ class Record:
     gates: str | None = None
     #: lmdq's extension (issue 48): the URL told of the batch's end (its own, or its tenant's default)
     webhook: str | None = None
+    #: lmdq's extension (issue 47): the batch's --reuse TTL in seconds (None: it does not reuse)
+    reuse_ttl_s: int | None = None
 
     @classmethod
     def decode(cls, batch_id: str, raw: dict[Any, Any]) -> Record | None:
@@ -170,7 +172,8 @@ class Record:
                        runs=int(d.get("runs") or 0), output_ttl_s=int(d.get("output_ttl_s") or 0) or None,
                        model=d.get("model") or None, usage=json.loads(d["usage"]) if d.get("usage") else None,
                        deadline=float(d["deadline"]) if d.get("deadline") else None,
-                       gates=d.get("gates") or None, webhook=d.get("webhook") or None)
+                       gates=d.get("gates") or None, webhook=d.get("webhook") or None,
+                       reuse_ttl_s=opt_int("reuse_ttl_s"))
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
 
@@ -300,7 +303,8 @@ class ApiBatches:
     # ---- API operations -------------------------------------------------------------------------
     def create(self, tenant: str, *, input_file_id: str, endpoint: str, completion_window: str,
                metadata: Any, output_ttl_s: int | None = None, deadline: str | float | None = None,
-               gates: dict[str, Any] | None = None, webhook: str | None = None) -> dict[str, Any]:
+               gates: dict[str, Any] | None = None, webhook: str | None = None, reuse: bool | None = None,
+               reuse_ttl_s: int | None = None) -> dict[str, Any]:
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint: expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
         window_s = parse_window(completion_window)
@@ -310,6 +314,7 @@ class ApiBatches:
             raise bad_request(f"deadline: {e}", param="deadline") from None
         meta = check_metadata(metadata)
         gate_json = _gates(gates)
+        reuse_ttl = self._reuse_ttl(reuse, reuse_ttl_s)
         hook = self._webhook(tenant, webhook)
         f = self.files.get(tenant, input_file_id)
         if f.purpose != "batch":
@@ -323,11 +328,25 @@ class ApiBatches:
             "input_file_id": input_file_id, "endpoint": endpoint, "model": model or "",
             "completion_window": completion_window, "window_s": window_s, "metadata": json.dumps(meta),
             "created_at": now, "state": "validating", "runs": 0, "output_ttl_s": output_ttl_s or 0,
-            "deadline": deadline_at or "", "gates": gate_json, "webhook": hook or ""},
+            "deadline": deadline_at or "", "gates": gate_json, "webhook": hook or "",
+            "reuse_ttl_s": reuse_ttl or ""},
             ttl_s=self.ttl_s, created=time.time())  # sub-second: a list keeps creation order
         log.info("batch created", batch=batch_id, tenant=tenant, input_file=input_file_id, endpoint=endpoint)
         self.schedule(functools.partial(self.submit, batch_id), f"submit:{batch_id}")
         return self.view(self.get_record(tenant, batch_id))
+
+    def _reuse_ttl(self, reuse: bool | None, ttl_s: int | None) -> int | None:
+        """The ``reuse`` / ``reuse_ttl_s`` extension fields (issue 47) as submit's ``reuse_ttl_s``: None when the
+        batch does not reuse (``reuse`` false, or omitted and LMDQ_REUSE off); a 400 line for a TTL out of range."""
+        s = self.backend.settings
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not 60 <= ttl_s <= MAX_REUSE_TTL_S):
+            raise bad_request(f"reuse_ttl_s: expected 60 to {MAX_REUSE_TTL_S} seconds, got {ttl_s!r}",
+                              param="reuse_ttl_s")
+        if not (s.reuse if reuse is None else reuse):
+            if ttl_s is not None and reuse is False:
+                raise bad_request("reuse_ttl_s: given with reuse false", param="reuse_ttl_s")
+            return None
+        return ttl_s if ttl_s is not None else s.reuse_ttl_s
 
     def _webhook(self, tenant: str, given: str | None) -> str | None:
         """The batch's webhook: its own, else its tenant's default (LMDQ_API_WEBHOOKS); a 400 unless
@@ -408,6 +427,8 @@ class ApiBatches:
         }
         if rec.deadline is not None:  # lmdq's extension field (issue 46), only when the batch has one
             out["deadline"] = rec.deadline
+        if rec.reuse_ttl_s is not None:  # lmdq's extension field (issue 47), only when the batch reuses
+            out["reuse_ttl_s"] = rec.reuse_ttl_s
         if rec.gates is not None:  # lmdq's extension fields (issue 46), only when the batch has gates
             out["lmdq_gates"] = self.backend.gates(rec.lmdq_id) if rec.lmdq_id else None
         if rec.state == "failed":
@@ -543,6 +564,7 @@ class ApiBatches:
             batch = self.backend.submit(path, window_s=rec.window_s, metadata=meta, deadline=rec.deadline,
                                         gates=GateConfig.model_validate_json(rec.gates) if rec.gates else None,
                                         idempotency_key=_idempotency_key(rec.id), progress=progress,
+                                        reuse_ttl_s=rec.reuse_ttl_s,
                                         webhook=(rec.webhook, rec.tenant, rec.id) if rec.webhook else None)
         except (SubmitRejected, UnknownModel) as e:  # about the file: the batch fails, with its lines
             self._fail(rec, errors_from(e, path, shown))

@@ -107,6 +107,8 @@ def retry_batch(
         completion_window_s=orig.completion_window_s,
         results_url=orig.results_url,
         blob_url=orig.blob_url,
+        # issue 47: a --reuse batch's retry answers from, and records into, the reuse index as the original did
+        reuse_ttl_s=orig.reuse_ttl_s,
         created_at=now,
         expires_at=(now + orig.completion_window_s) if orig.completion_window_s else None,
     )
