@@ -11,9 +11,10 @@ The batch's own record (id, model, params, metadata) goes into the
 file's key-value metadata under ``lmdq.batch``, not into a column repeated on every row.
 
 ``embedding`` is a ``fixed_size_list<float32>[dim]`` column (what vector stores and numpy read without a
-copy per row), ``dim`` being the batch's vectors' size: read from the first result that has one, so the
-records before it are held until then (those of a batch that has no vector at all: its column is a null
-``list<float32>``). Vectors of two sizes in one batch (two embedding models) cannot share the column: that
+copy per row), ``dim`` being the batch's vectors' size: read from the first result that has one (a batch
+that has no vector at all: its column is a null ``list<float32>``). In memory (``to_arrow``) the records
+before it are held until then; a Parquet export holds nothing back (:func:`write_parquet`). Vectors of
+two sizes in one batch (two embedding models) cannot share the column: that
 export is refused, naming both sizes (export JSONL instead).
 """
 
@@ -203,16 +204,20 @@ def _embedding_array(vectors: list[str | None], dim: int | None) -> Any:
 class _Chunks:
     """Records in chunks of at most ``chunk`` rows or ``chunk_bytes`` of records, and the batch's vector size:
     known from the first record holding a vector, the chunks before it held back until then (see the module's
-    docstring). Each chunk is a list the caller empties once converted (:func:`_to_batch`)."""
+    docstring). Each chunk is a list the caller empties once converted (:func:`_to_batch`).
 
-    def __init__(self, records: Iterable[bytes], chunk: int = CHUNK_ROWS, chunk_bytes: int | None = None) -> None:
+    ``look_ahead=False`` holds nothing back and leaves ``dim`` None: for :func:`write_parquet`, which
+    finds the vectors' size itself so that a batch without vectors is not held whole (issue 49)."""
+
+    def __init__(self, records: Iterable[bytes], chunk: int = CHUNK_ROWS, chunk_bytes: int | None = None, *,
+                 look_ahead: bool = True) -> None:
         self._records = iter(records)
         self._chunk = chunk
         self._limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self.held: list[list[bytes]] = []
         self.dim: int | None = None
         self.done = False
-        while self.dim is None and not self.done:  # look ahead to the first vector (or the end)
+        while look_ahead and self.dim is None and not self.done:  # look ahead to the first vector (or the end)
             part = self._next_chunk()
             if part:
                 self.held.append(part)
@@ -273,27 +278,72 @@ def schema_with_batch(batch_json: str, embedding_dim: int | None = None) -> Any:
     return result_schema(embedding_dim).with_metadata({"lmdq.batch": batch_json})
 
 
-def write_parquet(path: Path, records: Iterable[bytes], *, batch_json: str) -> int:
+def write_parquet(path: Path, records: Iterable[bytes], *, batch_json: str, chunk: int = CHUNK_ROWS,
+                  chunk_bytes: int | None = None) -> int:
     """Stream ``records`` into a Parquet file at ``path`` (one row group per chunk); returns the rows.
 
     Written to ``path``.tmp and renamed when complete, so a failed export never leaves a truncated
-    file under the name a pipeline reads."""
+    file under the name a pipeline reads.
+
+    Flat in the rows whatever the vectors (issue 49): nothing is read ahead. The file's ``embedding`` type
+    is the one :func:`record_batches` gives (``fixed_size_list<float32>[dim]`` from the first vector, a null
+    ``list<float32>`` in a batch without any), but the chunks before the first vector are not held for it:
+    they are written at once as vector-less row groups, and only if a vector turns up later are those row
+    groups copied, one at a time, into a file of the vectors' schema (:func:`_rewrite_with_vectors`). The
+    file is the same as when the chunks were held; a batch of vectors from its first record, or of none,
+    is never copied."""
     import pyarrow.parquet as pq
 
     _pa()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    early = path.with_name(path.name + ".novec.tmp")
     n = 0
+    dim: int | None = None
+    w: Any = None
     try:
-        chunks = _Chunks(records)
-        schema = schema_with_batch(batch_json, chunks.dim)
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as w:
-            for rb in record_batches(chunks, schema=schema):
-                w.write_batch(rb)
-                n += rb.num_rows
-                del rb  # written: not held while the next chunk is converted
+        for part in _Chunks(records, chunk, chunk_bytes, look_ahead=False):
+            found = None if dim is not None else next((d for d in map(_embedding_dim, part) if d is not None), None)
+            if w is None or found is not None:
+                if w is not None:  # the first vector after vector-less row groups: rewrite those
+                    w.close()
+                    tmp.replace(early)
+                dim = found
+                schema = schema_with_batch(batch_json, dim)
+                w = pq.ParquetWriter(tmp, schema, compression="zstd")
+                if early.exists():
+                    _rewrite_with_vectors(early, w, schema)
+                    early.unlink()
+            rb = _to_batch(part, schema, dim)
+            w.write_batch(rb)
+            n += rb.num_rows
+            del rb, part  # written: not held while the next chunk is converted
+        if w is None:  # no record at all: an empty file of the vector-less schema
+            w = pq.ParquetWriter(tmp, schema_with_batch(batch_json, None), compression="zstd")
+        w.close()
+        w = None
         tmp.replace(path)
     except BaseException:
+        if w is not None:
+            w.close()
         tmp.unlink(missing_ok=True)
+        early.unlink(missing_ok=True)
         raise
     return n
+
+
+def _rewrite_with_vectors(src: Path, w: Any, schema: Any) -> None:
+    """Copy the vector-less row groups of ``src`` into ``w`` (``schema``: the vectors' fixed-size column), one
+    row group in memory at a time, their null ``embedding`` column retyped: the same row groups as if they
+    had been held until the first vector."""
+    import pyarrow.parquet as pq
+
+    pa = _pa()
+    idx = schema.get_field_index("embedding")
+    field = schema.field(idx)
+    f = pq.ParquetFile(src)
+    for g in range(f.metadata.num_row_groups):
+        t = f.read_row_group(g)
+        t = t.set_column(idx, field, pa.nulls(t.num_rows, field.type)).replace_schema_metadata(schema.metadata)
+        w.write_table(t, row_group_size=t.num_rows)  # one row group in, one out, as when it was written
+        del t

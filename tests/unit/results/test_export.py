@@ -128,3 +128,66 @@ def test_parquet_keeps_float32_exactly(tmp_path: Path) -> None:
     assert n == 2 and t.schema.field("embedding").type == pa.list_(pa.float32(), 3)
     want = pa.array([v for vv in vecs for v in vv], pa.float32()).to_pylist()
     assert t.column("embedding").combine_chunks().flatten().to_pylist() == want
+
+
+# ---- flat whatever the vectors (issue 49: the look-ahead for the vectors' size held a vector-less batch)
+
+
+def _peak_without_vectors(n: int, tmp_path: Path) -> int:
+    """Peak Python-heap bytes of a Parquet export of ``n`` vector-less records of ~1 KB, 32 KB per chunk.
+    The records are made as they are read (as the reader does): a record held is memory traced."""
+    template = _raw(0, None, text="y" * 1000)
+    recs = (template.replace(b'"c0"', b'"c%d"' % i).replace(b'"index":0', b'"index":%d' % i) for i in range(n))
+    old = export.CHUNK_BYTES
+    export.CHUNK_BYTES = 32 << 10
+    tracemalloc.start()
+    try:
+        write_parquet(tmp_path / f"nv{n}.parquet", recs, batch_json="{}")
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        export.CHUNK_BYTES = old
+
+
+def test_a_batch_without_vectors_is_not_held_for_the_vector_size(tmp_path: Path) -> None:
+    """N and 10 N vector-less results: the same peak (one chunk), where reading ahead for a vector held
+    every record (10 N x 1 KB = 3 MB more) before writing the first row group."""
+    _peak_without_vectors(40, tmp_path)  # warm: imports, the schema
+    small, big = _peak_without_vectors(300, tmp_path), _peak_without_vectors(3000, tmp_path)
+    assert big < small * 1.5 + (256 << 10), (small, big)
+    assert big < 3000 * 1000 / 4, big
+    t = pq.read_table(tmp_path / "nv3000.parquet")
+    assert t.schema.field("embedding").type == pa.list_(pa.float32()) and t.column("embedding").null_count == 3000
+    assert t.column("row").to_pylist() == list(range(3000))
+
+
+def test_a_late_first_vector_gives_the_file_the_held_export_gave(tmp_path: Path) -> None:
+    """The first vector in the third chunk: the file has the fixed-size column from its first row group,
+    one row group per chunk, exactly the table :func:`record_batches` builds holding the chunks."""
+    raws = [_raw(0), _raw(1), _raw(2), _raw(3, [1.0, 2.0]), _raw(4), _raw(5, [0.5, -0.25]), _raw(6)]
+    out = tmp_path / "late.parquet"
+    assert write_parquet(out, iter(raws), batch_json='{"id": "b"}', chunk=2) == 7
+    f = pq.ParquetFile(out)
+    assert [f.metadata.row_group(g).num_rows for g in range(f.metadata.num_row_groups)] == [2, 2, 2, 1]
+    t = f.read()
+    schema, chunks = embedding_schema(raws, chunk=2)
+    held = pa.Table.from_batches(list(record_batches(chunks, schema=schema)))
+    assert t.schema.field("embedding").type == pa.list_(pa.float32(), 2)
+    assert t.schema.metadata[b"lmdq.batch"] == b'{"id": "b"}'
+    assert t.equals(held.replace_schema_metadata(t.schema.metadata))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["late.parquet"]
+
+
+def test_vectors_from_the_first_record_are_written_without_a_copy(tmp_path: Path) -> None:
+    raws = [_raw(i, [float(i), 1.0]) for i in range(5)]
+    out = tmp_path / "v.parquet"
+    assert write_parquet(out, iter(raws), batch_json="{}", chunk=2) == 5
+    t = pq.read_table(out)
+    assert t.column("embedding").to_pylist() == [[float(i), 1.0] for i in range(5)]
+    assert pq.ParquetFile(out).metadata.num_row_groups == 3
+
+
+def test_an_empty_batch_writes_an_empty_file(tmp_path: Path) -> None:
+    assert write_parquet(tmp_path / "e.parquet", iter([]), batch_json="{}") == 0
+    t = pq.read_table(tmp_path / "e.parquet")
+    assert t.num_rows == 0 and t.schema.field("embedding").type == pa.list_(pa.float32())
