@@ -23,16 +23,10 @@ Speed is printed, never asserted (docs/performance.md holds the measured numbers
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -45,12 +39,10 @@ from lmdq.redis.server import info as server_info
 from lmdq.results.store import ResultStore
 from lmdq.submission.ledger import BatchLedger, new_batch_id
 from lmdq_bench.keyspace import keys_memory, scan
+from lmdq_bench.sim_workers import SimWorkers
 
 __all__ = ["FleetConfig", "run_fleet"]
 
-#: where child processes start: never inside the installed package, whose lmdq/redis/ would hide the
-#: redis library from `python -m` (sys.path[0] is the working directory)
-CHILD_CWD = tempfile.gettempdir()
 PREFIX = "fleet"
 MODEL = "fleet"
 
@@ -112,44 +104,17 @@ def blocked_clients(client: redis.Redis) -> int:
     return int(server_info(client, "clients")["blocked_clients"])
 
 
-class _Procs:
+def _procs(redis_url: str) -> SimWorkers:
     """Worker processes (``python -m lmdq.worker``, sim engine), logs in a temp folder."""
+    env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_KEY_PREFIX": PREFIX, "LMDQ_LOG_FORMAT": "json",
+           "PYTHONUNBUFFERED": "1"}
+    return SimWorkers("fleet", env, prefix="lmdq-fleet-")
 
-    def __init__(self, redis_url: str, cfg: FleetConfig, log: Callable[[str], None]) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="lmdq-fleet-"))
-        self.env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_KEY_PREFIX": PREFIX, "LMDQ_LOG_FORMAT": "json",
-                    "PYTHONUNBUFFERED": "1"}
-        self.cfg = cfg
-        self.log = log
-        self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, n: int) -> None:
-        for _ in range(n):
-            i = len(self.procs)
-            out = open(self.dir / f"worker{i}.log", "wb")  # noqa: SIM115 - closed with the process
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "lmdq.worker", "--engine", "sim", "--served-model-name", MODEL,
-                 "--sim-max-batch", str(self.cfg.capacity), "--sim-step-ms", str(self.cfg.decode_step_ms),
-                 "--health-port", "0", "--worker-name", f"fleet-{i}"],
-                env=self.env, cwd=CHILD_CWD, stdout=out, stderr=out))
-
-    def check(self) -> None:
-        for i, p in enumerate(self.procs):
-            if p.poll() is not None:
-                tail = (self.dir / f"worker{i}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"fleet bench: worker {i} exited with {p.returncode}:\n{tail}")
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+def _start(procs: SimWorkers, n: int, cfg: FleetConfig) -> None:
+    for _ in range(n):
+        procs.start(["--served-model-name", MODEL, "--sim-max-batch", str(cfg.capacity), "--sim-step-ms",
+                     str(cfg.decode_step_ms)], "fleet")
 
 
 def _top_commands(before: dict[str, Any], after: dict[str, Any], n: int, k: int = 6) -> list[dict[str, Any]]:
@@ -165,7 +130,7 @@ def _top_commands(before: dict[str, Any], after: dict[str, Any], n: int, k: int 
     return sorted(rows, key=lambda r: -float(r["us_per_req"]))[:k]
 
 
-def _drain(client: redis.Redis, store: ResultStore, procs: _Procs, n_workers: int, cfg: FleetConfig,
+def _drain(client: redis.Redis, store: ResultStore, procs: SimWorkers, n_workers: int, cfg: FleetConfig,
            log: Callable[[str], None]) -> dict[str, Any]:
     """One batch for ``n_workers`` blocked workers: rate and Redis costs per request."""
     n = n_workers * cfg.capacity * cfg.rounds
@@ -255,9 +220,9 @@ def run_fleet(cfg: FleetConfig, *, redis_url: str, log: Callable[[str], None] = 
     _enqueue(client, Keys(PREFIX), "fleet-unserved", nq, cfg, tokens=cfg.output_len)
     res["bytes_per_queued"] = round((_key_memory(client) - before) / nq)
     log(f"memory per queued request: {res['bytes_per_queued']:,} B")
-    procs = _Procs(redis_url, cfg, log)
+    procs = _procs(redis_url)
     try:
-        procs.start(1)
+        _start(procs, 1, cfg)
         def first_up() -> bool:
             procs.check()
             return blocked_clients(client) >= 1
@@ -270,7 +235,7 @@ def run_fleet(cfg: FleetConfig, *, redis_url: str, log: Callable[[str], None] = 
         one = _drain(client, store, procs, 1, cfg, log)
         runs = [one]
         if cfg.workers > 1:
-            procs.start(cfg.workers - 1)
+            _start(procs, cfg.workers - 1, cfg)
             runs.append(_drain(client, store, procs, cfg.workers, cfg, log))
         fleet = runs[-1]
         fleet["efficiency"] = round(fleet["req_s"] / (cfg.workers * one["req_s"]), 4)

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,6 +34,7 @@ from lmdq.plan.store import PlanStore
 from lmdq.plan.tokens import write_word_tokenizer
 from lmdq.redis.keys import Keys
 from lmdq.submission.settings import ProducerSettings
+from lmdq_bench.sim_workers import SimWorkers
 
 __all__ = ["PlanBenchConfig", "run_plan_bench", "table"]
 
@@ -72,40 +70,18 @@ def _write(path: Path, n: int, rng: random.Random, pick: Callable[[int], bool]) 
     return path
 
 
-class _Fleet:
-    def __init__(self, redis_url: str, cfg: PlanBenchConfig) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="lmdq-planbench-"))
-        env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_KEY_PREFIX": PREFIX, "LMDQ_LOG_FORMAT": "json",
-               "LMDQ_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
-        self.procs = []
-        for i in range(cfg.workers):
-            out = open(self.dir / f"worker{i}.log", "wb")  # noqa: SIM115 - closed with the process
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "lmdq.worker", "--engine", "sim", "--served-model-name", MODEL,
-                 "--sim-max-batch", str(cfg.capacity), "--sim-step-ms", str(cfg.step_ms),
-                 "--sim-prefill-us-per-token", str(cfg.prefill_us), "--sim-emit-every", "64",
-                 "--health-port", "0", "--worker-name", f"plan-{i}"],
-                env=env, cwd=tempfile.gettempdir(), stdout=out, stderr=out))
-
-    def check(self) -> None:
-        for i, p in enumerate(self.procs):
-            if p.poll() is not None:
-                tail = (self.dir / f"worker{i}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"plan bench: worker {i} exited with {p.returncode}:\n{tail}")
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+def _fleet(redis_url: str, cfg: PlanBenchConfig) -> SimWorkers:
+    env = {**os.environ, "LMDQ_REDIS_URL": redis_url, "LMDQ_KEY_PREFIX": PREFIX, "LMDQ_LOG_FORMAT": "json",
+           "LMDQ_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+    fleet = SimWorkers("plan", env, prefix="lmdq-planbench-", keep_logs=True)
+    for _ in range(cfg.workers):
+        fleet.start(["--served-model-name", MODEL, "--sim-max-batch", str(cfg.capacity), "--sim-step-ms",
+                     str(cfg.step_ms), "--sim-prefill-us-per-token", str(cfg.prefill_us), "--sim-emit-every", "64"],
+                    "plan")
+    return fleet
 
 
-def _run(api: lmdq.Client, fleet: _Fleet, path: Path, log: Callable[[str], None]) -> lmdq.Batch:
+def _run(api: lmdq.Client, fleet: SimWorkers, path: Path, log: Callable[[str], None]) -> lmdq.Batch:
     batch = api.submit(path, model=MODEL, allow_unknown_model=True, batch_size=api.settings.batch_size)
     t0 = time.monotonic()
     while not batch.info().status.terminal:
@@ -148,7 +124,7 @@ def run_plan_bench(cfg: PlanBenchConfig, *, redis_url: str, log: Callable[[str],
     store.forget(MODEL)
     api = lmdq.Client(redis_url, settings=ProducerSettings(redis_url=redis_url, key_prefix=PREFIX,
                                                           batch_size=cfg.batch_size))
-    fleet = _Fleet(redis_url, cfg)
+    fleet = _fleet(redis_url, cfg)
     try:
         log(f"history: {cfg.history:,} requests in two shapes on {cfg.workers} sim workers")
         decoded = 0

@@ -7,7 +7,8 @@ import importlib.util
 import json
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,24 @@ class ThreadWorker:
         self.worker.stop()
         self.thread.join(60)
         assert not self.thread.is_alive()
+
+
+@contextmanager
+def moto_s3(*buckets: str) -> Iterator[int]:
+    """A moto S3 server on a free loopback port holding ``buckets`` (skips the test without moto or boto3);
+    yields its port. One place for the S3 tests' server (blobs, images, sink faults)."""
+    from tests.conftest import free_port
+
+    server_mod = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    port = free_port()
+    srv = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    srv.start()
+    try:
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+        for b in buckets:
+            s3.create_bucket(Bucket=b)
+        yield port
+    finally:
+        srv.stop()

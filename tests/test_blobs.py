@@ -30,8 +30,8 @@ from lmdq.redis.keys import Keys  # noqa: E402
 from lmdq.results.blobs import BlobStore, TensorTooLarge, read_tensor  # noqa: E402
 from lmdq.results.sink import flush_job, shard_key  # noqa: E402
 from lmdq.results.store import ResultStore  # noqa: E402
-from tests.conftest import free_port, run_cli, start_worker  # noqa: E402
-from tests.helpers import wait_batch, write_jsonl  # noqa: E402
+from tests.conftest import run_cli, start_worker  # noqa: E402
+from tests.helpers import moto_s3, wait_batch, write_jsonl  # noqa: E402
 
 BUCKET = "lmdq-test"
 _AWS_ENV = {
@@ -45,26 +45,18 @@ _AWS_ENV = {
 def s3() -> Iterator[dict[str, str]]:
     """A moto S3 server on a free loopback port with one bucket; yields the env that points at it."""
     pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
-    port = free_port()
-    srv = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    srv.start()
-    env = {**_AWS_ENV, "LMDQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        boto3.client("s3", endpoint_url=env["LMDQ_S3_ENDPOINT_URL"], region_name="us-east-1").create_bucket(
-            Bucket=BUCKET
-        )
-        yield env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        srv.stop()
+    with moto_s3(BUCKET) as port:
+        env = {**_AWS_ENV, "LMDQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield env
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _tensors() -> dict[str, Any]:

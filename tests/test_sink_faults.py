@@ -29,9 +29,9 @@ from lmdq.redis.keys import Keys  # noqa: E402
 from lmdq.results.blobs import BlobStore, SinkAbandoned, SinkTimeout, bounded  # noqa: E402
 from lmdq.results.sink import flush_job, pending_count  # noqa: E402
 from lmdq.results.store import ResultStore  # noqa: E402
-from tests.conftest import ROOT, free_port, run_cli, start_worker  # noqa: E402
+from tests.conftest import ROOT, run_cli, start_worker  # noqa: E402
 from tests.hangproxy import HangProxy  # noqa: E402
-from tests.helpers import wait_batch, write_jsonl  # noqa: E402
+from tests.helpers import moto_s3, wait_batch, write_jsonl  # noqa: E402
 
 BUCKET = "lmdq-sink-faults"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -44,16 +44,8 @@ a few Redis calls), on a loaded 2-core CI box. Unfixed, a hung sink kept it 40 s
 
 @pytest.fixture(scope="module")
 def moto_port() -> Iterator[int]:
-    server_mod = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
-    port = free_port()
-    srv = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    srv.start()
-    try:
-        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", **_boto_kw()).create_bucket(Bucket=BUCKET)
+    with moto_s3(BUCKET) as port:
         yield port
-    finally:
-        srv.stop()
 
 
 def _boto_kw() -> dict[str, str]:

@@ -510,37 +510,11 @@ class Batch:
         A poll reads the batch's counters (one Redis call); only when they moved does it look for the
         new records, from the first request not yielded yet and only until it found as many as the
         counters say were added, so a poll costs little however large the batch."""
-        from lmdq.results.reader import ResultReader
+        from lmdq.client.stream import poll_batch
 
-        info = self.info()
-        total = info.request_counts.total
-        reader = ResultReader.of(self.client._store(), info)
-        seen = bytearray(total)
-        yielded = 0
-        deadline = None if timeout is None else time.monotonic() + timeout
-        interval = poll_interval
-        while yielded < total:
-            need = info.request_counts.done - yielded
-            new = 0
-            if need > 0:
-                for i, raw in reader.new_finals(seen, need):
-                    seen[i] = 1
-                    new += 1
-                    yield Result.model_validate_json(raw)
-                yielded += new
-            if yielded >= total:
-                return
-            if new == 0:
-                if info.status.terminal:
-                    return  # ended without a result for every request (its keys purged or expired)
-                if deadline is not None and time.monotonic() > deadline:
-                    raise WaitTimeout(f"batch {self.id} still {info.status.value} after {timeout}s "
-                                      f"({yielded}/{total} results)")
-                time.sleep(interval)
-                interval = min(max_interval, interval * 2)
-            else:
-                interval = poll_interval
-            info = self.info(patient=True)
+        yield from poll_batch(self.client._store(), self.info(), lambda: self.info(patient=True),
+                              lambda _, raw: Result.model_validate_json(raw), timeout=timeout,
+                              poll_interval=poll_interval, max_interval=max_interval)
 
     def stream(self, *, timeout: float | None = None, poll_interval: float = 0.25,
                max_interval: float = 1.0) -> Iterator[StreamChunk]:

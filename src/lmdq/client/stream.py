@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from lmdq.contract import Batch as BatchInfo
 from lmdq.contract import FinishReason, Result
@@ -28,7 +29,9 @@ from lmdq.errors import WaitTimeout
 from lmdq.results.reader import ResultReader
 from lmdq.results.store import ResultStore
 
-__all__ = ["StreamChunk", "stream_batch"]
+__all__ = ["StreamChunk", "poll_batch", "stream_batch"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,38 +81,37 @@ class _Sent:
                            result=r if final else None, restart=restart and bool(before))
 
 
-def stream_batch(store: ResultStore, info: BatchInfo, refresh: Callable[[], BatchInfo], *,
-                 timeout: float | None = None, poll_interval: float = 0.25,
-                 max_interval: float = 1.0) -> Iterator[StreamChunk]:
-    """The chunks of ``info``'s batch until every request has its last one (or the batch ended without a
-    result for some: purged, expired keys). ``refresh`` reads the batch record again (its counters say
-    when finals are new). Polls every ``poll_interval`` s while text arrives, backing off to
-    ``max_interval`` while nothing does; :class:`~lmdq.errors.WaitTimeout` after ``timeout`` s."""
+def poll_batch(store: ResultStore, info: BatchInfo, refresh: Callable[[], BatchInfo],
+               final: Callable[[int, bytes], T], *, running: Callable[[bytearray], Iterator[T]] | None = None,
+               timeout: float | None = None, poll_interval: float = 0.25, max_interval: float = 1.0,
+               counted: str = "results") -> Iterator[T]:
+    """The one poll loop behind :meth:`lmdq.Batch.as_completed` and :meth:`lmdq.Batch.stream`, so both
+    back off, time out and stop on a terminal batch alike. Each poll yields what ``running`` makes of the
+    requests still running (given the finals seen so far; streams read partials there), then ``final`` of
+    each final result not yielded yet, until every request has one or the batch ended without a result for
+    some (purged, expired keys). ``refresh`` reads the batch record again (its counters say when finals are
+    new). Polls every ``poll_interval`` s while something arrives, backing off to ``max_interval`` while
+    nothing does; :class:`~lmdq.errors.WaitTimeout` after ``timeout`` s (its message counts ``counted``)."""
     total = info.request_counts.total
     reader = ResultReader.of(store, info)
     seen = bytearray(total)
-    sent = _Sent()
     yielded = 0
     deadline = None if timeout is None else time.monotonic() + timeout
     interval = poll_interval
     while yielded < total:
         new = 0
-        # partials first: a request that ends between the two reads is then seen ended, never running again
-        for i, raw in sorted(store.read_partials(info.id)):
-            if 0 <= i < total and not seen[i]:
-                chunk = sent.step(i, Result.model_validate_json(raw), final=False)
-                if chunk is not None:
-                    new += 1
-                    yield chunk
+        if running is not None:
+            # partials first: a request that ends between the two reads is then seen ended, never running again
+            for item in running(seen):
+                new += 1
+                yield item
         need = info.request_counts.done - yielded
         if need > 0:
             for i, raw in reader.new_finals(seen, need):
                 seen[i] = 1
                 yielded += 1
                 new += 1
-                chunk = sent.step(i, Result.model_validate_json(raw), final=True)
-                if chunk is not None:  # always, for a final
-                    yield chunk
+                yield final(i, raw)
         if yielded >= total:
             return
         if new == 0:
@@ -117,9 +119,32 @@ def stream_batch(store: ResultStore, info: BatchInfo, refresh: Callable[[], Batc
                 return  # ended without a result for every request (its keys purged or expired)
             if deadline is not None and time.monotonic() > deadline:
                 raise WaitTimeout(f"batch {info.id} still {info.status.value} after {timeout}s "
-                                  f"({yielded}/{total} requests ended)")
+                                  f"({yielded}/{total} {counted})")
             time.sleep(interval)
             interval = min(max_interval, interval * 2)
         else:
             interval = poll_interval
         info = refresh()
+
+
+def stream_batch(store: ResultStore, info: BatchInfo, refresh: Callable[[], BatchInfo], *,
+                 timeout: float | None = None, poll_interval: float = 0.25,
+                 max_interval: float = 1.0) -> Iterator[StreamChunk]:
+    """The chunks of ``info``'s batch until every request has its last one (:func:`poll_batch` polls)."""
+    total = info.request_counts.total
+    sent = _Sent()
+
+    def running(seen: bytearray) -> Iterator[StreamChunk]:
+        for i, raw in sorted(store.read_partials(info.id)):
+            if 0 <= i < total and not seen[i]:
+                chunk = sent.step(i, Result.model_validate_json(raw), final=False)
+                if chunk is not None:
+                    yield chunk
+
+    def final(i: int, raw: bytes) -> StreamChunk:
+        chunk = sent.step(i, Result.model_validate_json(raw), final=True)
+        assert chunk is not None  # a final always makes a chunk
+        return chunk
+
+    return poll_batch(store, info, refresh, final, running=running, timeout=timeout,
+                      poll_interval=poll_interval, max_interval=max_interval, counted="requests ended")

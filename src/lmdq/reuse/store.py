@@ -29,11 +29,22 @@ import redis
 from lmdq.redis.keys import Keys
 from lmdq.redis.scripts import LuaScript
 
-__all__ = ["BUCKETS", "FIELD_BYTES", "ReuseStore", "Source", "decode_varints", "encode_varints"]
+__all__ = ["BUCKETS", "FIELD_BYTES", "SMALL_BUCKETS", "SMALL_CAP", "ReuseStore", "Source", "decode_varints",
+           "encode_varints"]
 
 BUCKET_BITS = 16
 BUCKETS = 1 << BUCKET_BITS
 """Hash buckets per model and kind: sized so a million entries average ~15 per listpack bucket."""
+
+SMALL_BITS = 12
+SMALL_BUCKETS = 1 << SMALL_BITS
+"""The small level's buckets per model and kind (issue 47, bytes per entry): a bucket key costs ~90 bytes of
+its own (key, object, listpack header, expiry), so 65,536 buckets holding 50,000 entries (~1.4 a bucket)
+cost 83 bytes an entry. A model's first :data:`SMALL_CAP` entries go to 4,096 buckets instead (up to 64 a
+bucket, within ``hash-max-listpack-entries`` 128), the rest to the 65,536 (~15 a bucket at a million)."""
+
+SMALL_CAP = SMALL_BUCKETS * 64
+"""Entries a model's small level takes before new entries go to the big one."""
 
 FIELD_BYTES = 10
 """Identity bytes kept as the field (after the two that pick the bucket): 96 bits in all."""
@@ -63,28 +74,42 @@ return tonumber(no)
 LOOKUP = LuaScript("reuse_lookup", """
 local t = redis.call('TIME')
 local out = {t[1], t[2]}
-for i = 1, #ARGV do
-  local v = redis.call('HGET', KEYS[2 * i - 1], ARGV[i])
-  if not v then v = redis.call('HGET', KEYS[2 * i], ARGV[i]) end
+for i = 1, #ARGV / 2 do
+  local fb, fs = ARGV[2 * i - 1], ARGV[2 * i]
+  local v = redis.call('HGET', KEYS[4 * i - 3], fb)
+  if not v then v = redis.call('HGET', KEYS[4 * i - 2], fs) end
+  if not v then v = redis.call('HGET', KEYS[4 * i - 1], fb) end
+  if not v then v = redis.call('HGET', KEYS[4 * i], fs) end
   out[i + 2] = v or ''
 end
 return out
 """)
-"""Each identity's entry (a pointer, else a copy, else empty) and the server's clock, in one call."""
+"""Each identity's entry (a pointer, else a copy; either level, see :data:`SMALL_CAP`) and the server's clock,
+in one call. KEYS: per identity its pointer bucket (big level, small level), then its copy bucket (same);
+ARGV: per identity its big-level field, then its small-level field."""
 
 RECORD = LuaScript("reuse_record", """
 local ttl = tonumber(ARGV[1])
+local cap = tonumber(ARGV[2])
+local had = tonumber(redis.call('HGET', KEYS[1], 'entries') or '0')
 local new = 0
-for i = 3, #KEYS do
-  local k = KEYS[i]
-  new = new + redis.call('HSET', k, ARGV[2 * i - 4], ARGV[2 * i - 3])
+for i = 1, (#KEYS - 2) / 2 do
+  local kb, ks = KEYS[2 * i + 1], KEYS[2 * i + 2]
+  local fb, fs, v = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
+  local k, f = ks, fs
+  if redis.call('HEXISTS', kb, fb) == 1 or (had + new >= cap and redis.call('HEXISTS', ks, fs) == 0) then
+    k, f = kb, fb
+  end
+  new = new + redis.call('HSET', k, f, v)
   if redis.call('TTL', k) < ttl then redis.call('EXPIRE', k, ttl) end
 end
 redis.call('HINCRBY', KEYS[1], 'entries', new)
 if redis.call('TTL', KEYS[1]) < ttl then redis.call('EXPIRE', KEYS[1], ttl) end
 return new
 """)
-"""Write entries (KEYS[3..]: each entry's bucket; ARGV: ttl, then field, value per bucket) in one call."""
+"""Write entries in one call: into the small level while the model holds fewer than ARGV[2] entries, else the
+big one (an identity already in a level is rewritten there). KEYS[3..]: each entry's big-level then
+small-level bucket; ARGV: ttl, cap, then per entry its big-level field, small-level field and value."""
 
 
 def encode_varints(*values: int) -> bytes:
@@ -132,8 +157,14 @@ class Source:
 
 
 def split(identity: bytes) -> tuple[int, bytes]:
-    """An identity's bucket number and field."""
+    """An identity's bucket number and field in the big level."""
     return int.from_bytes(identity[:2], "big") >> (16 - BUCKET_BITS), identity[2:2 + FIELD_BYTES]
+
+
+def split_small(identity: bytes) -> tuple[int, bytes]:
+    """An identity's bucket number and field in the small level: its first 12 bits pick the bucket, the field
+    is bytes 1..11 (the same 96 bits of identity as :func:`split`, four of them twice)."""
+    return int.from_bytes(identity[:2], "big") >> (16 - SMALL_BITS), identity[1:2 + FIELD_BYTES]
 
 
 class ReuseStore:
@@ -167,11 +198,12 @@ class ReuseStore:
         if not entries:
             return 0
         keys: list[str] = [self.keys.reuse_stats(model), self.keys.reuse_models()]
-        args: list[Any] = [int(ttl_s)]
+        args: list[Any] = [int(ttl_s), SMALL_CAP]
         for ident, kind, value in entries:
             bucket, field = split(ident)
-            keys.append(self.keys.reuse_bucket(model, kind, bucket))
-            args += [field, value]
+            small, sfield = split_small(ident)
+            keys += [self.keys.reuse_bucket(model, kind, bucket), self.keys.reuse_bucket(model, kind + "s", small)]
+            args += [field, sfield, value]
         return int(RECORD(keys=keys, args=args, client=self.r))
 
     # -- reading ----------------------------------------------------------------------------------------
@@ -184,8 +216,10 @@ class ReuseStore:
         fields: list[bytes] = []
         for ident in identities:
             bucket, field = split(ident)
-            keys += [self.keys.reuse_bucket(model, kind, bucket) for kind in KINDS]
-            fields.append(field)
+            small, sfield = split_small(ident)
+            for kind in KINDS:
+                keys += [self.keys.reuse_bucket(model, kind, bucket), self.keys.reuse_bucket(model, kind + "s", small)]
+            fields += [field, sfield]
         got = LOOKUP(keys=keys, args=fields, client=self.r)
         now = float(got[0]) + float(got[1]) / 1e6
         return [v if isinstance(v, bytes) and v else None for v in got[2:]], now
@@ -236,6 +270,7 @@ class ReuseStore:
 
     def _all_keys(self, model: str) -> list[str]:
         return ([self.keys.reuse_bucket(model, k, b) for k in KINDS for b in range(BUCKETS)]
+                + [self.keys.reuse_bucket(model, k + "s", b) for k in KINDS for b in range(SMALL_BUCKETS)]
                 + [self.keys.reuse_sources(model), self.keys.reuse_stats(model)])
 
     def memory(self, model: str) -> int:

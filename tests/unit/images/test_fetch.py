@@ -16,6 +16,7 @@ from lmdq.images.fetch import ImageFetchError, describe, read_image
 from lmdq.images.refs import ImageChecker, ImageRefError, data_url
 from lmdq.worker.images import has_images, resolve_images
 from tests.conftest import free_port
+from tests.helpers import moto_s3
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\1" * 40
 
@@ -87,18 +88,13 @@ def test_http_fetch_from_a_real_server(http_root: str) -> None:
 
 def test_s3_checked_at_submit_and_read_by_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
     boto3 = pytest.importorskip("boto3")
-    port = free_port()
-    srv = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    srv.start()
-    try:
+    with moto_s3("imgs") as port:
         endpoint = f"http://127.0.0.1:{port}"
         for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                      "AWS_DEFAULT_REGION": "us-east-1", "LMDQ_S3_ENDPOINT_URL": endpoint}.items():
             monkeypatch.setenv(k, v)
         s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        s3.create_bucket(Bucket="imgs")
         s3.put_object(Bucket="imgs", Key="cat.png", Body=PNG)
         s3.put_object(Bucket="imgs", Key="doc.txt", Body=b"hello there")
         c = ImageChecker()
@@ -113,8 +109,6 @@ def test_s3_checked_at_submit_and_read_by_the_worker(monkeypatch: pytest.MonkeyP
         assert read_image("s3://imgs/cat.png").data == PNG
         with pytest.raises(ImageFetchError, match="over the limit"):
             read_image("s3://imgs/big.png", max_bytes=1024)
-    finally:
-        srv.stop()
 
 
 def _req(index: int, url: str | None) -> Request:
