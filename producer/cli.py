@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 
-from lmdq.cli.options import model_options
+from lmdq.cli.options import F, model_options
 from lmdq.cli.run import run_cli
 from lmdq.client.options import GENERATION_FLAGS, GROUPING_FLAGS, SUBMIT_FLAGS, cli_spell
 from lmdq.contract import Batch, BatchStatus, Endpoint, Priority
@@ -162,9 +162,14 @@ def _print_submitted(batch: Batch, created: bool, as_json: bool) -> None:
     typer.echo(batch.id)
 
 
+def _request_options(fn: F) -> F:
+    """The options that shape each request, declared once for ``submit`` and ``plan`` (which plans what
+    submit would run): the generation parameters into ``generation``, prefix grouping into ``grouping``."""
+    return model_options(GENERATION_FLAGS, into="generation")(model_options(GROUPING_FLAGS, into="grouping")(fn))
+
+
 @app.command()
-@model_options(GENERATION_FLAGS, into="generation")
-@model_options(GROUPING_FLAGS, into="grouping")
+@_request_options
 @model_options(SUBMIT_FLAGS, into="batch_options")
 def submit(
     generation: dict[str, Any],
@@ -266,8 +271,7 @@ def _endpoint(value: str | None) -> Endpoint | None:
 
 
 @app.command("plan")
-@model_options(GENERATION_FLAGS, into="generation")
-@model_options(GROUPING_FLAGS, into="grouping")
+@_request_options
 def plan_cmd(
     generation: dict[str, Any],
     grouping: dict[str, Any],

@@ -182,3 +182,30 @@ def moto_s3(*buckets: str) -> Iterator[int]:
         yield port
     finally:
         srv.stop()
+
+
+@contextmanager
+def api_process(redis_url: str, prefix: str, work: Path, keys: dict[str, str],
+                env: dict[str, str]) -> Iterator[Any]:
+    """A started HTTP API process (``lmdq_bench.api_bench.ApiProcess``) with its files and log under
+    ``work``; stopped on exit. One place for the API tests' server."""
+    from lmdq_bench.api_bench import ApiProcess
+
+    srv = ApiProcess(redis_url=redis_url, prefix=prefix, keys=keys, files_dir=work / "files",
+                     log=work / "api.log", env=env).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def openai_batch_until(c: Any, batch_id: str, ok: Any, polls: int = 600) -> Any:
+    """The OpenAI client's ``batches.retrieve(batch_id)`` once ``ok`` holds of it, polling every 50 ms
+    (AssertionError with the last one after ``polls`` polls)."""
+    b = c.batches.retrieve(batch_id)
+    for _ in range(polls):
+        if ok(b):
+            return b
+        time.sleep(0.05)
+        b = c.batches.retrieve(batch_id)
+    raise AssertionError(f"batch {batch_id}: {b}")

@@ -7,7 +7,6 @@ what is queued, and exits)."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from openai.types import Batch
 
 from lmdq_bench.api_bench import ApiProcess
 from tests.conftest import start_worker
+from tests.helpers import api_process, openai_batch_until
 
 KEY = f"canary-key-{uuid.uuid4().hex}"
 SIM = ("--engine", "sim", "--served-model-name", "sim", "--sim-step-ms", "1", "--burst")
@@ -35,23 +35,14 @@ def prefix() -> str:
 
 @pytest.fixture(scope="module")
 def api(redis_url: str, prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
-    work = tmp_path_factory.mktemp("api")
-    srv = ApiProcess(redis_url=redis_url, prefix=prefix, keys={"alice": KEY}, files_dir=work / "files",
-                     log=work / "api.log", env={"LMDQ_KNOWN_MODELS": '["sim"]', "LMDQ_BATCH_SIZE": "2"}).start()
-    try:
+    with api_process(redis_url, prefix, tmp_path_factory.mktemp("api"), {"alice": KEY},
+                     {"LMDQ_KNOWN_MODELS": '["sim"]', "LMDQ_BATCH_SIZE": "2"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _until(c: OpenAI, batch_id: str, ok: Any, polls: int = 600) -> Batch:
-    b = c.batches.retrieve(batch_id)
-    for _ in range(polls):
-        if ok(b):
-            return b
-        time.sleep(0.05)
-        b = c.batches.retrieve(batch_id)
-    raise AssertionError(f"batch {batch_id}: {b}")
+    b: Batch = openai_batch_until(c, batch_id, ok, polls)
+    return b
 
 
 def test_paused_in_the_api_and_resumed(api: ApiProcess, env: dict[str, str], prefix: str, tmp_path: Path) -> None:

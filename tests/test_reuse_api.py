@@ -6,7 +6,6 @@ second, identical batch reached the engine."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +16,7 @@ from openai import OpenAI
 from openai.types import Batch
 
 from lmdq_bench.api_bench import ApiProcess
+from tests.helpers import api_process, openai_batch_until
 from tests.test_reuse import SimWorker
 
 KEY = f"reuse-key-{uuid.uuid4().hex}"
@@ -30,23 +30,14 @@ def prefix() -> str:
 
 @pytest.fixture(scope="module")
 def api(redis_url: str, prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
-    work = tmp_path_factory.mktemp("api")
-    srv = ApiProcess(redis_url=redis_url, prefix=prefix, keys={"alice": KEY}, files_dir=work / "files",
-                     log=work / "api.log", env={"LMDQ_KNOWN_MODELS": '["sim"]', "LMDQ_BATCH_SIZE": "4"}).start()
-    try:
+    with api_process(redis_url, prefix, tmp_path_factory.mktemp("api"), {"alice": KEY},
+                     {"LMDQ_KNOWN_MODELS": '["sim"]', "LMDQ_BATCH_SIZE": "4"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _until(c: OpenAI, batch_id: str, ok: Any, polls: int = 1200) -> Batch:
-    b = c.batches.retrieve(batch_id)
-    for _ in range(polls):
-        if ok(b):
-            return b
-        time.sleep(0.05)
-        b = c.batches.retrieve(batch_id)
-    raise AssertionError(f"batch {batch_id}: {b}")
+    b: Batch = openai_batch_until(c, batch_id, ok, polls)
+    return b
 
 
 def _run(c: OpenAI, redis_url: str, prefix: str, file_id: str, **extra: Any) -> tuple[list[dict[str, Any]], int]:
