@@ -180,7 +180,9 @@ def test_the_near_deadline_batch_runs_first_with_one_worker(
             super()._finish(s, reason, code, msg)
 
     engine = Recording(model_name="sim", step_ms=0, max_batch=1)
-    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, burst=True)
+    # one job held at a time: a prefetched job's thread could otherwise reach the engine before the last
+    # request of the job claimed before it (thread start order, on a loaded machine)
+    s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, burst=True, jobs_in_flight=1)
     assert Worker(engine=engine, client=redis.Redis.from_url(redis_url), settings=s, capacity=1).run() == 0
     assert [tag for _step, tag in engine.ended] == ["near"] * 6 + ["far"] * 6 + ["plain"] * 6
     steps = [step for step, _tag in engine.ended]
