@@ -101,13 +101,16 @@ def _legacy_vision_keys(folder: Path) -> None:
     written the way both read them."""
     from safetensors.torch import load_file, save_file
 
+    def legacy(key: str) -> str:
+        if key.startswith("vision_tower.") and not key.startswith("vision_tower.vision_model."):
+            return "vision_tower.vision_model." + key[len("vision_tower."):]
+        return key
+
     for f in sorted(folder.glob("*.safetensors")):
         sd = load_file(str(f))
-        if not any(k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") for k in sd):
-            continue
-        save_file({("vision_tower.vision_model." + k[len("vision_tower."):]
-                    if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
-                   for k, v in sd.items()}, str(f), metadata={"format": "pt"})
+        renamed = {legacy(k): v for k, v in sd.items()}
+        if renamed.keys() != sd.keys():
+            save_file(renamed, str(f), metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> None:
