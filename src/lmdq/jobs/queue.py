@@ -304,6 +304,27 @@ class JobQueue:
             self.record_end(claim, failed=failed)
         return owned
 
+    def release_ended(self, claim: Claim, *, worker: str, failed: str | None = None) -> tuple[bool, bool]:
+        """Release the lease of a job that ENDED (every request has its final result: done, or failed) and
+        write RQ's end records (:meth:`record_end`), in ONE round trip (issue 49: two were ~24 us of Redis CPU
+        per job more). Returns (owned: the release was this worker's, recorded: RQ's records were written).
+
+        The records are in the release's MULTI, so they are written even when the lease was not ``worker``'s
+        any more (it expired, was reaped, maybe re-claimed): that is still true of the job, since its requests
+        all have final results (exactly once), and a worker that re-runs it skips them all and writes its own
+        records after. ``recorded`` False (a record refused, e.g. under maxmemory): the caller writes them with
+        :meth:`record_end` on a retry of its own; the fenced release never runs twice."""
+        job = claim.job
+        if job is None:
+            return self.release(claim, worker=worker), True
+
+        def drop(p: Any) -> None:
+            self.leases.drop(claim.job_id, worker=worker, mode="done", charge=Charge.none.value, killer="", pipe=p)
+
+        owned, recorded = self.records.ended_after(drop, job, claim.execution, failed=failed,
+                                                   ended_at=_utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+        return bool(owned), recorded
+
     def requeue(self, claim: Claim, *, worker: str, charge: Charge = Charge.none, killer: int | None = None) -> bool:
         """Give a held job back to the front of its queue (see :meth:`release`) and reset RQ's view."""
         owned = self.release(claim, worker=worker, requeue=True, charge=charge, killer=killer)
