@@ -52,9 +52,11 @@ def build_tiny_vlm(dst: Path, tokenizer_from: Path | None = None, *, width: int 
 
         tokenizer_from = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(str(tokenizer_from), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    # A pad token of its own, as every llava-hf checkpoint has ("<pad>"): LMDeploy's PyTorch engine marks a
+    # prompt's image positions with the model's pad_token_id and finds them again by that id, so a pad shared
+    # with a token the chat template writes (SmolLM2 pads with <|im_end|>) makes every image request's step
+    # fail a CUDA size check (found on the H200, session 22).
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"], "pad_token": "<pad>"})
     image_token_id = tok.convert_tokens_to_ids("<image>")
     text = LlamaConfig(vocab_size=len(tok), hidden_size=width, intermediate_size=width * 2,
                        num_hidden_layers=depth, num_attention_heads=max(1, width // 64),

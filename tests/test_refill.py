@@ -4,16 +4,21 @@ These tests count the sim engine's decode steps (:attr:`SimEngine.occupancy`: se
 step) instead of timing anything: a slot left empty for one step shows up as a step with fewer
 sequences than ``max_batch``, however fast or slow the machine is. The only timing assumption is
 a generous one: the worker tops its lookahead up within one decode wave (``max_new_tokens`` steps).
+A claim from Redis is made to cost at least one decode step while the engine has work
+(:class:`_ClaimTakesAStep`): on a fast idle machine a real round trip can beat a 2 ms sim step, and the
+lookahead check must not depend on which of the two is quicker.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import redis
 
 from lmdq.contract import BatchStatus, Result
+from lmdq.jobs.queue import Claim
 from lmdq.worker.engines.sim import SimEngine
 from lmdq.worker.runner import Worker
 from lmdq.worker.settings import WorkerSettings
@@ -23,6 +28,20 @@ from tests.helpers import wait_batch, write_jsonl
 MAX_BATCH = 8
 JOB = 4  # requests per job: two jobs fill the engine, so a wave frees two jobs' slots in one step
 TOKENS = 150  # every request decodes exactly this many steps (ignore_eos), so whole waves end at once
+
+
+class _ClaimTakesAStep(Worker):
+    """A worker whose claims return only after the engine's next decode step while it has work: the
+    refill cost the lookahead must cover, made structural instead of a race between a Redis round
+    trip and the sim's step (an idle engine, at the start or the end of a batch, does not wait)."""
+
+    def _claim(self, n: int) -> list[Claim]:
+        engine = self.engine
+        assert isinstance(engine, SimEngine)
+        start = engine.steps
+        while engine.steps == start and (engine._active or engine._pending) and not self._stop.is_set():
+            time.sleep(0.0002)
+        return super()._claim(n)
 
 
 def _run(tmp_path: Path, env: dict[str, str], redis_url: str, client: redis.Redis, prefix: str,
@@ -36,12 +55,12 @@ def _run(tmp_path: Path, env: dict[str, str], redis_url: str, client: redis.Redi
         rows[i]["params"] = {"max_new_tokens": t}
     bid = submit(write_jsonl(tmp_path / "p.jsonl", rows), env,
                  "--batch-size", str(JOB), "--max-new-tokens", str(TOKENS), "--ignore-eos")["id"]
-    # 2 ms steps: shorter than the claim → read → start round trips that a refill from Redis needs,
-    # so only requests already handed to the engine can fill a slot in the step it frees up.
+    # A claim costs at least one 2 ms step (_ClaimTakesAStep), so only requests already handed to the
+    # engine can fill a slot in the step it frees up.
     engine = SimEngine(model_name="sim", step_ms=2, max_batch=max_batch)
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, health_port=0, partial_interval_s=3600,
                        **settings)
-    w = Worker(engine=engine, client=client, settings=s, capacity=max_batch)
+    w = _ClaimTakesAStep(engine=engine, client=client, settings=s, capacity=max_batch)
     th = threading.Thread(target=w.run, daemon=True)
     th.start()
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -35,6 +36,7 @@ __all__ = [
     "JobTooLarge",
     "JobUndecodable",
     "NotDecodable",
+    "RawRequest",
     "inflate",
     "manifest",
     "job_of_reply",
@@ -60,9 +62,38 @@ needs to answer each request of a job whose data it cannot decode (over its LMDQ
 format), so the batch still ends."""
 
 
-def manifest(requests: list[dict[str, Any]]) -> str:
-    """The :data:`REQUESTS_FIELD` value of a job's request dicts."""
-    return json.dumps([[r["index"], r["custom_id"]] for r in requests], ensure_ascii=False, separators=(",", ":"))
+@dataclass(frozen=True, slots=True)
+class RawRequest:
+    """A request of a job payload that is JSON already: the producer's validated spill (issue 49: parsing each
+    request back into a dict only to serialise it again was a quarter of staging's CPU). ``raw`` is the request
+    object's JSON, spliced as it is into the job's data (:data:`lmdq.jobs.queue.SERIALIZER`); ``custom_id`` its
+    custom_id as a JSON string (quotes included), for the job's manifest (:func:`manifest`)."""
+
+    index: int
+    custom_id: bytes
+    raw: bytes
+
+    @classmethod
+    def parse(cls, raw: bytes) -> RawRequest | None:
+        """``raw`` as a RawRequest when it starts as the producer writes its requests
+        (``{"index":N,"custom_id":"...","endpoint":...``), else None (the caller parses it). A JSON string
+        never holds ``,"`` unescaped, so the first ``,"endpoint":`` after the custom_id ends it."""
+        if not raw.startswith(b'{"index":'):
+            return None
+        i = raw.find(b',"custom_id":"', 9)
+        j = raw.find(b',"endpoint":', i + 14) if i > 0 else -1
+        if j < 0 or not raw[9:i].isdigit():
+            return None
+        return cls(int(raw[9:i]), raw[i + 13 : j], raw)
+
+
+def manifest(requests: list[Any]) -> str:
+    """The :data:`REQUESTS_FIELD` value of a job's requests (dicts, or :class:`RawRequest`)."""
+    if requests and type(requests[0]) is RawRequest and all(type(r) is RawRequest for r in requests):
+        return "[" + ",".join(f"[{r.index},{r.custom_id.decode()}]" for r in requests) + "]"
+    pairs = [[r.index, json.loads(r.custom_id)] if type(r) is RawRequest else [r["index"], r["custom_id"]]
+             for r in requests]
+    return json.dumps(pairs, ensure_ascii=False, separators=(",", ":"))
 
 
 MAX_FIELD_BYTES = 4096

@@ -77,7 +77,7 @@ from lmdq.errors import (
 )
 from lmdq.gates.config import GateConfig, canary_jobs
 from lmdq.gates.store import GateStore
-from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD
+from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD, RawRequest
 from lmdq.jobs.decode import JobRefused, decode_job
 from lmdq.jobs.queue import JobQueue, job_id_for, job_id_prefix
 from lmdq.logs.config import get_logger
@@ -160,7 +160,7 @@ def new_batch_id() -> str:
 
 
 def job_payloads(
-    requests: Iterable[dict[str, Any]],
+    requests: Iterable[dict[str, Any] | RawRequest],
     *,
     batch_id: str,
     model: str,
@@ -183,8 +183,8 @@ def job_payloads(
     if reuse_ttl_s is not None:  # issue 47: the job's worker answers from, and records into, the reuse index
         urls["reuse_ttl_s"] = reuse_ttl_s
 
-    def job(job_no: int, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-        names = {r.pop("model") for r in reqs if "model" in r}
+    def job(job_no: int, reqs: list[dict[str, Any] | RawRequest]) -> dict[str, Any]:
+        names = {r.pop("model") for r in reqs if type(r) is dict and "model" in r}
         if len(names) > 1:
             raise SubmitRejected(f"batch {batch_id}: job {job_no} would mix models {sorted(names)}; nothing was "
                                  "enqueued")
@@ -195,7 +195,7 @@ def job_payloads(
             out["gated"] = True
         return out
 
-    reqs: list[dict[str, Any]] = []
+    reqs: list[dict[str, Any] | RawRequest] = []
     job_no = 0
     want = job_sizes[0] if job_sizes else batch_size
     for req in requests:
@@ -404,7 +404,7 @@ class BatchLedger:
             self.store.batches.create(batch, extra={F.fingerprint.value: fingerprint} if fingerprint else None)
 
     def stage(
-        self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
+        self, batch: Batch, requests: Iterable[dict[str, Any] | RawRequest], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None,
         gated: Callable[[int], bool] | None = None,
     ) -> Staged:
@@ -492,7 +492,7 @@ class BatchLedger:
             self.release_key(batch.idempotency_key, batch.id)
 
     def enqueue(
-        self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None = None,
+        self, batch: Batch, requests: Iterable[dict[str, Any] | RawRequest], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None, fingerprint: str | None = None,
         first_jobs: int | None = None, after_first_commit: Callable[[], None] | None = None,
         id_chunks: Iterable[str | bytes] = (), resume: bool = False, gates: GateConfig | None = None,
@@ -533,7 +533,7 @@ class BatchLedger:
                 raise
         return self.get(batch.id)
 
-    def _enqueue_gated(self, batch: Batch, requests: Iterable[dict[str, Any]], gates: GateConfig, *,
+    def _enqueue_gated(self, batch: Batch, requests: Iterable[dict[str, Any] | RawRequest], gates: GateConfig, *,
                        progress: Progress | None, chunk_jobs: int, job_sizes: Sequence[int] | None,
                        fingerprint: str | None) -> Batch:
         """:meth:`enqueue` with quality gates: the gates' keys, then the jobs (canary and window jobs
@@ -573,9 +573,10 @@ class BatchLedger:
         return self.get(batch_id)
 
     def _enqueue_progressively(
-        self, batch: Batch, requests: Iterable[dict[str, Any]], *, progress: Progress | None, chunk_jobs: int,
-        job_sizes: Sequence[int] | None, first_jobs: int, after_first_commit: Callable[[], None] | None,
-        fingerprint: str | None = None, id_chunks: Iterable[str | bytes] = (), resume: bool = False,
+        self, batch: Batch, requests: Iterable[dict[str, Any] | RawRequest], *, progress: Progress | None,
+        chunk_jobs: int, job_sizes: Sequence[int] | None, first_jobs: int,
+        after_first_commit: Callable[[], None] | None, fingerprint: str | None = None,
+        id_chunks: Iterable[str | bytes] = (), resume: bool = False,
     ) -> Batch:
         """Stage and make visible in steps: the GPU does not wait for the whole batch to be staged.
 

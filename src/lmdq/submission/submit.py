@@ -47,7 +47,7 @@ from lmdq.errors import SubmitRejected, UnknownModel
 from lmdq.gates.config import GateConfig
 from lmdq.images.parts import image_urls
 from lmdq.images.refs import ImageChecker, ImageRefError
-from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES
+from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, RawRequest
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name
 from lmdq.results.output_urls import check_submit_urls
 from lmdq.settings import default_of
@@ -224,6 +224,16 @@ def _request_json(index: int, item: ParsedLine, *, with_model: bool, images: Ima
         return orjson.dumps(d)
     except orjson.JSONEncodeError:  # a lone surrogate or an int over 64 bits (the stdlib parser's, on a doubt)
         return json.dumps(d, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _staged_request(raw: bytes, *, with_model: bool, as_raw: bool) -> dict[str, Any] | RawRequest:
+    """A spilled request as pass 2 hands it to the ledger: its JSON as it is (:class:`RawRequest`, spliced
+    into its job unparsed: issue 49) when the job holds it whole, else the dict (:func:`_spilled_request`)."""
+    if as_raw and not with_model:
+        got = RawRequest.parse(raw)
+        if got is not None:
+            return got
+    return _spilled_request(raw, with_model=with_model)
 
 
 def _spilled_request(raw: bytes, *, with_model: bool) -> dict[str, Any]:
@@ -511,7 +521,8 @@ def _check_unchanged(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Non
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
 
 
-def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Generator[dict[str, Any], None, None]:
+def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint, *, as_raw: bool = False
+                   ) -> Generator[dict[str, Any] | RawRequest, None, None]:
     """Pass 2: the request dicts pass 1 validated and spilled, in input order.
 
     The file is checked (:func:`_check_unchanged`) before the first request and after the last: an edit
@@ -521,7 +532,7 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
     _check_unchanged(path, opts, seen)
     try:
         for raw in seen.spilled:
-            yield _spilled_request(raw, with_model=False)
+            yield _staged_request(raw, with_model=False, as_raw=as_raw)
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the submit's temporary files: {e.strerror or e}") from e
     _check_unchanged(path, opts, seen)
@@ -529,15 +540,15 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
 
 def _planned_requests(
     path: Path, opts: SubmitOptions, seen: _Fingerprint, prefixes: PrefixKeys, plan: JobPlan, *,
-    with_model: bool = False,
-) -> Generator[dict[str, Any], None, None]:
+    with_model: bool = False, as_raw: bool = False,
+) -> Generator[dict[str, Any] | RawRequest, None, None]:
     """Pass 2 with prefix groups: the spilled requests in ``plan``'s job order, each keeping its input index,
     with the same checks of the file as :func:`_file_requests`."""
     _check_unchanged(path, opts, seen)
     try:
         seen.spilled.map()  # read in the plan's order: jumps between groups all the time
         for index in plan.order:
-            yield _spilled_request(seen.spilled[index], with_model=with_model)
+            yield _staged_request(seen.spilled[index], with_model=with_model, as_raw=as_raw)
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the submit's temporary files: {e.strerror or e}") from e
     _check_unchanged(path, opts, seen)
@@ -700,12 +711,16 @@ def submit_file(
             if existing_id is not None:
                 bound = ledger.bound_batch(opts.idempotency_key, fingerprint=fingerprint)
                 return bound or ledger.get(existing_id), False
-        if plan is not None and prefixes is not None:
-            requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None)
-        else:
-            requests = _file_requests(path, opts, seen)
         counter = (_ReuseCount(client, keys, model, opts.params)
                    if opts.reuse_ttl_s is not None and several is None else None)
+        # the spill as it is, unless a line's model is in it (no --model: pass 2 drops it) or reuse counting
+        # looks at each request's dict
+        as_raw = opts.model is not None and (counter is None or counter.found is None)
+        if plan is not None and prefixes is not None:
+            requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None,
+                                         as_raw=as_raw)
+        else:
+            requests = _file_requests(path, opts, seen, as_raw=as_raw)
         try:
             if opts.after_validation is not None:
                 opts.after_validation()
@@ -746,11 +761,11 @@ class _ReuseCount:
             self.found += self.index.known(self.model, chunk, self.params) or 0
         chunk.clear()
 
-    def counting(self, requests: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    def counting(self, requests: Iterator[dict[str, Any] | RawRequest]) -> Iterator[dict[str, Any] | RawRequest]:
         chunk: list[Request] = []
         for d in requests:
             yield d
-            if self.found is None:
+            if self.found is None or type(d) is not dict:
                 continue
             try:
                 chunk.append(Request.model_validate({k: v for k, v in d.items() if k != "model"}))
@@ -774,10 +789,11 @@ def _resume(
         raise SubmitRejected(f"{path}: batch {batch.id} (its idempotency key's) counts {batch.request_counts.total} "
                              f"requests in {batch.num_jobs} jobs, this submit {seen.requests} in {num_jobs}; "
                              "nothing was enqueued")
+    as_raw = opts.model is not None
     if plan is not None and prefixes is not None:
-        requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=with_model)
+        requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=with_model, as_raw=as_raw)
     else:
-        requests = _file_requests(path, opts, seen)
+        requests = _file_requests(path, opts, seen, as_raw=as_raw)
     try:
         done = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
                               job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,
