@@ -611,9 +611,13 @@ class Worker:
                     except redis.RedisError:
                         pass  # RQ's display records only
             elif claim.job is not None:
-                if self.writer.call(lambda: self.jobs.release(claim, worker=self.name), "release job"):
+                # one round trip: the release and RQ's end records (lmdq.jobs.queue.JobQueue.release_ended)
+                owned, recorded = self.writer.call(
+                    lambda: self.jobs.release_ended(claim, worker=self.name, failed=end.failure), "release job")
+                if owned:
                     self._counts["failed_jobs" if end.failure else "finished"] += 1
-                    self.writer.call(lambda: self.jobs.record_end(claim, failed=end.failure), "record job end")
+                    if not recorded:
+                        self.writer.call(lambda: self.jobs.record_end(claim, failed=end.failure), "record job end")
                     if held.forget:
                         self.writer.call(lambda: self.jobs.forget(claim.job_id), "drop finished job")
         except WriteAbandoned:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,9 @@ __all__ = [
     "RawRequest",
     "inflate",
     "manifest",
+    "job_of_reply",
     "read_job",
+    "read_job_beside",
 ]
 
 """Default cap on one job's data (``LMDQ_MAX_JOB_BYTES``), compressed AND decompressed.
@@ -182,8 +185,27 @@ def read_job(
     Raises :class:`JobRefused` for a missing, foreign-typed or oversized job hash, or fields RQ cannot
     read; Redis errors propagate (the caller re-queues, never refuses, on those).
     """
-    key = Job.key_for(job_id)
-    got: list[Any] = READ_JOB(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
+    got: list[Any] = READ_JOB(keys=[Job.key_for(job_id)], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS],
+                              client=client)
+    return job_of_reply(client, job_id, got, max_job_bytes=max_job_bytes, serializer=serializer)
+
+
+def read_job_beside(client: redis.Redis, job_id: str, also: Callable[[Any], None], *,
+                    max_job_bytes: int = DEFAULT_MAX_JOB_BYTES, serializer: Any = None
+                    ) -> tuple[Callable[[], Job], Any]:
+    """:func:`read_job`'s capped read and the reads ``also`` queues on the pipeline it is handed, in ONE round
+    trip (a worker starting a job reads the job and its batch record). Returns the job as a call (raising what
+    :func:`read_job` raises, when the caller is ready for it) and ``also``'s one reply."""
+    with client.pipeline(transaction=False) as p:
+        READ_JOB(keys=[Job.key_for(job_id)], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=p)
+        also(p)
+        got, other = p.execute()
+    return (lambda: job_of_reply(client, job_id, got, max_job_bytes=max_job_bytes, serializer=serializer)), other
+
+
+def job_of_reply(client: redis.Redis, job_id: str, got: list[Any], *, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+                 serializer: Any = None) -> Job:
+    """The job from READ_JOB's reply ``got`` (untrusted), checked as :func:`read_job` says."""
     tag = reply_text(got[0])
     if tag == "missing":
         raise JobRefused(f"No such job {job_id}: no job hash (deleted, expired, or never created)")

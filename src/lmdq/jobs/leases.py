@@ -52,12 +52,15 @@ class JobLeases:
         return list(self._heartbeat(keys=[self.keys.leases(), self.keys.lease_owner()],
                                     args=[lease_s, worker, *job_ids]))
 
-    def drop(self, job_id: str, *, worker: str, mode: str, charge: str, killer: int | str) -> bool:
+    def drop(self, job_id: str, *, worker: str, mode: str, charge: str, killer: int | str,
+             pipe: Any | None = None) -> bool:
         """Drop ``worker``'s lease, fenced (one script call; ``mode`` 'requeue' puts the job back at the
-        front of its queue and counts ``charge``). False: the lease was not ``worker``'s any more."""
+        front of its queue and counts ``charge``). False: the lease was not ``worker``'s any more. With
+        ``pipe`` the call joins that pipeline (its 0/1 comes from the pipeline's ``execute``) and this returns True."""
         k = self.keys
-        return bool(self._release(keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes()],
-                                  args=[job_id, worker, mode, charge, killer]))
+        got = self._release(keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes()],
+                            args=[job_id, worker, mode, charge, killer], client=pipe)
+        return True if pipe is not None else bool(got)
 
     def reap_expired(self, limit: int) -> list[Any]:
         """Re-queue up to ``limit`` jobs whose lease ran out (one script call); the raw flat reply

@@ -20,6 +20,7 @@ from lmdq.jobs.data import (
     inflate,
     manifest,
     read_job,
+    read_job_beside,
 )
 
 
@@ -66,6 +67,25 @@ def test_read_job_reads_a_json_job(client: redis.Redis) -> None:
         assert job.id == jid and job.origin == "q"
     finally:
         client.delete(f"rq:job:{jid}")
+
+
+def test_read_job_beside_reads_the_job_and_more_in_one_round_trip(client: redis.Redis) -> None:
+    """What a worker starting a job reads with it (its batch record) comes in the same pipeline; the job's
+    checks run when the caller asks for the job (a hostile hash still raises there, the other reply is kept)."""
+    data = json.dumps(["lmdq.jobs.queue.generate", None, [{"x": 1}], {}]).encode()
+    jid = _job(client, data=zlib.compress(data), origin="q", status="queued")
+    bad = _job(client, data=b"\x80\x04pickle")
+    other = f"unit-{uuid.uuid4().hex}"
+    client.set(other, "beside")
+    try:
+        read, got = read_job_beside(client, jid, lambda p: p.get(other))
+        assert got == b"beside" and read().id == jid
+        read, got = read_job_beside(client, bad, lambda p: p.get(other))
+        assert got == b"beside"
+        with pytest.raises(JobRefused, match="not JSON"):
+            read()
+    finally:
+        client.delete(f"rq:job:{jid}", f"rq:job:{bad}", other)
 
 
 @pytest.mark.parametrize("fields, err, match", [
