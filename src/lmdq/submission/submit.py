@@ -71,6 +71,7 @@ from lmdq.webhooks.signing import new_secret
 from lmdq.webhooks.store import WebhookStore
 
 __all__ = [
+    "Prevalidated",
     "SubmitOptions",
     "submit_fingerprint",
     "job_payloads",
@@ -181,6 +182,59 @@ class _Fingerprint:
     #: writes them before any job is visible, so a batch whose submit dies part-way still answers each request
     #: (issue 44). On disk (:class:`lmdq.submission.spill.IdChunks`), pushed to Redis in bounded batches
     id_chunks: IdChunks = field(default_factory=lambda: IdChunks(IDS_CHUNK), compare=False)
+
+
+class Prevalidated:
+    """Pass 1's per-request state, built by a caller that wrote and validated the file itself: the client's
+    spool of an Arrow source, column by column (:mod:`lmdq.client.sources`; issue 49: parsing the spool
+    again, line by line, was most of a Parquet submit's CPU). :func:`submit_file` then stages from it without
+    parsing the file; everything else (the checks that the file did not change, prefix grouping, progressive
+    staging, resume) is as for any file. The caller adds every request through :meth:`add_many` in file
+    order, having ruled out duplicate ids; ``ok`` False (some rows needed the row parser) means it is not
+    used: pass 1 reads the file as always. :meth:`close` deletes its temporary files."""
+
+    def __init__(self, opts: SubmitOptions, directory: str | None) -> None:
+        self.ok = opts.model is not None
+        self.requests = 0
+        self.line_crcs = SpillArray("I", directory)
+        self.spilled = RequestSpill(directory)
+        self.id_chunks = IdChunks(IDS_CHUNK, directory)
+        self.prefixes = (PrefixKeys(opts.prefix_group_bytes, group=True, directory=directory)
+                         if opts.prefix_groups else None)
+        #: the rows whose sampling the row parser implied (warned about once per kind, as a file's lines)
+        self.sampling = _SamplingTally()
+
+    def close(self) -> None:
+        self.line_crcs.close()
+        self.spilled.close()
+        self.id_chunks.close()
+        if self.prefixes is not None:
+            self.prefixes.close()
+
+    def __enter__(self) -> Prevalidated:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _prevalidated(path: Path, opts: SubmitOptions, pre: Prevalidated
+                  ) -> tuple[_Fingerprint, str, PrefixKeys | None, int, _Models | None]:
+    """:func:`_validate`'s answer for a file whose caller validated it and built pass 1's state itself."""
+    assert opts.model is not None and pre.ok
+    try:
+        size, mtime_ns = _stat(path)
+        whole = _file_crc(path)
+    except OSError as e:
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
+    if pre.requests == 0 or len(pre.spilled) != pre.requests or len(pre.line_crcs) != pre.requests:
+        raise SubmitRejected(f"{path}: pass 1's state holds {len(pre.spilled)} requests, expected {pre.requests}")
+    seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=pre.requests, file_crc=whole,
+                        line_crcs=pre.line_crcs, spilled=pre.spilled, id_chunks=pre.id_chunks)
+    if opts.on_warning is not None:
+        for w in pre.sampling.warnings(path, batch_samples=bool(opts.params.do_sample)):
+            opts.on_warning(w)
+    return seen, opts.model, pre.prefixes, 0, None
 
 
 def _h64(s: str) -> int:
@@ -440,8 +494,11 @@ class _SamplingTally:
 
     def add(self, item: ParsedLine) -> None:
         if item.sampling is not None:
-            self.count[item.sampling] += 1
-            self.first.setdefault(item.sampling, item.line_no)
+            self.note(item.sampling, item.line_no)
+
+    def note(self, sampling: Sampling, line_no: int) -> None:
+        self.count[sampling] += 1
+        self.first.setdefault(sampling, line_no)
 
     def warnings(self, path: Path, *, batch_samples: bool) -> list[str]:
         out = []
@@ -595,6 +652,7 @@ def submit_file(
     enqueue_progress: Progress | None = None,
     chunk_jobs: int = 256,
     max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+    prevalidated: Prevalidated | None = None,
 ) -> tuple[Batch, bool]:
     """Validate and enqueue ``path``. Returns (batch, created); created is False when an
     idempotency key matched an existing batch. ``max_job_bytes`` is LMDQ_MAX_JOB_BYTES: a job the
@@ -636,7 +694,10 @@ def submit_file(
     # input when it is a copy of one (the client's spool, stdin's temporary file), else in TMPDIR
     spill_dir = str(path.parent) if opts.input_name is not None else None
     with ExitStack() as spills:
-        seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress, spills, spill_dir)
+        if prevalidated is not None and prevalidated.ok and opts.model is not None and fmt is InputFormat.jsonl:
+            seen, model, prefixes, model_line, several = _prevalidated(path, opts, prevalidated)
+        else:
+            seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress, spills, spill_dir)
         field_name = "body.model" if fmt is InputFormat.openai else "model"
         try:
             check_model_name(model)
