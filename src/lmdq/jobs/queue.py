@@ -45,7 +45,7 @@ from lmdq.jobs.rq_records import RQRecords
 from lmdq.redis.keys import Keys, queue_name
 from lmdq.settings import DEFAULT_RESULT_TTL_S
 
-__all__ = ["Charge", "Claim", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
+__all__ = ["Charge", "Claim", "FairShare", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
 def _fragment(obj: Any) -> Any:
     if type(obj) is RawRequests:
@@ -133,6 +133,18 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class FairShare:
+    """A claim that takes no more than its fair share while other workers of its model are idle."""
+
+    #: the model's idle roster (:attr:`lmdq.jobs.idle_roster.IdleRoster.key`)
+    roster: str
+    #: this worker's entry in it (not counted as an idle peer)
+    member: str
+    #: jobs this worker holds now
+    held: int
+
+
+@dataclass(frozen=True)
 class JobStart:
     """What a worker reads before handing a job to its engine (one round trip)."""
 
@@ -210,14 +222,21 @@ class JobQueue:
         Why: a worker filling an empty engine claims dozens of jobs at once, and each round trip waits
         for the GIL behind the engine's own Python loop (milliseconds each, measured): one call per job
         spread a 32-job ramp over ~0.4 s of engine time."""
-        res = self.leases.claim(queues, model=model, worker=worker, lease_s=lease_s, n=max(1, n))
-        if not res:
-            return []
+        return self.claim_fair(queues, model=model, worker=worker, lease_s=lease_s, n=max(1, n))[0]
+
+    def claim_fair(self, queues: Sequence[str], *, model: str, worker: str, lease_s: float, n: int,
+                   fair: FairShare | None = None) -> tuple[list[Claim], int]:
+        """:meth:`claim_many` of up to ``n`` jobs (none for ``n`` 0), with ``fair``: no more than the fair share
+        while other workers of the model are idle (:func:`lmdq.worker.admission.fair_share`), judged inside
+        the same script call. Returns the claims and the share it aimed for (``n`` without ``fair``)."""
+        share, res = self.leases.claim(queues, model=model, worker=worker, lease_s=lease_s, n=max(0, n),
+                                       roster=fair.roster if fair else "", member=fair.member if fair else "",
+                                       held=fair.held if fair else 0)
         return [
             Claim(job_id=res[i].decode(), queue_key=res[i + 1].decode(), run=int(res[i + 2]),
                   charges=_count(res[i + 3]), crashes=_count(res[i + 4]), killer=_index(res[i + 5]))
             for i in range(0, len(res), 6)
-        ]
+        ], share
 
     def begin(self, claim: Claim, *, batch_id: str, indices: Sequence[int], worker: str, ttl_s: int,
               job_no: int | None = None) -> JobStart:
