@@ -65,16 +65,45 @@ def test_two_idle_workers_split_a_four_job_batch_and_halve_its_time(own_redis: s
     assert makespan <= 0.6 * one_steps, (makespan, one_steps)
 
 
-@pytest.mark.parametrize(("room", "held", "visible", "idle", "share"), [
+CASES = [
     (8, 0, 4, 1, 2),  # the small batch: half each
     (8, 2, 2, 1, 0),  # took its half: the rest waits for the idle peer
     (8, 0, 2, 0, 8),  # nobody idle: as before
     (8, 0, 1, 3, 1),  # holding nothing: at least one job
     (64, 0, 3125, 1, 64),  # a large batch: the share is larger than any claim
     (8, 0, 0, 1, 0),  # nothing visible
-])
+    (8, 1, 5, 2, 1),  # ceil((5 + 1) / 3) - 1
+]
+
+
+@pytest.mark.parametrize(("room", "held", "visible", "idle", "share"), CASES)
 def test_fair_share(room: int, held: int, visible: int, idle: int, share: int) -> None:
     assert fair_share(room, held=held, visible=visible, idle_peers=idle) == share
+
+
+@pytest.mark.parametrize(("room", "held", "visible", "idle", "share"), CASES)
+def test_the_claim_script_takes_the_same_fair_share(redis_url: str, prefix: str, room: int, held: int,
+                                                    visible: int, idle: int, share: int) -> None:
+    """Issue 49: the share is judged inside the claim's own script (no round trip of its own before each
+    claim); it must be fair_share's, over the same counts: idle peers in the roster (this worker's own entry
+    and an expired one do not count) and the jobs visible on the model's queues."""
+    from lmdq.jobs.idle_roster import IdleRoster
+    from lmdq.jobs.queue import FairShare, JobQueue
+    from lmdq.redis.keys import queue_names, rq_queue_key
+
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(prefix)
+    me = IdleRoster(client, keys=keys, model=MODEL, name="me", ttl_s=60)
+    me.enter(0.0)  # this worker is in the roster too (it was idle): never its own peer
+    for i in range(idle):
+        IdleRoster(client, keys=keys, model=MODEL, name=f"peer{i}", ttl_s=60).enter(0.0)
+    client.zadd(me.key, {"gone": 1.0})  # an entry whose TTL ran out long ago
+    queues = queue_names(MODEL, prefix)
+    if visible:
+        client.rpush(rq_queue_key(queues[1]), *[f"job{i}" for i in range(visible)])
+    claims, got = JobQueue(client, keys=keys).claim_fair(queues, model=MODEL, worker="me", lease_s=30, n=room,
+                                                         fair=FairShare(roster=me.key, member="me", held=held))
+    assert got == share and len(claims) == min(share, visible)
 
 
 def test_a_worker_leaves_the_roster_when_it_gets_work_and_when_it_stops(redis_url: str, prefix: str) -> None:

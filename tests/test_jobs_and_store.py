@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import redis
@@ -104,6 +105,32 @@ def test_expired_lease_is_requeued_at_front_and_late_owner_is_fenced(client: red
     assert not jq.finish(c, worker="dead")
     assert client.zscore(Keys(prefix).leases(), c.job_id) is not None  # still leased to 'alive'
     assert jq.finish(c2, worker="alive")
+
+
+def test_release_ended_releases_and_records_the_end_in_one_round_trip(client: redis.Redis, prefix: str) -> None:
+    """Issue 49: a job that ended is released and recorded in RQ in ONE MULTI; the release stays fenced (a late
+    owner's is a no-op that reports it), and RQ's records say what is true of the job either way."""
+    from rq.registry import FailedJobRegistry, FinishedJobRegistry
+
+    jq = _stage(client, prefix, "b6", 2)
+    qs = [queue_name("sim", "normal", prefix)]
+    k = Keys(prefix)
+    c = jq.claim(qs, model="sim", worker="w", lease_s=30)
+    assert c is not None
+    c.job = jq.fetch_job(c.job_id)
+    jq.mark_started(c, "w", 60)
+    assert jq.release_ended(c, worker="w") == (True, True)
+    # the lease is gone and RQ says finished, from one MULTI
+    assert client.zscore(k.leases(), c.job_id) is None and client.hget(k.lease_owner(), c.job_id) is None
+    assert client.hget(f"rq:job:{c.job_id}", "status") == b"finished" and client.hget(f"rq:job:{c.job_id}", "ended_at")
+    assert c.job_id in FinishedJobRegistry(qs[0], connection=client).get_job_ids()
+    # a lease that is not this worker's any more: not released (fenced), reported as not owned
+    c2 = jq.claim(qs, model="sim", worker="alive", lease_s=30)
+    assert c2 is not None
+    late = dataclasses.replace(c2, job=jq.fetch_job(c2.job_id))
+    assert jq.release_ended(late, worker="dead", failed="boom") == (False, True)
+    assert client.hget(k.lease_owner(), c2.job_id).decode().startswith("alive\t")
+    assert c2.job_id in FailedJobRegistry(qs[0], connection=client).get_job_ids()
 
 
 def test_foreign_function_is_refused_by_payload_check(client: redis.Redis, prefix: str) -> None:

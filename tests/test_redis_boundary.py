@@ -360,3 +360,19 @@ def test_a_script_survives_an_empty_script_cache_on_a_client_and_in_a_pipeline(c
         wakeup.WAKE_NOTIFY.bind(client)(keys=[key], client=p)
         assert p.execute() == [1]
     assert client.lrange(key, 0, -1) == [b"1"]  # one token: the wake script pushes onto an empty list only
+
+
+def test_a_script_in_a_pipeline_is_queued_as_eval_so_the_pipeline_sends_no_script_exists(client: redis.Redis,
+                                                                                        prefix: str) -> None:
+    """Issue 49: redis-py's pipeline asks SCRIPT EXISTS, in a round trip of its own, before every execute that
+    holds an EVALSHA; a script in a pipeline goes as EVAL with its text instead (one round trip per pipeline)."""
+    key = f"{prefix}:boundary:wake-eval"
+    client.script_flush()
+    with client.pipeline() as p:
+        wakeup.WAKE_NOTIFY(keys=[key], client=p)
+        assert [c[0][0] for c in p.command_stack] == ["EVAL"] and not p.scripts
+        assert p.command_stack[0][0][1] == wakeup.WAKE_NOTIFY.source
+        assert p.execute() == [1]
+    assert client.script_exists(wakeup.WAKE_NOTIFY.sha) == [True]  # EVAL cached it under the same SHA1
+    assert wakeup.WAKE_NOTIFY(keys=[key], client=client) == 1  # EVALSHA on a client runs it too
+    assert client.lrange(key, 0, -1) == [b"1"]  # still one token (the wake script pushes onto an empty list only)

@@ -182,14 +182,15 @@ def test_redis_blip_while_fetching_a_job_is_not_a_refusal(tmp_path: Path, env: d
                   "--batch-size", "2", "--max-new-tokens", "3")["id"]
     s = WorkerSettings(redis_url=redis_url, key_prefix=prefix, burst=True, heartbeat_ttl_s=2, health_port=0)
     w = Worker(engine=SimEngine(model_name="sim", step_ms=1), client=client, settings=s)
-    fetch, depth = w.jobs.fetch_job, w.jobs.queue_depth
+    # a worker reads the job with its batch record (JobQueue.fetch_job_beside, one round trip)
+    fetch, depth = w.jobs.fetch_job_beside, w.jobs.queue_depth
     fails = {"fetch": 3, "depth": 2}
 
-    def flaky_fetch(job_id: str) -> Any:
+    def flaky_fetch(job_id: str, also: Any) -> Any:
         if fails["fetch"] > 0:
             fails["fetch"] -= 1
             raise redis.ConnectionError("simulated: Redis restarting")
-        return fetch(job_id)
+        return fetch(job_id, also)
 
     def flaky_depth(queues: Any) -> int:
         if fails["depth"] > 0:
@@ -197,7 +198,7 @@ def test_redis_blip_while_fetching_a_job_is_not_a_refusal(tmp_path: Path, env: d
             raise redis.ConnectionError("simulated: Redis restarting")
         return depth(queues)
 
-    w.jobs.fetch_job = flaky_fetch  # type: ignore[method-assign]
+    w.jobs.fetch_job_beside = flaky_fetch  # type: ignore[method-assign]
     w.jobs.queue_depth = flaky_depth  # type: ignore[method-assign]
     assert w.run() == 0
     assert fails == {"fetch": 0, "depth": 0} and w.stats["refused"] == 0

@@ -33,7 +33,7 @@ from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, Result, ResultStatu
 from lmdq.jobs import reads
 from lmdq.jobs.decode import OutputNotAllowed, UndecodableJob, decode_job
 from lmdq.jobs.idle_roster import IdleRoster
-from lmdq.jobs.queue import Charge, Claim, JobQueue
+from lmdq.jobs.queue import Charge, Claim, FairShare, JobQueue
 from lmdq.jobs.wakeup import WakeUp
 from lmdq.redis.connection import RETRYABLE_ERRORS, with_reconnect
 from lmdq.redis.keys import InvalidModelName, Keys, check_model_name, queue_names
@@ -45,7 +45,7 @@ from lmdq.results.worker_sink import EVERY_ENTRY_S, ResultsSink
 from lmdq.results.writer import ResultWriter, WriteAbandoned, is_store_refusal
 from lmdq.webhooks.delivery import Deliverer, DeliveryPolicy
 from lmdq.webhooks.store import WebhookStore
-from lmdq.worker.admission import Admission, EngineGate, fair_share
+from lmdq.worker.admission import Admission, EngineGate
 from lmdq.worker.attempt import Held, JobAttempt, engine_alive
 from lmdq.worker.engines.base import Engine, engine_capacity
 from lmdq.worker.idle import IdleWaiter
@@ -202,17 +202,23 @@ class Worker:
             self._teardown()
         return EXIT_ENGINE_DEAD if self._dead is not None else 0
 
-    def _claim(self, n: int) -> list[Claim]:
-        """Up to ``n`` jobs: from this model's queues, then (a worker serving LoRA adapters) each adapter's,
-        each claimed under its own model's name (its in-flight list, so a re-queue wakes that model)."""
-        claimed = self.jobs.claim_many(self.queues, model=self.model, worker=self.name,
-                                       lease_s=self.s.heartbeat_ttl_s, n=n)
+    def _claim(self, room: int) -> tuple[list[Claim], int]:
+        """Up to ``room`` jobs, no more than the fair share while other workers of the model are idle
+        (:func:`lmdq.worker.admission.fair_share`, judged inside the claim's own script call: one round
+        trip): from this model's queues, then (a worker serving LoRA adapters) each adapter's, each claimed
+        under its own model's name (its in-flight list, so a re-queue wakes that model). Returns the claims
+        and the share."""
+        with self._lock:
+            held = len(self._held)
+        claimed, n = self.jobs.claim_fair(self.queues, model=self.model, worker=self.name,
+                                          lease_s=self.s.heartbeat_ttl_s, n=room,
+                                          fair=FairShare(roster=self.roster.key, member=self.roster.name, held=held))
         for name in self.served[1:]:
             if len(claimed) >= n:
                 break
             claimed += self.jobs.claim_many(queue_names(name, self.keys.prefix), model=name, worker=self.name,
                                             lease_s=self.s.heartbeat_ttl_s, n=n - len(claimed))
-        return claimed
+        return claimed, n
 
     def _room(self) -> int:
         """Jobs to claim now: none while the engine is dead, the store refuses writes or a suspect job
@@ -242,8 +248,7 @@ class Worker:
             share = room
             if room:
                 try:
-                    share = self._fair_share(room)
-                    claimed = self._claim(share) if share else []
+                    claimed, share = self._claim(room)
                     backoff = 0.1
                 except RETRYABLE_ERRORS as e:
                     # Redis is away: wait for it however long it takes (never exit with jobs held),
@@ -283,13 +288,6 @@ class Worker:
                     continue
                 self._slot.wait(max(self.s.poll_interval_s, self.s.busy_poll_interval_s) if self._held
                                 else self.s.poll_interval_s)
-
-    def _fair_share(self, room: int) -> int:
-        """``room``, or fewer jobs while other workers of the model are idle (:func:`fair_share`)."""
-        with self._lock:
-            held = len(self._held)
-        idle_peers, visible = self.roster.look(self.queues)
-        return fair_share(room, held=held, visible=visible, idle_peers=idle_peers)
 
     def _enter_roster(self) -> None:
         """About to sleep holding nothing: count as idle for the model's other workers' claims."""
@@ -612,9 +610,13 @@ class Worker:
                     except redis.RedisError:
                         pass  # RQ's display records only
             elif claim.job is not None:
-                if self.writer.call(lambda: self.jobs.release(claim, worker=self.name), "release job"):
+                # one round trip: the release and RQ's end records (lmdq.jobs.queue.JobQueue.release_ended)
+                owned, recorded = self.writer.call(
+                    lambda: self.jobs.release_ended(claim, worker=self.name, failed=end.failure), "release job")
+                if owned:
                     self._counts["failed_jobs" if end.failure else "finished"] += 1
-                    self.writer.call(lambda: self.jobs.record_end(claim, failed=end.failure), "record job end")
+                    if not recorded:
+                        self.writer.call(lambda: self.jobs.record_end(claim, failed=end.failure), "record job end")
                     if held.forget:
                         self.writer.call(lambda: self.jobs.forget(claim.job_id), "drop finished job")
         except WriteAbandoned:

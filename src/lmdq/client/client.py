@@ -233,17 +233,18 @@ class Client:
         if opts.model is None and model_column is None:
             raise InvalidArgument("model: expected the served model name (model=...), or the column naming "
                                   "each row's (model_column=...)", field="model")
-        with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d:
+        with tempfile.TemporaryDirectory(prefix="lmdq-spool-") as d, submit_mod.Prevalidated(opts, d) as staged:
             path = Path(d) / "rows.jsonl"
             with path.open("wb") as f:
+                # issue 49: where the rows allow, spooling also builds submit's pass 1, so the spool is never parsed
                 spool(src, cmap, f, max_requests=opts.limits.max_requests, progress=validate_progress,
-                      images=opts.image_checker())
+                      images=opts.image_checker(), staged=staged, max_line_bytes=opts.limits.max_line_bytes)
             opts.fmt = InputFormat.jsonl
             opts.input_name = src.name
             if opts.on_warning is not None:  # the spool is an implementation detail: name the source's rows
                 opts.on_warning = _in_rows(opts.on_warning, src, str(path))
             try:
-                info, created = submit_mod.submit_file(path, opts, **kw)
+                info, created = submit_mod.submit_file(path, opts, prevalidated=staged, **kw)
             except LmdqError as e:  # the spool is an implementation detail: name the source and its rows
                 e.args = (src.reword(str(e), str(path)),)
                 if isinstance(e, SubmitRejected):

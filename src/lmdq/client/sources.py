@@ -23,17 +23,26 @@ from __future__ import annotations
 import json
 import os
 import re
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+from zlib import crc32
+
+import orjson
 
 from lmdq.errors import InputProblem, InvalidArgument, SubmitRejected
 from lmdq.images.refs import ImageChecker
 from lmdq.submission.formats import InputFormat, InputLimits
+from lmdq.submission.formats.records import ParsedLine, Sampling
 from lmdq.submission.formats.tabular import ColumnMap, RowCount, RowError, RowMapper, chunked
 from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
 from lmdq.submission.spill import IdHashes
+
+if TYPE_CHECKING:
+    from lmdq.submission.submit import Prevalidated
 
 __all__ = ["FileSource", "IdHashes", "RowSource", "classify", "spool"]
 
@@ -346,6 +355,236 @@ class _FastPath:
         return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _id_hash(custom_id: str) -> int:
+    """A custom_id's 64-bit hash for one spooling's duplicate check: Python's own string hash (C speed, cached,
+    stable within the process, which is all the check needs: a collision only costs the re-read that names
+    the rows)."""
+    return hash(custom_id) & _MASK64
+
+
+class _Columns:
+    """The column path (issue 49): a record batch of :class:`_FastPath`'s shape, validated with Arrow
+    compute functions a column at a time, written to the spool AND into pass 1's state for submit
+    (:class:`lmdq.submission.submit.Prevalidated`), each request's JSON built column-wise in C, so the
+    file pipeline never parses the spool again. Exact, or nothing: a value these checks cannot prove valid
+    (a null, an empty or whitespace-only prompt, an id over the limit, invalid UTF-8, a parameter the row
+    parser refuses) makes :meth:`take` answer False, and the batch goes through the row parser as before,
+    which names the row and column (and submit then parses the spool as any file). Each distinct
+    combination of parameter values is validated once by the row parser itself, and its request holds what
+    that gave (``params`` as the contract dumps it), exactly as a JSONL line's would."""
+
+    def __init__(self, fast: _FastPath, mapper: RowMapper, schema: Any, staged: Prevalidated,
+                 max_line_bytes: int) -> None:
+        import pyarrow.types as t
+
+        self.mapper = mapper
+        self.staged = staged
+        self.max_line_bytes = max_line_bytes
+        self.prompt = fast.prompt
+        self.id_col = mapper.id_col if mapper.id_col in schema.names else None
+        self.params = list(fast.params.items())  # (column, parameter)
+        self.spool_ep = b',"endpoint":' + orjson.dumps(fast.endpoint) if fast.endpoint else b""
+        #: parameter values (a tuple, one per params column) -> (the spool's params part, the job's, the
+        #: sampling the row parser implied from them: submit warns, once per kind, naming the first row)
+        self.frags: dict[Any, tuple[bytes, bytes, Sampling | None]] = {}
+        self.job_ep: bytes | None = None  # the requests' endpoint as the job holds it (from the row parser)
+        self.sampled: list[tuple[Sampling, int]] = []  # this batch's rows whose sampling was implied
+        self.at = 0  # bytes of the spool written
+        id_type = schema.field(self.id_col).type if self.id_col is not None else None
+        self.int_ids = id_type is not None and t.is_integer(id_type)
+        self.ok = fast.ok and staged.ok and (id_type is None or self.int_ids or t.is_string(id_type)
+                                             or t.is_large_string(id_type))
+
+    def _probe(self, values: tuple[Any, ...]) -> tuple[bytes, bytes, Sampling | None] | None:
+        """The params parts of a row with these parameter values, validated by the row parser (and the sampling
+        it implied); None if it refuses them."""
+        row: dict[str, Any] = {self.prompt or "prompt": "x"}
+        if self.id_col is not None:
+            row[self.id_col] = "x"
+        given = {}
+        for (column, param), v in zip(self.params, values):
+            if v is not None:
+                row[column] = v
+                given[param] = v
+        got = self.mapper(row, 0)
+        if isinstance(got, RowError):
+            return None
+        item = got[0]
+        if item.prompt != "x" or item.messages is not None or item.model is not None or item.continuations is not None:
+            return None
+        from lmdq.submission.submit import _params_dump
+
+        ep = orjson.dumps(item.endpoint.value)
+        if self.job_ep is None:
+            self.job_ep = ep
+        elif ep != self.job_ep:
+            return None
+        dump = _params_dump(item.params) if item.params is not None else {}
+        return (b',"params":' + orjson.dumps(given) if given else b"",
+                b',"params":' + orjson.dumps(dump) if dump else b"", item.sampling)
+
+    def _params(self, batch: Any, row0: int, n: int) -> tuple[list[bytes], list[bytes]] | None:
+        if not self.params:
+            got = self.frags.get(()) or self._probe(())
+            if got is None or got[2] is not None:
+                return None
+            self.frags[()] = got
+            return [got[0]] * n, [got[1]] * n
+        columns = [batch.column(c).to_pylist() for c, _ in self.params]
+        keys: Iterable[Any] = zip(*columns)
+        frags = self.frags
+        spool_parts: list[bytes] = []
+        job_parts: list[bytes] = []
+        sampled: list[tuple[Sampling, int]] = []
+        for k, key in enumerate(keys):
+            got = frags.get(key)
+            if got is None:
+                if len(frags) >= 10_000:  # (nearly) unique values: the row path checks them
+                    return None
+                got = self._probe(key)
+                if got is None:
+                    return None
+                frags[key] = got
+            spool_parts.append(got[0])
+            job_parts.append(got[1])
+            if got[2] is not None:
+                sampled.append((got[2], row0 + k + 1))
+        self.sampled = sampled
+        return spool_parts, job_parts
+
+    def _quoted(self, col: Any) -> Any:
+        """A string column as JSON strings (binary): quotes around it, or orjson's escapes where needed."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if pc.any(pc.match_substring_regex(col, r'["\\\x00-\x1f]')).as_py():
+            return _binary([orjson.dumps(v) for v in col.to_pylist()])
+        return pc.binary_join_element_wise(_const(b'"'), col.cast(pa.binary()), _const(b'"'), _const(b""))
+
+    def take(self, batch: Any, row0: int, out: IO[bytes], hashes: IdHashes) -> bool:
+        """Validate ``batch`` (rows ``row0``...) column-wise and write it to the spool and to pass 1's state;
+        False, having written nothing, when some row needs the row parser."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        n = batch.num_rows
+        try:
+            prompts = batch.column(self.prompt)
+            if prompts.null_count:
+                return False
+            prompts.validate(full=True)  # valid UTF-8
+            if pa.types.is_large_string(prompts.type):
+                prompts = prompts.cast(pa.string())
+            # not empty, not only whitespace: a printable ASCII character settles it, the rest as Python says
+            shown = pc.match_substring_regex(prompts, "[!-~]")
+            if not pc.all(shown).as_py():
+                for p in pc.filter(prompts, pc.invert(shown)).to_pylist():
+                    if not p or p.isspace():
+                        return False
+            if self.id_col is None:
+                ids = _positions(row0, n)
+            else:
+                ids = batch.column(self.id_col)
+                if ids.null_count:
+                    return False
+                if self.int_ids:
+                    ids = pc.cast(ids, pa.string())
+                else:
+                    ids.validate(full=True)
+                    if pa.types.is_large_string(ids.type):
+                        ids = ids.cast(pa.string())
+                    lengths = pc.min_max(pc.utf8_length(ids)).as_py()
+                    if lengths["min"] < 1 or lengths["max"] > _MAX_CUSTOM_ID:
+                        return False
+            self.sampled = []
+            parts = self._params(batch, row0, n)
+            if parts is None or self.job_ep is None:
+                return False
+            qids, qprompts = self._quoted(ids), self._quoted(prompts)
+            spool_params, job_params = _binary(parts[0]), _binary(parts[1])
+            lines = pc.binary_join_element_wise(_const(b'{"custom_id":'), qids, _const(b',"prompt":'), qprompts,
+                                                spool_params, _const(self.spool_ep + b"}\n"), _const(b""))
+            index = _positions(row0, n).cast(pa.binary())
+            jobs = pc.binary_join_element_wise(_const(b'{"index":'), index, _const(b',"custom_id":'), qids,
+                                               _const(b',"endpoint":' + self.job_ep + b',"prompt":'), qprompts,
+                                               job_params, _const(b"}"), _const(b""))
+            if pc.max(pc.binary_length(lines)).as_py() - 1 > self.max_line_bytes:
+                return False
+        except (pa.ArrowException, UnicodeDecodeError, TypeError, ValueError):
+            return False
+        id_list: list[str] = ids.to_pylist()
+        data, ends = _contiguous(lines)
+        out.write(data)
+        starts = [0, *ends[:-1]]
+        staged = self.staged
+        staged.line_crcs.extend(array("I", [crc32(data[s : e - 1]) for s, e in zip(starts, ends)]))
+        job_data, job_ends = _contiguous(jobs)
+        staged.spilled.add_many(job_data, array("Q", job_ends))
+        staged.id_chunks.extend(id_list)
+        hashes.extend(array("Q", [hash(c) & _MASK64 for c in id_list]))
+        if staged.prefixes is not None:
+            at = self.at
+            offsets = array("Q", [at + s for s in starts])
+            line_nos = array("I", range(row0 + 1, row0 + n + 1))
+            if staged.prefixes.unkeyed(pc.max(pc.utf8_length(prompts)).as_py() + 7):
+                staged.prefixes.add_unkeyed(offsets, line_nos)
+            else:
+                from lmdq.contract import Endpoint
+
+                endpoint = Endpoint(orjson.loads(self.job_ep))
+                for off, line_no, cid, prompt in zip(offsets, line_nos, id_list, prompts.to_pylist()):
+                    staged.prefixes.add(off, ParsedLine(line_no, cid, prompt, None, endpoint, None, None))
+        for sampling, line_no in self.sampled:
+            staged.sampling.note(sampling, line_no)
+        self.at += len(data)
+        staged.requests += n
+        return True
+
+
+def _binary(parts: list[bytes]) -> Any:
+    """``parts`` as an Arrow binary array, built from its buffers: ``pa.array`` of a Python list imports pandas
+    to ask whether the list is one of its objects (~0.5 s of a submit's CPU where pandas is installed)."""
+    import pyarrow as pa
+
+    offsets = array("i", accumulate(map(len, parts), initial=0))
+    return pa.Array.from_buffers(pa.binary(), len(parts), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(parts))])
+
+
+_CONSTS: dict[bytes, Any] = {}
+
+
+def _const(value: bytes) -> Any:
+    """``value`` as an Arrow binary scalar, taken from a one-item array: ``pa.scalar`` (and a compute function
+    given a Python value) imports pandas (see :func:`_binary`)."""
+    got = _CONSTS.get(value)
+    if got is None:
+        got = _CONSTS[value] = _binary([value])[0]
+    return got
+
+
+def _positions(start: int, n: int) -> Any:
+    """``start`` .. ``start + n - 1`` as an Arrow string array (built from a buffer: see :func:`_binary`)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ints = pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(array("q", range(start, start + n)))])
+    return pc.cast(ints, pa.string())
+
+
+def _contiguous(arr: Any) -> tuple[memoryview, list[int]]:
+    """A binary array's values end to end (one memoryview of its data buffer) and where each ends in it."""
+    bufs = arr.buffers()
+    raw = array("i")  # a binary array's offsets are int32, one more than its values
+    raw.frombytes(memoryview(bufs[1])[arr.offset * 4 : (arr.offset + len(arr) + 1) * 4])
+    offsets = raw.tolist()
+    first = offsets[0]
+    data = memoryview(bufs[2])[first : offsets[-1]]
+    return data, [o - first for o in offsets[1:]]
+
+
 def _row_problem(err: RowError, row: Any, count: RowCount) -> InputProblem:
     """A bad row as data: its 0-based position (and a DataFrame's index label), column, and the value refused
     (a dict row's cell, a str row)."""
@@ -361,28 +600,48 @@ def _row_problem(err: RowError, row: Any, count: RowCount) -> InputProblem:
 
 def spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], *, max_errors: int = 20,
           max_requests: int = InputLimits().max_requests,
-          progress: Callable[[int], None] | None = None, images: ImageChecker | None = None) -> int:
+          progress: Callable[[int], None] | None = None, images: ImageChecker | None = None,
+          staged: Prevalidated | None = None, max_line_bytes: int = InputLimits().max_line_bytes) -> int:
     """Validate every row of ``src`` into ``out`` (lmdq JSONL, one line per row: line n is row n-1).
 
     Returns the rows written; raises SubmitRejected naming the first bad rows (up to ``max_errors``)
     or the duplicate ids, having read the whole source (a file's submit shows every problem too).
-    Memory is flat in the rows: the ids' hashes wait on disk beside ``out`` (:class:`IdHashes`)."""
+    Memory is flat in the rows: the ids' hashes wait on disk beside ``out`` (:class:`IdHashes`).
+    ``staged``: pass 1's state for submit, built as the rows are written where the column path can
+    (:class:`_Columns`); left ``ok`` False where it could not (submit then parses the spool)."""
     directory = os.path.dirname(out.name) if isinstance(getattr(out, "name", None), str) else None
     with IdHashes(directory or None) as hashes:
         return _spool(src, cmap, out, hashes, max_errors=max_errors, max_requests=max_requests, progress=progress,
-                      images=images)
+                      images=images, staged=staged, max_line_bytes=max_line_bytes)
 
 
 def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *, max_errors: int,
-           max_requests: int, progress: Callable[[int], None] | None, images: ImageChecker | None = None) -> int:
-    from lmdq.submission.submit import _h64
-
+           max_requests: int, progress: Callable[[int], None] | None, images: ImageChecker | None = None,
+           staged: Prevalidated | None = None, max_line_bytes: int = InputLimits().max_line_bytes) -> int:
     problems: list[InputProblem] = []
     mapper = RowMapper(src.name, cmap, images, src.count)
     fast: _FastPath | None = None
+    columns: _Columns | None = None
     n = 0
     for chunk in src.chunks:
         done: list[tuple[str, bytes]] | None = None
+        if staged is not None and staged.ok:
+            if isinstance(chunk, list):
+                staged.ok = False
+            else:
+                if fast is None:
+                    fast = _FastPath(cmap, mapper, chunk.schema)
+                if columns is None:
+                    columns = _Columns(fast, mapper, chunk.schema, staged, max_line_bytes)
+                if columns.ok and not problems and columns.take(chunk, n, out, hashes):
+                    n += chunk.num_rows
+                    if n > max_requests:
+                        raise SubmitRejected(f"{src.name}: too many requests: the limit is {max_requests:,} per "
+                                             "batch")
+                    if progress is not None:
+                        progress(n - n % 5000)
+                    continue
+                staged.ok = False
         if not isinstance(chunk, list):  # a RecordBatch
             if fast is None:
                 fast = _FastPath(cmap, mapper, chunk.schema)
@@ -392,7 +651,7 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
         if done is not None:
             for cid, line in done:
                 out.write(line)
-                hashes.add(_h64(cid))
+                hashes.add(_id_hash(cid))
             n += len(done)
         else:
             if n == 0 and chunk and isinstance(chunk[0], str):
@@ -408,7 +667,7 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
                 if not problems:
                     parsed, obj = item
                     out.write(_line(obj))
-                    hashes.add(_h64(parsed.custom_id))
+                    hashes.add(_id_hash(parsed.custom_id))
             if len(problems) >= max_errors:
                 problems.append(InputProblem(message=f"stopping after {max_errors} errors", source=src.name))
                 break
@@ -451,15 +710,13 @@ def _text(p: InputProblem, count: RowCount) -> str:
 def _name_duplicates(path: str, dup: set[int], src: RowSource, cmap: ColumnMap, max_errors: int
                      ) -> list[InputProblem]:
     """Re-read the spool for the rows whose id hashes collided, naming both rows of each duplicate."""
-    from lmdq.submission.submit import _h64
-
     column = cmap.id_column or "custom_id"
     first: dict[str, int] = {}
     out: list[InputProblem] = []
     with open(path, "rb") as f:
         for row, line in enumerate(f):
             cid = json.loads(line)["custom_id"]
-            if _h64(cid) not in dup:
+            if _id_hash(cid) not in dup:
                 continue
             if cid in first:
                 out.append(InputProblem(message=f"expected a unique id, {cid!r} already used on "

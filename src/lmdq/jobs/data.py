@@ -12,7 +12,9 @@ RQ's bookkeeping needs only if each is within its cap, the data is inflated with
 from __future__ import annotations
 
 import json
+import re
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -34,9 +36,12 @@ __all__ = [
     "JobTooLarge",
     "JobUndecodable",
     "NotDecodable",
+    "RawRequests",
     "inflate",
     "manifest",
+    "job_of_reply",
     "read_job",
+    "read_job_beside",
 ]
 
 """Default cap on one job's data (``LMDQ_MAX_JOB_BYTES``), compressed AND decompressed.
@@ -57,8 +62,42 @@ needs to answer each request of a job whose data it cannot decode (over its LMDQ
 format), so the batch still ends."""
 
 
-def manifest(requests: list[dict[str, Any]]) -> str:
-    """The :data:`REQUESTS_FIELD` value of a job's request dicts."""
+_REQUEST_HEAD = re.compile(rb'\{"index":(\d+),"custom_id":("(?:[^"\\]|\\.)*"),"endpoint":')
+"""How the producer writes each request's JSON: index, custom_id, endpoint first (src/lmdq/submission/submit.py).
+Outside a JSON string only: inside one every quote is escaped, so ``{"index":`` cannot match there."""
+
+
+class RawRequests:
+    """A job's requests as JSON already: the producer's validated spill, one request's JSON per item (issue 49:
+    parsing each request back into a dict only to serialise it again was a quarter of staging's CPU). Spliced
+    into the job's data as it is (:data:`lmdq.jobs.queue.SERIALIZER`); :meth:`manifest` reads the indices and
+    custom_ids off the bytes, in one pass."""
+
+    __slots__ = ("raws",)
+
+    def __init__(self, raws: list[bytes]) -> None:
+        self.raws = raws
+
+    def __len__(self) -> int:
+        return len(self.raws)
+
+    def json(self) -> bytes:
+        """The requests as one JSON array."""
+        return b"[" + b",".join(self.raws) + b"]"
+
+    def manifest(self) -> str:
+        """The :data:`REQUESTS_FIELD` value (``[[index, custom_id], ...]``): read off the bytes when each request
+        starts as the producer writes it, else from each request parsed."""
+        found = _REQUEST_HEAD.findall(self.json())
+        if len(found) == len(self.raws) and all(r.startswith(b'{"index":') for r in self.raws):
+            return "[" + ",".join(f"[{i.decode()},{c.decode()}]" for i, c in found) + "]"
+        return manifest([json.loads(r) for r in self.raws])
+
+
+def manifest(requests: list[dict[str, Any]] | RawRequests) -> str:
+    """The :data:`REQUESTS_FIELD` value of a job's requests (dicts, or :class:`RawRequests`)."""
+    if isinstance(requests, RawRequests):
+        return requests.manifest()
     return json.dumps([[r["index"], r["custom_id"]] for r in requests], ensure_ascii=False, separators=(",", ":"))
 
 
@@ -151,8 +190,27 @@ def read_job(
     Raises :class:`JobRefused` for a missing, foreign-typed or oversized job hash, or fields RQ cannot
     read; Redis errors propagate (the caller re-queues, never refuses, on those).
     """
-    key = Job.key_for(job_id)
-    got: list[Any] = READ_JOB(keys=[key], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=client)
+    got: list[Any] = READ_JOB(keys=[Job.key_for(job_id)], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS],
+                              client=client)
+    return job_of_reply(client, job_id, got, max_job_bytes=max_job_bytes, serializer=serializer)
+
+
+def read_job_beside(client: redis.Redis, job_id: str, also: Callable[[Any], None], *,
+                    max_job_bytes: int = DEFAULT_MAX_JOB_BYTES, serializer: Any = None
+                    ) -> tuple[Callable[[], Job], Any]:
+    """:func:`read_job`'s capped read and the reads ``also`` queues on the pipeline it is handed, in ONE round
+    trip (a worker starting a job reads the job and its batch record). Returns the job as a call (raising what
+    :func:`read_job` raises, when the caller is ready for it) and ``also``'s one reply."""
+    with client.pipeline(transaction=False) as p:
+        READ_JOB(keys=[Job.key_for(job_id)], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=p)
+        also(p)
+        got, other = p.execute()
+    return (lambda: job_of_reply(client, job_id, got, max_job_bytes=max_job_bytes, serializer=serializer)), other
+
+
+def job_of_reply(client: redis.Redis, job_id: str, got: list[Any], *, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+                 serializer: Any = None) -> Job:
+    """The job from READ_JOB's reply ``got`` (untrusted), checked as :func:`read_job` says."""
     tag = reply_text(got[0])
     if tag == "missing":
         raise JobRefused(f"No such job {job_id}: no job hash (deleted, expired, or never created)")

@@ -86,8 +86,16 @@ def decode_job(
     Redis only): the URLs must still equal the batch record's, but no worker policy applies."""
     if len(job_id) > MAX_JOB_ID_CHARS:
         raise JobRefused(f"job id of {len(job_id):,} characters, over {MAX_JOB_ID_CHARS}")
+    # An id of the form lmdq gives names its batch: its record is read with the job, in one round trip (it is
+    # used only once the payload is shown to be that batch's job: job_id == job_id_for(batch, job_no) below).
+    lmdq_id = _JOB_ID.match(job_id)
+    batch_got: Any = _UNREAD
     try:
-        job = queue.fetch_job(job_id)  # bounded: raises JobRefused for oversized / foreign hashes
+        if lmdq_id is not None:
+            read, batch_got = queue.fetch_job_beside(job_id, lambda p: _queue_batch_read(p, queue, lmdq_id.group(1)))
+            job = read()
+        else:
+            job = queue.fetch_job(job_id)  # bounded: raises JobRefused for oversized / foreign hashes
     except NotDecodable as e:
         raise undecodable(client, queue, job_id, str(e)) from e
     try:
@@ -99,7 +107,7 @@ def decode_job(
     if job_id != job_id_for(payload.batch_id, payload.job_no):
         raise JobRefused(f"job {job_id}: its id is not {job_id_for(payload.batch_id, payload.job_no)!r}, "
                          f"the id lmdq gives job {payload.job_no} of batch {payload.batch_id}")
-    batch, total = _batch_record(client, queue, payload.batch_id)
+    batch, total = _batch_record(client, queue, payload.batch_id, got=batch_got)
     where = f"job {job_id} of batch {payload.batch_id}"
     if batch.id != payload.batch_id or payload.model not in batch.models:  # several: one of the batch's models
         raise JobRefused(f"{where}: batch id / model differ from the batch record's")
@@ -155,9 +163,20 @@ def undecodable(client: redis.Redis, queue: JobQueue, job_id: str, reason: str) 
     return UndecodableJob(reason, batch=batch, requests=requests)
 
 
-def _batch_record(client: redis.Redis, queue: JobQueue, batch_id: str) -> tuple[Batch, int]:
-    """The producer's record of ``batch_id`` (size-capped, validated) and its request total."""
-    got: Any = READ_BATCH(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
+def _queue_batch_read(pipe: Any, queue: JobQueue, batch_id: str) -> None:
+    """The capped read of ``batch_id``'s record queued on ``pipe`` (its reply: :func:`_batch_record`'s ``got``)."""
+    READ_BATCH(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=pipe)
+
+
+_UNREAD = object()
+"""``_batch_record``'s ``got`` when the record was not read with the job (None is READ_BATCH's "no record")."""
+
+
+def _batch_record(client: redis.Redis, queue: JobQueue, batch_id: str, *, got: Any = _UNREAD) -> tuple[Batch, int]:
+    """The producer's record of ``batch_id`` (size-capped, validated) and its request total; ``got``: READ_BATCH's
+    reply for it already read (with the job), else it is read now."""
+    if got is _UNREAD:
+        got = READ_BATCH(keys=[queue.keys.batch(batch_id)], args=[MAX_BATCH_RECORD_BYTES], client=client)
     if not got or got[1] is None:
         raise JobRefused(f"batch {batch_id}: no batch record (deleted, expired, or the job is forged)")
     if got[0] == b"too_large":

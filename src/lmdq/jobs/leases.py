@@ -34,17 +34,21 @@ class JobLeases:
         self._reap = REAP.bind(client)
         self._move = MOVE_JOB.bind(client)
 
-    def claim(self, queues: Sequence[str], *, model: str, worker: str, lease_s: float, n: int) -> list[Any]:
+    def claim(self, queues: Sequence[str], *, model: str, worker: str, lease_s: float, n: int,
+              roster: str = "", member: str = "", held: int = 0) -> tuple[int, list[Any]]:
         """Pop up to ``n`` jobs from ``queues`` (RQ queue names, first non-empty first) and lease them to
-        ``worker``, in one script call. The raw flat reply: six fields per job (id, queue key, run,
-        charges, crashes, killer)."""
+        ``worker``, in one script call. With ``roster`` (the model's idle roster, :mod:`lmdq.jobs.idle_roster`,
+        this worker's entry ``member``, holding ``held`` jobs) ``n`` is first cut to the fair share, in the same
+        call. The raw reply: the share it aimed for, and six fields per job (id, queue key, run, charges,
+        crashes, killer)."""
         k = self.keys
         res = self._claim(
             keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes(), k.inflight(model),
-                  *(rq_queue_key(q) for q in queues)],
-            args=[lease_s, worker, n],
+                  roster or k.leases(), *(rq_queue_key(q) for q in queues)],
+            args=[lease_s, worker, n, held, member if roster else ""],
         )
-        return list(res) if res else []
+        res = list(res) if res else [0]
+        return int(res[0]), res[1:]
 
     def renew(self, job_ids: Sequence[str], *, worker: str, lease_s: float) -> list[Any]:
         """Extend the leases ``worker`` still owns among ``job_ids`` (one script call); the raw ids it
@@ -52,12 +56,15 @@ class JobLeases:
         return list(self._heartbeat(keys=[self.keys.leases(), self.keys.lease_owner()],
                                     args=[lease_s, worker, *job_ids]))
 
-    def drop(self, job_id: str, *, worker: str, mode: str, charge: str, killer: int | str) -> bool:
+    def drop(self, job_id: str, *, worker: str, mode: str, charge: str, killer: int | str,
+             pipe: Any | None = None) -> bool:
         """Drop ``worker``'s lease, fenced (one script call; ``mode`` 'requeue' puts the job back at the
-        front of its queue and counts ``charge``). False: the lease was not ``worker``'s any more."""
+        front of its queue and counts ``charge``). False: the lease was not ``worker``'s any more. With
+        ``pipe`` the call joins that pipeline (its 0/1 comes from the pipeline's ``execute``) and this returns True."""
         k = self.keys
-        return bool(self._release(keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes()],
-                                  args=[job_id, worker, mode, charge, killer]))
+        got = self._release(keys=[k.leases(), k.lease_owner(), k.runs(), k.attempts(), k.crashes()],
+                            args=[job_id, worker, mode, charge, killer], client=pipe)
+        return True if pipe is not None else bool(got)
 
     def reap_expired(self, limit: int) -> list[Any]:
         """Re-queue up to ``limit`` jobs whose lease ran out (one script call); the raw flat reply
@@ -141,13 +148,31 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('LREM', inflight, 1, ARGV[1])
 """)
 
-# KEYS: leases, owners, runs, charges, crashes, inflight list, queue1..n.  ARGV: ttl, worker, max jobs
-# Returns per job: id, queue, run number, charged attempts so far, engine crashes so far, killer index.
+# KEYS: leases, owners, runs, charges, crashes, inflight list, idle roster (or any key: unused without a
+# member), queue1..n.  ARGV: ttl, worker, max jobs, jobs the worker holds, its roster member ('' for none).
+# Returns the share it aimed for, then per job: id, queue, run number, charged attempts so far, engine crashes
+# so far, killer index. With a member, the max is first cut to the FAIR SHARE while other workers of the model
+# are idle: lmdq.worker.admission.fair_share's rule (tests/test_fair_share.py runs both on the same cases),
+# over IDLE_LOOK's counts (lmdq.jobs.idle_roster), in this call: issue 49, the look was a round trip and a
+# script call of its own before every claim.
 CLAIM = LuaScript("claim", """
 local out = {}
 local want = tonumber(ARGV[3])
-for i = 7, #KEYS do
-  while #out < 6 * want do
+if ARGV[5] ~= '' and want > 0 then
+  local t = redis.call('TIME')
+  local raw = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  local idle = redis.call('ZCOUNT', KEYS[7], '(' .. raw, '+inf')
+  if tonumber(redis.call('ZSCORE', KEYS[7], ARGV[5]) or '0') > raw then idle = idle - 1 end
+  if idle > 0 then
+    local visible, held = 0, tonumber(ARGV[4])
+    for i = 8, #KEYS do visible = visible + redis.call('LLEN', KEYS[i]) end
+    local target = math.ceil((visible + held) / (idle + 1))
+    want = math.max(0, math.min(want, target - held))
+  end
+end
+table.insert(out, want)
+for i = 8, #KEYS do
+  while #out < 1 + 6 * want do
     local id = redis.call('LPOP', KEYS[i])
     if not id then break end
     redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
@@ -160,7 +185,6 @@ for i = 7, #KEYS do
     table.insert(out, redis.call('HGET', KEYS[5], id .. ':killer') or '')
   end
 end
-if #out == 0 then return false end
 return out
 """, uses=(LEASE_CLOCK,))
 

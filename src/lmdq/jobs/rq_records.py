@@ -11,7 +11,7 @@ move: one round trip per job start, end or re-queue. Replies are handed back raw
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -41,8 +41,8 @@ class RQRecords:
     def stage(self, job: Job, fields: Mapping[str, str], *, batch_id: str, ttl_s: int, pipe: Any) -> None:
         """Queue the job hash on ``pipe`` (RQ's fields and lmdq's plain ``fields``), its TTL, and its id on
         the batch's job list; the caller sends the pipeline."""
-        job.save(pipeline=pipe)
-        pipe.hset(job.key, mapping=dict(fields))
+        # RQ's fields (what ``job.save`` writes) and lmdq's in ONE HSET: a command less per job (issue 49)
+        pipe.hset(job.key, mapping={**job.to_dict(), **fields})
         pipe.expire(job.key, ttl_s)
         pipe.rpush(self.keys.batch_jobs(batch_id), job.id)
 
@@ -97,21 +97,39 @@ class RQRecords:
     def ended(self, job: Job, execution: Execution | None, *, failed: str | None, ended_at: str) -> None:
         """RQ's records of a job that ended (status, Finished/FailedJobRegistry, ``ended_at``), one pipeline."""
         with self.client.pipeline() as p:
-            if execution is not None:
-                execution.delete(job, p)
-            if failed:
-                job.set_status(JobStatus.FAILED, pipeline=p)
-                FailedJobRegistry(job.origin, connection=self.client, serializer=self.serializer).add(
-                    job, ttl=self.ttl_s, exc_string=failed, pipeline=p
-                )
-            else:
-                job.set_status(JobStatus.FINISHED, pipeline=p)
-                FinishedJobRegistry(job.origin, connection=self.client, serializer=self.serializer).add(
-                    job, self.ttl_s, p
-                )
-            p.hset(job.key, "ended_at", ended_at)
-            self._orphan_guard(job.id, p)
+            self._ended(p, job, execution, failed=failed, ended_at=ended_at)
             p.execute()
+
+    def ended_after(self, first: Callable[[Any], None], job: Job, execution: Execution | None, *,
+                    failed: str | None, ended_at: str) -> tuple[Any, bool]:
+        """``first`` (one call it queues: the lease's release) and then RQ's end records of ``job``, in ONE
+        MULTI: one round trip per job end, not two (issue 49). Returns ``first``'s reply (raised if it is an
+        error) and whether every end record was written (False: one was refused, e.g. under maxmemory; the
+        caller writes them again with :meth:`ended`, on its own retry, since ``first`` must not run twice)."""
+        with self.client.pipeline() as p:
+            first(p)
+            self._ended(p, job, execution, failed=failed, ended_at=ended_at)
+            got = p.execute(raise_on_error=False)
+        if isinstance(got[0], Exception):
+            raise got[0]
+        return got[0], not any(isinstance(x, Exception) for x in got[1:])
+
+    def _ended(self, p: Any, job: Job, execution: Execution | None, *, failed: str | None, ended_at: str) -> None:
+        """:meth:`ended`'s commands, queued on ``p``."""
+        if execution is not None:
+            execution.delete(job, p)
+        if failed:
+            job.set_status(JobStatus.FAILED, pipeline=p)
+            FailedJobRegistry(job.origin, connection=self.client, serializer=self.serializer).add(
+                job, ttl=self.ttl_s, exc_string=failed, pipeline=p
+            )
+        else:
+            job.set_status(JobStatus.FINISHED, pipeline=p)
+            FinishedJobRegistry(job.origin, connection=self.client, serializer=self.serializer).add(
+                job, self.ttl_s, p
+            )
+        p.hset(job.key, "ended_at", ended_at)
+        self._orphan_guard(job.id, p)
 
     def requeued(self, job: Job) -> None:
         """RQ's view of a re-queued job back to 'queued', its stale StartedJobRegistry entries dropped."""

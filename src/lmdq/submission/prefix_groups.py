@@ -141,6 +141,16 @@ class PrefixKeys:
                 keys.frombytes(bytes(keys.itemsize * (index - len(keys))))
             keys.append(int.from_bytes(h.copy().digest(), "little") or 1)
 
+    def add_unkeyed(self, offsets: array[int], line_nos: array[int]) -> None:
+        """Record requests too short for any key (or with grouping off) at once: their offsets and line
+        numbers only, as :meth:`add` keeps for them."""
+        self.offsets.extend(offsets)
+        self.line_nos.extend(line_nos)
+
+    def unkeyed(self, chars: int) -> bool:
+        """Whether a request whose prefix text is at most ``chars`` characters gets no key (:meth:`add`)."""
+        return not self.group or chars * 4 < self.lengths[0]
+
     def __len__(self) -> int:
         return len(self.offsets)
 

@@ -90,6 +90,12 @@ class SpillArray:
         if len(self._buf) >= self.BUF:
             self._spill()
 
+    def extend(self, values: array[int]) -> None:
+        """Append every item of ``values`` (an array of this typecode) at once."""
+        self._buf.extend(values)
+        if len(self._buf) >= self.BUF:
+            self._spill()
+
     def _spill(self) -> None:
         if self._file is None:
             self._file = _temp(f"lmdq-{self.typecode}-", self._directory)
@@ -169,6 +175,12 @@ class IdHashes:
         if len(self._buf) >= self.RUN:
             self._flush()
 
+    def extend(self, hashes: array[int]) -> None:
+        """:meth:`add` of each of ``hashes`` (an ``array("Q")``)."""
+        self._buf.extend(hashes)
+        if len(self._buf) >= self.RUN:
+            self._flush()
+
     def _flush(self) -> None:
         if not self._buf:
             return
@@ -235,6 +247,16 @@ class IdChunks:
         if len(self._ids) == self.per_chunk:
             self._write()
 
+    def extend(self, custom_ids: list[str]) -> None:
+        """:meth:`add` of each of ``custom_ids``, in order (whole chunks written at once)."""
+        at = 0
+        while at < len(custom_ids):
+            take = self.per_chunk - len(self._ids)
+            self._ids.extend(custom_ids[at : at + take])
+            at += take
+            if len(self._ids) == self.per_chunk:
+                self._write()
+
     def _write(self) -> None:
         if self._file is None:
             self._file = _temp("lmdq-cids-", self._directory)
@@ -287,6 +309,14 @@ class RequestSpill:
         self._file.write(data)
         self._at += len(data)
         self._ends.append(self._at)
+
+    def add_many(self, data: bytes | memoryview, ends: array[int]) -> None:
+        """:meth:`add` of consecutive requests at once: ``data`` their bytes end to end, ``ends`` where each
+        ends in ``data`` (the builder's column of request JSON: lmdq.client.sources)."""
+        self._file.write(data)
+        at = self._at
+        self._ends.extend(array("Q", [at + e for e in ends]))
+        self._at += len(data)
 
     def map(self) -> None:
         """Reads by index jump about from now on (a prefix plan's order): see :meth:`SpillArray.map`."""

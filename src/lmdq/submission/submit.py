@@ -71,6 +71,7 @@ from lmdq.webhooks.signing import new_secret
 from lmdq.webhooks.store import WebhookStore
 
 __all__ = [
+    "Prevalidated",
     "SubmitOptions",
     "submit_fingerprint",
     "job_payloads",
@@ -183,6 +184,59 @@ class _Fingerprint:
     id_chunks: IdChunks = field(default_factory=lambda: IdChunks(IDS_CHUNK), compare=False)
 
 
+class Prevalidated:
+    """Pass 1's per-request state, built by a caller that wrote and validated the file itself: the client's
+    spool of an Arrow source, column by column (:mod:`lmdq.client.sources`; issue 49: parsing the spool
+    again, line by line, was most of a Parquet submit's CPU). :func:`submit_file` then stages from it without
+    parsing the file; everything else (the checks that the file did not change, prefix grouping, progressive
+    staging, resume) is as for any file. The caller adds every request through :meth:`add_many` in file
+    order, having ruled out duplicate ids; ``ok`` False (some rows needed the row parser) means it is not
+    used: pass 1 reads the file as always. :meth:`close` deletes its temporary files."""
+
+    def __init__(self, opts: SubmitOptions, directory: str | None) -> None:
+        self.ok = opts.model is not None
+        self.requests = 0
+        self.line_crcs = SpillArray("I", directory)
+        self.spilled = RequestSpill(directory)
+        self.id_chunks = IdChunks(IDS_CHUNK, directory)
+        self.prefixes = (PrefixKeys(opts.prefix_group_bytes, group=True, directory=directory)
+                         if opts.prefix_groups else None)
+        #: the rows whose sampling the row parser implied (warned about once per kind, as a file's lines)
+        self.sampling = _SamplingTally()
+
+    def close(self) -> None:
+        self.line_crcs.close()
+        self.spilled.close()
+        self.id_chunks.close()
+        if self.prefixes is not None:
+            self.prefixes.close()
+
+    def __enter__(self) -> Prevalidated:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _prevalidated(path: Path, opts: SubmitOptions, pre: Prevalidated
+                  ) -> tuple[_Fingerprint, str, PrefixKeys | None, int, _Models | None]:
+    """:func:`_validate`'s answer for a file whose caller validated it and built pass 1's state itself."""
+    assert opts.model is not None and pre.ok
+    try:
+        size, mtime_ns = _stat(path)
+        whole = _file_crc(path)
+    except OSError as e:
+        raise SubmitRejected(f"{path}: cannot read the file: {e.strerror or e}") from e
+    if pre.requests == 0 or len(pre.spilled) != pre.requests or len(pre.line_crcs) != pre.requests:
+        raise SubmitRejected(f"{path}: pass 1's state holds {len(pre.spilled)} requests, expected {pre.requests}")
+    seen = _Fingerprint(size=size, mtime_ns=mtime_ns, requests=pre.requests, file_crc=whole,
+                        line_crcs=pre.line_crcs, spilled=pre.spilled, id_chunks=pre.id_chunks)
+    if opts.on_warning is not None:
+        for w in pre.sampling.warnings(path, batch_samples=bool(opts.params.do_sample)):
+            opts.on_warning(w)
+    return seen, opts.model, pre.prefixes, 0, None
+
+
 def _h64(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
 
@@ -224,6 +278,14 @@ def _request_json(index: int, item: ParsedLine, *, with_model: bool, images: Ima
         return orjson.dumps(d)
     except orjson.JSONEncodeError:  # a lone surrogate or an int over 64 bits (the stdlib parser's, on a doubt)
         return json.dumps(d, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _staged_request(raw: bytes, *, with_model: bool, as_raw: bool) -> dict[str, Any] | bytes:
+    """A spilled request as pass 2 hands it to the ledger: its JSON as it is (spliced into its job unparsed:
+    issue 49) when the job holds it whole, else the dict (:func:`_spilled_request`)."""
+    if as_raw and not with_model and raw.startswith(b'{"index":'):
+        return raw
+    return _spilled_request(raw, with_model=with_model)
 
 
 def _spilled_request(raw: bytes, *, with_model: bool) -> dict[str, Any]:
@@ -430,8 +492,11 @@ class _SamplingTally:
 
     def add(self, item: ParsedLine) -> None:
         if item.sampling is not None:
-            self.count[item.sampling] += 1
-            self.first.setdefault(item.sampling, item.line_no)
+            self.note(item.sampling, item.line_no)
+
+    def note(self, sampling: Sampling, line_no: int) -> None:
+        self.count[sampling] += 1
+        self.first.setdefault(sampling, line_no)
 
     def warnings(self, path: Path, *, batch_samples: bool) -> list[str]:
         out = []
@@ -511,7 +576,8 @@ def _check_unchanged(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Non
         raise _changed(path, f"it can no longer be read: {e.strerror or e}") from e
 
 
-def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Generator[dict[str, Any], None, None]:
+def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint, *, as_raw: bool = False
+                   ) -> Generator[dict[str, Any] | bytes, None, None]:
     """Pass 2: the request dicts pass 1 validated and spilled, in input order.
 
     The file is checked (:func:`_check_unchanged`) before the first request and after the last: an edit
@@ -521,7 +587,7 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
     _check_unchanged(path, opts, seen)
     try:
         for raw in seen.spilled:
-            yield _spilled_request(raw, with_model=False)
+            yield _staged_request(raw, with_model=False, as_raw=as_raw)
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the submit's temporary files: {e.strerror or e}") from e
     _check_unchanged(path, opts, seen)
@@ -529,15 +595,15 @@ def _file_requests(path: Path, opts: SubmitOptions, seen: _Fingerprint) -> Gener
 
 def _planned_requests(
     path: Path, opts: SubmitOptions, seen: _Fingerprint, prefixes: PrefixKeys, plan: JobPlan, *,
-    with_model: bool = False,
-) -> Generator[dict[str, Any], None, None]:
+    with_model: bool = False, as_raw: bool = False,
+) -> Generator[dict[str, Any] | bytes, None, None]:
     """Pass 2 with prefix groups: the spilled requests in ``plan``'s job order, each keeping its input index,
     with the same checks of the file as :func:`_file_requests`."""
     _check_unchanged(path, opts, seen)
     try:
         seen.spilled.map()  # read in the plan's order: jumps between groups all the time
         for index in plan.order:
-            yield _spilled_request(seen.spilled[index], with_model=with_model)
+            yield _staged_request(seen.spilled[index], with_model=with_model, as_raw=as_raw)
     except OSError as e:
         raise SubmitRejected(f"{path}: cannot read the submit's temporary files: {e.strerror or e}") from e
     _check_unchanged(path, opts, seen)
@@ -584,6 +650,7 @@ def submit_file(
     enqueue_progress: Progress | None = None,
     chunk_jobs: int = 256,
     max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+    prevalidated: Prevalidated | None = None,
 ) -> tuple[Batch, bool]:
     """Validate and enqueue ``path``. Returns (batch, created); created is False when an
     idempotency key matched an existing batch. ``max_job_bytes`` is LMDQ_MAX_JOB_BYTES: a job the
@@ -625,7 +692,10 @@ def submit_file(
     # input when it is a copy of one (the client's spool, stdin's temporary file), else in TMPDIR
     spill_dir = str(path.parent) if opts.input_name is not None else None
     with ExitStack() as spills:
-        seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress, spills, spill_dir)
+        if prevalidated is not None and prevalidated.ok and opts.model is not None and fmt is InputFormat.jsonl:
+            seen, model, prefixes, model_line, several = _prevalidated(path, opts, prevalidated)
+        else:
+            seen, model, prefixes, model_line, several = _validate(path, opts, validate_progress, spills, spill_dir)
         field_name = "body.model" if fmt is InputFormat.openai else "model"
         try:
             check_model_name(model)
@@ -700,12 +770,16 @@ def submit_file(
             if existing_id is not None:
                 bound = ledger.bound_batch(opts.idempotency_key, fingerprint=fingerprint)
                 return bound or ledger.get(existing_id), False
-        if plan is not None and prefixes is not None:
-            requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None)
-        else:
-            requests = _file_requests(path, opts, seen)
         counter = (_ReuseCount(client, keys, model, opts.params)
                    if opts.reuse_ttl_s is not None and several is None else None)
+        # the spill as it is, unless a line's model is in it (no --model: pass 2 drops it) or reuse counting
+        # looks at each request's dict
+        as_raw = opts.model is not None and (counter is None or counter.found is None)
+        if plan is not None and prefixes is not None:
+            requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=several is not None,
+                                         as_raw=as_raw)
+        else:
+            requests = _file_requests(path, opts, seen, as_raw=as_raw)
         try:
             if opts.after_validation is not None:
                 opts.after_validation()
@@ -746,11 +820,11 @@ class _ReuseCount:
             self.found += self.index.known(self.model, chunk, self.params) or 0
         chunk.clear()
 
-    def counting(self, requests: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    def counting(self, requests: Iterator[dict[str, Any] | bytes]) -> Iterator[dict[str, Any] | bytes]:
         chunk: list[Request] = []
         for d in requests:
             yield d
-            if self.found is None:
+            if self.found is None or type(d) is not dict:
                 continue
             try:
                 chunk.append(Request.model_validate({k: v for k, v in d.items() if k != "model"}))
@@ -774,10 +848,11 @@ def _resume(
         raise SubmitRejected(f"{path}: batch {batch.id} (its idempotency key's) counts {batch.request_counts.total} "
                              f"requests in {batch.num_jobs} jobs, this submit {seen.requests} in {num_jobs}; "
                              "nothing was enqueued")
+    as_raw = opts.model is not None
     if plan is not None and prefixes is not None:
-        requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=with_model)
+        requests = _planned_requests(path, opts, seen, prefixes, plan, with_model=with_model, as_raw=as_raw)
     else:
-        requests = _file_requests(path, opts, seen)
+        requests = _file_requests(path, opts, seen, as_raw=as_raw)
     try:
         done = ledger.enqueue(batch, requests, progress=enqueue_progress, chunk_jobs=chunk_jobs,
                               job_sizes=plan.sizes if plan is not None else None, fingerprint=fingerprint,

@@ -20,6 +20,7 @@ from lmdq.jobs.data import (
     inflate,
     manifest,
     read_job,
+    read_job_beside,
 )
 
 
@@ -68,6 +69,25 @@ def test_read_job_reads_a_json_job(client: redis.Redis) -> None:
         client.delete(f"rq:job:{jid}")
 
 
+def test_read_job_beside_reads_the_job_and_more_in_one_round_trip(client: redis.Redis) -> None:
+    """What a worker starting a job reads with it (its batch record) comes in the same pipeline; the job's
+    checks run when the caller asks for the job (a hostile hash still raises there, the other reply is kept)."""
+    data = json.dumps(["lmdq.jobs.queue.generate", None, [{"x": 1}], {}]).encode()
+    jid = _job(client, data=zlib.compress(data), origin="q", status="queued")
+    bad = _job(client, data=b"\x80\x04pickle")
+    other = f"unit-{uuid.uuid4().hex}"
+    client.set(other, "beside")
+    try:
+        read, got = read_job_beside(client, jid, lambda p: p.get(other))
+        assert got == b"beside" and read().id == jid
+        read, got = read_job_beside(client, bad, lambda p: p.get(other))
+        assert got == b"beside"
+        with pytest.raises(JobRefused, match="not JSON"):
+            read()
+    finally:
+        client.delete(f"rq:job:{jid}", f"rq:job:{bad}", other)
+
+
 @pytest.mark.parametrize("fields, err, match", [
     ({"origin": "q"}, JobRefused, "no 'data'"),
     ({"data": b"\x80\x04pickle"}, JobRefused, "not JSON"),
@@ -97,3 +117,40 @@ def test_read_job_missing_and_wrong_type(client: redis.Redis) -> None:
             read_job(client, jid)
     finally:
         client.delete(f"rq:job:{jid}")
+
+
+# ---- issue 49: requests spliced into a job as the JSON the producer validated ------------------------------
+
+def _spilled(index: int, cid: str, **rest: object) -> bytes:
+    import orjson
+
+    return orjson.dumps({"index": index, "custom_id": cid, "endpoint": "chat", **rest})
+
+
+def test_raw_requests_manifest_is_read_off_the_bytes_and_parsed_when_in_doubt() -> None:
+    from lmdq.jobs.data import RawRequests
+
+    odd = 'a,"endpoint":"x"\\é{"index":9,'  # a quote, a backslash and a request's head inside the id
+    raws = [_spilled(7, odd, prompt='{"index":1,"custom_id":"z","endpoint":"chat"}'), _spilled(8, "b", prompt="hi")]
+    assert json.loads(RawRequests(raws).manifest()) == [[7, odd], [8, "b"]]
+    other = [b'{"custom_id":"a","index":1,"endpoint":"chat"}', _spilled(2, "b")]  # another key order: parsed
+    assert json.loads(RawRequests(other).manifest()) == [[1, "a"], [2, "b"]]
+    nested = [_spilled(3, "c", messages=[{"index": 5, "custom_id": "n", "endpoint": "x"}])]  # one head too many
+    assert json.loads(RawRequests(nested).manifest()) == [[3, "c"]]
+
+
+def test_manifest_and_job_data_are_the_same_from_raw_requests_and_dicts() -> None:
+    """A job staged from the spill's bytes holds, once parsed, exactly what the dicts gave; its manifest too."""
+    from lmdq.jobs.data import RawRequests
+    from lmdq.jobs.queue import SERIALIZER
+
+    raws = [_spilled(i, f"id-{i}-ü", prompt=f"p {i} \u2028", params={"max_new_tokens": 3}) for i in range(5)]
+    dicts = [json.loads(r) for r in raws]
+    assert json.loads(manifest(RawRequests(raws))) == json.loads(manifest(dicts)) == [[i, f"id-{i}-ü"]
+                                                                                      for i in range(5)]
+    job = ("lmdq.jobs.queue.generate", None, [{"batch_id": "b", "requests": RawRequests(raws)}], {})
+    assert json.loads(SERIALIZER.dumps(job)) == json.loads(
+        SERIALIZER.dumps(("lmdq.jobs.queue.generate", None, [{"batch_id": "b", "requests": dicts}], {})))
+    # what orjson refuses (an int over 64 bits) is still written, by the stdlib, the raw requests parsed
+    big = ("f", None, [{"n": 2**70, "requests": RawRequests(raws[:1])}], {})
+    assert json.loads(SERIALIZER.dumps(big)) == ["f", None, [{"n": 2**70, "requests": dicts[:1]}], {}]

@@ -18,14 +18,14 @@ def _setup(client: redis.Redis, prefix: str) -> tuple[JobLeases, list[str]]:
 def test_claim_pops_in_priority_order_and_leases_in_one_call(client: redis.Redis, prefix: str) -> None:
     leases, qs = _setup(client, prefix)
     assert leases.waiting(qs) == 3
-    raw = leases.claim(qs, model="m", worker="w1", lease_s=30, n=2)
-    assert len(raw) == 12 and raw[0::6] == [b"urgent", b"j1"]
+    share, raw = leases.claim(qs, model="m", worker="w1", lease_s=30, n=2)  # no roster: the share is n
+    assert share == 2 and len(raw) == 12 and raw[0::6] == [b"urgent", b"j1"]
     assert raw[1] == rq_queue_key(qs[0]).encode() and int(raw[2]) == 1  # first run
     k = Keys(prefix)
     assert client.zscore(k.leases(), "j1") is not None
     assert client.lrange(k.inflight("m"), 0, -1) == [b"urgent", b"j1"]
     assert leases.waiting(qs) == 1
-    assert leases.claim([queue_name("x", "normal", prefix)], model="x", worker="w1", lease_s=30, n=5) == []
+    assert leases.claim([queue_name("x", "normal", prefix)], model="x", worker="w1", lease_s=30, n=5) == (5, [])
 
 
 def test_renew_and_drop_are_fenced_on_the_owner(client: redis.Redis, prefix: str) -> None:

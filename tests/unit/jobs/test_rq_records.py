@@ -60,6 +60,24 @@ def test_end_and_requeue_move_rq_s_view(client: redis.Redis, prefix: str) -> Non
     assert job.id in FinishedJobRegistry("q", connection=client).get_job_ids()
 
 
+def test_ended_after_runs_its_first_call_and_the_end_records_in_one_multi(client: redis.Redis, prefix: str) -> None:
+    rec, job = _staged(client, prefix)
+    execution = rec.started(job, job.id, "w", 60)
+    other = f"{prefix}:first"
+    got, recorded = rec.ended_after(lambda p: p.incr(other), job, execution, failed=None,
+                                    ended_at="2026-01-01T00:00:00.000000Z")
+    assert got == 1 and recorded and client.get(other) == b"1"
+    assert client.hget(job.key, "status") == b"finished"
+    assert job.id in FinishedJobRegistry("q", connection=client).get_job_ids()
+    assert job.id not in StartedJobRegistry("q", connection=client).get_job_ids()
+    # a refused end record is reported, not raised (the first call must not run again): a WRONGTYPE here
+    client.delete(job.key)
+    client.set(job.key, "not a hash")
+    got, recorded = rec.ended_after(lambda p: p.incr(other), job, None, failed=None, ended_at="x")
+    assert got == 2 and not recorded
+    client.delete(job.key)
+
+
 def test_failed_unread_and_forget(client: redis.Redis, prefix: str) -> None:
     rec, job = _staged(client, prefix)
     rec.failed_unread(job.id, "q", {"status": "failed"}, ttl_s=100, until=2_000_000_000)
