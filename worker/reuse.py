@@ -121,11 +121,18 @@ class ReuseHook:
         order = [r for r in todo if r.index in ids]
         found = self.index.find(payload.model, [ids[r.index] for r in order])
         out: dict[int, Result] = {}
+        # one Timings for the job's hits (all answered at ``now``): a result's fields are only read from here on
+        timings = Timings.model_construct(enqueued_at=enqueued_at, started_at=now, finished_at=now)
+        taken: set[int] = set()
         for pos, stored in found.items():
             r = order[pos]
-            out[r.index] = stored.model_copy(update={
-                "batch_id": payload.batch_id, "custom_id": r.custom_id, "index": r.index, "worker": worker,
-                "attempt": attempt, "timings": Timings(enqueued_at=enqueued_at, started_at=now, finished_at=now)})
+            # find() parses each answer afresh, so it is ours to fill in; a copy only where one stored answer
+            # serves two requests of this job (the same prompt twice)
+            res = stored.model_copy() if id(stored) in taken else stored
+            taken.add(id(stored))
+            res.batch_id, res.custom_id, res.index = payload.batch_id, r.custom_id, r.index
+            res.worker, res.attempt, res.timings = worker, attempt, timings
+            out[r.index] = res
         return out
 
     def record(self, payload: JobPayload, fresh: list[Result], ids: dict[int, bytes], *, sealed: bool) -> None:
