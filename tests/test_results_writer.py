@@ -50,6 +50,23 @@ def test_results_queued_together_go_in_one_pipelined_call_each_written_once(clie
     assert int(client.hget(keys.batch("b"), "completed") or 0) == 100
 
 
+def test_finals_write_a_whole_group_now_each_once(client: redis.Redis, prefix: str) -> None:
+    """A job answered from reuse writes its results from its own thread, in one call: each exactly once
+    (a second attempt's writes are refused and counted as duplicates), no flusher thread started."""
+    keys = Keys(prefix)
+    store = ResultStore(client, keys=keys, ttl_s=3600)
+    client.hset(keys.batch("b"), mapping={"total": 100, "status": "in_progress"})
+    client.expire(keys.batch("b"), 3600)
+    w = ResultWriter(store, log=structlog.get_logger(), give_up=threading.Event())
+    rs = _results("b", 100)
+    assert w.finals(rs[:60]) == [True] * 60
+    assert w.finals(rs[50:]) == [False] * 10 + [True] * 40
+    assert w.finals([]) == [] and w._flusher is None
+    assert client.hlen(keys.results("b")) == 100
+    assert int(client.hget(keys.batch("b"), "completed") or 0) == 100
+    assert w.stats["results"] == 100 and w.stats["duplicates"] == 10
+
+
 def test_a_job_is_sealed_by_the_writer_that_wrote_its_results(client: redis.Redis, prefix: str,
                                                                tmp_path: Path) -> None:
     """Sealing happens where results are written: the writer's ``seal`` writes the job's shard and moves

@@ -144,6 +144,21 @@ def test_sink_batches_index_pointers_into_their_shards(client: redis.Redis, redi
     assert {r.reused_from.batch for r in third if r.reused_from} == {first[0].batch_id}
 
 
+def test_one_stored_answer_serves_the_same_prompt_twice_in_a_job(client: redis.Redis, redis_url: str, prefix: str,
+                                                                  tmp_path: Path) -> None:
+    """The reused path fills each hit in place (no copy per result); a prompt that appears twice in one job
+    is one stored answer for two requests: each keeps its own custom_id, index and batch."""
+    url = (tmp_path / "sink").as_uri()
+    rows = [{"prompt": f"q {i % 50}", "params": {"max_new_tokens": 8}} for i in range(200)]  # each prompt 4x
+    first, _ = run_batch(client, redis_url, prefix, rows, results_url=url, batch_size=100)
+    second, steps = run_batch(client, redis_url, prefix, rows, results_url=url, batch_size=100)
+    assert steps == 0 and _reused(second) == 200
+    assert [r.index for r in second] == list(range(200))
+    assert {r.batch_id for r in second} == {second[0].batch_id} != {first[0].batch_id}
+    assert [r.text for r in second] == [r.text for r in first]
+    assert all(r.reused_from is not None and r.reused_from.batch == first[0].batch_id for r in second)
+
+
 def test_worker_sigkill_in_a_half_reused_batch_answers_every_custom_id_once(
         client: redis.Redis, redis_url: str, prefix: str, env: dict[str, str], tmp_path: Path) -> None:
     import os

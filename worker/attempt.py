@@ -111,7 +111,7 @@ class JobAttempt:
         gate: EngineGate,
         health: Any | None = None,
         clock: Callable[[], float] = time.time,
-        request_done: Callable[[Held], None] | None = None,
+        request_done: Callable[[Held, int], None] | None = None,
         reuse: ReuseHook | None = None,
     ) -> None:
         self.engine = engine
@@ -250,11 +250,11 @@ class JobAttempt:
                                   now=self.clock())
         if not hits:
             return todo
-        for result in hits.values():
-            held.writes.append(self.writer.final_async(result))
-            if self.request_done is not None:
-                self.request_done(held)
-        self.writer.wait(held.writes)
+        # the whole job's hits in one write from this thread (exactly once each: the results script refuses a
+        # request that already has its result, e.g. from an attempt killed half-way)
+        self.writer.finals(list(hits.values()))
+        if self.request_done is not None:
+            self.request_done(held, len(hits))
         jlog.info("answered from reuse", reused=len(hits), left=len(todo) - len(hits))
         return [r for r in todo if r.index not in hits]
 
@@ -429,7 +429,7 @@ class JobAttempt:
             # LMDeploy's RPC errors did): those errors are the engine's, not the requests'.
             raise _EngineGone(ev.error_message or ev.error_code or "request failed as the engine died")
         if self.request_done is not None:
-            self.request_done(held)
+            self.request_done(held, 1)
         return reason
 
     def _account(self, lv: LiveRequest, results: ResultBuilder, status: ResultStatus, generated: int,

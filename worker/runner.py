@@ -587,14 +587,15 @@ class Worker:
             if self.health:
                 self.health.set_in_flight(requests=max(0, self.admission.requests_in_flight), jobs=len(self._held))
 
-    def _request_done(self, held: Held) -> None:
-        """One of ``held``'s requests left the engine: its slot counts as free now, not when the whole
-        job (its slowest request, then its result writes and release) is done. The claimer is woken
-        only once a whole job fits, so claims stay one per job's worth of freed slots."""
+    def _request_done(self, held: Held, n: int = 1) -> None:
+        """``n`` of ``held``'s requests left the engine (or were answered from reuse): their slots count as
+        free now, not when the whole job (its slowest request, then its result writes and release) is done.
+        The claimer is woken only once a whole job fits, so claims stay one per job's worth of freed slots."""
         with self._slot:
-            if held.reserved > 0:
-                held.reserved -= 1
-                self.admission.release(1)
+            n = min(n, held.reserved)
+            if n > 0:
+                held.reserved -= n
+                self.admission.release(n)
                 if self.admission.job_fits():
                     self._slot.notify_all()
 

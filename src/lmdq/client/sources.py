@@ -26,6 +26,7 @@ import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 from zlib import crc32
@@ -460,8 +461,8 @@ class _Columns:
         import pyarrow.compute as pc
 
         if pc.any(pc.match_substring_regex(col, r'["\\\x00-\x1f]')).as_py():
-            return pa.array([orjson.dumps(v) for v in col.to_pylist()], pa.binary())
-        return pc.binary_join_element_wise(b'"', col.cast(pa.binary()), b'"', b"")
+            return _binary([orjson.dumps(v) for v in col.to_pylist()])
+        return pc.binary_join_element_wise(_const(b'"'), col.cast(pa.binary()), _const(b'"'), _const(b""))
 
     def take(self, batch: Any, row0: int, out: IO[bytes], hashes: IdHashes) -> bool:
         """Validate ``batch`` (rows ``row0``...) column-wise and write it to the spool and to pass 1's state;
@@ -484,7 +485,7 @@ class _Columns:
                     if not p or p.isspace():
                         return False
             if self.id_col is None:
-                ids = pc.cast(pa.array(range(row0, row0 + n), pa.int64()), pa.string())
+                ids = _positions(row0, n)
             else:
                 ids = batch.column(self.id_col)
                 if ids.null_count:
@@ -503,13 +504,13 @@ class _Columns:
             if parts is None or self.job_ep is None:
                 return False
             qids, qprompts = self._quoted(ids), self._quoted(prompts)
-            spool_params, job_params = pa.array(parts[0], pa.binary()), pa.array(parts[1], pa.binary())
-            lines = pc.binary_join_element_wise(b'{"custom_id":', qids, b',"prompt":', qprompts, spool_params,
-                                                self.spool_ep + b"}\n", b"")
-            index = pc.cast(pa.array(range(row0, row0 + n), pa.int64()), pa.string()).cast(pa.binary())
-            jobs = pc.binary_join_element_wise(b'{"index":', index, b',"custom_id":', qids,
-                                               b',"endpoint":' + self.job_ep + b',"prompt":', qprompts, job_params,
-                                               b"}", b"")
+            spool_params, job_params = _binary(parts[0]), _binary(parts[1])
+            lines = pc.binary_join_element_wise(_const(b'{"custom_id":'), qids, _const(b',"prompt":'), qprompts,
+                                                spool_params, _const(self.spool_ep + b"}\n"), _const(b""))
+            index = _positions(row0, n).cast(pa.binary())
+            jobs = pc.binary_join_element_wise(_const(b'{"index":'), index, _const(b',"custom_id":'), qids,
+                                               _const(b',"endpoint":' + self.job_ep + b',"prompt":'), qprompts,
+                                               job_params, _const(b"}"), _const(b""))
             if pc.max(pc.binary_length(lines)).as_py() - 1 > self.max_line_bytes:
                 return False
         except (pa.ArrowException, UnicodeDecodeError, TypeError, ValueError):
@@ -541,6 +542,36 @@ class _Columns:
         self.at += len(data)
         staged.requests += n
         return True
+
+
+def _binary(parts: list[bytes]) -> Any:
+    """``parts`` as an Arrow binary array, built from its buffers: ``pa.array`` of a Python list imports pandas
+    to ask whether the list is one of its objects (~0.5 s of a submit's CPU where pandas is installed)."""
+    import pyarrow as pa
+
+    offsets = array("i", accumulate(map(len, parts), initial=0))
+    return pa.Array.from_buffers(pa.binary(), len(parts), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(parts))])
+
+
+_CONSTS: dict[bytes, Any] = {}
+
+
+def _const(value: bytes) -> Any:
+    """``value`` as an Arrow binary scalar, taken from a one-item array: ``pa.scalar`` (and a compute function
+    given a Python value) imports pandas (see :func:`_binary`)."""
+    got = _CONSTS.get(value)
+    if got is None:
+        got = _CONSTS[value] = _binary([value])[0]
+    return got
+
+
+def _positions(start: int, n: int) -> Any:
+    """``start`` .. ``start + n - 1`` as an Arrow string array (built from a buffer: see :func:`_binary`)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ints = pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(array("q", range(start, start + n)))])
+    return pc.cast(ints, pa.string())
 
 
 def _contiguous(arr: Any) -> tuple[memoryview, list[int]]:

@@ -34,7 +34,7 @@ from lmdq.jobs.data import (
     MAX_FIELD_BYTES,
     REQUESTS_FIELD,
     JobTooLarge,
-    RawRequest,
+    RawRequests,
     manifest,
     read_job,
     read_job_beside,
@@ -49,20 +49,20 @@ from lmdq.settings import DEFAULT_RESULT_TTL_S
 __all__ = ["Charge", "Claim", "FairShare", "JobQueue", "JobStart", "generate", "job_id_for", "job_id_prefix"]
 
 def _fragment(obj: Any) -> Any:
-    if type(obj) is RawRequest:
-        return _Spliced(obj.raw)
+    if type(obj) is RawRequests:
+        return _Spliced(obj.json())
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
 def _parsed(obj: Any) -> Any:
-    if type(obj) is RawRequest:
-        return json.loads(obj.raw)
+    if type(obj) is RawRequests:
+        return json.loads(obj.json())
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
 class JobSerializer(JSONSerializer):
     """RQ's JSON serializer (workers read with its ``loads``: any JSON), written with orjson, which also
-    splices a :class:`~lmdq.jobs.data.RawRequest`'s JSON in as it is (issue 49: the stdlib encoder and a
+    splices :class:`~lmdq.jobs.data.RawRequests`' JSON in as it is (issue 49: the stdlib encoder and a
     parse of every request were a third of staging's CPU). What orjson refuses (an int over 64 bits, a lone
     surrogate) is written by the stdlib, as before."""
 
@@ -70,7 +70,7 @@ class JobSerializer(JSONSerializer):
     def dumps(*args: Any, **kwargs: Any) -> bytes:
         if len(args) == 1 and not kwargs:
             try:
-                return orjson.dumps(args[0], default=_fragment, option=orjson.OPT_PASSTHROUGH_DATACLASS)
+                return orjson.dumps(args[0], default=_fragment)
             except (orjson.JSONEncodeError, TypeError):
                 return json.dumps(args[0], default=_parsed).encode("utf-8")
         return json.dumps(*args, **kwargs).encode("utf-8")

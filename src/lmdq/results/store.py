@@ -200,8 +200,8 @@ class ResultRecords:
             return []
         k = self.keys
 
-        def call(batch_id: str, members: list[int], p: Any) -> None:
-            self._write_results(
+        def call(batch_id: str, members: list[int], p: Any) -> Any:
+            return self._write_results(
                 keys=[k.results(batch_id), k.batch(batch_id), k.partials(batch_id), k.sealed(batch_id)],
                 args=_results_args([writes[i] for i in members]), client=p)
 
@@ -217,28 +217,36 @@ class ResultRecords:
             return []
         k = self.keys
 
-        def call(batch_id: str, members: list[int], p: Any) -> None:
+        def call(batch_id: str, members: list[int], p: Any) -> Any:
             args: list[Any] = [writes[members[0]][3]]
             for i in members:
                 args += [writes[i][1], writes[i][2]]
-            self._write_partials(
+            return self._write_partials(
                 keys=[k.results(batch_id), k.partials(batch_id), k.sealed(batch_id), k.batch(batch_id)],
                 args=args, client=p)
 
         return self._per_batch(writes, call)
 
     def _per_batch(self, writes: Sequence[tuple[Any, ...]],
-                   call: Callable[[str, list[int], Any], None]) -> list[bool]:
-        """``call(batch id, positions in writes, pipeline)`` once per batch among ``writes`` (grouped by
-        their first field), all in one pipelined round trip; each script's 0/1 answers put back in the
-        writes' order."""
+                   call: Callable[[str, list[int], Any], Any]) -> list[bool]:
+        """``call(batch id, positions in writes, client or pipeline)`` once per batch among ``writes``
+        (grouped by their first field), all in one round trip; each script's 0/1 answers put back in the
+        writes' order.
+
+        One batch (a job's results, the usual case) is one plain EVALSHA: a pipeline holding a script sends
+        SCRIPT EXISTS first (redis-py's ``load_scripts``), a second round trip per write that was a third of
+        the result writer's time on the reused path (issue 47)."""
         groups: dict[str, list[int]] = {}
         for i, w in enumerate(writes):
             groups.setdefault(w[0], []).append(i)
-        with self.client.pipeline(transaction=False) as p:
-            for batch_id, members in groups.items():
-                call(batch_id, members, p)
-            replies = p.execute()
+        if len(groups) == 1:
+            ((batch_id, members),) = groups.items()
+            replies = [call(batch_id, members, self.client)]
+        else:
+            with self.client.pipeline(transaction=False) as p:
+                for batch_id, members in groups.items():
+                    call(batch_id, members, p)
+                replies = p.execute()
         out = [False] * len(writes)
         for members, reply in zip(groups.values(), replies, strict=True):
             for i, ok in zip(members, _answers(reply, len(members)), strict=True):

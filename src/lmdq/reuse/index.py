@@ -125,7 +125,8 @@ class ReuseIndex:
             return None
         if res.batch_id != src.batch_id or res.index != index or res.status is not ResultStatus.completed:
             return None
-        res.reused_from = res.reused_from or ReusedFrom(batch=res.batch_id, custom_id=res.custom_id)
+        if res.reused_from is None:  # built, not validated: both strings come from the result validated above
+            res.reused_from = ReusedFrom.model_construct(batch=res.batch_id, custom_id=res.custom_id)
         return res
 
     @staticmethod

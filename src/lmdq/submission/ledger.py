@@ -77,7 +77,7 @@ from lmdq.errors import (
 )
 from lmdq.gates.config import GateConfig, canary_jobs
 from lmdq.gates.store import GateStore
-from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD, RawRequest
+from lmdq.jobs.data import DEFAULT_MAX_JOB_BYTES, REQUESTS_FIELD, RawRequests
 from lmdq.jobs.decode import JobRefused, decode_job
 from lmdq.jobs.queue import JobQueue, job_id_for, job_id_prefix
 from lmdq.logs.config import get_logger
@@ -160,7 +160,7 @@ def new_batch_id() -> str:
 
 
 def job_payloads(
-    requests: Iterable[dict[str, Any] | RawRequest],
+    requests: Iterable[dict[str, Any] | bytes],
     *,
     batch_id: str,
     model: str,
@@ -177,25 +177,33 @@ def job_payloads(
     ``gated(job_no)``: the job's results feed the batch's quality gates (``gated`` set in its payload).
 
     A request dict holding ``model`` (a batch over several models) gives its job that model instead of
-    ``model``; every request of a job must then name the same one (the submit plans it so)."""
+    ``model``; every request of a job must then name the same one (the submit plans it so). A request as
+    ``bytes`` is its JSON already, as submit's pass 1 wrote it (no ``model``): a job of such requests holds
+    them as they are (:class:`lmdq.jobs.data.RawRequests`)."""
     p = params.model_dump(exclude_none=True)
     urls: dict[str, Any] = {k: v for k, v in (("results_url", results_url), ("blob_url", blob_url)) if v}
     if reuse_ttl_s is not None:  # issue 47: the job's worker answers from, and records into, the reuse index
         urls["reuse_ttl_s"] = reuse_ttl_s
 
-    def job(job_no: int, reqs: list[dict[str, Any] | RawRequest]) -> dict[str, Any]:
-        names = {r.pop("model") for r in reqs if type(r) is dict and "model" in r}
-        if len(names) > 1:
-            raise SubmitRejected(f"batch {batch_id}: job {job_no} would mix models {sorted(names)}; nothing was "
-                                 "enqueued")
-        job_model = names.pop() if names else model
+    def job(job_no: int, reqs: list[dict[str, Any] | bytes]) -> dict[str, Any]:
+        held: list[dict[str, Any]] | RawRequests
+        if all(type(r) is bytes for r in reqs):  # the spill's JSON as it is: the job's model is the batch's
+            held = RawRequests(reqs)  # type: ignore[arg-type]  # all bytes: checked on the line above
+            job_model = model
+        else:
+            held = [r if isinstance(r, dict) else json.loads(r) for r in reqs]
+            names = {r.pop("model") for r in held if "model" in r}
+            if len(names) > 1:
+                raise SubmitRejected(f"batch {batch_id}: job {job_no} would mix models {sorted(names)}; nothing "
+                                     "was enqueued")
+            job_model = names.pop() if names else model
         out = {"format_version": 1, "batch_id": batch_id, "model": job_model, "job_no": job_no, "params": p,
-               "requests": reqs, **urls}
+               "requests": held, **urls}
         if gated is not None and gated(job_no):
             out["gated"] = True
         return out
 
-    reqs: list[dict[str, Any] | RawRequest] = []
+    reqs: list[dict[str, Any] | bytes] = []
     job_no = 0
     want = job_sizes[0] if job_sizes else batch_size
     for req in requests:
@@ -404,7 +412,7 @@ class BatchLedger:
             self.store.batches.create(batch, extra={F.fingerprint.value: fingerprint} if fingerprint else None)
 
     def stage(
-        self, batch: Batch, requests: Iterable[dict[str, Any] | RawRequest], *, progress: Progress | None = None,
+        self, batch: Batch, requests: Iterable[dict[str, Any] | bytes], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None,
         gated: Callable[[int], bool] | None = None,
     ) -> Staged:
@@ -492,7 +500,7 @@ class BatchLedger:
             self.release_key(batch.idempotency_key, batch.id)
 
     def enqueue(
-        self, batch: Batch, requests: Iterable[dict[str, Any] | RawRequest], *, progress: Progress | None = None,
+        self, batch: Batch, requests: Iterable[dict[str, Any] | bytes], *, progress: Progress | None = None,
         chunk_jobs: int = 256, job_sizes: Sequence[int] | None = None, fingerprint: str | None = None,
         first_jobs: int | None = None, after_first_commit: Callable[[], None] | None = None,
         id_chunks: Iterable[str | bytes] = (), resume: bool = False, gates: GateConfig | None = None,
@@ -533,7 +541,7 @@ class BatchLedger:
                 raise
         return self.get(batch.id)
 
-    def _enqueue_gated(self, batch: Batch, requests: Iterable[dict[str, Any] | RawRequest], gates: GateConfig, *,
+    def _enqueue_gated(self, batch: Batch, requests: Iterable[dict[str, Any] | bytes], gates: GateConfig, *,
                        progress: Progress | None, chunk_jobs: int, job_sizes: Sequence[int] | None,
                        fingerprint: str | None) -> Batch:
         """:meth:`enqueue` with quality gates: the gates' keys, then the jobs (canary and window jobs
@@ -573,7 +581,7 @@ class BatchLedger:
         return self.get(batch_id)
 
     def _enqueue_progressively(
-        self, batch: Batch, requests: Iterable[dict[str, Any] | RawRequest], *, progress: Progress | None,
+        self, batch: Batch, requests: Iterable[dict[str, Any] | bytes], *, progress: Progress | None,
         chunk_jobs: int, job_sizes: Sequence[int] | None, first_jobs: int,
         after_first_commit: Callable[[], None] | None, fingerprint: str | None = None,
         id_chunks: Iterable[str | bytes] = (), resume: bool = False,

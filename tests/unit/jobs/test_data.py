@@ -127,31 +127,30 @@ def _spilled(index: int, cid: str, **rest: object) -> bytes:
     return orjson.dumps({"index": index, "custom_id": cid, "endpoint": "chat", **rest})
 
 
-def test_raw_request_parses_the_producers_shape_and_refuses_others() -> None:
-    from lmdq.jobs.data import RawRequest
+def test_raw_requests_manifest_is_read_off_the_bytes_and_parsed_when_in_doubt() -> None:
+    from lmdq.jobs.data import RawRequests
 
-    got = RawRequest.parse(_spilled(7, 'a,"endpoint":"x"\\é', prompt="hi"))
-    assert got is not None and got.index == 7
-    assert json.loads(got.custom_id) == 'a,"endpoint":"x"\\é'  # a quote inside the id never ends it early
-    assert RawRequest.parse(b'{"custom_id":"a","index":1,"endpoint":"chat"}') is None  # another key order
-    assert RawRequest.parse(b'{"index":-1,"custom_id":"a","endpoint":"chat"}') is None
-    assert RawRequest.parse(b'{"index":1,"custom_id":"a"}') is None
+    odd = 'a,"endpoint":"x"\\é{"index":9,'  # a quote, a backslash and a request's head inside the id
+    raws = [_spilled(7, odd, prompt='{"index":1,"custom_id":"z","endpoint":"chat"}'), _spilled(8, "b", prompt="hi")]
+    assert json.loads(RawRequests(raws).manifest()) == [[7, odd], [8, "b"]]
+    other = [b'{"custom_id":"a","index":1,"endpoint":"chat"}', _spilled(2, "b")]  # another key order: parsed
+    assert json.loads(RawRequests(other).manifest()) == [[1, "a"], [2, "b"]]
+    nested = [_spilled(3, "c", messages=[{"index": 5, "custom_id": "n", "endpoint": "x"}])]  # one head too many
+    assert json.loads(RawRequests(nested).manifest()) == [[3, "c"]]
 
 
 def test_manifest_and_job_data_are_the_same_from_raw_requests_and_dicts() -> None:
     """A job staged from the spill's bytes holds, once parsed, exactly what the dicts gave; its manifest too."""
-    from lmdq.jobs.data import RawRequest
+    from lmdq.jobs.data import RawRequests
     from lmdq.jobs.queue import SERIALIZER
 
     raws = [_spilled(i, f"id-{i}-ü", prompt=f"p {i} \u2028", params={"max_new_tokens": 3}) for i in range(5)]
-    parsed = [RawRequest.parse(r) for r in raws]
-    assert all(p is not None for p in parsed)
     dicts = [json.loads(r) for r in raws]
-    assert json.loads(manifest(parsed)) == json.loads(manifest(dicts)) == [[i, f"id-{i}-ü"] for i in range(5)]
-    assert json.loads(manifest([parsed[0], dicts[1]])) == [[0, "id-0-ü"], [1, "id-1-ü"]]  # mixed
-    job = ("lmdq.jobs.queue.generate", None, [{"batch_id": "b", "requests": parsed}], {})
+    assert json.loads(manifest(RawRequests(raws))) == json.loads(manifest(dicts)) == [[i, f"id-{i}-ü"]
+                                                                                      for i in range(5)]
+    job = ("lmdq.jobs.queue.generate", None, [{"batch_id": "b", "requests": RawRequests(raws)}], {})
     assert json.loads(SERIALIZER.dumps(job)) == json.loads(
         SERIALIZER.dumps(("lmdq.jobs.queue.generate", None, [{"batch_id": "b", "requests": dicts}], {})))
     # what orjson refuses (an int over 64 bits) is still written, by the stdlib, the raw requests parsed
-    big = ("f", None, [{"n": 2**70, "requests": parsed[:1]}], {})
+    big = ("f", None, [{"n": 2**70, "requests": RawRequests(raws[:1])}], {})
     assert json.loads(SERIALIZER.dumps(big)) == ["f", None, [{"n": 2**70, "requests": dicts[:1]}], {}]

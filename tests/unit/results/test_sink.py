@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import redis
 
+from lmdq.contract import Result, ResultStatus
 from lmdq.redis.keys import BatchField, Keys
 from lmdq.results import sink
 
@@ -43,3 +44,21 @@ def test_a_sealed_job_is_not_scheduled_again(client: redis.Redis, prefix: str) -
     client.hset(k.shards("b1"), "0", "entry")
     sink.pending_add(client, k, member="b1:0", data='{"r":[[0,1]],"n":0}', delay_s=0, batch_id="b1", job_no=0)
     assert sink.pending_count(client, k) == 0
+
+
+def test_a_records_status_is_read_from_its_head_and_otherwise_parsed() -> None:
+    """The seal counts statuses from each record's head (no parse of its text); a custom_id made to look
+    like a status key, or a record in another field order, still gives the record's own status."""
+    for cid in ['a"status":"failed"', 'x\\', '\\"status\\":\\"failed', "plain"]:
+        for st in (ResultStatus.completed, ResultStatus.failed):
+            raw = Result(batch_id="batch_x", custom_id=cid, index=3, status=st, model="m",
+                         text='"status":"expired"').model_dump_json().encode()
+            assert sink._HEAD.match(raw) is not None and sink._status(raw) is st
+    assert sink._status(b'{"custom_id":"c","status":"cancelled"}') is ResultStatus.cancelled  # full parse
+    for bad in (b"not json", b'{"status":"nope"}', b"[1]"):
+        try:
+            sink._status(bad)
+        except ValueError as e:
+            assert "not a result record" in str(e)
+        else:
+            raise AssertionError(bad)

@@ -57,6 +57,18 @@ def test_a_group_is_one_script_call_per_batch_with_counters_added_once(client: r
     assert client.ttl(k.results("b1")) > 0
 
 
+def test_one_batch_is_one_plain_script_call_without_script_exists(client: redis.Redis, prefix: str) -> None:
+    """A job's results (one batch) go as one EVALSHA: no pipeline, so no SCRIPT EXISTS round trip first."""
+    r = _records(client, prefix)
+    r.write_final(_final(1, "x"))  # the script is loaded from here on
+    client.config_resetstat()
+    assert r.write_finals([_final(0, "a"), _final(1, "b"), _final(2, "c")]) == [True, False, True]
+    calls = {key: v["calls"] for key, v in client.info("commandstats").items()}
+    assert calls.get("cmdstat_evalsha", 0) == 1 and "cmdstat_script|exists" not in calls, calls
+    client.script_flush()  # a Redis restarted without its scripts: NOSCRIPT, then loaded, same answers
+    assert r.write_finals([_final(3, "d"), _final(0, "again")]) == [True, False]
+
+
 def test_a_write_for_a_batch_without_a_record_is_refused(client: redis.Redis, prefix: str) -> None:
     r = ResultRecords(client, keys=Keys(prefix))
     assert r.write_final(_final(0, "a", batch_id="gone")) is False
