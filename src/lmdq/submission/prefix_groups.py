@@ -149,6 +149,10 @@ class PrefixKeys:
         self.offsets.extend(offsets)
         self.line_nos.extend(line_nos)
 
+    def needs_key(self, item: ParsedLine) -> bool:
+        """Whether :meth:`add` may key ``item`` (else :meth:`add_unkeyed` records it as :meth:`add` would)."""
+        return self.group and not (item.messages is None and (len(item.prompt or "") + 7) * 4 < self.lengths[0])
+
     def unkeyed(self, chars: int) -> bool:
         """Whether a request whose prefix text is at most ``chars`` characters gets no key (:meth:`add`)."""
         return not self.group or chars * 4 < self.lengths[0]
