@@ -106,7 +106,7 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int, default_endpoint: Endpoint |
         if raw_params is not None:
             raise _LineError("params", f"endpoint {endpoint.value!r} samples nothing: it takes no generation "
                                        "parameters")
-        return ParsedLine(line_no, custom_id, prompt, messages, endpoint, None, model, continuations=continuations)
+        return ParsedLine.make(line_no, custom_id, prompt, messages, endpoint, None, model, continuations=continuations)
     params = None
     if raw_params is not None:
         if not isinstance(raw_params, dict):
@@ -114,7 +114,7 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int, default_endpoint: Endpoint |
         pkey = _params_key(raw_params)
         known = _VALID_PARAMS.get(pkey) if pkey is not None else None
         if known is not None:
-            return ParsedLine(line_no, custom_id, prompt, messages, endpoint, known[0], model, known[1])
+            return ParsedLine.make(line_no, custom_id, prompt, messages, endpoint, known[0], model, known[1])
         data, src, wrapped = _params(raw_params)
         sampling = imply_sampling(data)
         if sampling is not None:
@@ -124,8 +124,8 @@ def _parse_jsonl(obj: dict[str, Any], line_no: int, default_endpoint: Endpoint |
             if len(_VALID_PARAMS) >= _VALID_PARAMS_MAX:
                 _VALID_PARAMS.clear()
             _VALID_PARAMS[pkey] = (params, sampling)
-        return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, model, sampling)
-    return ParsedLine(line_no, custom_id, prompt, messages, endpoint, params, model)
+        return ParsedLine.make(line_no, custom_id, prompt, messages, endpoint, params, model, sampling)
+    return ParsedLine.make(line_no, custom_id, prompt, messages, endpoint, params, model)
 
 
 _VALID_PARAMS: dict[tuple[Any, ...], tuple[GenerationParams | None, Sampling | None]] = {}
