@@ -21,6 +21,10 @@ def test_efficiency_prints_a_table_and_a_json_last_line(redis_url: str, env: dic
     assert {"engine", "model", "n", "batch_size", "raw_tok_s", "lmdq_tok_s", "naive_tok_s", "ratio"} <= set(last)
     assert last["n"] == 64 and last["batch_size"] == 8 and last["engine"] == "sim"
     assert last["ratio"] == round(last["lmdq_tok_s"] / last["raw_tok_s"], 4)
+    # two clocks: from the submit's start (parse and staging included) lmdq can only be slower
+    assert last["ratio_from_submit"] == round(last["lmdq_from_submit_tok_s"] / last["raw_tok_s"], 4)
+    assert 0 < last["lmdq_from_submit_tok_s"] <= last["lmdq_tok_s"]
+    assert any(ln.strip().startswith("from submit") for ln in lines[:-1])
     d = last["detail"]
     assert d["runs"]["lmdq"][0][1] == 64 * 8 and d["runs"]["naive"][0][1] == 64 * 8  # every token accounted for
     assert d["stream1_tok_s"] > 0 and d["lmdq_timelines"][0]["last_finish_s"] > 0

@@ -31,7 +31,12 @@ def test_e2e_bench_runs_the_real_clis_and_reports_each_batch(tmp_path: Path, env
     assert all(0 <= b["first_visible_s"] <= b["s"] for b in lm["batches"]), lm["batches"]
     assert lm["worker_exit"] == 0 and lm["worker_log_lines"] > 0 and lm["worker_log_non_json"] == 0
     assert res["ratio_first"] == round(lm["batches"][0]["tok_s"] / d["raw"]["batches"][0]["tok_s"], 4)
-    assert "first batch" in p.stdout.decode()
+    # the second clock starts at the first visible job: never slower than the submit-start clock
+    b0 = lm["batches"][0]
+    assert res["ratio_first_from_visible"] == round(
+        b0["tokens"] / (b0["s"] - b0["first_visible_s"]) / d["raw"]["batches"][0]["tok_s"], 4)
+    assert res["ratio_all_from_visible"] >= res["ratio_all"]
+    assert "first batch" in p.stdout.decode() and "first visible job" in p.stdout.decode()
     assert (tmp_path / "w" / "workload.jsonl").read_text().count("\n") == 40
     # per batch, where the CPU went: the worker's own process and its engine processes (the sim has none)
     assert all(b["worker_cpu_s"] > 0 and b["engine_cpu_s"] >= 0 for b in lm["batches"]), lm["batches"]

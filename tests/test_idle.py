@@ -102,8 +102,8 @@ def test_idle_worker_costs_a_handful_of_commands(own_redis: str, prefix: str) ->
         wait_for(lambda: _counted(client)[0] >= b0 + 3, 60, "three more blocks")
         b1, c1 = _counted(client)
         per_block = (c1 - c0) / (b1 - b0)
-        # one round: the claim script (3 queues and the lease set, inside Lua), the idle roster's look and
-        # mark; the sampling above can catch one extra round at either end: (3 + 1) / 3 of it at most
+        # one round: the claim script (3 queues, the lease set and the idle roster's count, inside Lua) and
+        # the roster's mark; the sampling above can catch one extra round at either end: (3 + 1) / 3 of it at most
         assert per_block < 30, f"an idle worker sent {per_block:.1f} commands per block"
         assert w.worker._counts["jobs"] == 0
     finally:

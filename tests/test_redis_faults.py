@@ -198,9 +198,16 @@ def test_redis_blip_while_fetching_a_job_is_not_a_refusal(tmp_path: Path, env: d
             raise redis.ConnectionError("simulated: Redis restarting")
         return depth(queues)
 
+    prefetches = {"failed": 0}
+
+    def failing_prefetch(job_ids: Any, also: Any) -> Any:
+        prefetches["failed"] += 1  # a claim's reads of all its jobs at once: each thread then reads its own
+        raise redis.ConnectionError("simulated: Redis restarting")
+
     w.jobs.fetch_job_beside = flaky_fetch  # type: ignore[method-assign]
+    w.jobs.fetch_jobs_beside = failing_prefetch  # type: ignore[method-assign]
     w.jobs.queue_depth = flaky_depth  # type: ignore[method-assign]
     assert w.run() == 0
-    assert fails == {"fetch": 0, "depth": 0} and w.stats["refused"] == 0
+    assert fails == {"fetch": 0, "depth": 0} and w.stats["refused"] == 0 and prefetches["failed"] >= 1
     b = wait_batch(client, prefix, bid, timeout=10)
     assert b.status is BatchStatus.completed and b.request_counts.completed == 6

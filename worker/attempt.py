@@ -21,6 +21,7 @@ from typing import Any
 
 from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, FinishReason, JobPayload, Request, Result, ResultStatus
 from lmdq.gates.keeper import GateKeeper
+from lmdq.jobs.decode import Prefetched
 from lmdq.jobs.queue import Claim, JobQueue
 from lmdq.redis.keys import BatchField
 from lmdq.results.store import ResultStore
@@ -78,6 +79,9 @@ class Held:
     #: and the completed results this attempt computed, recorded in the reuse index when the job ends
     reuse_ids: dict[int, bytes] = field(default_factory=dict)
     fresh: list[Result] = field(default_factory=list)
+    #: its reads, made with the other jobs of its claim in one round trip (lmdq.jobs.decode.prefetch); None:
+    #: the job's thread reads it itself
+    prefetched: Prefetched | None = None
 
     def stop(self, reason: AbortReason) -> bool:
         """Abort the job's in-flight requests for ``reason`` (the first reason wins). True if new."""

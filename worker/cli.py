@@ -88,6 +88,10 @@ def run(given: dict[str, Any]) -> None:
         port = serve_health(health, s.health_host, s.health_port)
         log.info("health endpoint", port=port, asked=s.health_port)
         health.set_redis_check(lambda: redis_answers(client))
+    if s.model:  # hashed beside the engine's load, not after it (lmdq.worker.reuse.start_weights_fingerprint)
+        from lmdq.worker.reuse import start_weights_fingerprint
+
+        start_weights_fingerprint(s.model)
     if s.runs_engine_process:  # the engine in a child of its own (issue 27: TurboMind shares no GIL with the worker)
         from lmdq.worker.engine_factory import served_model_name
         from lmdq.worker.engines.engine_process import EngineProcess

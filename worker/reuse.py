@@ -17,7 +17,9 @@ it is sealed into a results sink, compact copies otherwise.
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,11 @@ from lmdq.reuse.index import Completed, ReuseIndex
 from lmdq.reuse.store import ReuseStore
 from lmdq.worker.settings import WorkerSettings
 
-__all__ = ["ReuseHook", "weights_fingerprint"]
+__all__ = ["ReuseHook", "start_weights_fingerprint", "weights_fingerprint"]
+
+#: fingerprints being computed in the background (start_weights_fingerprint), by the model as given
+_started: dict[str, Future[str | None]] = {}
+_started_lock = threading.Lock()
 
 
 def _cache_file() -> Path:
@@ -49,9 +55,45 @@ def _cache_file() -> Path:
     return Path(default_cache_dir()) / "fingerprints.json"
 
 
+def _name(model: str | Path) -> str:
+    """A local path resolved (the engine may name the folder the settings named another way), else as given."""
+    p = Path(model)
+    return str(p.resolve()) if p.exists() else str(model)
+
+
+def start_weights_fingerprint(model: str | Path | None) -> None:
+    """Start hashing ``model``'s weights on a thread of their own, now: the worker calls this before it
+    loads the engine, so the hash (30 s for a 16 GB checkpoint on a fresh pod) runs beside the load (about
+    a minute) instead of after it, where the first jobs waited for it. :func:`weights_fingerprint` of the
+    same model then waits for this one instead of hashing again."""
+    if model is None or str(model) == "":
+        return
+    with _started_lock:
+        if _name(model) in _started:
+            return
+        fut: Future[str | None] = Future()
+        _started[_name(model)] = fut
+
+    def run() -> None:
+        try:
+            fut.set_result(_weights_fingerprint(model))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter, which raises it where it is asked
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="lmdq-weights-fingerprint", daemon=True).start()
+
+
 def weights_fingerprint(model: str | Path | None) -> str | None:
     """The content digest of the served weights: a local folder or file, a hub id's local snapshot;
     ``"none"`` for an engine that loads no weights (sim without ``--model``); None when unknowable."""
+    with _started_lock:
+        fut = _started.pop(_name(model), None) if model is not None else None
+    if fut is not None:
+        return fut.result()
+    return _weights_fingerprint(model)
+
+
+def _weights_fingerprint(model: str | Path | None) -> str | None:
     if model is None or str(model) == "":
         return "none"
     p = Path(model)

@@ -31,7 +31,7 @@ import structlog
 
 from lmdq.contract import BatchStatus, ErrorCode, ErrorInfo, Result, ResultStatus, Timings
 from lmdq.jobs import reads
-from lmdq.jobs.decode import OutputNotAllowed, UndecodableJob, decode_job
+from lmdq.jobs.decode import OutputNotAllowed, Prefetched, UndecodableJob, decode_job, prefetch
 from lmdq.jobs.idle_roster import IdleRoster
 from lmdq.jobs.queue import Charge, Claim, FairShare, JobQueue
 from lmdq.jobs.wakeup import WakeUp
@@ -261,8 +261,9 @@ class Worker:
                 self._leave_roster()
                 if idle and len(claimed) >= share:
                     self._pass_wake_on()
+                pre = self._prefetch(claimed)
                 for c in claimed:
-                    held = Held(claim=c)
+                    held = Held(claim=c, prefetched=pre.get(c.job_id))
                     with self._lock:
                         held.reserved = self.admission.reserve()  # corrected once the payload is read
                         self._held[c.job_id] = held
@@ -288,6 +289,15 @@ class Worker:
                     continue
                 self._slot.wait(max(self.s.poll_interval_s, self.s.busy_poll_interval_s) if self._held
                                 else self.s.poll_interval_s)
+
+    def _prefetch(self, claimed: list[Claim]) -> dict[str, Prefetched]:
+        """The claimed jobs' reads (each job and its batch's record), all in ONE round trip
+        (:func:`lmdq.jobs.decode.prefetch`), for their threads to decode. A Redis error leaves each thread
+        to read its own job, as it would have, through its own retries."""
+        try:
+            return prefetch(self.jobs, [c.job_id for c in claimed])
+        except redis.RedisError:
+            return {}
 
     def _enter_roster(self) -> None:
         """About to sleep holding nothing: count as idle for the model's other workers' claims."""
@@ -503,7 +513,8 @@ class Worker:
         try:
             try:
                 job, payload = with_reconnect(
-                    lambda: decode_job(self.client, self.jobs, claim.job_id, outputs=self.outputs),
+                    lambda: decode_job(self.client, self.jobs, claim.job_id, outputs=self.outputs,
+                                       prefetched=_take(held)),
                     on_retry=self._redis_retry,
                 )
             except RETRYABLE_ERRORS:
@@ -649,3 +660,9 @@ class Worker:
             self.log.warning("could not mark refused job failed in RQ", job=claim.job_id, error=str(e))
         if not recorded:
             self.log.warning("refused job has no RQ job hash; dropped from the queue", job=claim.job_id)
+
+
+def _take(held: Held) -> Prefetched | None:
+    """``held``'s prefetched reads, once: a retry after a Redis error reads the job afresh."""
+    pre, held.prefetched = held.prefetched, None
+    return pre

@@ -176,6 +176,10 @@ case $stage in
     ;;
   suite)
     env_txt
+    # byte-compile first, as e2e() does and as any pip install or image does (the wheels here are installed
+    # --no-compile): tests that time CLI processes (the image e2e) otherwise count ~350 module compiles a start
+    [ "${SUITE_COMPILE:-1}" = 1 ] && python3 -m compileall -q -j 0 /root/site "$PWD/src" "$PWD/producer" \
+      "$PWD/worker" "$PWD/bench" > /dev/null 2>&1
     suite_run gpu_suite
     grep -E "PASSED|FAILED|ERROR|passed|failed|json_schema requests|progress bars as events|$SUITE_NOTES" "$OUT/gpu_suite.log" \
       | tail -50

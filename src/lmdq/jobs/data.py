@@ -42,6 +42,7 @@ __all__ = [
     "job_of_reply",
     "read_job",
     "read_job_beside",
+    "read_jobs_beside",
 ]
 
 """Default cap on one job's data (``LMDQ_MAX_JOB_BYTES``), compressed AND decompressed.
@@ -201,11 +202,26 @@ def read_job_beside(client: redis.Redis, job_id: str, also: Callable[[Any], None
     """:func:`read_job`'s capped read and the reads ``also`` queues on the pipeline it is handed, in ONE round
     trip (a worker starting a job reads the job and its batch record). Returns the job as a call (raising what
     :func:`read_job` raises, when the caller is ready for it) and ``also``'s one reply."""
+    reads, others = read_jobs_beside(client, [job_id], also, max_job_bytes=max_job_bytes, serializer=serializer)
+    return reads[0], others[0]
+
+
+def read_jobs_beside(client: redis.Redis, job_ids: list[str], also: Callable[[Any], None], *,
+                     max_job_bytes: int = DEFAULT_MAX_JOB_BYTES, serializer: Any = None
+                     ) -> tuple[list[Callable[[], Job]], list[Any]]:
+    """:func:`read_job_beside` for several jobs: their capped reads, then whatever ``also`` queues, in ONE round
+    trip (a worker's claim of several jobs reads them all, and their batches' records, at once: issue 49).
+    Returns one call per job (as :func:`read_job_beside`'s) and the replies of ``also``'s calls, in order."""
     with client.pipeline(transaction=False) as p:
-        READ_JOB(keys=[Job.key_for(job_id)], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=p)
+        for job_id in job_ids:
+            READ_JOB(keys=[Job.key_for(job_id)], args=[max_job_bytes, MAX_FIELD_BYTES, *_FIELDS], client=p)
         also(p)
-        got, other = p.execute()
-    return (lambda: job_of_reply(client, job_id, got, max_job_bytes=max_job_bytes, serializer=serializer)), other
+        got = p.execute()
+
+    def reader(job_id: str, reply: Any) -> Callable[[], Job]:
+        return lambda: job_of_reply(client, job_id, reply, max_job_bytes=max_job_bytes, serializer=serializer)
+
+    return [reader(j, r) for j, r in zip(job_ids, got, strict=False)], got[len(job_ids):]
 
 
 def job_of_reply(client: redis.Redis, job_id: str, got: list[Any], *, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,

@@ -38,6 +38,7 @@ from lmdq.jobs.data import (
     manifest,
     read_job,
     read_job_beside,
+    read_jobs_beside,
 )
 from lmdq.jobs.leases import JobLeases
 from lmdq.jobs.reads import capped_job_field
@@ -287,6 +288,11 @@ class JobQueue:
         ~24 us of CPU more than one). Returns the job as a call (it raises what :meth:`fetch_job` raises, when
         the caller is ready for it) and ``also``'s one reply."""
         return read_job_beside(self.client, job_id, also, max_job_bytes=self.max_job_bytes, serializer=SERIALIZER)
+
+    def fetch_jobs_beside(self, job_ids: list[str], also: Callable[[Any], None]
+                          ) -> tuple[list[Callable[[], Job]], list[Any]]:
+        """:meth:`fetch_job_beside` for several jobs in ONE round trip: one call per job, and ``also``'s replies."""
+        return read_jobs_beside(self.client, job_ids, also, max_job_bytes=self.max_job_bytes, serializer=SERIALIZER)
 
     @staticmethod
     def payload_of(job: Job) -> JobPayload:

@@ -123,6 +123,8 @@ class PrefixKeys:
         self.line_nos.append(item.line_no)
         if not self.group:
             return
+        if item.messages is None and (len(item.prompt or "") + 7) * 4 < self.lengths[0]:
+            return  # its prefix text (at most 7 characters more than the prompt) is too short for any key
         text = prefix_text(item, self.lengths[-1])
         if len(text) * 4 < self.lengths[0]:  # shorter than the shortest length even at 4 bytes a character
             return
@@ -146,6 +148,10 @@ class PrefixKeys:
         numbers only, as :meth:`add` keeps for them."""
         self.offsets.extend(offsets)
         self.line_nos.extend(line_nos)
+
+    def needs_key(self, item: ParsedLine) -> bool:
+        """Whether :meth:`add` may key ``item`` (else :meth:`add_unkeyed` records it as :meth:`add` would)."""
+        return self.group and not (item.messages is None and (len(item.prompt or "") + 7) * 4 < self.lengths[0])
 
     def unkeyed(self, chars: int) -> bool:
         """Whether a request whose prefix text is at most ``chars`` characters gets no key (:meth:`add`)."""

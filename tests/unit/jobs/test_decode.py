@@ -11,7 +11,7 @@ import redis
 from rq.job import Job
 
 from lmdq.jobs.data import REQUESTS_FIELD, JobRefused
-from lmdq.jobs.decode import OutputNotAllowed, UndecodableJob, decode_job, undecodable
+from lmdq.jobs.decode import OutputNotAllowed, UndecodableJob, decode_job, prefetch, undecodable
 from lmdq.jobs.queue import JobQueue, job_id_for
 from lmdq.redis.keys import Keys
 from lmdq.results.output_urls import OutputPolicy
@@ -32,6 +32,27 @@ def test_a_genuine_job_decodes_with_its_urls_normalised(client: redis.Redis, pre
     # outputs=None (cancel): the URL must still match the record, but is passed on as recorded
     _, as_recorded = decode_job(client, jq, job_id_for(bid, 0), outputs=None)
     assert as_recorded.results_url == str(sink)
+
+
+def test_a_claim_s_jobs_are_read_in_one_round_trip_and_decode_as_read_alone(client: redis.Redis,
+                                                                             prefix: str) -> None:
+    """Issue 49: the jobs of one claim and their batches' records are read together (each record once); each
+    decodes from those reads exactly as from its own, and a forged one is still refused by decode_job."""
+    b1, b2 = _batch(client, prefix, 3, batch_size=1), _batch(client, prefix, 1)
+    jq = JobQueue(client, keys=Keys(prefix))
+    ids = [job_id_for(b1, 0), job_id_for(b1, 2), job_id_for(b2, 0), "not-an-lmdq-id"]
+    before = int(client.info("commandstats").get("cmdstat_eval", {}).get("calls", 0))
+    pre = prefetch(jq, ids)
+    assert int(client.info("commandstats")["cmdstat_eval"]["calls"]) - before == 3 + 2  # 3 jobs, 2 records
+    assert sorted(pre) == sorted(ids[:3])  # an id not of lmdq's form is read (and refused) the usual way
+    for jid in ids[:3]:
+        job, payload = decode_job(client, jq, jid, outputs=None, prefetched=pre[jid])
+        alone_job, alone = decode_job(client, jq, jid, outputs=None)
+        assert job.id == alone_job.id == jid and payload == alone
+    client.hset(Job.key_for(ids[1]), "data", b"\x80\x04pickle")  # forged after the claim's reads: not seen
+    assert decode_job(client, jq, ids[1], outputs=None, prefetched=pre[ids[1]])[0].id == ids[1]
+    with pytest.raises(JobRefused, match="not JSON"):
+        decode_job(client, jq, ids[1], outputs=None, prefetched=prefetch(jq, [ids[1]])[ids[1]])
 
 
 def test_a_genuine_job_writing_outside_the_policy_is_answerable(client: redis.Redis, prefix: str,

@@ -153,8 +153,16 @@ def _checked(parse: Callable[[bytes | str], Any]) -> Callable[[bytes | str], Any
                 written = data.count('":')
                 if '" ' in data or '"\t' in data or '"\r' in data:
                     written = len(_KEY_END.findall(data))
-            # written >= keys in the text >= keys parsed; equal to the top level's: nothing nested, no twin
-            if written > (len(obj) if type(obj) is dict else 0) and written > _count_keys(obj):
+            # written >= keys in the text >= keys parsed; equal to the top level's (and its objects'): no twin
+            if type(obj) is dict:
+                seen = len(obj)
+                if written > seen:
+                    for v in obj.values():
+                        if type(v) is dict:
+                            seen += len(v)
+            else:
+                seen = 0
+            if written > seen and written > _count_keys(obj):
                 return _stdlib_loads(data)
         return obj
 
@@ -303,6 +311,7 @@ def iter_records_data(
     name = str(path)
     parse = _parser(fmt, endpoint)
     is_text = fmt is InputFormat.text
+    line_parser = _parse_line if is_text else _parse_json_line
     count = 0
     max_requests = limits.max_requests
     max_bytes = limits.max_line_bytes
@@ -317,7 +326,7 @@ def iter_records_data(
                 too_many = f"too many requests: the limit is {max_requests:,} per file"
                 yield start, data, InputError(name, line_no, None, too_many)
                 return
-            yield start, data, _parse_line(name, line_no, start, data, size, max_bytes, is_text, parse, endpoint)
+            yield start, data, line_parser(name, line_no, start, data, size, max_bytes, is_text, parse, endpoint)
     if count == 0:
         yield 0, None, InputError(name, 0, None, "file has no requests (expected at least one non-blank line)")
 
@@ -387,6 +396,28 @@ def _parse_line(
         obj = _loads(text)
     except (ValueError, RecursionError) as exc:
         return InputError(name, line_no, None, _json_error(exc))
+    return _parsed(name, line_no, obj, parse)
+
+
+def _parse_json_line(
+    name: str, line_no: int, start: int, data: bytes | None, size: int, max_bytes: int, is_text: bool,
+    parse: Callable[[dict[str, Any], int], ParsedLine], endpoint: Endpoint | None = None,
+) -> ParsedLine | InputError:
+    """:func:`_parse_line` of a JSON format, the line's bytes parsed as they are (orjson checks the UTF-8 as
+    it parses: no decoded copy, issue 49); a line that fails either way goes through :func:`_parse_line`,
+    whose error names the byte or column as always."""
+    if data is not None and not (line_no == 1 and data.startswith(_BOM)):
+        try:
+            obj = _loads(data)
+        except (ValueError, RecursionError):
+            pass
+        else:
+            return _parsed(name, line_no, obj, parse)
+    return _parse_line(name, line_no, start, data, size, max_bytes, is_text, parse, endpoint)
+
+
+def _parsed(name: str, line_no: int, obj: Any, parse: Callable[[dict[str, Any], int], ParsedLine]
+            ) -> ParsedLine | InputError:
     if not isinstance(obj, dict):
         hint = " (for one plain prompt per line use a .txt file)" if isinstance(obj, str) else ""
         return InputError(name, line_no, None, f"expected a JSON object, got {_got(obj)}{hint}")

@@ -58,7 +58,7 @@ def _params(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], frozen
 def _parse_jsonl(obj: dict[str, Any], line_no: int, default_endpoint: Endpoint | None = None) -> ParsedLine:
     """One lmdq line; ``default_endpoint`` (submit's ``--endpoint``) is the endpoint of a line naming none,
     and a line naming another one is refused (the caller said what the file is)."""
-    for key in obj:
+    for key in (() if obj.keys() <= _JSONL_KEY_SET else obj):  # a set comparison in C for the usual line
         if key not in _JSONL_KEY_SET:
             hint = ""
             if key in ("url", "body", "method"):
