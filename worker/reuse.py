@@ -68,11 +68,12 @@ def start_weights_fingerprint(model: str | Path | None) -> None:
     same model then waits for this one instead of hashing again."""
     if model is None or str(model) == "":
         return
+    name = _name(model)
     with _started_lock:
-        if _name(model) in _started:
+        if name in _started:
             return
         fut: Future[str | None] = Future()
-        _started[_name(model)] = fut
+        _started[name] = fut
 
     def run() -> None:
         try:

@@ -22,13 +22,12 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ["file_digest", "folder_digest"]
+__all__ = ["folder_digest"]
 
 _CHUNK = 1 << 22
-#: a file is hashed as pieces of this size (the unit of parallel work), then the pieces' digests in order
+#: a file is hashed as pieces of this size (the unit of parallel work), then the pieces' digests in order;
+#: the cache's keys carry it, so digests of another piece size are never mixed into a folder's digest
 PIECE = 64 << 20
-#: the cache's keys name the digest's layout: entries of another layout are never mixed into a digest
-_LAYOUT = "pieces64m"
 
 
 def _threads() -> int:
@@ -82,16 +81,7 @@ def _save(cache: Path, entries: dict[str, str]) -> None:
 
 
 def _key(path: Path, st: os.stat_result) -> str:
-    return f"{_LAYOUT}\x00{path.resolve()}\x00{st.st_size}\x00{st.st_mtime_ns}"
-
-
-def file_digest(path: Path, cache: dict[str, str], threads: int | None = None) -> str:
-    """One file's content digest, from ``cache`` when its (path, size, mtime) is there."""
-    st = path.stat()
-    key = _key(path, st)
-    if key not in cache:
-        cache[key] = _hash_files([(path, st.st_size)], threads)[0]
-    return cache[key]
+    return f"pieces{PIECE}\x00{path.resolve()}\x00{st.st_size}\x00{st.st_mtime_ns}"
 
 
 def folder_digest(folder: Path, cache_file: Path | None = None, threads: int | None = None) -> str:
@@ -103,12 +93,13 @@ def folder_digest(folder: Path, cache_file: Path | None = None, threads: int | N
     h = hashlib.blake2b(digest_size=20)
     files = [folder] if folder.is_file() else sorted(p for p in folder.rglob("*") if p.is_file())
     stats = [(p, p.stat()) for p in files]
-    todo = [(p, st) for p, st in stats if _key(p, st) not in cache]
-    for (p, st), d in zip(todo, _hash_files([(p, st.st_size) for p, st in todo], threads), strict=True):
-        cache[_key(p, st)] = d
-    for p, st in stats:
+    keys = [_key(p, st) for p, st in stats]
+    todo = [(k, p, st.st_size) for k, (p, st) in zip(keys, stats, strict=True) if k not in cache]
+    for (k, _p, _size), d in zip(todo, _hash_files([(p, size) for _k, p, size in todo], threads), strict=True):
+        cache[k] = d
+    for k, p in zip(keys, files, strict=True):
         rel = p.name if folder.is_file() else p.relative_to(folder).as_posix()
-        h.update(rel.encode() + b"\x00" + cache[_key(p, st)].encode() + b"\x00")
+        h.update(rel.encode() + b"\x00" + cache[k].encode() + b"\x00")
     if cache_file is not None and cache != before:
         _save(cache_file, cache)
     return h.hexdigest()
