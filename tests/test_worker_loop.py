@@ -67,13 +67,13 @@ def test_busy_worker_polls_the_queue_slowly_idle_worker_sleeps_until_woken(tmp_p
                        busy_poll_interval_s=0.5, idle_wait_s=60)
     w = Worker(engine=SimEngine(model_name="sim", step_ms=10), client=client, settings=s)
     calls: list[float] = []
-    claim_many = w.jobs.claim_many
+    claim_fair = w.jobs.claim_fair  # the worker's claim for its model (the fair share judged in the same call)
 
     def counted(*a: Any, **kw: Any) -> Any:
         calls.append(time.monotonic())
-        return claim_many(*a, **kw)
+        return claim_fair(*a, **kw)
 
-    w.jobs.claim_many = counted  # type: ignore[method-assign]
+    w.jobs.claim_fair = counted  # type: ignore[method-assign]
     th = threading.Thread(target=w.run, daemon=True)
     th.start()
     try:
