@@ -20,9 +20,9 @@ from __future__ import annotations
 import redis
 
 from lmdq.redis.keys import Keys, rq_queue_key
-from lmdq.redis.scripts import LuaScript
+from lmdq.redis.scripts import Fragment, LuaScript
 
-__all__ = ["IdleRoster"]
+__all__ = ["IDLE_PEERS", "IdleRoster"]
 
 
 
@@ -72,14 +72,23 @@ redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])))
 return 1
 """)
 
+IDLE_PEERS = Fragment("idle_peers", """
+local function lmdq_idle_peers(roster, member)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  local idle = redis.call('ZCOUNT', roster, '(' .. now, '+inf')
+  if tonumber(redis.call('ZSCORE', roster, member) or '0') > now then idle = idle - 1 end
+  return idle
+end
+""")
+"""Lua: ``lmdq_idle_peers(roster, member)``: the workers in ``roster`` whose entry has not expired on the
+server's clock, ``member`` itself not counted. The one reading of the roster: :data:`IDLE_LOOK` and the
+claim script's fair share (:data:`lmdq.jobs.leases.CLAIM`) both use it."""
+
 # KEYS: roster, queue1..n.  ARGV: worker.  Read-only: {other idle workers, visible jobs}.
 IDLE_LOOK = LuaScript("idle_look", """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local idle = redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
-local mine = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or '0')
-if mine > now then idle = idle - 1 end
+local idle = lmdq_idle_peers(KEYS[1], ARGV[1])
 local visible = 0
 for i = 2, #KEYS do visible = visible + redis.call('LLEN', KEYS[i]) end
 return {idle, visible}
-""")
+""", uses=(IDLE_PEERS,))

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from lmdq.jobs.idle_roster import IDLE_PEERS
 from lmdq.redis.keys import Keys, rq_queue_key
 from lmdq.redis.scripts import WAKE, Fragment, LuaScript
 
@@ -159,10 +160,7 @@ CLAIM = LuaScript("claim", """
 local out = {}
 local want = tonumber(ARGV[3])
 if ARGV[5] ~= '' and want > 0 then
-  local t = redis.call('TIME')
-  local raw = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  local idle = redis.call('ZCOUNT', KEYS[7], '(' .. raw, '+inf')
-  if tonumber(redis.call('ZSCORE', KEYS[7], ARGV[5]) or '0') > raw then idle = idle - 1 end
+  local idle = lmdq_idle_peers(KEYS[7], ARGV[5])
   if idle > 0 then
     local visible, held = 0, tonumber(ARGV[4])
     for i = 8, #KEYS do visible = visible + redis.call('LLEN', KEYS[i]) end
@@ -186,7 +184,7 @@ for i = 8, #KEYS do
   end
 end
 return out
-""", uses=(LEASE_CLOCK,))
+""", uses=(LEASE_CLOCK, IDLE_PEERS))
 
 # KEYS: leases, owners.  ARGV: ttl, worker, ids...  (:data:`_NOW`'s first write keeps it going under
 # maxmemory: see above.)
