@@ -39,7 +39,7 @@ from lmdq.submission.formats import InputFormat, InputLimits
 from lmdq.submission.formats.records import ParsedLine, Sampling
 from lmdq.submission.formats.tabular import ColumnMap, RowCount, RowError, RowMapper, chunked
 from lmdq.submission.formats.validation import _MAX_CUSTOM_ID
-from lmdq.submission.spill import IdHashes
+from lmdq.submission.spill import IdHashes, id_hash
 
 if TYPE_CHECKING:
     from lmdq.submission.submit import Prevalidated
@@ -355,16 +355,6 @@ class _FastPath:
         return out
 
 
-_MASK64 = (1 << 64) - 1
-
-
-def _id_hash(custom_id: str) -> int:
-    """A custom_id's 64-bit hash for one spooling's duplicate check: Python's own string hash (C speed, cached,
-    stable within the process, which is all the check needs: a collision only costs the re-read that names
-    the rows)."""
-    return hash(custom_id) & _MASK64
-
-
 class _Columns:
     """The column path (issue 49): a record batch of :class:`_FastPath`'s shape, validated with Arrow
     compute functions a column at a time, written to the spool AND into pass 1's state for submit
@@ -524,7 +514,7 @@ class _Columns:
         job_data, job_ends = _contiguous(jobs)
         staged.spilled.add_many(job_data, array("Q", job_ends))
         staged.id_chunks.extend(id_list)
-        hashes.extend(array("Q", [hash(c) & _MASK64 for c in id_list]))
+        hashes.extend(array("Q", map(id_hash, id_list)))
         if staged.prefixes is not None:
             at = self.at
             offsets = array("Q", [at + s for s in starts])
@@ -651,7 +641,7 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
         if done is not None:
             for cid, line in done:
                 out.write(line)
-                hashes.add(_id_hash(cid))
+                hashes.add(id_hash(cid))
             n += len(done)
         else:
             if n == 0 and chunk and isinstance(chunk[0], str):
@@ -667,7 +657,7 @@ def _spool(src: RowSource, cmap: ColumnMap, out: IO[bytes], hashes: IdHashes, *,
                 if not problems:
                     parsed, obj = item
                     out.write(_line(obj))
-                    hashes.add(_id_hash(parsed.custom_id))
+                    hashes.add(id_hash(parsed.custom_id))
             if len(problems) >= max_errors:
                 problems.append(InputProblem(message=f"stopping after {max_errors} errors", source=src.name))
                 break
@@ -716,7 +706,7 @@ def _name_duplicates(path: str, dup: set[int], src: RowSource, cmap: ColumnMap, 
     with open(path, "rb") as f:
         for row, line in enumerate(f):
             cid = json.loads(line)["custom_id"]
-            if _id_hash(cid) not in dup:
+            if id_hash(cid) not in dup:
                 continue
             if cid in first:
                 out.append(InputProblem(message=f"expected a unique id, {cid!r} already used on "

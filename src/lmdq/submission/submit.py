@@ -68,7 +68,7 @@ from lmdq.submission.formats.records import Sampling
 from lmdq.submission.ledger import BatchLedger, StagingLeaseLost, job_payloads, new_batch_id
 from lmdq.submission.prefix_groups import JobPlan, PrefixKeys, plan_jobs
 from lmdq.submission.settings import ProducerSettings
-from lmdq.submission.spill import IdChunks, IdHashes, RequestSpill, SpillArray
+from lmdq.submission.spill import IdChunks, IdHashes, RequestSpill, SpillArray, id_hash
 from lmdq.webhooks.signing import new_secret
 from lmdq.webhooks.store import WebhookStore
 
@@ -239,13 +239,6 @@ def _prevalidated(path: Path, opts: SubmitOptions, pre: Prevalidated
     return seen, opts.model, pre.prefixes, 0, None
 
 
-def _h64(s: str) -> int:
-    """A custom_id's 64-bit hash for this submit's duplicate check: Python's own string hash (C speed, cached;
-    stable within the process, which is all the check needs: pass 1 and the re-scan naming the lines run in
-    it; a collision only costs that re-scan). A blake2b digest per id was ~4 % of a submit's CPU (issue 49)."""
-    return hash(s) & 0xFFFF_FFFF_FFFF_FFFF
-
-
 _PARAMS_DUMPS: dict[int, tuple[GenerationParams, dict[str, Any]]] = {}
 """id(params) -> (params, its dump): lines with the same params share one validated object
 (:mod:`lmdq.submission.formats.jsonl`), dumped once; the object is kept here so its id is never reused.
@@ -407,7 +400,7 @@ def _validate(
                         errors.append(f"{path}: stopping after {opts.max_errors} errors")
                         break
                     continue
-            block.hashes.append(_h64(item.custom_id))
+            block.hashes.append(id_hash(item.custom_id))
             block.crcs.append(crc32(data))  # type: ignore[arg-type]  # an accepted line has its bytes
             block.requests.append(_request_json(n, item, with_model=named, images=images))
             if prefixes is not None:
@@ -576,7 +569,7 @@ def _duplicates(path: Path, opts: SubmitOptions, hashes: IdHashes) -> list[str]:
     first: dict[str, int] = {}
     out: list[str] = []
     for item in iter_lines(path, fmt=opts.fmt, limits=opts.limits, endpoint=opts.endpoint):
-        if isinstance(item, ParsedLine) and _h64(item.custom_id) in dup:
+        if isinstance(item, ParsedLine) and id_hash(item.custom_id) in dup:
             if item.custom_id in first:
                 out.append(
                     f"{path}:{item.line_no}: field 'custom_id': expected a unique id, "
