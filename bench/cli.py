@@ -334,7 +334,10 @@ def e2e(
     output: Annotated[Path | None, typer.Option("-o", help="also write the JSON line here")] = None,
     lmdq_variant: Annotated[list[str] | None, typer.Option(
         help="NAME or NAME:K=V,K=V (repeatable): one lmdq side per variant against the one raw side, its worker "
-             "started with those LMDQ_* settings (e.g. whole:STREAM_FROM_NEW_TOKENS=100000)")] = None,
+             "started with those LMDQ_* settings (e.g. whole:STREAM_FROM_NEW_TOKENS=100000); the bench's own key "
+             "SUBMIT=cli|python (never passed to the worker) picks the side's submit door: an lmdq-producer "
+             "submit process per batch (cli, the default) or lmdq.Client.submit in this process (python), e.g. "
+             "--lmdq-variant cli --lmdq-variant api:SUBMIT=python")] = None,
     py_spy: Annotated[str | None, typer.Option(help="py-spy binary: record each worker during --profile-batch")
                       ] = None,
     profile_batch: Annotated[int, typer.Option(help="which batch --py-spy records (0 = the first)")] = 1,
@@ -353,8 +356,11 @@ def e2e(
         _require_fixed_kv(engine_settings)
     model_path, model_name = _resolve_model(engine, model, random_llama8b, tokenizer_from)
     model_path = model_path or engine
-    variants = tuple(parse_variant(v) for v in lmdq_variant or ())
-    if interleave and any(name == "raw" for name, _ in variants):
+    try:
+        variants = tuple(parse_variant(v) for v in lmdq_variant or ())
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--lmdq-variant") from None
+    if interleave and any(v.name == "raw" for v in variants):
         raise typer.BadParameter("with --interleave no variant may be named 'raw' (the raw side's name)",
                                  param_hint="--lmdq-variant")
     cfg = E2EConfig(engine=engine, workload=workload, n=n, batches=batches, batch_size=batch_size, min_input=min_input,
@@ -374,14 +380,20 @@ def e2e(
         later = f"{v['ratio_later']:.3f}" if v.get("ratio_later") else "n/a"
         print(f"lmdq[{name}]: first batch {v['ratio_first']:.3f}, later batches {later}, all {v['ratio_all']:.3f} "
               f"(per batch {', '.join(f'{x:.3f}' for x in v['ratio_per_batch'])}); start to ready: raw "
-              f"{res['raw']['ready_s']} s, lmdq {v['lmdq']['ready_s']} s")
+              f"{res['raw']['ready_s']} s, lmdq {v['lmdq']['ready_s']} s; submit door: {v['submit']}")
         print(f"lmdq[{name}] from its first visible job (the queue's own clock): first batch "
               f"{v['ratio_first_from_visible']:.3f}, all {v['ratio_all_from_visible']:.3f}")
-    keep = ["model", "workload", "n", "batches", "ratio_first", "ratio_later", "ratio_all", "ratio_first_from_visible",
-            "ratio_all_from_visible", "raw_first_tok_s", "lmdq_first_tok_s", "raw_later_tok_s", "lmdq_later_tok_s"]
+    keep = ["model", "workload", "n", "batches", "submit", "ratio_first", "ratio_later", "ratio_all",
+            "ratio_first_from_visible", "ratio_all_from_visible", "raw_first_tok_s", "lmdq_first_tok_s",
+            "raw_later_tok_s", "lmdq_later_tok_s"]
     if interleave:
         keep.append("interleave")
-    _emit({k: res.get(k) for k in keep} | {"detail": res}, output)
+    # every lmdq side's door and ratios (the top-level keys above are the first side's)
+    sides = {name: {k: v.get(k) for k in ("submit", "ratio_first", "ratio_later", "ratio_all",
+                                          "ratio_first_from_visible", "ratio_all_from_visible")}
+             | {"first_visible_s": [b["first_visible_s"] for b in v["lmdq"]["batches"]]}
+             for name, v in res["variants"].items()}
+    _emit({k: res.get(k) for k in keep} | {"sides": sides, "detail": res}, output)
 
 
 @app.command()

@@ -25,10 +25,18 @@ vision-language model, e.g. ``python -m lmdq_bench.tiny_vlm OUT --width 1024 --d
 the images written as JPEG files beside the workload and named by absolute path: the raw ``pipe()`` gets the
 same messages (LMDeploy's VL path reads the files itself), the lmdq worker reads each file and hands LMDeploy
 a data: URL; ``ignore_eos`` with ``--chat-max-new-tokens`` each, so both sides decode the same tokens.
+
+Submit doors (a ``--lmdq-variant``'s bench key ``SUBMIT``, never passed to the worker): ``SUBMIT=cli`` (the
+default) starts the ``lmdq-producer submit`` process per batch described above, what a shell user waits for;
+``SUBMIT=python`` calls ``lmdq.Client(...).submit(...)`` in this driver process instead (the same file, model,
+job size, Redis and key prefix), what a user's running Python process does, like the raw side's ``pipe()``
+call: no interpreter start, and lmdq's client already imported. ``--lmdq-variant cli --lmdq-variant
+api:SUBMIT=python`` reports both doors side by side in one run; each side's batch records say ``submit``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -40,7 +48,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +61,8 @@ from lmdq_bench.gpu_monitor import GpuMonitor
 from lmdq_bench.occupancy import batch_occupancy, occupancy_events
 from lmdq_bench.proc_cpu import cpu_delta, tree_cpu
 
-__all__ = ["E2EConfig", "make_workload", "run_e2e", "run_interleaved", "summarize"]
+__all__ = ["SUBMIT_DOORS", "E2EConfig", "Variant", "make_workload", "parse_variant", "run_e2e", "run_interleaved",
+           "summarize"]
 
 _TOPICS = ["the ocean", "volcanoes", "the Roman empire", "photosynthesis", "black holes", "bees", "jazz",
            "the printing press", "glaciers", "the immune system", "chess", "electric cars", "coffee", "deserts",
@@ -63,6 +73,21 @@ _ASKS = ["Write a short story about {t}.", "Explain {t} to a ten-year-old.", "Li
          "Write a poem about {t}.", "What are the pros and cons of {t}?", "Describe the history of {t}.",
          "Give me three questions a teacher could ask about {t}, with answers.",
          "Write a product description inspired by {t}."]
+
+
+SUBMIT_DOORS = ("cli", "python")
+"""How an lmdq side submits each batch (a variant's ``SUBMIT``): an ``lmdq-producer submit`` process, or
+``lmdq.Client.submit`` called in the driver process."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One lmdq side (``--lmdq-variant``): its name, the extra ``LMDQ_*`` env its worker starts with, and its
+    submit door (a bench key: it never reaches the worker's env)."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    submit: str = "cli"
 
 
 @dataclass
@@ -80,9 +105,9 @@ class E2EConfig:
     raw_warmup: bool = True
     seed: int = 0
     timeout_s: float = 1200.0
-    #: lmdq sides to run against the one raw side, each with its own worker: (name, extra LMDQ_* env);
-    #: empty = one side named "default" with the worker's defaults
-    variants: tuple[tuple[str, dict[str, str]], ...] = ()
+    #: lmdq sides to run against the one raw side, each with its own worker (:class:`Variant`);
+    #: empty = one side named "default" with the worker's defaults and the CLI door
+    variants: tuple[Variant, ...] = ()
     #: a py-spy binary: record the worker (all threads, collapsed stacks) during batch ``profile_batch``
     py_spy: str | None = None
     profile_batch: int = 1
@@ -91,21 +116,32 @@ class E2EConfig:
     interleave: bool = False
 
 
-def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+def parse_variant(spec: str) -> Variant:
     """``NAME`` or ``NAME:K=V,K=V`` (``--lmdq-variant``): K is a worker setting's env name, with or without
     the ``LMDQ_`` prefix (``whole:STREAM_FROM_NEW_TOKENS=100000``); ``BATCH_SIZE`` (the producer's setting)
-    sets the side's requests per job instead of ``--batch-size``."""
+    sets the side's requests per job instead of ``--batch-size``. ``SUBMIT`` (no prefix: it is the bench's
+    key, not an lmdq setting, and is not passed to the worker) picks the side's submit door, ``cli`` (default)
+    or ``python`` (:data:`SUBMIT_DOORS`): ``api:SUBMIT=python``."""
     name, _, rest = spec.partition(":")
     env: dict[str, str] = {}
+    submit = "cli"
     for kv in filter(None, rest.split(",")):
         k, eq, v = kv.partition("=")
         if not eq or not k.strip():
             raise ValueError(f"--lmdq-variant {spec!r}: expected NAME:K=V[,K=V...]")
-        k = k.strip().upper()
-        env[k if k.startswith("LMDQ_") else f"LMDQ_{k}"] = v.strip()
+        k, v = k.strip().upper(), v.strip()
+        if k == "SUBMIT":
+            if v not in SUBMIT_DOORS:
+                raise ValueError(f"--lmdq-variant {spec!r}: SUBMIT: expected {' or '.join(SUBMIT_DOORS)}, got {v!r}")
+            submit = v
+            continue
+        if k == "LMDQ_SUBMIT":
+            raise ValueError(f"--lmdq-variant {spec!r}: the submit door is SUBMIT=... (the bench's key, no LMDQ_ "
+                             "prefix: no lmdq setting has that name)")
+        env[k if k.startswith("LMDQ_") else f"LMDQ_{k}"] = v
     if not name.strip():
         raise ValueError(f"--lmdq-variant {spec!r}: a name comes first")
-    return name.strip(), env
+    return Variant(name.strip(), env, submit)
 
 
 def make_workload(cfg: E2EConfig, model: str, path: Path) -> dict[str, Any]:
@@ -294,14 +330,14 @@ def run_interleaved(cfg: E2EConfig, model: str, workload: Path, engine_settings:
     every side in turn, one at a time: raw then the lmdq sides on even ``b``, the reverse on odd ``b``
     (no side always follows another). Returns (raw, lmdq sides, the order of each batch). Whatever fails
     (or Ctrl-C), the raw process and every worker are stopped before this returns or raises."""
-    variants = cfg.variants or (("default", {}),)
-    if any(name == "raw" for name, _ in variants):
+    variants = cfg.variants or (Variant("default"),)
+    if any(v.name == "raw" for v in variants):
         raise ValueError("--interleave: a --lmdq-variant cannot be named 'raw' (the raw side's name in the order)")
     # the raw process may wait for every worker's load and then every lmdq side's batch before each gate
     raw = _RawGated(cfg, model, workload, engine_settings, work, log,
                     gate_timeout_s=cfg.timeout_s * (len(variants) + 2))
-    sides = [_LmdqSide(cfg, model, workload, engine_settings, work, redis_url, log, name, env, i == 0)
-             for i, (name, env) in enumerate(variants)]
+    sides = [_LmdqSide(cfg, model, workload, engine_settings, work, redis_url, log, v.name, v.env, i == 0,
+                       submit=v.submit) for i, v in enumerate(variants)]
     order: list[list[str]] = []
     try:
         raw.start()
@@ -372,17 +408,47 @@ def _stuck(w: subprocess.Popen[bytes], end: float) -> str | None:
     return f"worker exit {w.poll()}" if w.poll() is not None or time.monotonic() > end else None
 
 
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside (restored after): ``lmdq.Client()`` reads its ``LMDQ_*`` settings
+    from the environment, and the python door's client must read the very env its side's CLI would get."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _proc_env_keys(pid: int) -> list[str] | None:
+    """The ``LMDQ_*`` names in process ``pid``'s environment as the kernel has it (Linux ``/proc``; None
+    elsewhere): which settings a side's worker really got, names only (a Redis URL may hold a password)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return sorted({kv.split(b"=", 1)[0].decode(errors="replace") for kv in raw.split(b"\0")
+                   if kv.startswith(b"LMDQ_")})
+
+
 class _LmdqSide:
     """One lmdq side: an lmdq-worker process (:meth:`start`, then :meth:`wait_ready`) and, per batch, one
-    lmdq-producer submit process (:meth:`run_batch`). A class rather than one loop so that ``--interleave``
+    submit (:meth:`run_batch`) through the side's door: an lmdq-producer submit process (``cli``), or
+    ``lmdq.Client.submit`` in this process (``python``). A class rather than one loop so that ``--interleave``
     can hold several sides and the raw process loaded at once and run their batches in turn. Every batch
     record has wall-clock ``start``/``end`` (and the side ``started_at``/``ready_at``): an interleaved run's
     order is checked by them, and the GPU monitor's windows are cut by them."""
 
     def __init__(self, cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
-                 redis_url: str, log: Any, name: str, extra_env: dict[str, str] | None, profiled: bool) -> None:
+                 redis_url: str, log: Any, name: str, extra_env: dict[str, str] | None, profiled: bool,
+                 submit: str = "cli") -> None:
+        if submit not in SUBMIT_DOORS:
+            raise ValueError(f"submit door: expected {' or '.join(SUBMIT_DOORS)}, got {submit!r}")
         self.cfg, self.workload, self.work, self.log = cfg, workload, work, log
-        self.name, self.extra_env, self.profiled = name, extra_env, profiled
+        self.name, self.extra_env, self.profiled, self.submit = name, extra_env, profiled, submit
+        self.client: Any = None  # the python door's lmdq.Client (made in start)
         self.port = _free_port()
         # each side its own key prefix (queues, results, registry): with --interleave every side's worker is up
         # while one side's batch runs, and on one shared queue the idle workers would take its jobs too
@@ -403,10 +469,21 @@ class _LmdqSide:
         self.started_at: float | None = None
         self.w: subprocess.Popen[bytes] | None = None
         self.wlog: Any = None
+        self.worker_env_keys: list[str] | None = None
 
     def start(self) -> None:
         self.t_start = time.monotonic()
         self.started_at = time.time()
+        if self.submit == "python":
+            # Imported here, once, never inside a batch's clock: a user's running process that submits through
+            # lmdq's Python API has imported it already (as the raw side's process has LMDeploy loaded). The
+            # Client is made once too, under this side's env (the Redis URL, key prefix and LMDQ_* settings the
+            # CLI door's process gets); it connects at its first submit and keeps that connection, like a
+            # user's client. Modules submit itself imports on first use are the first batch's to pay.
+            import lmdq
+
+            with _environ(self.env):
+                self.client = lmdq.Client()
         self.wlog = (self.work / self.log_name).open("wb")
         self.w = subprocess.Popen([sys.executable, "-m", "lmdq.worker"], env=self.env, stdout=self.wlog,
                                   stderr=subprocess.STDOUT)
@@ -414,6 +491,7 @@ class _LmdqSide:
     def wait_ready(self) -> None:
         assert self.w is not None
         _wait_ready(self.port, self.w, self.cfg.timeout_s)
+        self.worker_env_keys = _proc_env_keys(self.w.pid)  # what the running worker got (SUBMIT never)
         self.ready_at = time.time()
         self.ready_s = round(time.monotonic() - self.t_start, 2)
         self.log(f"lmdq[{self.name}]: worker ready in {self.ready_s} s (load + warm-up)")
@@ -425,14 +503,19 @@ class _LmdqSide:
         if self.profiled and b == cfg.profile_batch:
             spy, self.profile = _spy(cfg, w.pid, self.work, name, b)
         cpu0 = tree_cpu(w.pid)
-        t0 = time.time()
-        sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(self.workload), "--model", "bench",
-                              "--batch-size", str(self.job_size)], env=self.env, capture_output=True,
-                             timeout=cfg.timeout_s)
-        t_sub = time.time()
-        if sub.returncode != 0:
-            raise RuntimeError(f"submit exited {sub.returncode}: {sub.stderr.decode()[-2000:]}")
-        bid = sub.stdout.decode().strip().splitlines()[-1]
+        if self.client is not None:  # the python door: t0 right before the call, as before the process below
+            t0 = time.time()
+            bid = str(self.client.submit(self.workload, model="bench", batch_size=self.job_size).id)
+            t_sub = time.time()  # the call returned (the CLI door: the process exited)
+        else:
+            t0 = time.time()
+            sub = subprocess.run([sys.executable, "-m", "lmdq.producer", "submit", str(self.workload), "--model",
+                                  "bench", "--batch-size", str(self.job_size)], env=self.env, capture_output=True,
+                                 timeout=cfg.timeout_s)
+            t_sub = time.time()
+            if sub.returncode != 0:
+                raise RuntimeError(f"submit exited {sub.returncode}: {sub.stderr.decode()[-2000:]}")
+            bid = sub.stdout.decode().strip().splitlines()[-1]
         end = time.monotonic() + cfg.timeout_s
         batch = wait_terminal(self.store, bid, poll_s=0.05, stuck=functools.partial(_stuck, w, end))
         t_end = time.time()  # the driver saw the batch terminal: only now may another side start
@@ -445,13 +528,15 @@ class _LmdqSide:
         rec = {"batch": b, "s": round(secs, 3), "tokens": toks, "tok_s": round(toks / secs, 1),
                "results": len(rows), "not_completed": not_done,
                "first_visible_s": round((batch.queued_at or t0) - t0, 3),
-               "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid, "job_size": batch.batch_size,
+               "submit": self.submit, "submit_exit_s": round(t_sub - t0, 3), "batch_id": bid,
+               "job_size": batch.batch_size,
                "worker_cpu_s": cpu["main"], "engine_cpu_s": cpu["children"], "start": t0, "end": t_end,
                "workers": sorted({r.worker for r in rows if r.worker}),  # this side's one worker, nobody else
                **timeline(rows, t0)}
         self.batches.append(rec)
+        returned = "submit exited" if self.submit == "cli" else "Client.submit returned"
         self.log(f"lmdq[{name}] batch {b}: {toks:,} tokens in {secs:.2f} s = {toks / secs:,.0f} tok/s (jobs visible "
-                 f"after {rec['first_visible_s']:.2f} s, submit exited after {t_sub - t0:.2f} s; CPU s: worker "
+                 f"after {rec['first_visible_s']:.2f} s, {returned} after {t_sub - t0:.2f} s; CPU s: worker "
                  f"{cpu['main']}, engine processes {cpu['children']}; requests held: min {rec.get('held_min')}, "
                  f"mean {rec.get('held_mean')}; 99 % done after {rec.get('finished_p99_s')} s)")
         return rec
@@ -473,7 +558,8 @@ class _LmdqSide:
         assert self.w is not None
         lines = [ln for ln in (self.work / self.log_name).read_text(errors="replace").splitlines() if ln.strip()]
         non_json = [ln for ln in lines if not _json_object(ln)]
-        out = {"name": self.name, "env": self.extra_env or {}, "ready_s": self.ready_s, "batches": self.batches,
+        out = {"name": self.name, "env": self.extra_env or {}, "submit": self.submit,
+               "worker_env_keys": self.worker_env_keys, "ready_s": self.ready_s, "batches": self.batches,
                "log_name": self.log_name,
                "worker_exit": self.w.returncode, "worker_log_lines": len(lines),
                "worker_log_non_json": len(non_json), "worker_log_non_json_sample": non_json[:3],
@@ -484,11 +570,13 @@ class _LmdqSide:
 
 def run_lmdq(cfg: E2EConfig, model: str, workload: Path, engine_settings: dict[str, Any], work: Path,
              redis_url: str, log: Any, name: str = "default", extra_env: dict[str, str] | None = None,
-             profiled: bool = True) -> dict[str, Any]:
-    """One lmdq-worker process (ready first), then per batch one lmdq-producer submit process. ``name`` and
-    ``extra_env``: one of several lmdq sides (``E2EConfig.variants``), its worker started with that env;
-    ``profiled``: py-spy records this side (``E2EConfig.py_spy``: the first side only)."""
-    side = _LmdqSide(cfg, model, workload, engine_settings, work, redis_url, log, name, extra_env, profiled)
+             profiled: bool = True, submit: str = "cli") -> dict[str, Any]:
+    """One lmdq-worker process (ready first), then per batch one submit through the ``submit`` door (an
+    lmdq-producer submit process, or ``lmdq.Client.submit`` here). ``name`` and ``extra_env``: one of several
+    lmdq sides (``E2EConfig.variants``), its worker started with that env; ``profiled``: py-spy records this
+    side (``E2EConfig.py_spy``: the first side only)."""
+    side = _LmdqSide(cfg, model, workload, engine_settings, work, redis_url, log, name, extra_env, profiled,
+                     submit=submit)
     side.start()
     try:
         side.wait_ready()
@@ -583,13 +671,14 @@ def run_e2e(cfg: E2EConfig, *, model: str, engine_settings: dict[str, Any], redi
                 extra = {"interleave": True, "order": order}
             else:
                 raw = run_raw(cfg, model, workload, engine_settings, wd, log)
-                sides = [run_lmdq(cfg, model, workload, engine_settings, wd, redis_url, log, name=name,
-                                  extra_env=env, profiled=i == 0)
-                         for i, (name, env) in enumerate(cfg.variants or (("default", {}),))]
+                sides = [run_lmdq(cfg, model, workload, engine_settings, wd, redis_url, log, name=v.name,
+                                  extra_env=v.env, profiled=i == 0, submit=v.submit)
+                         for i, v in enumerate(cfg.variants or (Variant("default"),))]
         if mon.enabled:
             _gpu_windows(mon, [("raw", raw), *((s["name"], s) for s in sides)], log)
         _occupancy_windows(wd, raw, sides, log)
-    lmdq = sides[0]
+    lmdq = sides[0]  # the top-level keys (lmdq, ratio_*) are the first side's, as before several doors
     return {**info, "batches": cfg.batches, "batch_size": cfg.batch_size, "raw": raw, "lmdq": lmdq,
-            **summarize(raw, lmdq),
-            "variants": {s["name"]: {"env": s["env"], **summarize(raw, s), "lmdq": s} for s in sides}, **extra}
+            "submit": lmdq["submit"], **summarize(raw, lmdq),
+            "variants": {s["name"]: {"env": s["env"], "submit": s["submit"], **summarize(raw, s), "lmdq": s}
+                         for s in sides}, **extra}

@@ -170,3 +170,65 @@ def test_timeline_counts_the_requests_held_and_when_results_finished() -> None:
     # area: 10 held x 4 s + 5 held x 2 s + 0 x 0.5 s + 10 held x 3.5 s = 85 over 10 s
     assert t["held_mean"] == 8.5
     assert timeline([], t0=0.0) == {}
+
+
+def test_e2e_runs_a_cli_door_side_and_a_python_door_side_in_one_run(tmp_path: Path, env: dict[str, str]) -> None:
+    """Two lmdq sides against one raw side: ``cli`` submits each batch with an lmdq-producer submit process,
+    ``api:SUBMIT=python,SIM_MAX_BATCH=4`` with ``lmdq.Client.submit`` in the bench's own process. Every
+    request of every batch completes on both; each record names its door; SUBMIT is the bench's key, so it
+    is absent from the api worker's environment as the kernel has it, while that variant's real setting
+    (SIM_MAX_BATCH) reached it (the worker's own "worker started" capacity says 4)."""
+    p = run_cli("lmdq_bench", "e2e", "--engine", "sim", "--sim-step-ms", "1", "--workload", "image", "--n", "64",
+                "--batches", "2", "--batch-size", "16", "--chat-max-new-tokens", "8", "--lmdq-variant", "cli",
+                "--lmdq-variant", "api:SUBMIT=python,SIM_MAX_BATCH=4", "--workdir", str(tmp_path / "w"),
+                "-o", str(tmp_path / "e2e.json"), env=env, timeout=600)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    res = json.loads((tmp_path / "e2e.json").read_text())
+    d = res["detail"]
+    v = d["variants"]
+    assert list(v) == ["cli", "api"]
+    assert (v["cli"]["submit"], v["api"]["submit"]) == ("cli", "python")
+    for name, door in (("cli", "cli"), ("api", "python")):
+        side = v[name]["lmdq"]
+        assert side["submit"] == door and side["worker_exit"] == 0
+        assert [b["batch"] for b in side["batches"]] == [0, 1]
+        assert all(b["results"] == 64 and b["not_completed"] == 0 and b["tokens"] == 64 * 8
+                   for b in side["batches"]), side["batches"]
+        assert all(b["submit"] == door and b["job_size"] == 16 for b in side["batches"]), side["batches"]
+        # the call (or the process) returned once the batch was staged: its jobs were visible by then
+        assert all(0 <= b["first_visible_s"] <= b["submit_exit_s"] for b in side["batches"]), side["batches"]
+        # the JSON line's per-side summary: the same ratios as the detail
+        assert res["sides"][name]["submit"] == door and res["sides"][name]["ratio_all"] == v[name]["ratio_all"]
+    # the top-level keys stay the FIRST side's (existing consumers read them)
+    assert d["lmdq"]["name"] == "cli" and res["submit"] == "cli" and res["ratio_all"] == v["cli"]["ratio_all"]
+    # SUBMIT never reached the worker; the variant's real setting did (read from /proc while it ran)
+    api_env = v["api"]["lmdq"]["worker_env_keys"]
+    assert v["api"]["env"] == {"LMDQ_SIM_MAX_BATCH": "4"}
+    assert "LMDQ_SIM_MAX_BATCH" in api_env and "LMDQ_KEY_PREFIX" in api_env, api_env
+    assert not [k for k in api_env if "SUBMIT" in k], api_env
+    assert "LMDQ_SIM_MAX_BATCH" not in v["cli"]["lmdq"]["worker_env_keys"]
+    started = [json.loads(ln) for ln in (tmp_path / "w" / "worker_api.log").read_text().splitlines()
+               if '"worker started"' in ln]
+    assert started and started[0]["capacity"] == 4, started
+    out = p.stdout.decode()
+    assert "lmdq[cli]: first batch" in out and "submit door: cli" in out and "submit door: python" in out
+    assert "Client.submit returned after" in p.stderr.decode()
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ("api:SUBMIT=python", ("api", {}, "python")),
+    ("cli", ("cli", {}, "cli")),
+    ("x:submit=cli,stream_from_new_tokens=9", ("x", {"LMDQ_STREAM_FROM_NEW_TOKENS": "9"}, "cli")),
+    ("x:SUBMIT=rest", "SUBMIT: expected cli or python, got 'rest'"),
+    ("x:LMDQ_SUBMIT=python", "the submit door is SUBMIT=..."),
+])
+def test_a_variants_submit_key_picks_the_door_and_stays_out_of_the_workers_env(
+        spec: str, expected: tuple[str, dict[str, str], str] | str) -> None:
+    from lmdq_bench.e2e import parse_variant
+
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            parse_variant(spec)
+        return
+    v = parse_variant(spec)
+    assert (v.name, v.env, v.submit) == expected
