@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from functools import cache
 from pathlib import Path
@@ -168,6 +169,30 @@ def _request_options(fn: F) -> F:
     return model_options(GENERATION_FLAGS, into="generation")(model_options(GROUPING_FLAGS, into="grouping")(fn))
 
 
+def _submit_bars(stack: ExitStack) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """Submit's two transient bars on a terminal (lines validated, jobs staged), entered on ``stack``."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(),
+                                        TextColumn("{task.completed:,}"), TimeElapsedColumn(),
+                                        console=_err(), transient=True))
+    t1 = prog.add_task("validating lines", total=None)
+    t2 = prog.add_task("staging jobs", total=None, visible=False)
+    validated = [0]
+
+    def vprog(n: int) -> None:
+        validated[0] = n
+        if n % 5000 == 0:
+            prog.update(t1, completed=n)
+
+    def eprog(n: int) -> None:
+        # validation is over once staging starts: its count is the file's, not the last multiple of 5,000
+        prog.update(t1, completed=validated[0])
+        prog.update(t2, completed=n, visible=True)
+
+    return vprog, eprog
+
+
 @app.command()
 @_request_options
 @model_options(SUBMIT_FLAGS, into="batch_options")
@@ -218,44 +243,21 @@ def submit(
     elif plan:
         _err().print("--plan: not for stdin (it is read once); plan a file with lmdq-producer plan", markup=False)
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     show = sys.stderr.isatty() and not as_json
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:,}"),
-        TimeElapsedColumn(),
-        console=_err(),
-        disable=not show,
-        transient=True,
-    ) as prog:
-        t1 = prog.add_task("validating lines", total=None)
-        t2 = prog.add_task("staging jobs", total=None, visible=False)
-
-        validated = [0]
-
-        def vprog(n: int) -> None:
-            validated[0] = n
-            if n % 5000 == 0:
-                prog.update(t1, completed=n)
-
-        def eprog(n: int) -> None:
-            # validation is over once staging starts: its count is the file's, not the last multiple of 5,000
-            prog.update(t1, completed=validated[0])
-            prog.update(t2, completed=n, visible=True)
-
-        with ExitStack() as stack:
-            path = stack.enter_context(spooled_stdin()) if is_stdin(file) else file
-            batch = _lmdq().submit(
-                path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
-                prompt_column=prompt_column, messages_column=messages_column,
-                id_column=id_column, model_column=model_column, params_columns=params_column or None,
-                template=template, endpoint=_endpoint(endpoint), image_column=image_column, image_dir=image_dir,
-                spell=cli_spell,
-                validate_progress=vprog if show else None, enqueue_progress=eprog if show else None,
-                **generation, **grouping, **batch_options,
-            )
+    with ExitStack() as stack:
+        vprog: Callable[[int], None] | None = None
+        eprog: Callable[[int], None] | None = None
+        if show:  # rich is imported only where a bar is drawn: a piped or scripted submit starts sooner
+            vprog, eprog = _submit_bars(stack)
+        path = stack.enter_context(spooled_stdin()) if is_stdin(file) else file
+        batch = _lmdq().submit(
+            path, input_name="-" if is_stdin(file) else None, model=model, format=fmt,
+            prompt_column=prompt_column, messages_column=messages_column,
+            id_column=id_column, model_column=model_column, params_columns=params_column or None,
+            template=template, endpoint=_endpoint(endpoint), image_column=image_column, image_dir=image_dir,
+            spell=cli_spell, validate_progress=vprog, enqueue_progress=eprog,
+            **generation, **grouping, **batch_options,
+        )
     _print_submitted(batch.last_info, batch.created, as_json)
 
 

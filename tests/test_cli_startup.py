@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
@@ -74,3 +75,16 @@ def test_status_imports_the_client_and_nothing_else_heavy(redis_url: str, prefix
     assert p.stdout.startswith(f"{bid}  queued  model=sim  total=3"), p.stdout
     assert "redis" in modules and "lmdq.client.client" in modules  # it did talk to Redis, through the client
     assert hits(modules, NEVER) == [], f"status imported {hits(modules, NEVER)}"
+
+
+def test_a_piped_submit_imports_no_rich(env: dict[str, str], tmp_path: Path) -> None:
+    """A scripted submit (stderr not a terminal: no bar to draw) never imports rich: its start is the time
+    before the first job is visible (issue 48's image e2e, issue 49); on a terminal the bars still draw
+    (tests/test_cli_terminal.py::test_submit_on_a_terminal_draws_its_bars_and_a_pipe_gets_none)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "b", "prompt": "y"}\n')
+    p, modules = run_importtime("-m", "lmdq.producer", "submit", str(f), "--model", "sim", "--allow-unknown-model",
+                                env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().startswith("batch_") and "lmdq.client.client" in modules
+    assert hits(modules, ("rich",)) == [], f"submit imported {hits(modules, ('rich',))}"

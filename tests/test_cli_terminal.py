@@ -235,3 +235,45 @@ def test_status_on_an_80_column_terminal_wraps_and_on_a_pipe_stays_one_line(env:
     shown = [ln.rstrip("\r") for ln in out.decode().split("\n") if ln.strip()]
     assert len(shown) > 1 and all(len(ln) <= 80 for ln in shown), shown
     assert " ".join(ln.strip() for ln in shown).split() == piped[0].split()
+
+
+def _on_a_terminal(args: list[str], env: dict[str, str]) -> tuple[int, bytes]:
+    """Run the CLI with stdin, stdout and stderr on one pseudo-terminal; its exit code and all it wrote."""
+    import os
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "lmdq.producer", *args], env=env, cwd=ROOT,
+                         stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    out = b""
+    try:
+        while p.poll() is None or select.select([leader], [], [], 0.2)[0]:
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.close(leader)
+    return p.wait(60), out
+
+
+def test_submit_on_a_terminal_draws_its_bars_and_a_pipe_gets_none(env: dict[str, str], tmp_path: Path) -> None:
+    """submit draws its validating/staging bars only on a terminal (rich is imported only then: a piped
+    submit starts sooner, tests/test_cli_startup.py); through pipes stderr stays free of control codes."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(f'{{"custom_id": "r{i}", "prompt": "x{i}"}}\n' for i in range(50)))
+    args = ["submit", str(f), "--model", "sim", "--allow-unknown-model"]
+    rc, out = _on_a_terminal(args, _cols(env, 80))
+    assert rc == 0, out.decode(errors="replace")
+    shown = out.decode(errors="replace")
+    assert "validating lines" in shown and CONTROL.search(shown), shown
+    assert re.search(r"batch_[0-9a-f]{24}", shown), shown
+    piped = run_cli("lmdq.producer", *args, env=env)
+    assert piped.returncode == 0, piped.stderr.decode()
+    assert "validating" not in piped.stderr.decode() and not CONTROL.search(piped.stderr.decode())
