@@ -32,7 +32,7 @@ from typing import Any
 
 import structlog
 
-from lmdq.contract import Endpoint, ErrorCode, FinishReason
+from lmdq.contract import Endpoint, ErrorCode, FinishReason, GenerationParams
 from lmdq.guided import to_lmdeploy
 from lmdq.worker.engine_config import LMDeployConfig
 from lmdq.worker.engines import orphan_guard
@@ -314,6 +314,56 @@ def pil_image_processor(pipe: Any, model_path: str) -> bool:
     return True
 
 
+#: Image sides (pixels) the warm-up of a vision-language model sends: its processor resizes them, and a
+#: dynamic-resolution model (Qwen2-VL, InternVL tiles) meets several vision shapes
+WARMUP_IMAGE_SIDES = (224, 336, 448, 640)
+
+
+def warmup_requests(n: int, session_len: int, *, vision: bool) -> list[EngineRequest]:
+    """The ``n`` requests of :meth:`LMDeployEngine.warm_up`: prompts of 8 to 2,048 tokens, chat and raw,
+    8 to 36 new tokens; with ``vision`` every fourth is a chat question about a JPEG (a ``data:`` URL, as
+    the worker hands images over: worker/images.py).
+
+    Why images: the first image batch of a fresh VLM engine paid what its text warm-up never met -- the
+    vision tower's kernels, the image processor and LMDeploy's image-token path -- and ran ~10 % slower
+    than the next (H200, session 23: raw 6.72 s then 6.05, 5.86 s for 512 images; the lmdq side likewise).
+    The raw side of ``lmdq-bench e2e`` runs this warm-up too, so both sides start warm."""
+
+    lengths = [min(x, max(8, session_len - 64)) for x in (8, 32, 128, 512, 2048)]
+    reqs = []
+    for i in range(n):
+        words = " ".join(f"w{(i * 31 + j) % 997}" for j in range(lengths[i % len(lengths)] // 2))
+        params = GenerationParams(max_new_tokens=8 + (i % 8) * 4, ignore_eos=True)
+        if vision and i % 4 == 3:
+            side = WARMUP_IMAGE_SIDES[(i // 4) % len(WARMUP_IMAGE_SIDES)]
+            content = [{"type": "image_url", "image_url": {"url": _warmup_jpeg(side, i)}},
+                       {"type": "text", "text": "Describe this picture. " + words[:200]}]
+            reqs.append(EngineRequest(index=i, messages=[{"role": "user", "content": content}],
+                                      endpoint=Endpoint.chat, params=params))
+        elif i % 2:
+            reqs.append(EngineRequest(index=i, messages=[{"role": "user", "content": words}],
+                                      endpoint=Endpoint.chat, params=params))
+        else:
+            reqs.append(EngineRequest(index=i, prompt=words, endpoint=Endpoint.completion, params=params))
+    return reqs
+
+
+def _warmup_jpeg(side: int, seed: int) -> str:
+    """A ``side`` x ``side`` JPEG of coloured blocks as a ``data:`` URL (PIL: LMDeploy's VL path needs it)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", (side, side), ((seed * 67) % 256, (seed * 131) % 256, (seed * 29) % 256))
+    for k in range(4):
+        x = (seed * 17 + k * 53) % max(1, side - 32)
+        img.paste(((k * 80) % 256, (seed + k * 40) % 256, 200), (x, x, x + 32, x + 32))
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 EMBEDDING_UNSUPPORTED = ("LMDeploy 0.18 computes no embeddings (its own server answers /v1/embeddings with "
                          "'Unsupported by turbomind.', and its pipeline has no pooling call): serve the embedding "
                          "model on a transformers worker (lmdq-worker --engine transformers --model DIR)")
@@ -503,24 +553,14 @@ class LMDeployEngine:
         compile, the detokenizer and the per-request Python paths of this adapter. So the warm-up meets
         what the scheduler will: prompts of 8 to 2,048 tokens (chunked prefill past
         ``max_prefill_token_num``), chat and raw, many requests in one call so decoding steps run at every
-        batch size from ``warmup_requests`` down to 1 as they finish at different lengths (8-36 tokens).
+        batch size from ``warmup_requests`` down to 1 as they finish at different lengths (8-36 tokens);
+        on a vision-language model a quarter of them carry an image too (:func:`warmup_requests`).
         Returns what it cost (logged by the worker, in ``docs/performance.md``)."""
         n = int(self.config.warmup_requests)
         if n <= 0:
             return {"warmup_requests": 0}
-        from lmdq.contract import Endpoint, GenerationParams
-
         session_len = int(getattr(self.pipe.backend_config, "session_len", None) or 4096)
-        lengths = [min(x, max(8, session_len - 64)) for x in (8, 32, 128, 512, 2048)]
-        reqs = []
-        for i in range(n):
-            words = " ".join(f"w{(i * 31 + j) % 997}" for j in range(lengths[i % len(lengths)] // 2))
-            params = GenerationParams(max_new_tokens=8 + (i % 8) * 4, ignore_eos=True)
-            if i % 2:
-                reqs.append(EngineRequest(index=i, messages=[{"role": "user", "content": words}],
-                                          endpoint=Endpoint.chat, params=params))
-            else:
-                reqs.append(EngineRequest(index=i, prompt=words, endpoint=Endpoint.completion, params=params))
+        reqs = warmup_requests(n, session_len, vision=self.vision)
         t0 = time.monotonic()
         tokens = finished = 0
         for ev in self.stream(reqs, threading.Event()):
