@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import redis
 
-from lmdq.redis.keys import Keys, rq_queue_key
+from lmdq.redis.keys import Keys
 from lmdq.redis.scripts import Fragment, LuaScript
 
 __all__ = ["IDLE_PEERS", "IdleRoster"]
-
-
 
 
 class IdleRoster:
@@ -36,7 +34,6 @@ class IdleRoster:
         self.name = name
         self.ttl_s = max(1.0, ttl_s)
         self._enter = IDLE_ENTER.bind(client)
-        self._look = IDLE_LOOK.bind(client)
         #: when (monotonic, this process) the entry was last written; None: not in the roster
         self.entered_at: float | None = None
 
@@ -54,11 +51,6 @@ class IdleRoster:
             return
         self.entered_at = None
         self.client.zrem(self.key, self.name)
-
-    def look(self, queues: list[str]) -> tuple[int, int]:
-        """(other workers of the model idle now, jobs visible on ``queues``), one round trip."""
-        idle, visible = self._look(keys=[self.key, *(rq_queue_key(q) for q in queues)], args=[self.name])
-        return max(0, int(idle)), max(0, int(visible))
 
 
 # ==== Lua: this module's scripts (composed and run by lmdq.redis.scripts.LuaScript) ====
@@ -82,13 +74,5 @@ local function lmdq_idle_peers(roster, member)
 end
 """)
 """Lua: ``lmdq_idle_peers(roster, member)``: the workers in ``roster`` whose entry has not expired on the
-server's clock, ``member`` itself not counted. The one reading of the roster: :data:`IDLE_LOOK` and the
-claim script's fair share (:data:`lmdq.jobs.leases.CLAIM`) both use it."""
-
-# KEYS: roster, queue1..n.  ARGV: worker.  Read-only: {other idle workers, visible jobs}.
-IDLE_LOOK = LuaScript("idle_look", """
-local idle = lmdq_idle_peers(KEYS[1], ARGV[1])
-local visible = 0
-for i = 2, #KEYS do visible = visible + redis.call('LLEN', KEYS[i]) end
-return {idle, visible}
-""", uses=(IDLE_PEERS,))
+server's clock, ``member`` itself not counted. The one reading of the roster: the claim script's fair share
+(:data:`lmdq.jobs.leases.CLAIM`) uses it."""

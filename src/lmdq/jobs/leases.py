@@ -154,8 +154,8 @@ redis.call('LREM', inflight, 1, ARGV[1])
 # Returns the share it aimed for, then per job: id, queue, run number, charged attempts so far, engine crashes
 # so far, killer index. With a member, the max is first cut to the FAIR SHARE while other workers of the model
 # are idle: lmdq.worker.admission.fair_share's rule (tests/test_fair_share.py runs both on the same cases),
-# over IDLE_LOOK's counts (lmdq.jobs.idle_roster), in this call: issue 49, the look was a round trip and a
-# script call of its own before every claim.
+# over the idle roster's count (IDLE_PEERS, lmdq.jobs.idle_roster), in this call: issue 49, that look was a
+# round trip and a script call of its own before every claim.
 CLAIM = LuaScript("claim", """
 local out = {}
 local want = tonumber(ARGV[3])
