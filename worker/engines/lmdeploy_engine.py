@@ -350,10 +350,11 @@ def warmup_requests(n: int, session_len: int, *, vision: bool) -> list[EngineReq
 
 def _warmup_jpeg(side: int, seed: int) -> str:
     """A ``side`` x ``side`` JPEG of coloured blocks as a ``data:`` URL (PIL: LMDeploy's VL path needs it)."""
-    import base64
     import io
 
     from PIL import Image
+
+    from lmdq.images.refs import data_url
 
     img = Image.new("RGB", (side, side), ((seed * 67) % 256, (seed * 131) % 256, (seed * 29) % 256))
     for k in range(4):
@@ -361,7 +362,7 @@ def _warmup_jpeg(side: int, seed: int) -> str:
         img.paste(((k * 80) % 256, (seed + k * 40) % 256, 200), (x, x, x + 32, x + 32))
     buf = io.BytesIO()
     img.save(buf, "JPEG", quality=85)
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+    return data_url(buf.getvalue(), "image/jpeg")
 
 
 EMBEDDING_UNSUPPORTED = ("LMDeploy 0.18 computes no embeddings (its own server answers /v1/embeddings with "
