@@ -121,10 +121,8 @@ class PrefixKeys:
         index = len(self.offsets)
         self.offsets.append(offset)
         self.line_nos.append(item.line_no)
-        if not self.group:
+        if not self.needs_key(item):
             return
-        if item.messages is None and (len(item.prompt or "") + 7) * 4 < self.lengths[0]:
-            return  # its prefix text (at most 7 characters more than the prompt) is too short for any key
         text = prefix_text(item, self.lengths[-1])
         if len(text) * 4 < self.lengths[0]:  # shorter than the shortest length even at 4 bytes a character
             return
@@ -150,8 +148,9 @@ class PrefixKeys:
         self.line_nos.extend(line_nos)
 
     def needs_key(self, item: ParsedLine) -> bool:
-        """Whether :meth:`add` may key ``item`` (else :meth:`add_unkeyed` records it as :meth:`add` would)."""
-        return self.group and not (item.messages is None and (len(item.prompt or "") + 7) * 4 < self.lengths[0])
+        """Whether :meth:`add` may key ``item`` (else :meth:`add_unkeyed` records it as :meth:`add` would): a
+        raw prompt's prefix text is at most 7 characters more than the prompt, so a short one gets no key."""
+        return self.group if item.messages is not None else not self.unkeyed(len(item.prompt or "") + 7)
 
     def unkeyed(self, chars: int) -> bool:
         """Whether a request whose prefix text is at most ``chars`` characters gets no key (:meth:`add`)."""
