@@ -534,10 +534,6 @@ class _SamplingTally:
         self.count = {Sampling.implied: 0, Sampling.inert: 0}
         self.first: dict[Sampling, int] = {}
 
-    def add(self, item: ParsedLine) -> None:
-        if item.sampling is not None:
-            self.note(item.sampling, item.line_no)
-
     def note(self, sampling: Sampling, line_no: int) -> None:
         self.count[sampling] += 1
         self.first.setdefault(sampling, line_no)
