@@ -11,16 +11,12 @@ import pytest
 from PIL import Image
 
 from lmdq.contract import Endpoint
+from lmdq.images.parts import image_urls
 from lmdq.worker.engines.lmdeploy_engine import WARMUP_IMAGE_SIDES, warmup_requests
 
 
 def _image_urls(messages: list[dict[str, object]] | None) -> list[str]:
-    urls = []
-    for m in messages or []:
-        content = m.get("content")
-        if isinstance(content, list):
-            urls += [p["image_url"]["url"] for p in content if p.get("type") == "image_url"]
-    return urls
+    return [url for _i, _j, url in image_urls(messages or [])]
 
 
 def test_a_text_model_warms_up_on_text_only() -> None:
